@@ -1,0 +1,55 @@
+"""Async Alembic environment; the database URL comes from queuekeeper's settings."""
+
+from __future__ import annotations
+
+import asyncio
+
+from alembic import context
+from sqlalchemy.engine import Connection
+
+from queuekeeper.config import Settings
+from queuekeeper.db import create_engine
+from queuekeeper.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _settings() -> Settings:
+    url = config.attributes.get("database_url")
+    return Settings(database_url=url) if url else Settings()
+
+
+def run_migrations_offline() -> None:
+    context.configure(
+        url=_settings().database_url,
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=True,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def _run(connection: Connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def run_migrations_online() -> None:
+    engine = create_engine(_settings())
+    async with engine.connect() as connection:
+        await connection.run_sync(_run)
+        await connection.commit()
+    await engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    asyncio.run(run_migrations_online())

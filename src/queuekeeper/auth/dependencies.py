@@ -1,0 +1,71 @@
+"""Who is calling: an agent (`Token`/`Bearer` API token) or the backend (service token)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import APIKeyHeader
+from sqlalchemy import select
+
+from queuekeeper.auth.tokens import is_service_token, token_digest
+from queuekeeper.errors import Forbidden, Unauthorized
+from queuekeeper.models import User
+from queuekeeper.state import SessionDep, StateDep
+
+# Declared as an API key header so /docs offers an "Authorize" box; parsed by hand
+# because agents send `Token <t>` (Waldur's scheme) and the backend `Bearer <t>`.
+authorization_header = APIKeyHeader(
+    name="Authorization",
+    auto_error=False,
+    description="Agents: `Token <api token>`. Backend and operators: `Bearer <service token>`.",
+)
+AuthorizationHeader = Annotated[str | None, Depends(authorization_header)]
+
+_CHALLENGE = {"WWW-Authenticate": "Token"}
+
+
+def _credentials(header: str | None) -> str:
+    if not header:
+        raise Unauthorized(
+            "Authentication credentials were not provided: send `Authorization: Token <token>`.",
+            headers=_CHALLENGE,
+        )
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() not in ("token", "bearer") or not token.strip():
+        raise Unauthorized(
+            "Malformed Authorization header: expected `Token <token>` or `Bearer <token>`.",
+            headers=_CHALLENGE,
+        )
+    return token.strip()
+
+
+async def current_user(
+    request: Request, header: AuthorizationHeader, session: SessionDep, state: StateDep
+) -> User:
+    token = _credentials(header)
+    user = await session.scalar(select(User).where(User.token_hash == token_digest(token)))
+    if user is None:
+        if is_service_token(token, state.settings.service_tokens):
+            raise Forbidden("A service token cannot act as an agent; use an agent's API token.")
+        raise Unauthorized("Invalid token.", headers=_CHALLENGE)
+    if not user.is_active:
+        raise Unauthorized("User is inactive.", headers=_CHALLENGE)
+    if user.token_expires_at is not None and user.token_expires_at <= datetime.now(UTC):
+        raise Unauthorized("Token has expired.", headers=_CHALLENGE)
+    request.state.user_uuid = user.uuid
+    return user
+
+
+async def service_caller(header: AuthorizationHeader, session: SessionDep, state: StateDep) -> None:
+    token = _credentials(header)
+    if is_service_token(token, state.settings.service_tokens):
+        return
+    if await session.scalar(select(User.uuid).where(User.token_hash == token_digest(token))):
+        raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
+    raise Unauthorized("Invalid service token.", headers={"WWW-Authenticate": "Bearer"})
+
+
+CurrentUser = Annotated[User, Depends(current_user)]
+ServiceCaller = Depends(service_caller)

@@ -1,0 +1,294 @@
+"""A thin, typed client for the RabbitMQ Management HTTP API.
+
+Errors keep the broker's own `reason` text, because that text is what tells an
+operator what happened ("inequivalent arg 'x-message-ttl' …", "vhost_not_found").
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import structlog
+
+from queuekeeper.broker.passwords import HASHING_ALGORITHM
+from queuekeeper.broker.topology import Permissions
+from queuekeeper.config import Settings
+
+log = structlog.get_logger(__name__)
+
+# Called after every call with (endpoint kind, status or "error", seconds); metrics hook in here.
+CallObserver = Callable[[str, str, float], None]
+
+
+class ManagementError(Exception):
+    """The Management API refused a call. `reason` is the broker's text."""
+
+    def __init__(
+        self, message: str, *, status: int | None = None, reason: str = "", path: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.path = path
+
+
+class BrokerUnavailable(ManagementError):
+    """Unreachable, timed out, 5xx, or our credentials were refused: retry later."""
+
+
+class ManagementNotFound(ManagementError):
+    @property
+    def vhost_not_found(self) -> bool:
+        return "vhost_not_found" in self.reason
+
+
+class ManagementBadRequest(ManagementError):
+    @property
+    def inequivalent(self) -> bool:
+        return "inequivalent arg" in self.reason
+
+
+def _q(name: str) -> str:
+    return quote(name, safe="")
+
+
+def _ssl_context(settings: Settings) -> ssl.SSLContext | bool:
+    if not settings.tls_verify:
+        return False
+    context = ssl.create_default_context(cafile=settings.tls_ca_file)
+    if settings.tls_cert_file:
+        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    return context
+
+
+class ManagementClient:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        observer: CallObserver | None = None,
+    ) -> None:
+        self._observer = observer
+        # retries=1 re-tries only a failed *connect*: nothing was sent, so it is safe for any call.
+        transport = transport or httpx.AsyncHTTPTransport(retries=1, verify=_ssl_context(settings))
+        self._client = httpx.AsyncClient(
+            base_url=settings.management_url.rstrip("/") + "/api",
+            auth=(settings.management_user, settings.management_password),
+            timeout=httpx.Timeout(settings.management_timeout),
+            transport=transport,
+            headers={"content-type": "application/json"},
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        kind: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+    ) -> httpx.Response:
+        # Every call we make is idempotent (GET/PUT/DELETE), so one retry on a
+        # timeout or 5xx cannot do anything twice that matters.
+        attempts = 2
+        for attempt in range(attempts):
+            started = time.perf_counter()
+            try:
+                response = await self._client.request(method, path, json=json, params=params)
+            except httpx.TransportError as exc:
+                self._observe(kind, "error", started)
+                if attempt + 1 < attempts:
+                    continue
+                raise BrokerUnavailable(
+                    f"RabbitMQ Management API unreachable ({type(exc).__name__}: {exc})",
+                    path=path,
+                ) from exc
+            self._observe(kind, str(response.status_code), started)
+            if response.status_code >= 500 and attempt + 1 < attempts:
+                continue
+            return self._check(response, path)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _observe(self, kind: str, status: str, started: float) -> None:
+        if self._observer is not None:
+            self._observer(kind, status, time.perf_counter() - started)
+
+    @staticmethod
+    def _check(response: httpx.Response, path: str) -> httpx.Response:
+        status = response.status_code
+        if status < 400:
+            return response
+        try:
+            body = response.json()
+            reason = str(body.get("reason") or body.get("error") or "")
+        except (ValueError, AttributeError):
+            reason = response.text[:500]
+        message = f"Management API answered {status} for {path}: {reason}"
+        if status == 404:
+            raise ManagementNotFound(message, status=status, reason=reason, path=path)
+        if status == 400:
+            raise ManagementBadRequest(message, status=status, reason=reason, path=path)
+        if status in (401, 403):
+            raise BrokerUnavailable(
+                f"Management API refused queuekeeper's credentials ({status}): {reason}",
+                status=status,
+                reason=reason,
+                path=path,
+            )
+        if status >= 500:
+            raise BrokerUnavailable(message, status=status, reason=reason, path=path)
+        raise ManagementError(message, status=status, reason=reason, path=path)
+
+    @staticmethod
+    def _json(response: httpx.Response, path: str) -> Any:
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise BrokerUnavailable(
+                f"Management API sent a body that is not JSON for {path}", path=path
+            ) from exc
+
+    async def _get_or_none(self, path: str, kind: str, **params: Any) -> dict[str, Any] | None:
+        try:
+            response = await self._request("GET", path, kind, params=params or None)
+        except ManagementNotFound:
+            return None
+        body = self._json(response, path)
+        if not isinstance(body, dict):
+            raise BrokerUnavailable(f"Management API sent an unexpected body for {path}", path=path)
+        return body
+
+    async def _delete(self, path: str, kind: str, **params: Any) -> bool:
+        try:
+            await self._request("DELETE", path, kind, params=params or None)
+        except ManagementNotFound:
+            return False
+        return True
+
+    # --- cluster -----------------------------------------------------------------------
+    async def overview(self) -> dict[str, Any]:
+        body = await self._get_or_none("/overview", "overview", columns="rabbitmq_version")
+        return body or {}
+
+    # --- vhosts ---------------------------------------------------------------------------
+    async def get_vhost(self, name: str) -> dict[str, Any] | None:
+        return await self._get_or_none(f"/vhosts/{_q(name)}", "vhost")
+
+    async def list_vhosts(self) -> list[dict[str, Any]]:
+        response = await self._request("GET", "/vhosts", "vhost", params={"columns": "name,tags"})
+        body = self._json(response, "/vhosts")
+        return list(body) if isinstance(body, list) else []
+
+    async def put_vhost(self, name: str, *, description: str, tags: list[str]) -> None:
+        await self._request(
+            "PUT",
+            f"/vhosts/{_q(name)}",
+            "vhost",
+            json={"description": description, "tags": ",".join(tags)},
+        )
+
+    async def delete_vhost(self, name: str) -> bool:
+        return await self._delete(f"/vhosts/{_q(name)}", "vhost")
+
+    # --- users and permissions ------------------------------------------------------
+    async def get_user(self, name: str) -> dict[str, Any] | None:
+        return await self._get_or_none(f"/users/{_q(name)}", "user")
+
+    async def list_users(self) -> list[dict[str, Any]]:
+        response = await self._request("GET", "/users", "user", params={"columns": "name,tags"})
+        body = self._json(response, "/users")
+        return list(body) if isinstance(body, list) else []
+
+    async def put_user(self, name: str, *, password_hash: str, tags: list[str]) -> None:
+        await self._request(
+            "PUT",
+            f"/users/{_q(name)}",
+            "user",
+            json={
+                "password_hash": password_hash,
+                "hashing_algorithm": HASHING_ALGORITHM,
+                "tags": ",".join(tags),
+            },
+        )
+
+    async def delete_user(self, name: str) -> bool:
+        return await self._delete(f"/users/{_q(name)}", "user")
+
+    async def get_permissions(self, vhost: str, user: str) -> dict[str, Any] | None:
+        return await self._get_or_none(f"/permissions/{_q(vhost)}/{_q(user)}", "permission")
+
+    async def put_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
+        await self._request(
+            "PUT",
+            f"/permissions/{_q(vhost)}/{_q(user)}",
+            "permission",
+            json=permissions.as_body(),
+        )
+
+    # --- queues ------------------------------------------------------------------------
+    async def put_queue(self, vhost: str, name: str, *, arguments: dict[str, Any]) -> bool:
+        """Declare a durable queue; True when it was created, False when it existed."""
+        response = await self._request(
+            "PUT",
+            f"/queues/{_q(vhost)}/{_q(name)}",
+            "queue",
+            json={"durable": True, "auto_delete": False, "arguments": arguments},
+        )
+        return response.status_code == 201
+
+    async def get_queue(
+        self, vhost: str, name: str, columns: str = "name,durable,auto_delete,arguments"
+    ) -> dict[str, Any] | None:
+        return await self._get_or_none(f"/queues/{_q(vhost)}/{_q(name)}", "queue", columns=columns)
+
+    async def delete_queue(
+        self, vhost: str, name: str, *, if_empty: bool = False, if_unused: bool = False
+    ) -> bool:
+        """True when deleted, False when it did not exist.
+
+        With `if_empty`/`if_unused` the broker checks atomically and answers 400
+        (raised as ManagementBadRequest) when the queue holds messages or consumers.
+        """
+        params: dict[str, Any] = {}
+        if if_empty:
+            params["if-empty"] = "true"
+        if if_unused:
+            params["if-unused"] = "true"
+        return await self._delete(f"/queues/{_q(vhost)}/{_q(name)}", "queue", **params)
+
+    async def list_queues_page(
+        self,
+        vhost: str,
+        *,
+        page: int,
+        page_size: int,
+        columns: str = "name,arguments,durable,auto_delete,messages,consumers",
+        name_prefix: str | None = None,
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "page": page,
+            "page_size": page_size,
+            "columns": columns,
+            "pagination": "true",
+        }
+        if name_prefix:
+            params["name"] = f"^{name_prefix}"
+            params["use_regex"] = "true"
+        path = f"/queues/{_q(vhost)}"
+        try:
+            response = await self._request("GET", path, "queue_list", params=params)
+        except ManagementNotFound:
+            return {"items": [], "page": page, "page_count": 0}
+        body = self._json(response, path)
+        if not isinstance(body, dict):
+            raise BrokerUnavailable(f"Management API sent an unexpected body for {path}", path=path)
+        return body

@@ -1,0 +1,242 @@
+"""Puts the topology of SPEC 3 on the broker, and takes it off again.
+
+Every `ensure_*` is idempotent and verifies what it asked for by reading it
+back: a 2xx from the Management API does not prove a queue has our arguments.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import structlog
+
+from queuekeeper.broker import topology
+from queuekeeper.broker.management import (
+    BrokerUnavailable,
+    ManagementBadRequest,
+    ManagementClient,
+    ManagementNotFound,
+)
+from queuekeeper.config import Settings
+
+log = structlog.get_logger(__name__)
+
+
+class QueueOutcome(enum.StrEnum):
+    CREATED = "created"
+    EXISTING = "existing"
+    REPAIRED = "repaired"
+
+
+class QueueConflict(Exception):
+    """A queue exists with other arguments and cannot be repaired without losing messages."""
+
+    def __init__(self, vhost: str, name: str, reason: str) -> None:
+        super().__init__(reason)
+        self.vhost = vhost
+        self.name = name
+        self.reason = reason
+
+
+class ForeignVhost(Exception):
+    """The vhost exists but is not tagged as this installation's: we never touch it."""
+
+    def __init__(self, vhost: str, tags: list[str]) -> None:
+        super().__init__(vhost)
+        self.vhost = vhost
+        self.tags = tags
+
+
+def _tags(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [tag for tag in value.split(",") if tag]
+    return [str(tag) for tag in value or []]
+
+
+class Provisioner:
+    def __init__(self, management: ManagementClient, settings: Settings) -> None:
+        self.management = management
+        self.settings = settings
+        self.queue_arguments = topology.queue_arguments(settings)
+        self.dlq_arguments = topology.dead_letter_queue_arguments(settings)
+
+    # --- vhosts ------------------------------------------------------------------------
+    def owns(self, vhost_info: dict[str, Any]) -> bool:
+        return self.settings.instance_tag in _tags(vhost_info.get("tags"))
+
+    async def ensure_vhost(self, vhost: str) -> bool:
+        """Vhost tagged as ours, our own users with full rights, the dead-letter queue.
+
+        Returns True when the vhost was created.
+        """
+        info = await self.management.get_vhost(vhost)
+        created = info is None
+        if info is None:
+            await self.management.put_vhost(
+                vhost,
+                description="queuekeeper: event queues of one user",
+                tags=[self.settings.instance_tag],
+            )
+            log.info("vhost_created", vhost=vhost)
+        elif not self.owns(info):
+            raise ForeignVhost(vhost, _tags(info.get("tags")))
+        for user in self.service_users():
+            await self.management.put_permissions(vhost, user, topology.SERVICE_PERMISSIONS)
+        await self.ensure_dead_letter_queue(vhost)
+        return created
+
+    def service_users(self) -> list[str]:
+        """The Management API user and the AMQP user (they may differ) both need full rights."""
+        users = {self.settings.management_user}
+        amqp_user = urlsplit(self.settings.amqp_url).username
+        if amqp_user:
+            users.add(unquote(amqp_user))
+        return sorted(users)
+
+    async def ensure_dead_letter_queue(self, vhost: str) -> None:
+        name = self.settings.dlq_name
+        try:
+            await self.management.put_queue(vhost, name, arguments=self.dlq_arguments)
+        except ManagementBadRequest as exc:
+            # A dead-letter queue with other bounds still holds messages worth
+            # keeping: report it, never delete it.
+            log.warning("dead_letter_queue_drifted", vhost=vhost, queue=name, reason=exc.reason)
+
+    async def delete_vhost(self, vhost: str) -> bool:
+        """Delete a vhost only if it carries our tag. Returns True when deleted."""
+        info = await self.management.get_vhost(vhost)
+        if info is None:
+            return False
+        if not self.owns(info):
+            log.warning("vhost_not_ours_left_alone", vhost=vhost, tags=info.get("tags"))
+            return False
+        deleted = await self.management.delete_vhost(vhost)
+        if deleted:
+            log.info("vhost_deleted", vhost=vhost)
+        return deleted
+
+    # --- subscription broker users ------------------------------------------------
+    async def ensure_subscription_user(
+        self, vhost: str, subscription_uuid: uuid.UUID, password_hash: str | None
+    ) -> None:
+        """The agent's STOMP login: password = its API token, read on its own queues only."""
+        name = topology.subscription_user_name(subscription_uuid)
+        await self.management.put_user(
+            # An empty hash means "no password login": used when the owner has no token.
+            name,
+            password_hash=password_hash or "",
+            tags=[self.settings.instance_tag],
+        )
+        await self.put_subscription_permissions(vhost, subscription_uuid)
+
+    async def put_subscription_permissions(self, vhost: str, subscription_uuid: uuid.UUID) -> None:
+        name = topology.subscription_user_name(subscription_uuid)
+        permissions = topology.subscription_permissions(subscription_uuid)
+        try:
+            await self.management.put_permissions(vhost, name, permissions)
+        except ManagementNotFound as exc:
+            if not exc.vhost_not_found:
+                raise
+            await self.ensure_vhost(vhost)
+            await self.management.put_permissions(vhost, name, permissions)
+
+    async def set_subscription_password(
+        self, subscription_uuid: uuid.UUID, password_hash: str | None
+    ) -> None:
+        await self.management.put_user(
+            topology.subscription_user_name(subscription_uuid),
+            password_hash=password_hash or "",
+            tags=[self.settings.instance_tag],
+        )
+
+    async def delete_subscription_user(self, subscription_uuid: uuid.UUID) -> bool:
+        return await self.management.delete_user(topology.subscription_user_name(subscription_uuid))
+
+    # --- queues ------------------------------------------------------------------------
+    async def ensure_queue(self, vhost: str, name: str) -> QueueOutcome:
+        """Declare a subscription queue with exactly our arguments.
+
+        A queue that exists with other arguments (the agent-subscribed-first race,
+        or changed settings) is deleted and re-created when the broker confirms it
+        is empty and unconsumed; otherwise QueueConflict.
+        """
+        try:
+            created = await self._put_queue(vhost, name)
+        except ManagementBadRequest as exc:
+            if not exc.inequivalent:
+                raise
+            return await self._repair(vhost, name, exc.reason)
+        differences = await self.queue_differences(vhost, name)
+        if differences:
+            return await self._repair(vhost, name, "; ".join(differences))
+        return QueueOutcome.CREATED if created else QueueOutcome.EXISTING
+
+    async def _put_queue(self, vhost: str, name: str) -> bool:
+        try:
+            return await self.management.put_queue(vhost, name, arguments=self.queue_arguments)
+        except ManagementNotFound as exc:
+            if not exc.vhost_not_found:
+                raise
+            await self.ensure_vhost(vhost)
+            return await self.management.put_queue(vhost, name, arguments=self.queue_arguments)
+
+    async def queue_differences(self, vhost: str, name: str) -> list[str]:
+        info = await self.management.get_queue(vhost, name)
+        if info is None:
+            # Deleted between our PUT and GET (a concurrent repair): the broker
+            # will hold a correct one once that repair finishes.
+            return ["queue vanished while being checked"]
+        differences = topology.argument_differences(
+            self.queue_arguments, dict(info.get("arguments") or {})
+        )
+        if info.get("durable") is not True:
+            differences.append("durable: expected True")
+        if info.get("auto_delete") is not False:
+            differences.append("auto_delete: expected False")
+        return differences
+
+    async def _repair(self, vhost: str, name: str, reason: str) -> QueueOutcome:
+        try:
+            await self.management.delete_queue(vhost, name, if_empty=True, if_unused=True)
+        except ManagementBadRequest as exc:
+            raise QueueConflict(
+                vhost,
+                name,
+                f"queue {name!r} in vhost {vhost!r} exists with other arguments ({reason}) "
+                f"and cannot be re-created safely: {exc.reason}",
+            ) from exc
+        await self._put_queue(vhost, name)
+        differences = await self.queue_differences(vhost, name)
+        if differences:
+            raise QueueConflict(vhost, name, "; ".join(differences))
+        log.warning(
+            "queue_repaired",
+            vhost=vhost,
+            queue=name,
+            reason=reason,
+            detail="queue existed with other arguments while empty and unconsumed; re-created",
+        )
+        return QueueOutcome.REPAIRED
+
+    async def delete_queue(self, vhost: str, name: str) -> bool:
+        return await self.management.delete_queue(vhost, name)
+
+
+async def best_effort(action: str, coro: Any, **context: Any) -> bool:
+    """Run a broker clean-up step; log a failure instead of raising it.
+
+    Deletions in the database must not wait on the broker (SPEC 7): whatever is
+    left on the broker is removed by the next reconcile.
+    """
+    try:
+        await coro
+    except (BrokerUnavailable, ManagementNotFound, ManagementBadRequest) as exc:
+        log.warning("broker_cleanup_failed", action=action, error=str(exc), **context)
+        return False
+    except Exception as exc:  # a clean-up step never turns a deletion into a 500
+        log.error("broker_cleanup_failed", action=action, error=repr(exc), **context)
+        return False
+    return True

@@ -1,0 +1,92 @@
+"""Where every broker name and every queue argument comes from. Nothing else builds them."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from queuekeeper.config import Settings
+
+SUBSCRIPTION_QUEUE_PREFIX = "subscription_"
+QUEUE_NAME_RE = re.compile(
+    r"^subscription_(?P<subscription>[0-9a-f]{32})_offering_(?P<offering>[0-9a-f]{32})_(?P<object_type>[a-z_]+)$"
+)
+# Permissions are regexes matched against the whole name, so anchor both ends.
+NOTHING = "^$"
+EVERYTHING = ".*"
+
+
+def vhost_name(owner_uuid: uuid.UUID) -> str:
+    """One vhost per user: the agent connects with `host = <user uuid hex>`."""
+    return owner_uuid.hex
+
+
+def subscription_user_name(subscription_uuid: uuid.UUID) -> str:
+    """The agent logs in to STOMP with `login = <subscription uuid hex>`."""
+    return subscription_uuid.hex
+
+
+def queue_name(subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_type: str) -> str:
+    """The agent computes this name itself, so it must be exactly this form (lowercase hex)."""
+    return (
+        f"{SUBSCRIPTION_QUEUE_PREFIX}{subscription_uuid.hex}"
+        f"_offering_{offering_uuid.hex}_{object_type}"
+    )
+
+
+def subscription_queue_pattern(subscription_uuid: uuid.UUID) -> str:
+    return f"^{SUBSCRIPTION_QUEUE_PREFIX}{subscription_uuid.hex}_.*$"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    configure: str
+    write: str
+    read: str
+
+    def as_body(self) -> dict[str, str]:
+        return {"configure": self.configure, "write": self.write, "read": self.read}
+
+
+def subscription_permissions(subscription_uuid: uuid.UUID) -> Permissions:
+    """Read its own queues, nothing else.
+
+    With no configure permission a STOMP SUBSCRIBE to a queue that does not exist
+    cannot create it, so the auto-created-without-arguments race cannot happen.
+    """
+    return Permissions(
+        configure=NOTHING, write=NOTHING, read=subscription_queue_pattern(subscription_uuid)
+    )
+
+
+SERVICE_PERMISSIONS = Permissions(configure=EVERYTHING, write=EVERYTHING, read=EVERYTHING)
+
+
+def queue_arguments(settings: Settings) -> dict[str, Any]:
+    return {
+        "x-message-ttl": settings.queue_message_ttl_ms,
+        "x-max-length": settings.queue_max_length,
+        "x-overflow": settings.queue_overflow,
+        "x-dead-letter-exchange": settings.dead_letter_exchange,
+        "x-dead-letter-routing-key": settings.dlq_name,
+    }
+
+
+def dead_letter_queue_arguments(settings: Settings) -> dict[str, Any]:
+    return {
+        "x-max-length": settings.dlq_max_length,
+        "x-message-ttl": settings.dlq_message_ttl_ms,
+        "x-overflow": settings.dlq_overflow,
+    }
+
+
+def argument_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Human-readable differences; empty when the broker holds exactly what we asked for."""
+    differences = []
+    for key in sorted(set(expected) | set(actual)):
+        want, have = expected.get(key, "<absent>"), actual.get(key, "<absent>")
+        if want != have:
+            differences.append(f"{key}: expected {want!r}, broker has {have!r}")
+    return differences

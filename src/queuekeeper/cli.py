@@ -1,0 +1,61 @@
+"""The `queuekeeper` command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from queuekeeper.config import get_settings
+
+app = typer.Typer(
+    help="queuekeeper: owns the RabbitMQ queues of site agents.", no_args_is_help=True
+)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _alembic_config(database_url: str | None = None) -> object:
+    from alembic.config import Config
+
+    ini = PROJECT_ROOT / "alembic.ini"
+    config = Config(str(ini)) if ini.exists() else Config()
+    config.set_main_option("script_location", str(PROJECT_ROOT / "migrations"))
+    config.attributes["database_url"] = database_url or get_settings().database_url
+    return config
+
+
+@app.command()
+def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
+    """Apply database migrations (run before `serve`, and after every upgrade)."""
+    from alembic import command
+
+    from queuekeeper.logging import configure_logging
+
+    configure_logging()
+    command.upgrade(_alembic_config(), revision)  # type: ignore[arg-type]
+    typer.echo(f"database migrated to {revision}")
+
+
+@app.command()
+def serve(
+    host: str | None = typer.Option(None, help="Default: QUEUEKEEPER_HOST."),
+    port: int | None = typer.Option(None, help="Default: QUEUEKEEPER_PORT."),
+    workers: int = typer.Option(1, help="Worker processes (see docs/operations.md)."),
+) -> None:
+    """Run the HTTP service (uvicorn)."""
+    import uvicorn
+
+    from queuekeeper.logging import configure_logging
+
+    settings = get_settings()
+    configure_logging()
+    uvicorn.run(
+        "queuekeeper.app:create_app",
+        factory=True,
+        host=host or settings.host,
+        port=port or settings.port,
+        workers=workers,
+        log_config=None,
+        proxy_headers=True,
+    )

@@ -1,0 +1,35 @@
+"""Waldur-style pagination: a bare JSON array, with `Link` and `X-Result-Count` headers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Query, Request, Response
+from pydantic import BaseModel
+
+
+class Page(BaseModel):
+    page: int
+    page_size: int
+
+    @property
+    def offset(self) -> int:
+        return (self.page - 1) * self.page_size
+
+
+def page_params(
+    page: Annotated[int, Query(ge=1, description="Page number, from 1.")] = 1,
+    page_size: Annotated[int, Query(ge=1, le=1000, description="Items per page.")] = 100,
+) -> Page:
+    return Page(page=page, page_size=page_size)
+
+
+def set_page_headers(request: Request, response: Response, page: Page, total: int) -> None:
+    response.headers["X-Result-Count"] = str(total)
+    links = []
+    if page.offset + page.page_size < total:
+        links.append(f'<{request.url.include_query_params(page=page.page + 1)}>; rel="next"')
+    if page.page > 1:
+        links.append(f'<{request.url.include_query_params(page=page.page - 1)}>; rel="prev"')
+    if links:
+        response.headers["Link"] = ", ".join(links)

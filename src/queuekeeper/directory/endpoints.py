@@ -1,0 +1,175 @@
+"""Internal directory API (service token) and the agent's own user record."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Response, status
+
+from queuekeeper.auth.dependencies import CurrentUser, ServiceCaller
+from queuekeeper.common.schemas import parse_path_uuid
+from queuekeeper.common.urls import api_url
+from queuekeeper.config import Settings
+from queuekeeper.directory import service
+from queuekeeper.directory.schemas import AccessOut, OfferingOut, OfferingPut, UserOut, UserPut
+from queuekeeper.errors import BadRequest, NotFound
+from queuekeeper.models import User
+from queuekeeper.state import SessionDep, StateDep
+
+internal_router = APIRouter(prefix="/api/internal", tags=["internal"], dependencies=[ServiceCaller])
+agent_router = APIRouter(tags=["agents"])
+
+SERVICE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "Bad body or a malformed uuid in the path (the field is named)."},
+    401: {"description": "No or unknown service token."},
+    403: {"description": "An agent token was sent."},
+}
+CREATED_OR_UPDATED: dict[int | str, dict[str, Any]] = {
+    201: {"description": "Created."},
+    200: {"description": "Updated."},
+}
+
+
+def _uuid(value: str, what: str) -> uuid.UUID:
+    parsed = parse_path_uuid(value)
+    if parsed is None:
+        raise BadRequest(f"{what} {value!r} is not a uuid (hex or dashed form).", field=what)
+    return parsed
+
+
+def user_out(settings: Settings, user: User) -> UserOut:
+    return UserOut(
+        uuid=user.uuid,
+        url=api_url(settings, "users", user.uuid),
+        username=user.username,
+        full_name=user.full_name,
+        email=user.email,
+        is_active=user.is_active,
+        has_token=user.token_hash is not None,
+        token_expires_at=user.token_expires_at,
+        created=user.created,
+        modified=user.modified,
+    )
+
+
+@internal_router.put(
+    "/users/{user_uuid}/",
+    summary="Create or update a user",
+    description="Idempotent. Fields left out keep their value; `token: null` removes the token. "
+    "A changed token becomes the broker password of all the user's subscriptions.",
+    responses={**CREATED_OR_UPDATED, **SERVICE_ERRORS, 503: {"description": "Broker down; retry."}},
+)
+async def put_user(
+    user_uuid: str, body: UserPut, response: Response, session: SessionDep, state: StateDep
+) -> UserOut:
+    user, created = await service.put_user(
+        session,
+        state.provisioner,
+        _uuid(user_uuid, "user_uuid"),
+        body,
+        state.settings.retry_after_seconds,
+    )
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return user_out(state.settings, user)
+
+
+@internal_router.delete(
+    "/users/{user_uuid}/",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Delete a user",
+    description="Deletes its subscriptions, queues, broker users and vhost. 204 also when gone.",
+    responses=SERVICE_ERRORS,
+)
+async def delete_user(user_uuid: str, session: SessionDep, state: StateDep) -> Response:
+    await service.delete_user(session, state.provisioner, _uuid(user_uuid, "user_uuid"))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@internal_router.put(
+    "/offerings/{offering_uuid}/",
+    summary="Create or update an offering",
+    description="Idempotent.",
+    responses={**CREATED_OR_UPDATED, **SERVICE_ERRORS},
+)
+async def put_offering(
+    offering_uuid: str, body: OfferingPut, response: Response, session: SessionDep
+) -> OfferingOut:
+    offering, created = await service.put_offering(
+        session, _uuid(offering_uuid, "offering_uuid"), body
+    )
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return OfferingOut.model_validate(offering)
+
+
+@internal_router.delete(
+    "/offerings/{offering_uuid}/",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Delete an offering",
+    description="Deletes its access grants and every queue registered for it. 204 also when gone.",
+    responses=SERVICE_ERRORS,
+)
+async def delete_offering(offering_uuid: str, session: SessionDep, state: StateDep) -> Response:
+    await service.delete_offering(session, state.provisioner, _uuid(offering_uuid, "offering_uuid"))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@internal_router.put(
+    "/offerings/{offering_uuid}/users/{user_uuid}/",
+    summary="Grant a user access to an offering",
+    description="Idempotent; no body.",
+    responses={
+        **CREATED_OR_UPDATED,
+        **SERVICE_ERRORS,
+        404: {"description": "User or offering not pushed yet."},
+    },
+)
+async def grant_access(
+    offering_uuid: str, user_uuid: str, response: Response, session: SessionDep
+) -> AccessOut:
+    grant, created = await service.grant_access(
+        session, _uuid(user_uuid, "user_uuid"), _uuid(offering_uuid, "offering_uuid")
+    )
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return AccessOut.model_validate(grant)
+
+
+@internal_router.delete(
+    "/offerings/{offering_uuid}/users/{user_uuid}/",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Revoke a user's access to an offering",
+    description="Delivery stops at once: the user's queues for the offering are deleted.",
+    responses=SERVICE_ERRORS,
+)
+async def revoke_access(
+    offering_uuid: str, user_uuid: str, session: SessionDep, state: StateDep
+) -> Response:
+    await service.revoke_access(
+        session,
+        state.provisioner,
+        _uuid(user_uuid, "user_uuid"),
+        _uuid(offering_uuid, "offering_uuid"),
+    )
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@agent_router.get(
+    "/api/users/me/",
+    summary="Your own user record",
+    description="The record behind your token.",
+    responses={401: {"description": "Bad token."}},
+)
+async def get_me(user: CurrentUser, state: StateDep) -> UserOut:
+    return user_out(state.settings, user)
+
+
+@agent_router.get(
+    "/api/users/{user_uuid}/",
+    summary="A user record (only your own)",
+    description="The `user` field of a subscription points here. 404 for anyone else's.",
+    responses={401: {"description": "Bad token."}, 404: {"description": "Not you."}},
+)
+async def get_user(user_uuid: str, user: CurrentUser, state: StateDep) -> UserOut:
+    if parse_path_uuid(user_uuid) != user.uuid:
+        raise NotFound(f"User {user_uuid!r} not found.")
+    return user_out(state.settings, user)

@@ -1,0 +1,60 @@
+"""Queries for users, offerings and grants."""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from queuekeeper.models import EventSubscription, EventSubscriptionQueue, OfferingAccess
+
+
+async def get_grant(
+    session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID
+) -> OfferingAccess | None:
+    return await session.get(OfferingAccess, (user_uuid, offering_uuid))
+
+
+async def subscriptions_of_user(
+    session: AsyncSession, user_uuid: uuid.UUID
+) -> list[EventSubscription]:
+    rows = await session.scalars(
+        select(EventSubscription).where(EventSubscription.user_uuid == user_uuid)
+    )
+    return list(rows)
+
+
+async def subscriptions_needing_password(
+    session: AsyncSession, user_uuid: uuid.UUID, password_hash: str | None
+) -> list[EventSubscription]:
+    rows = await session.scalars(
+        select(EventSubscription).where(
+            EventSubscription.user_uuid == user_uuid,
+            EventSubscription.broker_password_hash.is_distinct_from(password_hash),
+        )
+    )
+    return list(rows)
+
+
+async def queues_of_user_for_offering(
+    session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID
+) -> list[EventSubscriptionQueue]:
+    rows = await session.scalars(
+        select(EventSubscriptionQueue)
+        .join(EventSubscription, EventSubscription.uuid == EventSubscriptionQueue.subscription_uuid)
+        .where(
+            EventSubscription.user_uuid == user_uuid,
+            EventSubscriptionQueue.offering_uuid == offering_uuid,
+        )
+    )
+    return list(rows)
+
+
+async def queues_of_offering(
+    session: AsyncSession, offering_uuid: uuid.UUID
+) -> list[EventSubscriptionQueue]:
+    rows = await session.scalars(
+        select(EventSubscriptionQueue).where(EventSubscriptionQueue.offering_uuid == offering_uuid)
+    )
+    return list(rows)

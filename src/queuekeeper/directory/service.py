@@ -1,0 +1,207 @@
+"""The directory the backend pushes: users, offerings and who may use which offering.
+
+Every call is idempotent, so the backend can simply retry after a 503.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import structlog
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from queuekeeper.auth.tokens import token_digest
+from queuekeeper.broker.management import BrokerUnavailable, ManagementError
+from queuekeeper.broker.passwords import rabbit_password_hash
+from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.directory import repository
+from queuekeeper.directory.schemas import OfferingPut, UserPut
+from queuekeeper.errors import BadRequest, NotFound, ServiceUnavailable
+from queuekeeper.models import Offering, OfferingAccess, User
+from queuekeeper.subscriptions.service import (
+    BrokerLeftovers,
+    collect_leftovers,
+    remove_leftovers,
+)
+
+log = structlog.get_logger(__name__)
+
+
+def _apply_user(user: User, body: UserPut) -> bool:
+    """Copy the fields the caller sent; True when the token changed."""
+    sent = body.model_fields_set
+    user.username = body.username
+    if "full_name" in sent:
+        user.full_name = body.full_name or ""
+    if "email" in sent:
+        user.email = body.email or ""
+    if "is_active" in sent and body.is_active is not None:
+        user.is_active = body.is_active
+    if "token_expires_at" in sent:
+        user.token_expires_at = body.token_expires_at
+    if "token" not in sent:
+        return False
+    digest = token_digest(body.token) if body.token else None
+    if digest == user.token_hash:
+        return False
+    user.token_hash = digest
+    user.broker_password_hash = rabbit_password_hash(body.token) if body.token else None
+    return True
+
+
+async def put_user(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    user_uuid: uuid.UUID,
+    body: UserPut,
+    retry_after: int,
+) -> tuple[User, bool]:
+    """Create or update a user; True when created.
+
+    A changed token changes the broker password of every subscription of the
+    user. Should the broker be down, the row is saved and the answer is 503, and
+    the backend's retry (or the reconcile) brings the broker users up to date.
+    """
+    for attempt in range(2):
+        existing = await session.get(User, user_uuid)
+        created = existing is None
+        user = existing or User(uuid=user_uuid, username=body.username, full_name="", email="")
+        if created:
+            session.add(user)
+        token_changed = _apply_user(user, body)
+        try:
+            await session.commit()
+            break
+        except IntegrityError as exc:
+            await session.rollback()
+            if "token" in str(exc.orig).lower() and token_changed:
+                raise BadRequest(
+                    "This token already belongs to another user; tokens must be unique.",
+                    field="token",
+                ) from exc
+            if attempt:  # a concurrent PUT created the same user: update it instead
+                raise
+    log.info("user_saved", user=user_uuid.hex, created=created, token_changed=token_changed)
+    await sync_broker_passwords(session, provisioner, user, retry_after)
+    return user, created
+
+
+async def sync_broker_passwords(
+    session: AsyncSession, provisioner: Provisioner, user: User, retry_after: int
+) -> int:
+    """Give every subscription's broker user the owner's current password; returns how many."""
+    stale = await repository.subscriptions_needing_password(
+        session, user.uuid, user.broker_password_hash
+    )
+    for subscription in stale:
+        try:
+            await provisioner.set_subscription_password(
+                subscription.uuid, user.broker_password_hash
+            )
+        except (BrokerUnavailable, ManagementError) as exc:
+            await session.commit()
+            raise ServiceUnavailable(
+                "The user was saved, but RabbitMQ could not be given the new token as the "
+                f"broker password ({exc}); repeat the same PUT to finish.",
+                headers={"Retry-After": str(retry_after)},
+            ) from exc
+        subscription.broker_password_hash = user.broker_password_hash
+    await session.commit()
+    if stale:
+        log.info("broker_passwords_updated", user=user.uuid.hex, subscriptions=len(stale))
+    return len(stale)
+
+
+async def delete_user(
+    session: AsyncSession, provisioner: Provisioner, user_uuid: uuid.UUID
+) -> None:
+    user = await session.get(User, user_uuid)
+    if user is None:
+        return
+    leftovers = await collect_leftovers(
+        session, await repository.subscriptions_of_user(session, user_uuid)
+    )
+    leftovers.owner_uuids.add(user_uuid)
+    await session.delete(user)
+    await session.commit()
+    log.info("user_deleted", user=user_uuid.hex, subscriptions=len(leftovers.subscription_uuids))
+    await remove_leftovers(session, provisioner, leftovers)
+
+
+async def put_offering(
+    session: AsyncSession, offering_uuid: uuid.UUID, body: OfferingPut
+) -> tuple[Offering, bool]:
+    for attempt in range(2):
+        offering = await session.get(Offering, offering_uuid)
+        created = offering is None
+        if offering is None:
+            offering = Offering(uuid=offering_uuid, name=body.name, state=body.state or "")
+            session.add(offering)
+        offering.name = body.name
+        if body.state is not None:
+            offering.state = body.state
+        try:
+            await session.commit()
+            return offering, created
+        except IntegrityError:
+            await session.rollback()
+            if attempt:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def delete_offering(
+    session: AsyncSession, provisioner: Provisioner, offering_uuid: uuid.UUID
+) -> None:
+    offering = await session.get(Offering, offering_uuid)
+    if offering is None:
+        return
+    queues = await repository.queues_of_offering(session, offering_uuid)
+    await session.delete(offering)  # grants and queue rows go by cascade
+    await session.commit()
+    log.info("offering_deleted", offering=offering_uuid.hex, queues=len(queues))
+    await remove_leftovers(
+        session, provisioner, BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+    )
+
+
+async def grant_access(
+    session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID
+) -> tuple[OfferingAccess, bool]:
+    if await session.get(User, user_uuid) is None:
+        raise NotFound(f"User {user_uuid.hex} is not known: PUT the user first.")
+    if await session.get(Offering, offering_uuid) is None:
+        raise NotFound(f"Offering {offering_uuid.hex} is not known: PUT the offering first.")
+    grant = await repository.get_grant(session, user_uuid, offering_uuid)
+    if grant is not None:
+        return grant, False
+    grant = OfferingAccess(user_uuid=user_uuid, offering_uuid=offering_uuid)
+    session.add(grant)
+    try:
+        await session.commit()
+    except IntegrityError:
+        await session.rollback()
+        existing = await repository.get_grant(session, user_uuid, offering_uuid)
+        if existing is None:
+            raise
+        return existing, False
+    log.info("access_granted", user=user_uuid.hex, offering=offering_uuid.hex)
+    return grant, True
+
+
+async def revoke_access(
+    session: AsyncSession, provisioner: Provisioner, user_uuid: uuid.UUID, offering_uuid: uuid.UUID
+) -> None:
+    """Delivery stops at once: the user's queues for the offering go with the grant."""
+    grant = await repository.get_grant(session, user_uuid, offering_uuid)
+    queues = await repository.queues_of_user_for_offering(session, user_uuid, offering_uuid)
+    if grant is not None:
+        await session.delete(grant)
+    for queue in queues:
+        await session.delete(queue)
+    await session.commit()
+    log.info("access_revoked", user=user_uuid.hex, offering=offering_uuid.hex, queues=len(queues))
+    await remove_leftovers(
+        session, provisioner, BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+    )

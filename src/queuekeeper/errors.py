@@ -1,0 +1,165 @@
+"""Errors the API answers with, and the handlers that turn them into JSON.
+
+Every body has `detail` in words a person can act on; validation errors also
+list each offending field. Nothing reaches a 500: a dependency that is down is
+a 503 with `Retry-After`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from queuekeeper.broker.management import BrokerUnavailable, ManagementError
+from queuekeeper.broker.provisioner import ForeignVhost, QueueConflict
+from queuekeeper.config import Settings
+
+log = structlog.get_logger(__name__)
+
+
+class ApiError(Exception):
+    status_code = 400
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.field = field
+        self.headers = headers
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"detail": self.detail}
+        if self.field:
+            body["errors"] = [{"field": self.field, "message": self.detail}]
+        body.update(self.extra)
+        return body
+
+
+class BadRequest(ApiError):
+    status_code = 400
+
+
+class Unauthorized(ApiError):
+    status_code = 401
+
+
+class Forbidden(ApiError):
+    status_code = 403
+
+
+class NotFound(ApiError):
+    status_code = 404
+
+
+class Conflict(ApiError):
+    status_code = 409
+
+
+class ServiceUnavailable(ApiError):
+    status_code = 503
+
+
+def _field_name(location: tuple[Any, ...]) -> str:
+    parts = [str(part) for part in location if part not in ("body", "query", "path", "header")]
+    return ".".join(parts) or str(location[-1] if location else "body")
+
+
+def _validation_message(error: dict[str, Any]) -> str:
+    message = str(error.get("msg", "invalid value"))
+    # pydantic prefixes custom errors with "Value error, "; the rest reads well alone.
+    return message.removeprefix("Value error, ")
+
+
+def install_error_handlers(app: FastAPI, settings: Settings) -> None:
+    retry_after = {"Retry-After": str(settings.retry_after_seconds)}
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {
+                "field": _field_name(tuple(error.get("loc", ()))),
+                "message": _validation_message(error),
+            }
+            for error in exc.errors()
+        ]
+        detail = "; ".join(f"{error['field']}: {error['message']}" for error in errors)
+        return JSONResponse({"detail": detail or "invalid request", "errors": errors}, 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":
+            detail = "No such endpoint. Paths end with a slash, e.g. /api/event-subscriptions/."
+        return JSONResponse({"detail": detail}, exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(QueueConflict)
+    async def _queue_conflict(_request: Request, exc: QueueConflict) -> JSONResponse:
+        return JSONResponse(
+            {
+                "detail": exc.reason,
+                "queue_name": exc.name,
+                "vhost": exc.vhost,
+                "action": "The queue holds messages or has consumers, so queuekeeper will not "
+                "delete it. Drain it (or stop its consumers), then delete it with "
+                "`rabbitmqctl delete_queue` or the Management UI and call create_queue again.",
+            },
+            409,
+        )
+
+    @app.exception_handler(ForeignVhost)
+    async def _foreign_vhost(_request: Request, exc: ForeignVhost) -> JSONResponse:
+        return JSONResponse(
+            {
+                "detail": f"vhost {exc.vhost!r} exists on the broker but is not tagged "
+                f"{settings.instance_tag!r}, so this queuekeeper will not use it "
+                f"(its tags: {exc.tags}). Delete it or tag it, then retry.",
+            },
+            409,
+        )
+
+    @app.exception_handler(BrokerUnavailable)
+    async def _broker_down(_request: Request, exc: BrokerUnavailable) -> JSONResponse:
+        log.warning("broker_unavailable", error=str(exc))
+        return JSONResponse(
+            {"detail": f"RabbitMQ is unavailable, nothing was changed; retry later. ({exc})"},
+            503,
+            headers=retry_after,
+        )
+
+    @app.exception_handler(ManagementError)
+    async def _broker_refused(_request: Request, exc: ManagementError) -> JSONResponse:
+        # A refusal we did not anticipate: the broker's state is not what we
+        # expect, which is a dependency problem, not the caller's fault.
+        log.error("broker_refused", error=str(exc), reason=exc.reason, status=exc.status)
+        return JSONResponse(
+            {"detail": f"RabbitMQ refused the change: {exc.reason or exc}"},
+            503,
+            headers=retry_after,
+        )
+
+    async def _database_down(_request: Request, exc: Exception) -> JSONResponse:
+        log.error("database_unavailable", error=str(exc)[:500])
+        return JSONResponse(
+            {"detail": "The database is unavailable; retry later."}, 503, headers=retry_after
+        )
+
+    for exc_type in (OperationalError, DBAPIError, PoolTimeout, ConnectionError, OSError):
+        app.add_exception_handler(exc_type, _database_down)

@@ -1,0 +1,111 @@
+"""Object types and their payload models: adding a type is one entry in PAYLOAD_MODELS.
+
+Required fields are what the reference agent (waldur-site-agent) reads; every
+model keeps extra fields, since the backend sends more than the agent needs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+
+
+def _uuid_text(value: str) -> str:
+    uuid.UUID(value)  # raises ValueError with pydantic's "Value error" message
+    return value
+
+
+# Kept as sent (the agent reads these strings), but must parse as a uuid.
+UUIDText = Annotated[str, AfterValidator(_uuid_text)]
+
+
+class Payload(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class OrderPayload(Payload):
+    order_uuid: UUIDText
+    order_state: str | None = None
+    action: str | None = None
+
+
+class UserRolePayload(Payload):
+    project_uuid: UUIDText
+    project_name: str
+    user_uuid: UUIDText | None = None
+    user_username: str | None = None
+    granted: bool | None = None
+
+    @model_validator(mode="after")
+    def _user_fields(self) -> UserRolePayload:
+        if self.user_uuid is not None:
+            missing = [name for name in ("user_username", "granted") if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"{' and '.join(missing)} required when user_uuid is set")
+        return self
+
+
+class ResourcePayload(Payload):
+    resource_uuid: UUIDText
+
+
+class ResourcePeriodicLimitsPayload(Payload):
+    resource_uuid: UUIDText
+    backend_id: str
+    action: Literal["apply_periodic_settings"]
+    settings: dict[str, Any]
+
+
+class OfferingUserPayload(Payload):
+    offering_user_uuid: UUIDText
+    action: Literal["create", "update", "delete", "attribute_update", "username_set"]
+
+
+class AccountPayload(Payload):
+    account_uuid: UUIDText
+    account_username: str
+    project_uuid: UUIDText
+    action: Literal["create", "delete"]
+
+
+class ImportableResourcesPayload(Payload):
+    backend_resource_request_uuid: UUIDText
+
+
+class ResourceApiKeyRotationPayload(Payload):
+    action: Literal["rotate"]
+    resource_uuid: UUIDText
+    api_key_uuid: UUIDText
+
+
+class OfferingResourcesSyncPayload(Payload):
+    pass
+
+
+PAYLOAD_MODELS: dict[str, type[Payload]] = {
+    "order": OrderPayload,
+    "user_role": UserRolePayload,
+    "resource": ResourcePayload,
+    "resource_periodic_limits": ResourcePeriodicLimitsPayload,
+    "offering_user": OfferingUserPayload,
+    "service_account": AccountPayload,
+    "course_account": AccountPayload,
+    "importable_resources": ImportableResourcesPayload,
+    "resource_api_key_rotation": ResourceApiKeyRotationPayload,
+    "offering_resources_sync": OfferingResourcesSyncPayload,
+}
+
+OBJECT_TYPES: tuple[str, ...] = tuple(PAYLOAD_MODELS)
+
+
+def _known_object_type(value: str) -> str:
+    if value not in PAYLOAD_MODELS:
+        raise ValueError(f"unknown object type {value!r}; known types: {', '.join(OBJECT_TYPES)}")
+    return value
+
+
+ObjectType = Annotated[
+    str, AfterValidator(_known_object_type), {"enum": list(OBJECT_TYPES), "example": "order"}
+]

@@ -1,0 +1,252 @@
+"""Every table. The first migration creates all of them; later migrations change them.
+
+Foreign keys cascade in the database so a deleted user, offering or subscription
+never leaves rows behind; the services collect the broker objects a cascade
+will orphan *before* deleting, and remove those from the broker afterwards.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID, uuid4
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+    Uuid,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class AwareDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite hands back naive ones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        datetime: AwareDateTime(),
+        dict[str, Any]: JSON,
+        list[Any]: JSON,
+        UUID: Uuid(as_uuid=True),
+    }
+
+
+class User(Base):
+    __tablename__ = "users"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    username: Mapped[str] = mapped_column(String(255))
+    full_name: Mapped[str] = mapped_column(String(255), default="")
+    email: Mapped[str] = mapped_column(String(320), default="")
+    # sha256 of the API token: tokens are random, so an unsalted digest is safe
+    # and lets authentication find the user with one indexed lookup.
+    token_hash: Mapped[str | None] = mapped_column(String(64), unique=True)
+    # The same token in RabbitMQ's salted rabbit_password_hashing_sha256 format,
+    # so broker users can be (re)created without ever holding the clear token.
+    broker_password_hash: Mapped[str | None] = mapped_column(String(128))
+    token_expires_at: Mapped[datetime | None]
+    is_active: Mapped[bool] = mapped_column(Boolean, default=True)
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Offering(Base):
+    __tablename__ = "offerings"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    state: Mapped[str] = mapped_column(String(64), default="")
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class OfferingAccess(Base):
+    __tablename__ = "offering_access"
+
+    user_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("users.uuid", ondelete="CASCADE"), primary_key=True
+    )
+    offering_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("offerings.uuid", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class AgentIdentity(Base):
+    __tablename__ = "agent_identities"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    offering_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("offerings.uuid", ondelete="CASCADE"), index=True
+    )
+    name: Mapped[str] = mapped_column(String(255), index=True)
+    version: Mapped[str | None] = mapped_column(String(64))
+    dependencies: Mapped[list[Any]] = mapped_column(default=list)
+    config_file_path: Mapped[str | None] = mapped_column(Text)
+    config_file_content: Mapped[str | None] = mapped_column(Text)
+    last_restarted: Mapped[datetime | None]
+    created_by: Mapped[UUID | None] = mapped_column(
+        ForeignKey("users.uuid", ondelete="SET NULL"), index=True
+    )
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class EventSubscription(Base):
+    __tablename__ = "event_subscriptions"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    user_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("users.uuid", ondelete="CASCADE"), index=True
+    )
+    description: Mapped[str] = mapped_column(Text, default="")
+    observable_objects: Mapped[list[Any]] = mapped_column(default=list)
+    source_ip: Mapped[str | None] = mapped_column(String(64))
+    # Set when the subscription was made by register_event_subscription, so a
+    # restarting agent gets the same one back instead of a new one each start.
+    agent_identity_uuid: Mapped[UUID | None] = mapped_column(
+        ForeignKey("agent_identities.uuid", ondelete="SET NULL"), index=True
+    )
+    observable_object_type: Mapped[str | None] = mapped_column(String(64))
+    # The password hash last written to this subscription's broker user; when it
+    # differs from the owner's current hash the broker user needs updating.
+    broker_password_hash: Mapped[str | None] = mapped_column(String(128))
+    # "ok", or "broken" when its broker user could not be restored.
+    broker_state: Mapped[str] = mapped_column(String(16), default="ok")
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class EventSubscriptionQueue(Base):
+    __tablename__ = "event_subscription_queues"
+    __table_args__ = (
+        UniqueConstraint("subscription_uuid", "offering_uuid", "object_type"),
+        Index("ix_event_subscription_queues_offering_type", "offering_uuid", "object_type"),
+    )
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    subscription_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("event_subscriptions.uuid", ondelete="CASCADE")
+    )
+    offering_uuid: Mapped[UUID] = mapped_column(ForeignKey("offerings.uuid", ondelete="CASCADE"))
+    object_type: Mapped[str] = mapped_column(String(64))
+    queue_name: Mapped[str] = mapped_column(String(255), unique=True)
+    vhost: Mapped[str] = mapped_column(String(64), index=True)
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Event(Base):
+    __tablename__ = "events"
+
+    event_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    offering_uuid: Mapped[UUID] = mapped_column(Uuid(as_uuid=True), index=True)
+    object_type: Mapped[str] = mapped_column(String(64))
+    payload: Mapped[dict[str, Any]] = mapped_column()
+    user_uuids: Mapped[list[Any] | None] = mapped_column(JSON)
+    queued: Mapped[int] = mapped_column(Integer, default=0)
+    skipped_unregistered: Mapped[int] = mapped_column(Integer, default=0)
+    accepted: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+
+
+class Delivery(Base):
+    """One copy of an event for one queue: the transactional outbox."""
+
+    __tablename__ = "deliveries"
+    __table_args__ = (Index("ix_deliveries_state_next_attempt", "state", "next_attempt_at"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    event_id: Mapped[str] = mapped_column(
+        ForeignKey("events.event_id", ondelete="CASCADE"), index=True
+    )
+    # SET NULL rather than CASCADE: when a queue is deleted its pending
+    # deliveries are given up by the relay, and the record of them stays.
+    queue_uuid: Mapped[UUID | None] = mapped_column(
+        ForeignKey("event_subscription_queues.uuid", ondelete="SET NULL"), index=True
+    )
+    queue_name: Mapped[str] = mapped_column(String(255))
+    vhost: Mapped[str] = mapped_column(String(64))
+    # pending | published | rejected | given_up
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    claimed_by: Mapped[str | None] = mapped_column(String(64))
+    claimed_until: Mapped[datetime | None]
+    last_error: Mapped[str | None] = mapped_column(Text)
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    finished: Mapped[datetime | None]
+
+
+class JobRun(Base):
+    """A record of one run of a scheduled job (reconcile, stale cleanup, redrive)."""
+
+    __tablename__ = "job_runs"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True, default=uuid4)
+    job: Mapped[str] = mapped_column(String(64), index=True)
+    trigger: Mapped[str] = mapped_column(String(32))
+    dry_run: Mapped[bool] = mapped_column(Boolean, default=False)
+    started: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    finished: Mapped[datetime | None]
+    # running | succeeded | failed | partial | skipped
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    found: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    changed: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    failures: Mapped[list[Any]] = mapped_column(default=list)
+
+
+class GivenUpDeadLetter(Base):
+    """A dead-lettered message taken off a dead-letter queue and not redriven."""
+
+    __tablename__ = "given_up_dead_letters"
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    vhost: Mapped[str] = mapped_column(String(64), index=True)
+    original_queue: Mapped[str | None] = mapped_column(String(255))
+    reason: Mapped[str] = mapped_column(Text)
+    death_count: Mapped[int] = mapped_column(Integer, default=0)
+    first_death_at: Mapped[datetime | None]
+    message_id: Mapped[str | None] = mapped_column(String(255))
+    body_size: Mapped[int] = mapped_column(Integer, default=0)
+    recorded: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,115 @@
+"""Queries for subscriptions and their queues."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from sqlalchemy import Select, delete, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from queuekeeper.models import EventSubscription, EventSubscriptionQueue, OfferingAccess, User
+
+
+def owned_subscriptions(user_uuid: uuid.UUID) -> Select[EventSubscription]:
+    return select(EventSubscription).where(EventSubscription.user_uuid == user_uuid)
+
+
+async def get_owned_subscription(
+    session: AsyncSession, user_uuid: uuid.UUID, subscription_uuid: uuid.UUID
+) -> EventSubscription | None:
+    subscription: EventSubscription | None = await session.scalar(
+        owned_subscriptions(user_uuid).where(EventSubscription.uuid == subscription_uuid)
+    )
+    return subscription
+
+
+async def count_subscriptions(session: AsyncSession, user_uuid: uuid.UUID) -> int:
+    total = await session.scalar(
+        select(func.count()).where(EventSubscription.user_uuid == user_uuid)
+    )
+    return int(total or 0)
+
+
+def owned_queues(user_uuid: uuid.UUID) -> Select[EventSubscriptionQueue]:
+    return (
+        select(EventSubscriptionQueue)
+        .join(EventSubscription, EventSubscription.uuid == EventSubscriptionQueue.subscription_uuid)
+        .where(EventSubscription.user_uuid == user_uuid)
+    )
+
+
+async def has_access(session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID) -> bool:
+    found = await session.scalar(
+        select(OfferingAccess.user_uuid).where(
+            OfferingAccess.user_uuid == user_uuid, OfferingAccess.offering_uuid == offering_uuid
+        )
+    )
+    return found is not None
+
+
+async def insert_queue_if_absent(session: AsyncSession, queue: EventSubscriptionQueue) -> bool:
+    """Insert unless (subscription, offering, type) exists; True when this call inserted.
+
+    ON CONFLICT DO NOTHING lets two concurrent create_queue calls both succeed:
+    one inserts (201), the other finds the row (200), neither sees an error.
+    """
+    values = {
+        "uuid": queue.uuid,
+        "subscription_uuid": queue.subscription_uuid,
+        "offering_uuid": queue.offering_uuid,
+        "object_type": queue.object_type,
+        "queue_name": queue.queue_name,
+        "vhost": queue.vhost,
+        "created": queue.created,
+    }
+    dialect = session.get_bind().dialect.name
+    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
+    statement = (
+        insert(EventSubscriptionQueue)
+        .values(**values)
+        .on_conflict_do_nothing()
+        .returning(EventSubscriptionQueue.uuid)
+    )
+    inserted = await session.scalar(statement)
+    return inserted is not None
+
+
+async def find_queue(
+    session: AsyncSession, subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_type: str
+) -> EventSubscriptionQueue | None:
+    return await session.scalar(
+        select(EventSubscriptionQueue).where(
+            EventSubscriptionQueue.subscription_uuid == subscription_uuid,
+            EventSubscriptionQueue.offering_uuid == offering_uuid,
+            EventSubscriptionQueue.object_type == object_type,
+        )
+    )
+
+
+async def queues_of_subscriptions(
+    session: AsyncSession, subscription_uuids: Sequence[uuid.UUID]
+) -> list[EventSubscriptionQueue]:
+    if not subscription_uuids:
+        return []
+    rows = await session.scalars(
+        select(EventSubscriptionQueue).where(
+            EventSubscriptionQueue.subscription_uuid.in_(subscription_uuids)
+        )
+    )
+    return list(rows)
+
+
+async def delete_queues(session: AsyncSession, queue_uuids: Sequence[uuid.UUID]) -> None:
+    if queue_uuids:
+        await session.execute(
+            delete(EventSubscriptionQueue).where(EventSubscriptionQueue.uuid.in_(queue_uuids))
+        )
+
+
+async def owners(session: AsyncSession, user_uuids: Sequence[uuid.UUID]) -> dict[uuid.UUID, User]:
+    if not user_uuids:
+        return {}
+    rows = await session.scalars(select(User).where(User.uuid.in_(user_uuids)))
+    return {user.uuid: user for user in rows}

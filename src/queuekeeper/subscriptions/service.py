@@ -1,0 +1,200 @@
+"""Event subscriptions and their queues: the database rows and the broker objects behind them.
+
+Order of work everywhere: validate, then change the broker, then commit the row;
+deletions the other way round (commit, then clean the broker best-effort), so a
+broker outage never leaves a row that points at nothing and never blocks a delete.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import structlog
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from queuekeeper.broker import topology
+from queuekeeper.broker.provisioner import Provisioner, QueueOutcome, best_effort
+from queuekeeper.errors import BadRequest, Forbidden, NotFound
+from queuekeeper.models import EventSubscription, EventSubscriptionQueue, Offering, User, utcnow
+from queuekeeper.subscriptions import repository
+from queuekeeper.subscriptions.schemas import QueueCreate, SubscriptionCreate
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class BrokerLeftovers:
+    """Broker objects whose rows a deletion is about to remove (directly or by cascade)."""
+
+    queues: list[tuple[str, str]] = field(default_factory=list)  # (vhost, queue name)
+    subscription_uuids: list[uuid.UUID] = field(default_factory=list)
+    owner_uuids: set[uuid.UUID] = field(default_factory=set)
+
+    @classmethod
+    def of(
+        cls, subscriptions: list[EventSubscription], queues: list[EventSubscriptionQueue]
+    ) -> BrokerLeftovers:
+        return cls(
+            queues=[(queue.vhost, queue.queue_name) for queue in queues],
+            subscription_uuids=[subscription.uuid for subscription in subscriptions],
+            owner_uuids={subscription.user_uuid for subscription in subscriptions},
+        )
+
+
+async def collect_leftovers(
+    session: AsyncSession, subscriptions: list[EventSubscription]
+) -> BrokerLeftovers:
+    queues = await repository.queues_of_subscriptions(session, [s.uuid for s in subscriptions])
+    return BrokerLeftovers.of(subscriptions, queues)
+
+
+async def remove_leftovers(
+    session: AsyncSession, provisioner: Provisioner, leftovers: BrokerLeftovers
+) -> None:
+    """Remove from the broker what the committed deletion left behind; failures are logged."""
+    # Deleting a subscription's broker user first also closes the agent's connections.
+    for subscription_uuid in leftovers.subscription_uuids:
+        await best_effort(
+            "delete_user",
+            provisioner.delete_subscription_user(subscription_uuid),
+            subscription=subscription_uuid.hex,
+        )
+    emptied = set()
+    for owner_uuid in leftovers.owner_uuids:
+        if await repository.count_subscriptions(session, owner_uuid) == 0:
+            vhost = topology.vhost_name(owner_uuid)
+            emptied.add(vhost)
+            await best_effort("delete_vhost", provisioner.delete_vhost(vhost), vhost=vhost)
+    for vhost, name in leftovers.queues:
+        if vhost not in emptied:  # a deleted vhost took its queues with it
+            await best_effort(
+                "delete_queue", provisioner.delete_queue(vhost, name), vhost=vhost, queue=name
+            )
+
+
+async def create_subscription(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    owner: User,
+    body: SubscriptionCreate,
+    *,
+    source_ip: str | None,
+    agent_identity_uuid: uuid.UUID | None = None,
+    observable_object_type: str | None = None,
+) -> EventSubscription:
+    subscription_uuid = uuid.uuid4()
+    vhost = topology.vhost_name(owner.uuid)
+    await provisioner.ensure_vhost(vhost)
+    await provisioner.ensure_subscription_user(vhost, subscription_uuid, owner.broker_password_hash)
+    subscription = EventSubscription(
+        uuid=subscription_uuid,
+        user_uuid=owner.uuid,
+        description=body.description,
+        observable_objects=[
+            item.model_dump(mode="json", exclude_none=True) for item in body.observable_objects
+        ],
+        source_ip=source_ip,
+        agent_identity_uuid=agent_identity_uuid,
+        observable_object_type=observable_object_type,
+        broker_password_hash=owner.broker_password_hash,
+        broker_state="ok",
+    )
+    session.add(subscription)
+    try:
+        await session.commit()
+    except Exception:
+        await session.rollback()
+        await best_effort(
+            "delete_user",
+            provisioner.delete_subscription_user(subscription_uuid),
+            subscription=subscription_uuid.hex,
+        )
+        raise
+    log.info("subscription_created", subscription=subscription_uuid.hex, user=owner.uuid.hex)
+    return subscription
+
+
+async def delete_subscriptions(
+    session: AsyncSession, provisioner: Provisioner, subscriptions: list[EventSubscription]
+) -> None:
+    if not subscriptions:
+        return
+    leftovers = await collect_leftovers(session, subscriptions)
+    for subscription in subscriptions:
+        await session.delete(subscription)
+    await session.commit()
+    log.info("subscriptions_deleted", subscriptions=[s.uuid.hex for s in subscriptions])
+    await remove_leftovers(session, provisioner, leftovers)
+
+
+async def create_queue(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    owner: User,
+    subscription: EventSubscription,
+    body: QueueCreate,
+) -> tuple[EventSubscriptionQueue, bool, QueueOutcome]:
+    """Returns (queue, created row?, what the broker needed)."""
+    offering = await session.get(Offering, body.offering_uuid)
+    if offering is None:
+        raise BadRequest(
+            f"Unknown offering {body.offering_uuid.hex}: the backend has not pushed it.",
+            field="offering_uuid",
+        )
+    if not await repository.has_access(session, owner.uuid, offering.uuid):
+        raise Forbidden(f"You have no access to offering {offering.uuid.hex}.")
+    # End the read transaction: nothing should stay open while we wait on the broker.
+    await session.commit()
+
+    name = topology.queue_name(subscription.uuid, offering.uuid, body.object_type)
+    vhost = topology.vhost_name(owner.uuid)
+    outcome = await provisioner.ensure_queue(vhost, name)
+
+    queue = EventSubscriptionQueue(
+        uuid=uuid.uuid4(),
+        subscription_uuid=subscription.uuid,
+        offering_uuid=offering.uuid,
+        object_type=body.object_type,
+        queue_name=name,
+        vhost=vhost,
+        created=utcnow(),
+    )
+    try:
+        inserted = await repository.insert_queue_if_absent(session, queue)
+        await session.commit()
+    except IntegrityError as exc:
+        # The subscription, offering or grant went away while we were at the broker.
+        await session.rollback()
+        await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
+        raise NotFound(
+            "The subscription or the offering was deleted while the queue was being created."
+        ) from exc
+    if not inserted:
+        existing = await repository.find_queue(
+            session, subscription.uuid, offering.uuid, body.object_type
+        )
+        if existing is None:  # deleted between our insert attempt and this read
+            raise NotFound("The queue was deleted while it was being registered; call again.")
+        queue = existing
+    log.info(
+        "queue_registered",
+        queue=name,
+        vhost=vhost,
+        new_row=inserted,
+        broker=outcome.value,
+    )
+    return queue, inserted, outcome
+
+
+async def delete_queue(
+    session: AsyncSession, provisioner: Provisioner, queue: EventSubscriptionQueue
+) -> None:
+    vhost, name = queue.vhost, queue.queue_name
+    await session.delete(queue)
+    await session.commit()
+    log.info("queue_deleted", queue=name, vhost=vhost)
+    await best_effort(
+        "delete_queue", provisioner.delete_queue(vhost, name), vhost=vhost, queue=name
+    )

@@ -1,0 +1,148 @@
+"""Shared fixtures: real PostgreSQL (or SQLite with QK_TEST_DB=sqlite), real RabbitMQ.
+
+Isolation: one database per test session, emptied before each test; one
+instance name per test, so every vhost and broker user a test makes carries a
+tag of its own and is removed when the test ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from asgi_lifespan import LifespanManager
+from fastapi import FastAPI
+from sqlalchemy import text
+
+from queuekeeper.app import create_app
+from queuekeeper.broker.management import ManagementClient
+from queuekeeper.config import Settings
+from queuekeeper.db import create_engine
+from queuekeeper.models import Base
+from tests.helpers import Backend
+
+PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+TEST_DB = os.environ.get("QK_TEST_DB", "postgresql")
+SERVICE_TOKEN = "service-token-primary-0123456789"
+SERVICE_TOKEN_OLD = "service-token-rotated-9876543210"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _migrate(url: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config(str(ROOT / "alembic.ini"))
+    config.attributes["database_url"] = url
+    command.upgrade(config, "head")
+
+
+@pytest.fixture(scope="session")
+def database_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if TEST_DB == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'queuekeeper.db'}"
+        _migrate(url)
+        yield url
+        return
+    import asyncpg
+
+    name = f"qk_test_{uuid.uuid4().hex[:12]}"
+
+    async def admin(sql: str) -> None:
+        connection = await asyncpg.connect(PG_ADMIN_DSN)
+        try:
+            await connection.execute(sql)
+        finally:
+            await connection.close()
+
+    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    base = PG_ADMIN_DSN.rsplit("/", 1)[0]
+    url = f"{base.replace('postgresql://', 'postgresql+asyncpg://')}/{name}"
+    _migrate(url)
+    yield url
+    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def settings(database_url: str) -> Settings:
+    return Settings(
+        database_url=database_url,
+        instance_name=f"qkt-{uuid.uuid4().hex[:10]}",
+        service_tokens=[SERVICE_TOKEN, SERVICE_TOKEN_OLD],
+        public_url="http://testserver",
+        management_timeout=5.0,
+        retry_after_seconds=7,
+    )
+
+
+async def _empty_database(settings: Settings) -> None:
+    engine = create_engine(settings)
+    tables = [table.name for table in reversed(Base.metadata.sorted_tables)]
+    async with engine.begin() as connection:
+        if settings.is_sqlite:
+            for table in tables:
+                await connection.execute(text(f'DELETE FROM "{table}"'))
+        else:
+            await connection.execute(
+                text("TRUNCATE " + ", ".join(f'"{t}"' for t in tables) + " CASCADE")
+            )
+    await engine.dispose()
+
+
+async def _remove_broker_objects(settings: Settings) -> None:
+    management = ManagementClient(settings)
+    try:
+        for vhost in await management.list_vhosts():
+            tags = vhost.get("tags") or []
+            if settings.instance_tag in (tags.split(",") if isinstance(tags, str) else tags):
+                await management.delete_vhost(vhost["name"])
+        for user in await management.list_users():
+            tags = user.get("tags") or []
+            if settings.instance_tag in (tags.split(",") if isinstance(tags, str) else tags):
+                await management.delete_user(user["name"])
+    finally:
+        await management.aclose()
+
+
+@pytest.fixture
+async def clean_state(settings: Settings) -> AsyncIterator[None]:
+    await _empty_database(settings)
+    yield
+    await _remove_broker_objects(settings)
+
+
+@pytest.fixture
+async def app(settings: Settings, clean_state: None) -> AsyncIterator[FastAPI]:
+    application = create_app(settings)
+    async with LifespanManager(application, startup_timeout=30, shutdown_timeout=30):
+        yield application
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app, client=("10.1.2.3", 40000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+        yield http
+
+
+@pytest.fixture
+async def management(settings: Settings) -> AsyncIterator[ManagementClient]:
+    """A Management API client for assertions about what the broker really holds."""
+    client = ManagementClient(settings)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def backend(client: httpx.AsyncClient) -> Backend:
+    return Backend(client, SERVICE_TOKEN)
+
+
+def pytest_report_header(config: Any) -> str:
+    return f"queuekeeper test database: {TEST_DB}"

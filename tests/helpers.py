@@ -1,0 +1,83 @@
+"""Test helpers: a backend that pushes the directory, an agent that calls the REST API."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Agent:
+    """A user pushed by the backend, seen from the agent's side."""
+
+    client: httpx.AsyncClient
+    uuid: uuid.UUID
+    token: str
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Token {self.token}"}
+
+    @property
+    def vhost(self) -> str:
+        return self.uuid.hex
+
+    async def create_subscription(self, **body: Any) -> dict[str, Any]:
+        response = await self.client.post(
+            "/api/event-subscriptions/", json=body, headers=self.headers
+        )
+        assert response.status_code == 201, response.text
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def create_queue(
+        self, subscription_uuid: str, offering_uuid: uuid.UUID | str, object_type: str = "order"
+    ) -> httpx.Response:
+        offering = offering_uuid.hex if isinstance(offering_uuid, uuid.UUID) else offering_uuid
+        return await self.client.post(
+            f"/api/event-subscriptions/{subscription_uuid}/create_queue/",
+            json={"offering_uuid": offering, "object_type": object_type},
+            headers=self.headers,
+        )
+
+
+class Backend:
+    def __init__(self, client: httpx.AsyncClient, service_token: str) -> None:
+        self.client = client
+        self.headers = {"Authorization": f"Bearer {service_token}"}
+
+    async def put_user(self, user_uuid: uuid.UUID | None = None, **body: Any) -> Agent:
+        user_uuid = user_uuid or uuid.uuid4()
+        body.setdefault("username", f"user-{user_uuid.hex[:8]}")
+        body.setdefault("token", secrets.token_hex(20))
+        response = await self.client.put(
+            f"/api/internal/users/{user_uuid}/", json=body, headers=self.headers
+        )
+        assert response.status_code in (200, 201), response.text
+        return Agent(self.client, user_uuid, body["token"])
+
+    async def put_offering(
+        self, offering_uuid: uuid.UUID | None = None, name: str = "HPC"
+    ) -> uuid.UUID:
+        offering_uuid = offering_uuid or uuid.uuid4()
+        response = await self.client.put(
+            f"/api/internal/offerings/{offering_uuid}/", json={"name": name}, headers=self.headers
+        )
+        assert response.status_code in (200, 201), response.text
+        return offering_uuid
+
+    async def grant(self, agent: Agent, offering_uuid: uuid.UUID) -> None:
+        response = await self.client.put(
+            f"/api/internal/offerings/{offering_uuid}/users/{agent.uuid}/", headers=self.headers
+        )
+        assert response.status_code in (200, 201), response.text
+
+    async def agent_with_offering(self) -> tuple[Agent, uuid.UUID]:
+        agent = await self.put_user()
+        offering = await self.put_offering()
+        await self.grant(agent, offering)
+        return agent, offering

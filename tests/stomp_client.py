@@ -1,0 +1,90 @@
+"""A real STOMP-over-WebSocket consumer (stomp.py, the site agent's library) for tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import stomp
+
+WEB_STOMP = ("127.0.0.1", 15674)
+
+
+@dataclass
+class Received:
+    headers: dict[str, str]
+    body: str
+
+
+@dataclass
+class _Listener(stomp.ConnectionListener):  # type: ignore[misc]
+    messages: list[Received] = field(default_factory=list)
+    errors: list[Received] = field(default_factory=list)
+    disconnects: int = 0
+    event: threading.Event = field(default_factory=threading.Event)
+
+    def on_message(self, frame: Any) -> None:
+        self.messages.append(Received(dict(frame.headers), frame.body))
+        self.event.set()
+
+    def on_error(self, frame: Any) -> None:
+        self.errors.append(Received(dict(frame.headers), frame.body))
+        self.event.set()
+
+    def on_disconnected(self) -> None:
+        self.disconnects += 1
+        self.event.set()
+
+
+class StompConsumer:
+    """Logs in the way waldur-site-agent does: login = subscription hex, passcode = token,
+    host (vhost) = owner hex; subscribes to `/amq/queue/<name>` with ack:auto."""
+
+    def __init__(self, vhost: str, login: str, passcode: str) -> None:
+        self.listener = _Listener()
+        self.connection = stomp.WSStompConnection(
+            host_and_ports=[WEB_STOMP],
+            ws_path="/ws",
+            vhost=vhost,
+            reconnect_attempts_max=1,
+            heartbeats=(0, 0),
+        )
+        self.connection.set_listener("test", self.listener)
+        self.login = login
+        self.passcode = passcode
+
+    def connect(self) -> None:
+        self.connection.connect(self.login, self.passcode, wait=True, with_connect_command=False)
+
+    def subscribe(self, destination: str, sub_id: str = "1") -> None:
+        self.connection.subscribe(destination=destination, id=sub_id, ack="auto")
+
+    def wait_for(self, count: int = 1, timeout: float = 10.0) -> list[Received]:
+        deadline = time.monotonic() + timeout
+        while len(self.listener.messages) < count and time.monotonic() < deadline:
+            self.listener.event.wait(0.05)
+            self.listener.event.clear()
+        return list(self.listener.messages)
+
+    def wait_refused(self, timeout: float = 5.0) -> bool:
+        """True once the broker sent ERROR or dropped the connection."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (
+                self.listener.errors
+                or self.listener.disconnects
+                or not self.connection.is_connected()
+            ):
+                return True
+            self.listener.event.wait(0.05)
+            self.listener.event.clear()
+        return False
+
+    def close(self) -> None:
+        try:
+            if self.connection.is_connected():
+                self.connection.disconnect()
+        except Exception:
+            pass
