@@ -15,6 +15,7 @@ from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
+from queuekeeper.observability.metrics import observe_management_call
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
 
@@ -30,7 +31,7 @@ TAGS = [
 
 def build_state(settings: Settings) -> AppState:
     engine = create_engine(settings)
-    management = ManagementClient(settings)
+    management = ManagementClient(settings, observer=observe_management_call)
     return AppState(
         settings=settings,
         engine=engine,

@@ -21,7 +21,11 @@ class AppState:
     sessions: async_sessionmaker[AsyncSession]
     management: ManagementClient
     provisioner: Provisioner
-    # Components added by later layers (publisher, relay, scheduler) register here.
+    # Started in the lifespan by the layers that own them (publishing, jobs); None
+    # until started, and in tests that do not need them.
+    publisher: Any = None
+    relay: Any = None
+    scheduler: Any = None
     extras: dict[str, Any] = field(default_factory=dict)
 
 

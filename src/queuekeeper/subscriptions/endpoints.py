@@ -9,12 +9,15 @@ from fastapi import APIRouter, Depends, Query, Request, Response, status
 from sqlalchemy import func, select
 
 from queuekeeper.auth.dependencies import CurrentUser
+from queuekeeper.broker.management import ManagementError
+from queuekeeper.broker.provisioner import QueueConflict, QueueOutcome
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
 from queuekeeper.errors import NotFound
 from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User
+from queuekeeper.observability.metrics import CREATE_QUEUE
 from queuekeeper.state import SessionDep, StateDep
 from queuekeeper.subscriptions import repository, service
 from queuekeeper.subscriptions.schemas import (
@@ -181,9 +184,20 @@ async def create_queue(
     session: SessionDep,
     state: StateDep,
 ) -> QueueOut:
-    queue, created, _outcome = await service.create_queue(
-        session, state.provisioner, user, subscription, body
-    )
+    try:
+        queue, created, outcome = await service.create_queue(
+            session, state.provisioner, user, subscription, body
+        )
+    except QueueConflict:
+        CREATE_QUEUE.labels(outcome="conflict").inc()
+        raise
+    except ManagementError:
+        CREATE_QUEUE.labels(outcome="broker_unavailable").inc()
+        raise
+    if outcome is QueueOutcome.REPAIRED:
+        CREATE_QUEUE.labels(outcome="repaired").inc()
+    else:
+        CREATE_QUEUE.labels(outcome="created" if created else "existing").inc()
     if not created:
         response.status_code = status.HTTP_200_OK
     return queue_out(state.settings, queue)

@@ -1,0 +1,107 @@
+"""Every Prometheus metric queuekeeper exports, in one place.
+
+Domains import the metric they move; nothing defines metrics elsewhere. Names
+follow Prometheus conventions (`_total` counters, `_seconds` durations).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+# --- HTTP ------------------------------------------------------------------------------
+HTTP_REQUESTS = Counter(
+    "queuekeeper_http_requests_total",
+    "HTTP requests by route template and status.",
+    ["method", "route", "status"],
+)
+HTTP_LATENCY = Histogram(
+    "queuekeeper_http_request_duration_seconds",
+    "HTTP request latency by route template.",
+    ["method", "route"],
+    buckets=LATENCY_BUCKETS,
+)
+
+# --- registration ------------------------------------------------------------------------
+CREATE_QUEUE = Counter(
+    "queuekeeper_create_queue_total",
+    "create_queue calls by outcome: created, existing, repaired, conflict, broker_unavailable.",
+    ["outcome"],
+)
+
+# --- publishing ------------------------------------------------------------------------
+EVENTS_ACCEPTED = Counter(
+    "queuekeeper_events_accepted_total", "Events accepted (duplicates not counted)."
+)
+EVENTS_DUPLICATE = Counter(
+    "queuekeeper_events_duplicate_total", "Events whose event_id had been accepted before."
+)
+SKIPPED_UNREGISTERED = Counter(
+    "queuekeeper_deliveries_skipped_unregistered_total",
+    "Subscriptions that would have received an event but registered no queue for it.",
+)
+DELIVERIES = Counter(
+    "queuekeeper_deliveries_total",
+    "Delivery attempts by outcome: published, rejected (queue full), returned (unroutable), "
+    "retried, given_up.",
+    ["outcome"],
+)
+OUTBOX_PENDING = Gauge("queuekeeper_outbox_pending", "Deliveries waiting to be published.")
+OUTBOX_OLDEST_AGE = Gauge(
+    "queuekeeper_outbox_oldest_pending_age_seconds", "Age of the oldest pending delivery."
+)
+CONFIRM_LATENCY = Histogram(
+    "queuekeeper_publish_confirm_seconds",
+    "From publish to broker confirm.",
+    buckets=LATENCY_BUCKETS,
+)
+AMQP_POOL_SIZE = Gauge(
+    "queuekeeper_amqp_pool_connections", "Open AMQP connections (one per vhost)."
+)
+AMQP_RECONNECTS = Counter("queuekeeper_amqp_reconnects_total", "AMQP connections re-opened.")
+
+# --- Management API ----------------------------------------------------------------------
+MANAGEMENT_CALLS = Counter(
+    "queuekeeper_management_api_calls_total",
+    "Management API calls by endpoint kind and status.",
+    ["kind", "status"],
+)
+MANAGEMENT_LATENCY = Histogram(
+    "queuekeeper_management_api_call_seconds",
+    "Management API call latency by endpoint kind.",
+    ["kind"],
+    buckets=LATENCY_BUCKETS,
+)
+
+# --- scheduled jobs --------------------------------------------------------------------
+JOB_RUNS = Counter(
+    "queuekeeper_job_runs_total",
+    "Runs of reconcile, stale cleanup and redrive by status.",
+    ["job", "status"],
+)
+JOB_DURATION = Histogram(
+    "queuekeeper_job_run_duration_seconds",
+    "Duration of job runs.",
+    ["job"],
+    buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900),
+)
+RECONCILE_ITEMS = Counter(
+    "queuekeeper_reconcile_items_total",
+    "What reconcile runs did: orphans_deleted, queues_recreated, drift_found, drift_repaired, "
+    "users_restored, permissions_restored, vhosts_deleted, failures.",
+    ["action"],
+)
+DEAD_LETTERS = Counter(
+    "queuekeeper_dead_letters_total", "Dead letters by outcome: redriven, given_up.", ["outcome"]
+)
+JOB_LAST_SUCCESS = Gauge(
+    "queuekeeper_job_last_success_timestamp_seconds",
+    "Unix time of the last successful run.",
+    ["job"],
+)
+
+
+def observe_management_call(kind: str, status: str, seconds: float) -> None:
+    MANAGEMENT_CALLS.labels(kind=kind, status=status).inc()
+    MANAGEMENT_LATENCY.labels(kind=kind).observe(seconds)
