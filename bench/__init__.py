@@ -1,0 +1,1 @@
+"""Benchmarks: `make bench` (or `python -m bench [name ...]`). Not part of `make test`."""
