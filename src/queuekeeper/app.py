@@ -10,11 +10,13 @@ from fastapi import FastAPI
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
+from queuekeeper.identities.endpoints import router as identities_router
 from queuekeeper.observability.metrics import observe_management_call
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
@@ -63,14 +65,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "to remote site agents.",
         openapi_tags=TAGS,
         lifespan=lifespan,
-        root_path=settings.root_path,
         # Agents do not follow redirects: never answer a missing slash with a 307.
         redirect_slashes=False,
     )
+    if settings.root_path:
+        app.add_middleware(PathPrefixMiddleware, prefix=settings.root_path)
     install_error_handlers(app, settings)
     app.include_router(subscriptions_router)
     app.include_router(users_router)
     app.include_router(directory_router)
+    app.include_router(identities_router)
 
     @app.get("/healthz", tags=["health"], summary="Liveness", include_in_schema=False)
     async def healthz() -> dict[str, str]:

@@ -104,10 +104,17 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
         return JSONResponse({"detail": detail or "invalid request", "errors": errors}, 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and detail == "Not Found":
-            detail = "No such endpoint. Paths end with a slash, e.g. /api/event-subscriptions/."
+            path = request.url.path
+            # No redirect (agents do not follow them): say what to send instead.
+            detail = (
+                f"No such endpoint: {path}. Paths end with a slash: did you mean {path}/ ?"
+                if not path.endswith("/")
+                else f"No such endpoint: {path}. Paths end with a slash, "
+                "e.g. /api/event-subscriptions/."
+            )
         return JSONResponse({"detail": detail}, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(QueueConflict)

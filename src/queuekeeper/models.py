@@ -112,6 +112,10 @@ class OfferingAccess(Base):
 
 class AgentIdentity(Base):
     __tablename__ = "agent_identities"
+    # A caller's identity name is its key: the site agent looks itself up by name.
+    __table_args__ = (
+        Index("uq_agent_identities_created_by_name", "created_by", "name", unique=True),
+    )
 
     uuid: Mapped[UUID] = mapped_column(primary_key=True)
     offering_uuid: Mapped[UUID] = mapped_column(
@@ -132,6 +136,15 @@ class AgentIdentity(Base):
 
 class EventSubscription(Base):
     __tablename__ = "event_subscriptions"
+    # register_event_subscription keeps one subscription per (identity, object type).
+    __table_args__ = (
+        Index(
+            "uq_event_subscriptions_agent_identity_type",
+            "agent_identity_uuid",
+            "observable_object_type",
+            unique=True,
+        ),
+    )
 
     uuid: Mapped[UUID] = mapped_column(primary_key=True)
     user_uuid: Mapped[UUID] = mapped_column(

@@ -152,6 +152,16 @@ class Provisioner:
             tags=[self.settings.instance_tag],
         )
 
+    async def subscription_user_intact(self, vhost: str, subscription_uuid: uuid.UUID) -> bool:
+        """The broker user exists and holds permissions in the owner's vhost.
+
+        Without either the agent cannot log in or cannot read its queues.
+        """
+        name = topology.subscription_user_name(subscription_uuid)
+        if await self.management.get_user(name) is None:
+            return False
+        return await self.management.get_permissions(vhost, name) is not None
+
     async def delete_subscription_user(self, subscription_uuid: uuid.UUID) -> bool:
         return await self.management.delete_user(topology.subscription_user_name(subscription_uuid))
 

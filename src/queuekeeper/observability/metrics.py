@@ -105,3 +105,17 @@ JOB_LAST_SUCCESS = Gauge(
 def observe_management_call(kind: str, status: str, seconds: float) -> None:
     MANAGEMENT_CALLS.labels(kind=kind, status=status).inc()
     MANAGEMENT_LATENCY.labels(kind=kind).observe(seconds)
+
+
+# --- site agents ---------------------------------------------------------------------------
+AGENT_REGISTRATIONS = Counter(
+    "queuekeeper_agent_registrations_total",
+    "register_event_subscription calls by outcome: reused (200), created (201, first start), "
+    "replaced (201, the old subscription's broker user was gone).",
+    ["outcome"],
+)
+AGENT_OFFERING_UUID_FORM = Counter(
+    "queuekeeper_agent_offering_uuid_not_lowercase_total",
+    "Agent identities registered with an offering uuid that is not lowercase hex/dashed: "
+    "such an agent computes queue names that do not exist and reconnects in a loop.",
+)

@@ -8,6 +8,7 @@ broker outage never leaves a row that points at nothing and never blocks a delet
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -83,11 +84,19 @@ async def create_subscription(
     source_ip: str | None,
     agent_identity_uuid: uuid.UUID | None = None,
     observable_object_type: str | None = None,
+    replaces: Sequence[EventSubscription] = (),
 ) -> EventSubscription:
+    """Broker objects first, then the row.
+
+    `replaces` are subscriptions deleted in the same transaction as the new row
+    is inserted (register_event_subscription retiring a broken one); their broker
+    objects are removed once that has committed.
+    """
     subscription_uuid = uuid.uuid4()
     vhost = topology.vhost_name(owner.uuid)
     await provisioner.ensure_vhost(vhost)
     await provisioner.ensure_subscription_user(vhost, subscription_uuid, owner.broker_password_hash)
+    leftovers = await collect_leftovers(session, list(replaces)) if replaces else None
     subscription = EventSubscription(
         uuid=subscription_uuid,
         user_uuid=owner.uuid,
@@ -101,8 +110,14 @@ async def create_subscription(
         broker_password_hash=owner.broker_password_hash,
         broker_state="ok",
     )
-    session.add(subscription)
     try:
+        for old in replaces:
+            await session.delete(old)
+        if replaces:
+            # The unit of work inserts before it deletes; the old row must be gone first
+            # or the new one collides with it on the (identity, object type) unique index.
+            await session.flush()
+        session.add(subscription)
         await session.commit()
     except Exception:
         await session.rollback()
@@ -113,6 +128,13 @@ async def create_subscription(
         )
         raise
     log.info("subscription_created", subscription=subscription_uuid.hex, user=owner.uuid.hex)
+    if leftovers is not None:
+        log.info(
+            "subscriptions_replaced",
+            replaced=[old.uuid.hex for old in replaces],
+            by=subscription_uuid.hex,
+        )
+        await remove_leftovers(session, provisioner, leftovers)
     return subscription
 
 

@@ -1,0 +1,204 @@
+"""`/api/marketplace-site-agent-identities/`: the requests waldur-site-agent makes at start-up.
+
+Status codes are the ones the agent's client accepts (site-agent-contract 2):
+POST answers 201 only, PUT 200 only, register_event_subscription 201 or 200.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response, status
+from sqlalchemy import func, select
+
+from queuekeeper.auth.dependencies import CurrentUser
+from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.common.schemas import parse_path_uuid
+from queuekeeper.common.urls import api_url
+from queuekeeper.config import Settings
+from queuekeeper.errors import NotFound
+from queuekeeper.identities import repository, service
+from queuekeeper.identities.schemas import (
+    Dependency,
+    IdentityOut,
+    IdentityWrite,
+    RegisterEventSubscription,
+)
+from queuekeeper.models import AgentIdentity
+from queuekeeper.state import SessionDep, StateDep
+from queuekeeper.subscriptions.endpoints import subscription_out
+from queuekeeper.subscriptions.schemas import SubscriptionOut
+
+COLLECTION = "marketplace-site-agent-identities"
+router = APIRouter(prefix=f"/api/{COLLECTION}", tags=["agents"])
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"description": "No token, or an unknown, inactive or expired one."},
+    404: {"description": "Not one of your identities, or not a uuid."},
+}
+WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "Bad body: malformed or unknown offering, missing name (field named)."},
+    403: {"description": "You have no access to the offering."},
+    409: {"description": "You already have an identity with this name."},
+}
+
+
+def identity_out(settings: Settings, identity: AgentIdentity) -> IdentityOut:
+    return IdentityOut(
+        uuid=identity.uuid,
+        url=api_url(settings, COLLECTION, identity.uuid),
+        offering=identity.offering_uuid,
+        created_by=identity.created_by,
+        name=identity.name,
+        version=identity.version,
+        dependencies=[Dependency.model_validate(item) for item in identity.dependencies or []],
+        config_file_path=identity.config_file_path,
+        config_file_content=identity.config_file_content,
+        last_restarted=identity.last_restarted or identity.created,
+        services=[],
+        created=identity.created,
+        modified=identity.modified,
+    )
+
+
+async def owned_identity(
+    identity_uuid: str, user: CurrentUser, session: SessionDep
+) -> AgentIdentity:
+    parsed = parse_path_uuid(identity_uuid)
+    identity = await repository.get_owned_identity(session, user.uuid, parsed) if parsed else None
+    if identity is None:
+        raise NotFound(f"Agent identity {identity_uuid!r} not found.")
+    return identity
+
+
+OwnedIdentity = Annotated[AgentIdentity, Depends(owned_identity)]
+
+
+@router.get(
+    "/",
+    summary="List your agent identities",
+    description="A bare JSON array (the agent reads element 0 of `?name=`), oldest first, "
+    "only identities you registered. `X-Result-Count` and `Link` headers paginate.",
+    responses=ERRORS,
+)
+async def list_identities(
+    request: Request,
+    response: Response,
+    user: CurrentUser,
+    session: SessionDep,
+    state: StateDep,
+    page: Annotated[Page, Depends(page_params)],
+    name: Annotated[str | None, Query(description="Exact name.")] = None,
+    offering_uuid: Annotated[uuid.UUID | None, Query(description="Hex or dashed.")] = None,
+) -> list[IdentityOut]:
+    query = repository.owned_identities(user.uuid)
+    if name is not None:
+        query = query.where(AgentIdentity.name == name)
+    if offering_uuid is not None:
+        query = query.where(AgentIdentity.offering_uuid == offering_uuid)
+    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = await session.scalars(
+        query.order_by(AgentIdentity.created, AgentIdentity.uuid)
+        .offset(page.offset)
+        .limit(page.page_size)
+    )
+    set_page_headers(request, response, page, total)
+    return [identity_out(state.settings, row) for row in rows]
+
+
+@router.post(
+    "/",
+    status_code=status.HTTP_201_CREATED,
+    summary="Register an agent identity",
+    description="201 only (the agent accepts nothing else). The offering may be sent hex or "
+    "dashed, in any case; an offering uuid that is not lowercase is accepted but logged as a "
+    "warning, because the agent would compute queue names that do not exist.",
+    responses={**ERRORS, **WRITE_ERRORS},
+)
+async def create_identity(
+    body: IdentityWrite, user: CurrentUser, session: SessionDep, state: StateDep
+) -> IdentityOut:
+    identity = await service.create_identity(session, user, body)
+    return identity_out(state.settings, identity)
+
+
+@router.get(
+    "/{identity_uuid}/",
+    summary="Get one of your agent identities",
+    description="404 when it is not yours.",
+    responses=ERRORS,
+)
+async def get_identity(identity: OwnedIdentity, state: StateDep) -> IdentityOut:
+    return identity_out(state.settings, identity)
+
+
+@router.put(
+    "/{identity_uuid}/",
+    summary="Update an agent identity (the agent does this on every restart)",
+    description="200 only. `offering` and `name` are required; optional fields left out keep "
+    "their value. `last_restarted` without an offset is taken as UTC.",
+    responses={**ERRORS, **WRITE_ERRORS},
+)
+async def update_identity(
+    body: IdentityWrite,
+    identity: OwnedIdentity,
+    user: CurrentUser,
+    session: SessionDep,
+    state: StateDep,
+) -> IdentityOut:
+    identity = await service.update_identity(session, user, identity, body)
+    return identity_out(state.settings, identity)
+
+
+@router.delete(
+    "/{identity_uuid}/",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Delete an agent identity",
+    description="Also deletes the subscriptions registered through it, with their queues and "
+    "broker users. Allowed after your access to the offering was revoked.",
+    responses=ERRORS,
+)
+async def delete_identity(
+    identity: OwnedIdentity, user: CurrentUser, session: SessionDep, state: StateDep
+) -> Response:
+    await service.delete_identity(session, state.provisioner, user, identity)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post(
+    "/{identity_uuid}/register_event_subscription/",
+    status_code=status.HTTP_201_CREATED,
+    summary="Get or make the subscription for one object type",
+    description="200 with your existing subscription for this identity and object type when "
+    "its broker user is intact (its password is reset to the token you called with); 201 with "
+    "a new one otherwise, and the broken one is deleted with its queues and broker user. "
+    "Restarting agents therefore never pile up subscriptions, broker users or queues.",
+    responses={
+        **ERRORS,
+        200: {"description": "The existing subscription.", "model": SubscriptionOut},
+        400: {"description": "Unknown object type (the field is named)."},
+        403: {"description": "You have no access to the identity's offering."},
+        503: {"description": "Broker or Management API unreachable; nothing was changed."},
+    },
+)
+async def register_event_subscription(
+    body: RegisterEventSubscription,
+    request: Request,
+    response: Response,
+    identity: OwnedIdentity,
+    user: CurrentUser,
+    session: SessionDep,
+    state: StateDep,
+) -> SubscriptionOut:
+    subscription, created = await service.register_event_subscription(
+        session,
+        state.provisioner,
+        user,
+        identity,
+        body,
+        source_ip=request.client.host if request.client else None,
+    )
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return subscription_out(state.settings, subscription, user)

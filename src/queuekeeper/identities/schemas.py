@@ -1,0 +1,107 @@
+"""Agent identities as waldur-site-agent 1.0.5 sends and parses them (site-agent-contract 2-3)."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
+from queuekeeper.events.payloads import ObjectType
+
+
+def _uuid_text(value: str) -> str:
+    uuid.UUID(value)  # hex, dashed, any case, {braced}, urn:uuid: (raises ValueError)
+    return value
+
+
+# Kept as sent: its exact form tells us which queue names the agent will compute.
+OfferingText = Annotated[
+    str,
+    AfterValidator(_uuid_text),
+    Field(description="The offering uuid, hex or dashed, any case (written as hex in answers)."),
+]
+
+
+class Dependency(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    package: str = Field(min_length=1, max_length=255)
+    version: str = Field(max_length=255)
+
+
+class IdentityWrite(BaseModel):
+    """Body of POST and PUT. On PUT, optional fields left out keep their stored value."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "examples": [
+                {
+                    "offering": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+                    "name": "agent-5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+                    "version": "1.0.5",
+                    "dependencies": [{"package": "waldur-api-client", "version": "8.0.9.dev348"}],
+                    "config_file_path": "",
+                    "config_file_content": "",
+                    "last_restarted": "2026-11-21T22:25:36.755464",
+                }
+            ]
+        },
+    )
+
+    offering: OfferingText
+    name: str = Field(min_length=1, max_length=255)
+    version: str | None = Field(default=None, max_length=64)
+    dependencies: list[Dependency] | None = Field(default=None, max_length=500)
+    config_file_path: str | None = Field(default=None, max_length=4096)
+    config_file_content: str | None = Field(default=None, max_length=1_000_000)
+    last_restarted: datetime | None = Field(
+        default=None,
+        description="The agent sends naive local time; a value without an offset is taken as "
+        "UTC. Defaults to the time of the request.",
+    )
+
+    @property
+    def offering_uuid(self) -> uuid.UUID:
+        return uuid.UUID(self.offering)
+
+
+class IdentityOut(Schema):
+    uuid: HexUUID
+    url: str
+    offering: HexUUID
+    created_by: HexUUID | None = Field(description="The user who registered it (hex), or null.")
+    name: str
+    version: str | None
+    dependencies: list[Dependency]
+    config_file_path: str | None
+    config_file_content: str | None
+    # Never null: waldur-api-client 8.0.9 raises on an explicit null here.
+    last_restarted: UTCDateTime
+    services: list[dict[str, Any]] = Field(
+        description="Always empty: queuekeeper does not track agent services (the agent's "
+        "register_service call answers 404, which it logs and ignores)."
+    )
+    created: UTCDateTime
+    modified: UTCDateTime
+
+
+class RegisterEventSubscription(BaseModel):
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "examples": [
+                {
+                    "observable_object_type": "order",
+                    "description": "Event subscription created by the site agent for identity "
+                    "{identity.name}",
+                }
+            ]
+        },
+    )
+
+    observable_object_type: ObjectType
+    description: str = Field(default="", max_length=10_000)

@@ -1,0 +1,288 @@
+"""Agent identities and register_event_subscription: what waldur-site-agent does at start-up.
+
+The agent registers on every start and never cleans up after itself, so every
+call here is idempotent: a restart gets back the identity, the subscriptions,
+the broker users and (through create_queue) the queues it had, and nothing
+piles up on the broker or in the database.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import structlog
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm.exc import StaleDataError
+
+from queuekeeper.broker import topology
+from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.errors import BadRequest, Conflict, Forbidden, NotFound
+from queuekeeper.identities import repository
+from queuekeeper.identities.schemas import IdentityWrite, RegisterEventSubscription
+from queuekeeper.models import AgentIdentity, EventSubscription, Offering, User, utcnow
+from queuekeeper.observability.metrics import AGENT_OFFERING_UUID_FORM, AGENT_REGISTRATIONS
+from queuekeeper.subscriptions import repository as subscriptions_repository
+from queuekeeper.subscriptions import service as subscriptions
+from queuekeeper.subscriptions.schemas import ObservableObject, SubscriptionCreate
+
+log = structlog.get_logger(__name__)
+
+
+def agent_computes_our_queue_names(offering_text: str) -> bool:
+    """Whether the agent's queue names will match ours for this configured offering uuid.
+
+    waldur-site-agent builds `..._offering_{uuid with '-' removed}_...` from its
+    configuration as written; queuekeeper names queues with lowercase hex.
+    """
+    return offering_text.replace("-", "") == uuid.UUID(offering_text).hex
+
+
+def warn_about_offering_form(offering_text: str, user: User, identity_name: str) -> None:
+    if agent_computes_our_queue_names(offering_text):
+        return
+    AGENT_OFFERING_UUID_FORM.inc()
+    log.warning(
+        "agent_offering_uuid_not_lowercase_hex",
+        user=user.uuid.hex,
+        identity=identity_name,
+        configured=offering_text,
+        expected=uuid.UUID(offering_text).hex,
+        detail="waldur-site-agent computes its queue names from waldur_offering_uuid exactly "
+        "as configured (dashes removed). This form gives names queuekeeper never creates: the "
+        "agent will reconnect in a loop, refused NOT_FOUND. Configure the offering uuid in "
+        "lowercase.",
+    )
+
+
+async def _offering_for(session: AsyncSession, user: User, body: IdentityWrite) -> Offering:
+    offering = await session.get(Offering, body.offering_uuid)
+    if offering is None:
+        raise BadRequest(
+            f"Unknown offering {body.offering_uuid.hex}: the backend has not pushed it.",
+            field="offering",
+        )
+    if not await subscriptions_repository.has_access(session, user.uuid, offering.uuid):
+        raise Forbidden(f"You have no access to offering {offering.uuid.hex}.")
+    return offering
+
+
+async def require_access(session: AsyncSession, user: User, identity: AgentIdentity) -> None:
+    if not await subscriptions_repository.has_access(session, user.uuid, identity.offering_uuid):
+        raise Forbidden(
+            f"You have no access to offering {identity.offering_uuid.hex}, which agent identity "
+            f"{identity.uuid.hex} belongs to."
+        )
+
+
+def _name_taken(name: str, existing: AgentIdentity) -> Conflict:
+    return Conflict(
+        f"You already have an agent identity named {name!r} ({existing.uuid.hex}); update it "
+        f"with PUT /api/marketplace-site-agent-identities/{existing.uuid.hex}/ instead.",
+        field="name",
+    )
+
+
+async def create_identity(session: AsyncSession, user: User, body: IdentityWrite) -> AgentIdentity:
+    offering = await _offering_for(session, user, body)
+    warn_about_offering_form(body.offering, user, body.name)
+    now = utcnow()
+    identity = AgentIdentity(
+        uuid=uuid.uuid4(),
+        offering_uuid=offering.uuid,
+        name=body.name,
+        version=body.version,
+        dependencies=[item.model_dump() for item in body.dependencies or []],
+        config_file_path=body.config_file_path,
+        config_file_content=body.config_file_content,
+        last_restarted=body.last_restarted or now,
+        created_by=user.uuid,
+        created=now,
+        modified=now,
+    )
+    session.add(identity)
+    user_uuid, offering_uuid = user.uuid, offering.uuid  # a rollback expires the objects
+    try:
+        await session.commit()
+    except IntegrityError as exc:
+        await session.rollback()
+        existing = await repository.find_by_name(session, user_uuid, body.name)
+        if existing is not None:
+            raise _name_taken(body.name, existing) from exc
+        raise BadRequest(
+            f"Offering {offering_uuid.hex} was deleted while the identity was being created.",
+            field="offering",
+        ) from exc
+    log.info(
+        "agent_identity_created",
+        identity=identity.uuid.hex,
+        name=identity.name,
+        offering=offering.uuid.hex,
+        user=user.uuid.hex,
+        version=identity.version,
+    )
+    return identity
+
+
+async def update_identity(
+    session: AsyncSession, user: User, identity: AgentIdentity, body: IdentityWrite
+) -> AgentIdentity:
+    """The agent's PUT on every restart. Optional fields left out keep their value."""
+    await require_access(session, user, identity)
+    offering = await _offering_for(session, user, body)
+    warn_about_offering_form(body.offering, user, body.name)
+    sent = body.model_fields_set
+    identity.offering_uuid = offering.uuid
+    identity.name = body.name
+    if "version" in sent:
+        identity.version = body.version
+    if "dependencies" in sent:
+        identity.dependencies = [item.model_dump() for item in body.dependencies or []]
+    if "config_file_path" in sent:
+        identity.config_file_path = body.config_file_path
+    if "config_file_content" in sent:
+        identity.config_file_content = body.config_file_content
+    if body.last_restarted is not None:
+        identity.last_restarted = body.last_restarted
+    identity.modified = utcnow()
+    user_uuid, identity_uuid = user.uuid, identity.uuid  # a rollback expires the objects
+    try:
+        await session.commit()
+    except IntegrityError as exc:
+        await session.rollback()
+        existing = await repository.find_by_name(session, user_uuid, body.name)
+        if existing is not None and existing.uuid != identity_uuid:
+            raise _name_taken(body.name, existing) from exc
+        raise NotFound(
+            "The identity or its offering was deleted while it was being updated."
+        ) from exc
+    log.info(
+        "agent_identity_updated",
+        identity=identity.uuid.hex,
+        name=identity.name,
+        user=user.uuid.hex,
+        version=identity.version,
+        last_restarted=identity.last_restarted.isoformat() if identity.last_restarted else None,
+    )
+    return identity
+
+
+async def delete_identity(
+    session: AsyncSession, provisioner: Provisioner, user: User, identity: AgentIdentity
+) -> None:
+    """Deletes the identity and the subscriptions registered through it, with their queues
+    and broker users: nothing else would ever clean them up."""
+    owned = await repository.subscriptions_of_identity(session, user.uuid, identity.uuid)
+    leftovers = await subscriptions.collect_leftovers(session, owned)
+    for subscription in owned:
+        await session.delete(subscription)
+    await session.delete(identity)
+    await session.commit()
+    log.info(
+        "agent_identity_deleted",
+        identity=identity.uuid.hex,
+        user=user.uuid.hex,
+        subscriptions=[s.uuid.hex for s in owned],
+    )
+    await subscriptions.remove_leftovers(session, provisioner, leftovers)
+
+
+async def _reuse(
+    session: AsyncSession, provisioner: Provisioner, user: User, subscription: EventSubscription
+) -> bool:
+    """Give an intact subscription the caller's current token as its password; False if broken."""
+    if subscription.broker_state == "broken":
+        return False
+    vhost = topology.vhost_name(user.uuid)
+    if not await provisioner.subscription_user_intact(vhost, subscription.uuid):
+        return False
+    # Also re-asserts the read-only permissions, should they have drifted.
+    await provisioner.ensure_subscription_user(vhost, subscription.uuid, user.broker_password_hash)
+    subscription.broker_password_hash = user.broker_password_hash
+    await session.commit()
+    return True
+
+
+async def register_event_subscription(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    user: User,
+    identity: AgentIdentity,
+    body: RegisterEventSubscription,
+    *,
+    source_ip: str | None,
+) -> tuple[EventSubscription, bool]:
+    """The caller's subscription for (identity, object type); True when a new one was made.
+
+    An existing one is returned while its broker user is intact. A broken one (its
+    broker user or its permissions are gone, or a reconcile marked it broken) is
+    replaced: the new row goes in as the old one goes out, in one transaction, and
+    the old one's queues and broker user are removed from the broker afterwards.
+    """
+    await require_access(session, user, identity)
+    object_type = body.observable_object_type
+    user_uuid, identity_uuid = user.uuid, identity.uuid
+    existing = await repository.registered_subscription(
+        session, user_uuid, identity_uuid, object_type
+    )
+    # Nothing stays open while we wait on the broker.
+    await session.commit()
+    if existing is not None and await _reuse(session, provisioner, user, existing):
+        AGENT_REGISTRATIONS.labels(outcome="reused").inc()
+        log.info(
+            "agent_subscription_reused",
+            identity=identity.uuid.hex,
+            object_type=object_type,
+            subscription=existing.uuid.hex,
+        )
+        return existing, False
+
+    try:
+        subscription = await subscriptions.create_subscription(
+            session,
+            provisioner,
+            user,
+            SubscriptionCreate(
+                description=body.description,
+                observable_objects=[ObservableObject(object_type=object_type)],
+            ),
+            source_ip=source_ip,
+            agent_identity_uuid=identity.uuid,
+            observable_object_type=object_type,
+            replaces=[existing] if existing is not None else [],
+        )
+    except (IntegrityError, StaleDataError) as exc:
+        # A concurrent call for the same (identity, type) committed first: use its row.
+        winner = await repository.registered_subscription(
+            session, user_uuid, identity_uuid, object_type
+        )
+        if winner is None:
+            raise NotFound(
+                f"Agent identity {identity_uuid.hex} was deleted while registering; call again."
+            ) from exc
+        await session.refresh(user)  # the rollback expired it; the answer needs its fields
+        AGENT_REGISTRATIONS.labels(outcome="reused").inc()
+        log.info(
+            "agent_subscription_reused",
+            identity=identity_uuid.hex,
+            object_type=object_type,
+            subscription=winner.uuid.hex,
+            detail="a concurrent registration made it",
+        )
+        return winner, False
+
+    outcome = "replaced" if existing is not None else "created"
+    AGENT_REGISTRATIONS.labels(outcome=outcome).inc()
+    log_method = log.warning if existing is not None else log.info
+    log_method(
+        f"agent_subscription_{outcome}",
+        identity=identity.uuid.hex,
+        object_type=object_type,
+        subscription=subscription.uuid.hex,
+        replaced=existing.uuid.hex if existing is not None else None,
+        detail="the previous subscription's broker user or permissions were gone; it was "
+        "retired with its queues"
+        if existing is not None
+        else None,
+    )
+    return subscription, True
