@@ -43,7 +43,10 @@ async def test_not_found_tells_vhost_from_object(fake: ManagementClient) -> None
 
 
 async def test_bad_request_keeps_the_inequivalent_reason(fake: ManagementClient) -> None:
-    reason = "inequivalent arg 'x-message-ttl' for queue 'q' in vhost 'v': received '1' but current is none"
+    reason = (
+        "inequivalent arg 'x-message-ttl' for queue 'q' in vhost 'v': "
+        "received '1' but current is none"
+    )
     with respx.mock:
         respx.put(f"{BASE}/queues/v/q").mock(
             return_value=httpx.Response(400, json={"error": "bad_request", "reason": reason})
