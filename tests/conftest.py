@@ -146,3 +146,26 @@ def backend(client: httpx.AsyncClient) -> Backend:
 
 def pytest_report_header(config: Any) -> str:
     return f"queuekeeper test database: {TEST_DB}"
+
+
+@pytest.fixture
+async def make_client(settings: Settings, clean_state: None) -> AsyncIterator[Any]:
+    """Start another app on the same database with some settings changed (e.g. a dead broker)."""
+    managers: list[LifespanManager] = []
+    clients: list[httpx.AsyncClient] = []
+
+    async def factory(**overrides: Any) -> httpx.AsyncClient:
+        application = create_app(settings.model_copy(update=overrides))
+        manager = LifespanManager(application, startup_timeout=30, shutdown_timeout=30)
+        await manager.__aenter__()
+        managers.append(manager)
+        transport = httpx.ASGITransport(app=manager.app, client=("10.1.2.3", 40000))
+        http = httpx.AsyncClient(transport=transport, base_url="http://testserver")
+        clients.append(http)
+        return http
+
+    yield factory
+    for http in clients:
+        await http.aclose()
+    for manager in reversed(managers):
+        await manager.__aexit__(None, None, None)

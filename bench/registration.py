@@ -1,0 +1,134 @@
+"""create_queue latency (new and repeat) against a raw Management API PUT, in one run.
+
+create_queue does: token lookup, offering and access checks, PUT queue, GET queue
+(arguments read back), INSERT ... ON CONFLICT DO NOTHING, commit. The baselines
+are a bare PUT of the same queue, and PUT + GET (the least any verified declare needs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+
+import httpx
+
+from bench._support import SERVICE_TOKEN, bench_database, fmt_ms, live_server, percentiles
+from queuekeeper.broker import topology
+from queuekeeper.config import Settings
+from queuekeeper.events.payloads import OBJECT_TYPES
+
+OFFERINGS = 20  # x 10 object types = 200 queues
+
+
+async def _run(base: str, settings: Settings) -> None:
+    headers = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
+    token = secrets.token_hex(20)
+    user = uuid.uuid4()
+    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+        await http.put(
+            f"/api/internal/users/{user}/",
+            json={"username": "bench", "token": token},
+            headers=headers,
+        )
+        offerings = [uuid.uuid4() for _ in range(OFFERINGS)]
+        for offering in offerings:
+            await http.put(
+                f"/api/internal/offerings/{offering}/", json={"name": "o"}, headers=headers
+            )
+            await http.put(f"/api/internal/offerings/{offering}/users/{user}/", headers=headers)
+        agent = {"Authorization": f"Token {token}"}
+        subscription = (await http.post("/api/event-subscriptions/", json={}, headers=agent)).json()
+        pairs = [(offering, object_type) for offering in offerings for object_type in OBJECT_TYPES]
+
+        async def create_all(expect: int) -> list[float]:
+            samples = []
+            for offering, object_type in pairs:
+                started = time.perf_counter()
+                response = await http.post(
+                    f"/api/event-subscriptions/{subscription['uuid']}/create_queue/",
+                    json={"offering_uuid": offering.hex, "object_type": object_type},
+                    headers=agent,
+                )
+                samples.append(time.perf_counter() - started)
+                assert response.status_code == expect, response.text
+            return samples
+
+        new = await create_all(201)
+        repeat = await create_all(200)
+
+    # Raw baseline: the same declare on the same broker, in a vhost of its own.
+    vhost = f"{settings.instance_name}-raw"
+    arguments = topology.queue_arguments(settings)
+    auth = (settings.management_user, settings.management_password)
+    async with httpx.AsyncClient(base_url=settings.management_url + "/api", auth=auth) as raw:
+        await raw.put(f"/vhosts/{vhost}", json={"tags": settings.instance_tag})
+        try:
+            put_new, put_repeat, put_get = [], [], []
+            for index in range(len(pairs)):
+                body = {"durable": True, "auto_delete": False, "arguments": arguments}
+                started = time.perf_counter()
+                await raw.put(f"/queues/{vhost}/q{index}", json=body)
+                put_new.append(time.perf_counter() - started)
+            for index in range(len(pairs)):
+                started = time.perf_counter()
+                await raw.put(f"/queues/{vhost}/q{index}", json=body)
+                put_repeat.append(time.perf_counter() - started)
+            for index in range(len(pairs)):
+                started = time.perf_counter()
+                await raw.put(f"/queues/{vhost}/q{index}", json=body)
+                await raw.get(f"/queues/{vhost}/q{index}", params={"columns": "arguments"})
+                put_get.append(time.perf_counter() - started)
+        finally:
+            await raw.delete(f"/vhosts/{vhost}")
+
+    rows = {
+        "raw PUT (new queue)": percentiles(put_new),
+        "raw PUT (existing)": percentiles(put_repeat),
+        "raw PUT + GET": percentiles(put_get),
+        "create_queue new (201)": percentiles(new),
+        "create_queue repeat (200)": percentiles(repeat),
+    }
+    for label, stats in rows.items():
+        print(f"  {label:28s} {fmt_ms(stats)}")
+    new_ratio = rows["create_queue new (201)"]["p50"] / rows["raw PUT (new queue)"]["p50"]
+    repeat_ratio = rows["create_queue repeat (200)"]["p50"] / rows["raw PUT (existing)"]["p50"]
+    print(f"  p50 ratio create_queue new / raw PUT new: x{new_ratio:.2f}")
+    print(f"  p50 ratio create_queue repeat / raw PUT existing: x{repeat_ratio:.2f}")
+
+
+def main() -> None:
+    with bench_database() as url:
+        settings = Settings(
+            database_url=url,
+            instance_name=f"qk-bench-{uuid.uuid4().hex[:8]}",
+            service_tokens=[SERVICE_TOKEN],
+        )
+        print(
+            f"  {len(OBJECT_TYPES) * OFFERINGS} queues, sequential, PostgreSQL, uvicorn on loopback"
+        )
+        try:
+            with live_server(settings) as base:
+                asyncio.run(_run(base, settings))
+        finally:
+            asyncio.run(_cleanup(settings))
+
+
+async def _cleanup(settings: Settings) -> None:
+    from queuekeeper.broker.management import ManagementClient
+
+    management = ManagementClient(settings)
+    try:
+        for vhost in await management.list_vhosts():
+            if settings.instance_tag in (vhost.get("tags") or []):
+                await management.delete_vhost(vhost["name"])
+        for user in await management.list_users():
+            if settings.instance_tag in (user.get("tags") or []):
+                await management.delete_user(user["name"])
+    finally:
+        await management.aclose()
+
+
+if __name__ == "__main__":
+    main()

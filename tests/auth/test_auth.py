@@ -1,0 +1,102 @@
+"""Who may call what: agent tokens, service tokens, expiry, deactivation."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import httpx
+
+from tests.conftest import SERVICE_TOKEN, SERVICE_TOKEN_OLD
+from tests.helpers import Backend
+
+
+async def test_agent_endpoints_need_a_valid_token(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    response = await client.get("/api/event-subscriptions/")
+    assert response.status_code == 401
+    assert "Authorization: Token" in response.json()["detail"]
+
+    response = await client.get(
+        "/api/event-subscriptions/", headers={"Authorization": "Token nope-nope-nope"}
+    )
+    assert response.status_code == 401
+    assert response.json()["detail"] == "Invalid token."
+
+    response = await client.get("/api/event-subscriptions/", headers={"Authorization": "Basic abc"})
+    assert response.status_code == 401
+    assert "Malformed" in response.json()["detail"]
+
+    agent = await backend.put_user()
+    for scheme in ("Token", "Bearer", "token"):
+        response = await client.get(
+            "/api/event-subscriptions/", headers={"Authorization": f"{scheme} {agent.token}"}
+        )
+        assert response.status_code == 200, scheme
+        assert response.json() == []
+
+
+async def test_expired_and_inactive_tokens_are_refused(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    past = (datetime.now(UTC) - timedelta(minutes=1)).isoformat()
+    expired = await backend.put_user(token_expires_at=past)
+    response = await client.get("/api/users/me/", headers=expired.headers)
+    assert response.status_code == 401
+    assert response.json()["detail"] == "Token has expired."
+
+    future = (datetime.now(UTC) + timedelta(days=1)).isoformat()
+    valid = await backend.put_user(token_expires_at=future)
+    assert (await client.get("/api/users/me/", headers=valid.headers)).status_code == 200
+
+    inactive = await backend.put_user(is_active=False)
+    response = await client.get("/api/users/me/", headers=inactive.headers)
+    assert response.status_code == 401
+    assert response.json()["detail"] == "User is inactive."
+
+
+async def test_service_tokens_and_agent_tokens_do_not_mix(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    agent = await backend.put_user()
+    # An agent token never opens the internal API ...
+    response = await client.put(
+        f"/api/internal/offerings/{agent.uuid}/", json={"name": "x"}, headers=agent.headers
+    )
+    assert response.status_code == 403
+    assert "service token" in response.json()["detail"]
+    # ... and a service token never acts as an agent.
+    response = await client.get(
+        "/api/event-subscriptions/", headers={"Authorization": f"Bearer {SERVICE_TOKEN}"}
+    )
+    assert response.status_code == 403
+    assert "cannot act as an agent" in response.json()["detail"]
+    # Unknown tokens on the internal API are 401; every configured token works (rotation).
+    response = await client.put(
+        f"/api/internal/offerings/{agent.uuid}/",
+        json={"name": "x"},
+        headers={"Authorization": "Bearer unknown-token-123"},
+    )
+    assert response.status_code == 401
+    response = await client.put(f"/api/internal/offerings/{agent.uuid}/", json={"name": "x"})
+    assert response.status_code == 401
+    response = await client.put(
+        f"/api/internal/offerings/{agent.uuid}/",
+        json={"name": "x"},
+        headers={"Authorization": f"Bearer {SERVICE_TOKEN_OLD}"},
+    )
+    assert response.status_code == 201
+
+
+async def test_user_record_is_only_your_own(client: httpx.AsyncClient, backend: Backend) -> None:
+    agent = await backend.put_user(full_name="Agent A")
+    other = await backend.put_user()
+    me = await client.get("/api/users/me/", headers=agent.headers)
+    assert me.status_code == 200
+    assert me.json()["uuid"] == agent.uuid.hex
+    assert me.json()["full_name"] == "Agent A"
+    assert "token" not in me.json()
+    by_uuid = await client.get(f"/api/users/{agent.uuid}/", headers=agent.headers)
+    assert by_uuid.json() == me.json()
+    response = await client.get(f"/api/users/{other.uuid.hex}/", headers=agent.headers)
+    assert response.status_code == 404

@@ -1,0 +1,241 @@
+"""create_queue: validation first, broker next, row last; idempotent; safe under races."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import aio_pika
+import httpx
+import pytest
+import respx
+import structlog
+
+from queuekeeper.broker.management import ManagementClient
+from queuekeeper.config import Settings
+from tests.helpers import Backend
+from tests.stomp_client import StompConsumer
+
+EXPECTED_ARGUMENTS = {
+    "x-message-ttl": 3_600_000,
+    "x-max-length": 10_000,
+    "x-overflow": "reject-publish-dlx",
+    "x-dead-letter-exchange": "",
+    "x-dead-letter-routing-key": "waldur.dlq.messages",
+}
+
+
+async def _declare_bare_queue(vhost: str, name: str, messages: int = 0) -> None:
+    """What RabbitMQ does when an agent subscribes first: a queue without arguments."""
+    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True)
+        await channel.declare_queue(name, durable=True)
+        for index in range(messages):
+            await channel.default_exchange.publish(
+                aio_pika.Message(json.dumps({"n": index}).encode()), routing_key=name
+            )
+
+
+async def test_repeat_answers_200_with_the_same_body(backend: Backend) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    first = await agent.create_queue(subscription["uuid"], offering)
+    again = await agent.create_queue(subscription["uuid"], offering.hex.upper())
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json() == first.json()
+
+
+async def test_repeat_re_creates_a_queue_deleted_behind_our_back(
+    backend: Backend, management: ManagementClient
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    queue = (await agent.create_queue(subscription["uuid"], offering)).json()
+    await management.delete_queue(agent.vhost, queue["queue_name"])
+    assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 200
+    info = await management.get_queue(agent.vhost, queue["queue_name"])
+    assert info is not None
+    assert info["arguments"] == EXPECTED_ARGUMENTS
+
+
+async def test_concurrent_identical_calls_give_one_201_and_200s(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    responses = await asyncio.gather(
+        *(agent.create_queue(subscription["uuid"], offering) for _ in range(5))
+    )
+    assert sorted(response.status_code for response in responses) == [200, 200, 200, 200, 201]
+    assert len({response.json()["uuid"] for response in responses}) == 1
+    listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
+    assert len(listed.json()) == 1
+
+
+async def test_queue_auto_created_without_arguments_is_repaired(
+    backend: Backend, management: ManagementClient
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    name = f"subscription_{subscription['uuid']}_offering_{offering.hex}_order"
+    await _declare_bare_queue(agent.vhost, name)
+
+    with structlog.testing.capture_logs() as logs:
+        response = await agent.create_queue(subscription["uuid"], offering)
+    assert response.status_code == 201, response.text
+    info = await management.get_queue(agent.vhost, name)
+    assert info is not None
+    assert info["arguments"] == EXPECTED_ARGUMENTS
+    repaired = [entry for entry in logs if entry["event"] == "queue_repaired"]
+    assert repaired
+    assert "inequivalent arg" in repaired[0]["reason"]
+
+
+async def test_queue_with_other_arguments_and_messages_is_a_409(
+    backend: Backend, management: ManagementClient, client: httpx.AsyncClient
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    name = f"subscription_{subscription['uuid']}_offering_{offering.hex}_order"
+    await _declare_bare_queue(agent.vhost, name, messages=2)
+
+    response = await agent.create_queue(subscription["uuid"], offering)
+    assert response.status_code == 409
+    body = response.json()
+    assert "inequivalent arg" in body["detail"]
+    assert body["queue_name"] == name
+    assert "Drain it" in body["action"]
+    info = await management.get_queue(agent.vhost, name)
+    assert info is not None
+    assert info["arguments"] == {}  # left alone: it holds messages
+    listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
+    assert listed.json() == []  # and no row
+
+
+async def test_queue_with_other_arguments_and_a_consumer_is_a_409(
+    backend: Backend, management: ManagementClient, settings: Settings
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    name = f"subscription_{subscription['uuid']}_offering_{offering.hex}_order"
+    await _declare_bare_queue(agent.vhost, name)
+    consumer = StompConsumer(agent.vhost, subscription["uuid"], agent.token)
+    await asyncio.to_thread(consumer.connect)
+    try:
+        consumer.subscribe(f"/amq/queue/{name}")
+        await asyncio.sleep(0.3)
+        response = await agent.create_queue(subscription["uuid"], offering)
+        assert response.status_code == 409
+        assert "in use" in response.json()["detail"] or "consumer" in response.json()["detail"]
+    finally:
+        consumer.close()
+
+
+async def test_broker_unreachable_is_a_503_and_leaves_no_row(
+    backend: Backend, make_client: object, client: httpx.AsyncClient
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    dead = await make_client(management_url="http://127.0.0.1:9")  # type: ignore[operator]
+    response = await dead.post(
+        f"/api/event-subscriptions/{subscription['uuid']}/create_queue/",
+        json={"offering_uuid": offering.hex, "object_type": "order"},
+        headers=agent.headers,
+    )
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == "7"
+    assert "RabbitMQ is unavailable" in response.json()["detail"]
+    listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
+    assert listed.json() == []
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        httpx.Response(503, json={"error": "boom", "reason": "node down"}),
+        httpx.Response(500, text="<html>proxy error</html>"),
+        httpx.ReadTimeout("timed out"),
+    ],
+    ids=["503", "500-not-json", "timeout"],
+)
+async def test_management_failures_are_503(
+    backend: Backend, client: httpx.AsyncClient, settings: Settings, failure: object
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    with respx.mock(assert_all_called=False) as mock:
+        mock.route(url__startswith=settings.management_url).mock(side_effect=[failure, failure])
+        mock.route().pass_through()
+        response = await agent.create_queue(subscription["uuid"], offering)
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == "7"
+    listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
+    assert listed.json() == []
+
+
+async def test_bad_bodies_are_400s_naming_the_field(backend: Backend) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    cases = [
+        (
+            {"offering_uuid": offering.hex, "object_type": "orders"},
+            "object_type",
+            "unknown object type",
+        ),
+        ({"offering_uuid": "xyz", "object_type": "order"}, "offering_uuid", "UUID"),
+        ({"object_type": "order"}, "offering_uuid", "required"),
+        (
+            {"offering_uuid": uuid.uuid4().hex, "object_type": "order"},
+            "offering_uuid",
+            "Unknown offering",
+        ),
+    ]
+    for body, field, words in cases:
+        response = await agent.client.post(
+            f"/api/event-subscriptions/{subscription['uuid']}/create_queue/",
+            json=body,
+            headers=agent.headers,
+        )
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["errors"][0]["field"] == field
+        assert words.lower() in response.json()["detail"].lower()
+    response = await agent.client.post(
+        f"/api/event-subscriptions/{subscription['uuid']}/create_queue/",
+        content=b"{not json",
+        headers={**agent.headers, "content-type": "application/json"},
+    )
+    assert response.status_code == 400
+
+
+async def test_access_and_ownership(backend: Backend, management: ManagementClient) -> None:
+    agent, _offering = await backend.agent_with_offering()
+    foreign_offering = await backend.put_offering()
+    subscription = await agent.create_subscription()
+    response = await agent.create_queue(subscription["uuid"], foreign_offering)
+    assert response.status_code == 403
+    assert foreign_offering.hex in response.json()["detail"]
+    # Nothing reached the broker for the refused call.
+    name = f"subscription_{subscription['uuid']}_offering_{foreign_offering.hex}_order"
+    assert await management.get_queue(agent.vhost, name) is None
+
+    other, other_offering = await backend.agent_with_offering()
+    response = await other.create_queue(subscription["uuid"], other_offering)
+    assert response.status_code == 404
+    response = await agent.create_queue("not-a-uuid", foreign_offering)
+    assert response.status_code == 404
+
+
+async def test_unobserved_type_may_be_registered_and_names_are_lowercase_hex(
+    backend: Backend,
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription(observable_objects=[{"object_type": "order"}])
+    dashed_upper = str(offering).upper()
+    response = await agent.create_queue(subscription["uuid"].upper(), dashed_upper, "resource")
+    assert response.status_code == 201
+    assert response.json()["queue_name"] == (
+        f"subscription_{subscription['uuid']}_offering_{offering.hex}_resource"
+    )
+    assert response.json()["offering_uuid"] == offering.hex
