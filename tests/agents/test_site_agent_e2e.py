@@ -25,6 +25,7 @@ import httpx
 import pytest
 import uvicorn
 import yaml
+from prometheus_client import REGISTRY
 
 from queuekeeper.app import create_app
 from queuekeeper.broker.management import ManagementClient
@@ -100,18 +101,25 @@ class RequestLog:
 
     app: Any
     entries: list[tuple[str, str, int]] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = time.perf_counter()
 
         async def record(message: Any) -> None:
             if message["type"] == "http.response.start":
                 self.entries.append((scope["method"], scope["path"], message["status"]))
+                self.seconds.append(time.perf_counter() - started)
             await send(message)
 
         await self.app(scope, receive, record)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.seconds.clear()
 
     def agent_requests(self) -> list[tuple[str, str, int]]:
         return [entry for entry in self.entries if "/internal/" not in entry[1]]
@@ -155,32 +163,35 @@ def site_agent_python() -> Path:
     return ensure_site_agent_venv()
 
 
-def agent_config(path: Path, api_url: str, token: str, offering_uuid: str) -> Path:
-    """The agent configuration docs/agents.md recommends, with every object type enabled."""
-    config = {
-        "offerings": [
+def agent_config(
+    path: Path, api_url: str, token: str, offering_uuid: str, *, all_types: bool = True
+) -> Path:
+    """The agent configuration docs/agents.md recommends; all nine types, or `order` only."""
+    offering: dict[str, Any] = {
+        "name": "queuekeeper end-to-end",
+        "waldur_api_url": api_url,
+        "waldur_api_token": token,
+        "waldur_offering_uuid": offering_uuid,
+        "backend_type": "none",
+        "stomp_enabled": True,
+        "stomp_ws_host": "127.0.0.1",
+        "stomp_ws_port": 15674,
+        "stomp_ws_path": "/ws",
+        "websocket_use_tls": False,
+        "verify_ssl": False,
+        # Any non-empty backend name enables the types; none is installed here, so the
+        # agent logs "Unsupported backend type" for its optional federation hook.
+        "order_processing_backend": "queuekeeper-e2e",
+    }
+    if all_types:
+        offering.update(
             {
-                "name": "queuekeeper end-to-end",
-                "waldur_api_url": api_url,
-                "waldur_api_token": token,
-                "waldur_offering_uuid": offering_uuid,
-                "backend_type": "none",
-                "stomp_enabled": True,
-                "stomp_ws_host": "127.0.0.1",
-                "stomp_ws_port": 15674,
-                "stomp_ws_path": "/ws",
-                "websocket_use_tls": False,
-                "verify_ssl": False,
-                # Any non-empty backend name enables the types; none is installed here, so
-                # the agent logs "Unsupported backend type" for the optional federation hook.
-                "order_processing_backend": "queuekeeper-e2e",
                 "membership_sync_backend": "queuekeeper-e2e",
                 "resource_import_enabled": True,
                 "backend_settings": {"periodic_limits": {"enabled": True}},
             }
-        ]
-    }
-    path.write_text(yaml.safe_dump(config))
+        )
+    path.write_text(yaml.safe_dump({"offerings": [offering]}))
     return path
 
 
@@ -397,11 +408,12 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
         )
 
         # --- first start: everything is created --------------------------------------
-        server.log.entries.clear()
+        server.log.clear()
         first = await start_agent(site_agent_python, config, tmp_path, "first")
         try:
             status = await first.ready(timeout=120)
             agent_requests = server.log.agent_requests()
+            first_rest = sum(server.log.seconds)
             consumers = status["consumers"]
             assert [item["object_type"] for item in consumers] == AGENT_TYPES, first.log_tail()
             assert all(item["connected"] for item in consumers)
@@ -425,10 +437,11 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
         assert first.process.returncode == 0, first.log_tail()
 
         # --- restart: everything is reused ---------------------------------------------
-        server.log.entries.clear()
+        server.log.clear()
         second = await start_agent(site_agent_python, config, tmp_path, "second")
         try:
             status = await second.ready(timeout=120)
+            second_rest = sum(server.log.seconds)
             assert [item["subscription"] for item in status["consumers"]] == subscriptions
             assert server.log.agent_requests() == expected_sequence(False, identity, subscriptions)
             after = await broker_snapshot(management, settings, agent.vhost)
@@ -444,7 +457,47 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
         assert len(queues.json()) == 9
         print(  # the figures quoted in docs/agents.md (run with -s to see them)
             f"\nsite-agent start-up, 9 types: first start {first.status['setup_seconds']:.2f} s "
-            f"(+{first.status['import_seconds']:.2f} s imports), restart "
-            f"{second.status['setup_seconds']:.2f} s (+{second.status['import_seconds']:.2f} s)",
+            f"(queuekeeper {first_rest:.2f} s of it; +{first.status['import_seconds']:.2f} s "
+            f"imports), restart {second.status['setup_seconds']:.2f} s (queuekeeper "
+            f"{second_rest:.2f} s; +{second.status['import_seconds']:.2f} s)",
             file=sys.stderr,
         )
+
+
+@pytest.mark.timeout(300)
+async def test_an_upper_case_offering_uuid_is_flagged_and_its_agent_receives_nothing(
+    server: Server, site_agent_python: Path, tmp_path: Path
+) -> None:
+    """Why docs/agents.md says to configure the offering uuid in lowercase (contract 4.1)."""
+    metric = "queuekeeper_agent_offering_uuid_not_lowercase_total"
+    flagged_before = REGISTRY.get_sample_value(metric) or 0.0
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        backend = Backend(http, SERVICE_TOKEN)
+        agent, offering = await backend.agent_with_offering()
+        configured = str(offering).upper()
+        config = agent_config(
+            tmp_path / "agent.yaml", f"{server.url}/api/", agent.token, configured, all_types=False
+        )
+        running = await start_agent(site_agent_python, config, tmp_path, "upper")
+        try:
+            status = await running.ready(timeout=120)
+            # queuekeeper accepted every call and made the lowercase queue...
+            assert [entry[2] for entry in server.log.agent_requests()] == [200, 201, 201, 201]
+            assert REGISTRY.get_sample_value(metric) == flagged_before + 1
+            (consumer,) = status["consumers"]
+            queue = queue_names(offering, [consumer])["order"]
+            publish = publisher_for(agent, offering, {"order": queue})
+            await publish("order", valid_payload("order"))
+            # ...but the agent subscribes to `..._offering_<UPPER HEX>_order`, is refused
+            # NOT_FOUND and reconnects in a loop, so the event stays in the queue.
+            await asyncio.sleep(2)
+            assert running.received() == []
+            connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{agent.vhost}")
+            async with connection:
+                channel = await connection.channel()
+                declared = await channel.declare_queue(queue, passive=True)
+                assert declared.declaration_result.message_count == 1
+            reconnects = running.log_tail().count("attempting reconnection")
+            assert reconnects >= 3, running.log_tail()
+        finally:
+            await running.stop()

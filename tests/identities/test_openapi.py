@@ -1,0 +1,42 @@
+"""The identity routes are documented: tags, summary, description, errors, body examples."""
+
+from __future__ import annotations
+
+from queuekeeper.app import create_app
+from queuekeeper.config import Settings
+
+
+def test_identity_routes_are_documented() -> None:
+    spec = create_app(Settings()).openapi()
+    schemas = spec["components"]["schemas"]
+    operations = [
+        (method, path, operation)
+        for path, item in spec["paths"].items()
+        if path.startswith("/api/marketplace-site-agent-identities/")
+        for method, operation in item.items()
+    ]
+    assert {(method, path) for method, path, _ in operations} == {
+        ("get", "/api/marketplace-site-agent-identities/"),
+        ("post", "/api/marketplace-site-agent-identities/"),
+        ("get", "/api/marketplace-site-agent-identities/{identity_uuid}/"),
+        ("put", "/api/marketplace-site-agent-identities/{identity_uuid}/"),
+        ("delete", "/api/marketplace-site-agent-identities/{identity_uuid}/"),
+        (
+            "post",
+            "/api/marketplace-site-agent-identities/{identity_uuid}/register_event_subscription/",
+        ),
+    }
+    for method, path, operation in operations:
+        where = f"{method.upper()} {path}"
+        assert operation["tags"] == ["agents"], where
+        assert operation["summary"], where
+        assert operation["description"], where
+        assert {"401", "404"} <= set(operation["responses"]), where
+        body = operation.get("requestBody")
+        if body is not None:
+            name = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+            assert schemas[name]["examples"], where
+    register = spec["paths"][
+        "/api/marketplace-site-agent-identities/{identity_uuid}/register_event_subscription/"
+    ]["post"]
+    assert {"200", "201", "403", "503"} <= set(register["responses"])
