@@ -16,6 +16,7 @@ from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
+from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
 from queuekeeper.observability.metrics import observe_management_call
 from queuekeeper.state import AppState
@@ -75,6 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(users_router)
     app.include_router(directory_router)
     app.include_router(identities_router)
+    app.include_router(identities_admin_router)
 
     @app.get("/healthz", tags=["health"], summary="Liveness", include_in_schema=False)
     async def healthz() -> dict[str, str]:

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 from sqlalchemy import func, select
 
-from queuekeeper.auth.dependencies import CurrentUser
+from queuekeeper.auth.dependencies import CurrentUser, ServiceCaller
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.common.urls import api_url
@@ -20,6 +20,7 @@ from queuekeeper.config import Settings
 from queuekeeper.errors import NotFound
 from queuekeeper.identities import repository, service
 from queuekeeper.identities.schemas import (
+    AdminIdentityOut,
     Dependency,
     IdentityOut,
     IdentityWrite,
@@ -32,6 +33,9 @@ from queuekeeper.subscriptions.schemas import SubscriptionOut
 
 COLLECTION = "marketplace-site-agent-identities"
 router = APIRouter(prefix=f"/api/{COLLECTION}", tags=["agents"])
+admin_router = APIRouter(
+    prefix="/api/admin/agent-identities", tags=["admin"], dependencies=[ServiceCaller]
+)
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"description": "No token, or an unknown, inactive or expired one."},
@@ -202,3 +206,40 @@ async def register_event_subscription(
     if not created:
         response.status_code = status.HTTP_200_OK
     return subscription_out(state.settings, subscription, user)
+
+
+@admin_router.get(
+    "/",
+    summary="Site agents as queuekeeper sees them",
+    description="Every agent identity with its owner, version and last restart, the "
+    "subscription per object type it registered, and each queue with the broker's view: "
+    "`present`, `consumers` (0 means the agent is not consuming: a wrong STOMP setting, a "
+    "reconnect loop, or an agent that is down) and `messages` (waiting for it). Oldest first; "
+    "`broker=false` skips the broker.",
+    responses={
+        401: {"description": "No or unknown service token."},
+        403: {"description": "An agent token was sent."},
+        503: {"description": "Management API unreachable (retry, or use broker=false)."},
+    },
+)
+async def admin_list_identities(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    state: StateDep,
+    page: Annotated[Page, Depends(page_params)],
+    offering_uuid: Annotated[uuid.UUID | None, Query(description="Hex or dashed.")] = None,
+    user_uuid: Annotated[uuid.UUID | None, Query(description="The owner, hex or dashed.")] = None,
+    broker: Annotated[bool, Query(description="Ask the broker for each queue.")] = True,
+) -> list[AdminIdentityOut]:
+    items, total = await service.admin_overview(
+        session,
+        state.management,
+        offering_uuid=offering_uuid,
+        user_uuid=user_uuid,
+        offset=page.offset,
+        limit=page.page_size,
+        with_broker=broker,
+    )
+    set_page_headers(request, response, page, total)
+    return items

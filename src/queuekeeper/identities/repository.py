@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import Select, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from queuekeeper.models import AgentIdentity, EventSubscription
+from queuekeeper.models import AgentIdentity, EventSubscription, EventSubscriptionQueue, User
 
 
 def owned_identities(user_uuid: uuid.UUID) -> Select[AgentIdentity]:
@@ -59,3 +59,41 @@ async def subscriptions_of_identity(
         )
     )
     return list(rows)
+
+
+async def admin_identities(
+    session: AsyncSession,
+    *,
+    offering_uuid: uuid.UUID | None,
+    user_uuid: uuid.UUID | None,
+    offset: int,
+    limit: int,
+) -> tuple[list[tuple[AgentIdentity, User | None]], int]:
+    """Identities with their owners, one page, and the total."""
+    query = select(AgentIdentity, User).outerjoin(User, User.uuid == AgentIdentity.created_by)
+    if offering_uuid is not None:
+        query = query.where(AgentIdentity.offering_uuid == offering_uuid)
+    if user_uuid is not None:
+        query = query.where(AgentIdentity.created_by == user_uuid)
+    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = await session.execute(
+        query.order_by(AgentIdentity.created, AgentIdentity.uuid).offset(offset).limit(limit)
+    )
+    return [(identity, owner) for identity, owner in rows.all()], int(total)
+
+
+async def subscriptions_with_queues(
+    session: AsyncSession, identity_uuids: list[uuid.UUID]
+) -> list[tuple[EventSubscription, EventSubscriptionQueue | None]]:
+    if not identity_uuids:
+        return []
+    rows = await session.execute(
+        select(EventSubscription, EventSubscriptionQueue)
+        .outerjoin(
+            EventSubscriptionQueue,
+            EventSubscriptionQueue.subscription_uuid == EventSubscription.uuid,
+        )
+        .where(EventSubscription.agent_identity_uuid.in_(identity_uuids))
+        .order_by(EventSubscription.created, EventSubscription.uuid)
+    )
+    return [(subscription, queue) for subscription, queue in rows.all()]

@@ -105,3 +105,33 @@ class RegisterEventSubscription(BaseModel):
 
     observable_object_type: ObjectType
     description: str = Field(default="", max_length=10_000)
+
+
+class AdminQueue(BaseModel):
+    queue_name: str
+    vhost: str
+    offering_uuid: HexUUID
+    present: bool | None = Field(description="On the broker; null when the broker was not asked.")
+    consumers: int | None = Field(description="0 on a present queue: the agent is not consuming.")
+    messages: int | None
+
+
+class AdminSubscription(BaseModel):
+    object_type: str | None
+    subscription_uuid: HexUUID
+    broker_state: str
+    created: UTCDateTime
+    queues: list[AdminQueue]
+
+
+class AdminIdentityOut(BaseModel):
+    uuid: HexUUID
+    name: str
+    offering: HexUUID
+    owner_uuid: HexUUID | None
+    owner_username: str | None
+    version: str | None
+    last_restarted: UTCDateTime | None
+    created: UTCDateTime
+    modified: UTCDateTime
+    subscriptions: list[AdminSubscription]

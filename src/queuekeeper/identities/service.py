@@ -9,6 +9,7 @@ piles up on the broker or in the database.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -16,10 +17,17 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
 from queuekeeper.broker import topology
+from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.errors import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.identities import repository
-from queuekeeper.identities.schemas import IdentityWrite, RegisterEventSubscription
+from queuekeeper.identities.schemas import (
+    AdminIdentityOut,
+    AdminQueue,
+    AdminSubscription,
+    IdentityWrite,
+    RegisterEventSubscription,
+)
 from queuekeeper.models import AgentIdentity, EventSubscription, Offering, User, utcnow
 from queuekeeper.observability.metrics import AGENT_OFFERING_UUID_FORM, AGENT_REGISTRATIONS
 from queuekeeper.subscriptions import repository as subscriptions_repository
@@ -286,3 +294,93 @@ async def register_event_subscription(
         else None,
     )
     return subscription, True
+
+
+async def _broker_queues(
+    management: ManagementClient, vhosts: set[str]
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """(vhost, queue name) -> the broker's row, listed page by page per vhost."""
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for vhost in sorted(vhosts):
+        page = 1
+        while True:
+            body = await management.list_queues_page(
+                vhost,
+                page=page,
+                page_size=500,
+                columns="name,consumers,messages",
+                name_prefix=topology.SUBSCRIPTION_QUEUE_PREFIX,
+            )
+            for item in body.get("items") or []:
+                found[(vhost, str(item.get("name")))] = item
+            if page >= int(body.get("page_count") or 0):
+                break
+            page += 1
+    return found
+
+
+async def admin_overview(
+    session: AsyncSession,
+    management: ManagementClient,
+    *,
+    offering_uuid: uuid.UUID | None,
+    user_uuid: uuid.UUID | None,
+    offset: int,
+    limit: int,
+    with_broker: bool,
+) -> tuple[list[AdminIdentityOut], int]:
+    """Every identity with what it registered and, optionally, who consumes it on the broker."""
+    identities, total = await repository.admin_identities(
+        session, offering_uuid=offering_uuid, user_uuid=user_uuid, offset=offset, limit=limit
+    )
+    rows = await repository.subscriptions_with_queues(
+        session, [identity.uuid for identity, _owner in identities]
+    )
+    await session.commit()  # nothing stays open while we ask the broker
+    broker = (
+        await _broker_queues(management, {queue.vhost for _s, queue in rows if queue is not None})
+        if with_broker
+        else None
+    )
+    subscriptions: dict[uuid.UUID, dict[uuid.UUID, AdminSubscription]] = {}
+    for subscription, queue in rows:
+        if subscription.agent_identity_uuid is None:  # detached meanwhile
+            continue
+        entry = subscriptions.setdefault(subscription.agent_identity_uuid, {}).setdefault(
+            subscription.uuid,
+            AdminSubscription(
+                object_type=subscription.observable_object_type,
+                subscription_uuid=subscription.uuid,
+                broker_state=subscription.broker_state,
+                created=subscription.created,
+                queues=[],
+            ),
+        )
+        if queue is None:
+            continue
+        seen = broker.get((queue.vhost, queue.queue_name)) if broker is not None else None
+        entry.queues.append(
+            AdminQueue(
+                queue_name=queue.queue_name,
+                vhost=queue.vhost,
+                offering_uuid=queue.offering_uuid,
+                present=None if broker is None else seen is not None,
+                consumers=int(seen.get("consumers") or 0) if seen else None,
+                messages=int(seen.get("messages") or 0) if seen else None,
+            )
+        )
+    return [
+        AdminIdentityOut(
+            uuid=identity.uuid,
+            name=identity.name,
+            offering=identity.offering_uuid,
+            owner_uuid=identity.created_by,
+            owner_username=owner.username if owner is not None else None,
+            version=identity.version,
+            last_restarted=identity.last_restarted,
+            created=identity.created,
+            modified=identity.modified,
+            subscriptions=list(subscriptions.get(identity.uuid, {}).values()),
+        )
+        for identity, owner in identities
+    ], total
