@@ -63,7 +63,8 @@ class Settings(BaseSettings):
     )
     root_path: str = Field(
         default="",
-        description="Path prefix the service is mounted under behind a proxy, e.g. `/qk`.",
+        description="Path prefix behind a proxy, e.g. `/qk`: requests are answered with and "
+        "without it (whether or not the proxy strips it).",
     )
     host: str = "127.0.0.1"
     port: int = 8000
