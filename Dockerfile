@@ -19,7 +19,6 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/queuekeeper
 WORKDIR /build
-# Metadata first, so a change to the code alone does not re-resolve dependencies.
 COPY pyproject.toml README.md ./
 COPY src ./src
 COPY migrations ./migrations

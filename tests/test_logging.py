@@ -7,7 +7,6 @@ import json
 import logging
 import secrets
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -40,7 +39,7 @@ class LogCapture:
 
 
 @pytest.fixture
-def logs(settings: Settings) -> Iterator[LogCapture]:
+def logs(settings: Settings) -> LogCapture:
     capture = LogCapture()
     configure_logging(settings, level="DEBUG", log_format="json", stream=capture.stream)
     return capture
