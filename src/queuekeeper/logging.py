@@ -134,5 +134,8 @@ def configure_logging(
     for name in _CHATTY:
         logging.getLogger(name).setLevel(quiet)
     logging.getLogger("sqlalchemy.engine").setLevel(max(quiet, logging.INFO))
+    # aiosqlite logs every call at DEBUG from its own thread, outside the request's context
+    # (no request id) and with nothing an operator can use.
+    logging.getLogger("aiosqlite").setLevel(max(quiet, logging.INFO))
     # stomp.py logs the passcode in clear at DEBUG; never let it reach DEBUG.
     logging.getLogger("stomp").setLevel(max(logging.INFO, root.level))
