@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import httpx
 import respx
 from asgi_lifespan import LifespanManager
+from structlog.testing import capture_logs
 
 from queuekeeper.app import create_app
 from queuekeeper.config import Settings
@@ -85,23 +86,38 @@ async def test_readiness_follows_a_broker_outage_and_its_end(settings: Settings)
         async with serving(proxied) as (http, _state):
             assert (await http.get("/readyz")).status_code == 200
 
-            amqp.stop()
-            response = await http.get("/readyz")
-            assert response.status_code == 503
-            assert _down(response) == {"amqp"}
-            assert response.json()["detail"] == "Not ready: amqp down."
+            with capture_logs() as logs:
+                amqp.stop()
+                for _ in range(2):
+                    response = await http.get("/readyz")
+                    assert response.status_code == 503
+                    assert _down(response) == {"amqp"}
+                    assert response.json()["detail"] == "Not ready: amqp down."
 
-            amqp.start()
-            assert (await http.get("/readyz")).status_code == 200
+                amqp.start()
+                assert (await http.get("/readyz")).status_code == 200
 
-            management.stop()
-            response = await http.get("/readyz")
-            assert response.status_code == 503
-            assert _down(response) == {"management"}
+                management.stop()
+                response = await http.get("/readyz")
+                assert response.status_code == 503
+                assert _down(response) == {"management"}
 
-            management.start()
-            response = await http.get("/readyz")
-            assert response.status_code == 200, response.text
+                management.start()
+                response = await http.get("/readyz")
+                assert response.status_code == 200, response.text
+
+    # One line per change, not one per probe.
+    changes = [
+        (entry["event"], entry.get("down") or entry.get("was_down"))
+        for entry in logs
+        if entry["event"] in ("not_ready", "ready_again")
+    ]
+    assert changes == [
+        ("not_ready", ["amqp"]),
+        ("ready_again", ["amqp"]),
+        ("not_ready", ["management"]),
+        ("ready_again", ["management"]),
+    ]
 
 
 async def test_database_outage_is_reported(settings: Settings, tmp_path: Any) -> None:

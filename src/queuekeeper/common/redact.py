@@ -44,6 +44,17 @@ _KEY_VALUE = re.compile(
 _RABBIT_HASH = re.compile(
     r"(?<![A-Za-z0-9+/=])(?=[^\s]*[a-z])(?=[^\s]*[A-Z])[A-Za-z0-9+/]{48}(?![A-Za-z0-9+/=])"
 )
+# Words without which none of _AUTH_HEADER, _AUTH_SCHEME, _KEY_VALUE can match.
+_TRIGGERS = (
+    "token",
+    "bearer",
+    "basic",
+    "authorization",
+    "password",
+    "passcode",
+    "passwd",
+    "secret",
+)
 # Too short to mask by value without masking ordinary words (e.g. the default "guest").
 _MIN_KNOWN_SECRET = 8
 
@@ -74,12 +85,20 @@ class Redactor:
         self._known.sort(key=len, reverse=True)
 
     def text(self, value: str) -> str:
+        # Every log value passes through here: cheap substring tests decide which of the
+        # regexes can match at all, so an ordinary value costs a few `in` checks.
         for secret in self._known:
             if secret in value:
                 value = value.replace(secret, MASK)
-        for pattern in (_URL_USERINFO, _AUTH_HEADER, _AUTH_SCHEME, _KEY_VALUE):
-            value = pattern.sub(_mask_group, value)
-        return _RABBIT_HASH.sub(MASK, value)
+        if "://" in value:
+            value = _URL_USERINFO.sub(_mask_group, value)
+        lowered = value.lower()
+        if any(word in lowered for word in _TRIGGERS):
+            for pattern in (_AUTH_HEADER, _AUTH_SCHEME, _KEY_VALUE):
+                value = pattern.sub(_mask_group, value)
+        if len(value) >= 48:
+            value = _RABBIT_HASH.sub(MASK, value)
+        return value
 
     def value(self, value: Any, key: str | None = None) -> Any:
         if key is not None and is_secret_key(key):

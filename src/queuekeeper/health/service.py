@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import aio_pika
+import structlog
 from sqlalchemy import text
 
 from queuekeeper.common.redact import default_redactor
@@ -21,7 +22,10 @@ from queuekeeper.config import Settings
 from queuekeeper.health.schemas import CheckResult, Readiness
 from queuekeeper.state import AppState
 
+log = structlog.get_logger(__name__)
+
 Check = Callable[[], Awaitable[None]]
+_LAST_DOWN = "readiness_last_down"
 
 
 @runtime_checkable
@@ -100,8 +104,21 @@ async def readiness(state: AppState) -> Readiness:
     results = await asyncio.gather(*(_run(check, timeout) for check in named.values()))
     report = dict(zip(named, results, strict=True))
     down = [name for name, result in report.items() if not result.ok]
+    _log_change(state, down, report)
     if down:
         return Readiness(
             status="unavailable", detail=f"Not ready: {', '.join(down)} down.", checks=report
         )
     return Readiness(status="ready", detail="Ready.", checks=report)
+
+
+def _log_change(state: AppState, down: list[str], report: dict[str, CheckResult]) -> None:
+    """One line when readiness changes, not one per probe."""
+    previous = state.extras.get(_LAST_DOWN)
+    state.extras[_LAST_DOWN] = down
+    if down == previous:
+        return
+    if down:
+        log.warning("not_ready", down=down, errors={name: report[name].error for name in down})
+    elif previous:
+        log.info("ready_again", was_down=previous)
