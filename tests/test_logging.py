@@ -166,3 +166,23 @@ def test_console_format_is_readable_not_json(settings: Settings) -> None:
     assert "queue=q1" in text
     with pytest.raises(json.JSONDecodeError):
         json.loads(text)
+
+
+def test_duplicate_and_chatty_library_lines_stay_out_at_info(settings: Settings) -> None:
+    stream = io.StringIO()
+    configure_logging(settings, level="INFO", log_format="json", stream=stream)
+    # uvicorn's access line duplicates queuekeeper's http_request line (which has the id).
+    logging.getLogger("uvicorn.access").info('127.0.0.1 - "GET / HTTP/1.1" 200')
+    logging.getLogger("sqlalchemy.orm.mapper.Mapper").info("(User|users) initialize prop uuid")
+    logging.getLogger("sqlalchemy.engine.Engine").info("SELECT users.uuid FROM users")
+    logging.getLogger("httpx").info("HTTP Request: GET http://127.0.0.1:15672/api/overview")
+    logging.getLogger("uvicorn.error").info("Uvicorn running", extra={"color_message": "\x1b[1m"})
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert lines == [
+        {
+            "event": "Uvicorn running",
+            "level": "info",
+            "logger": "uvicorn.error",
+            "timestamp": lines[0]["timestamp"],
+        }
+    ]

@@ -29,6 +29,8 @@ app = typer.Typer(
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PACKAGE_DIR = Path(__file__).resolve().parent
+# Also in observability/endpoints.py; not imported from there, so that commands which do not
+# serve stay quick to start (the container's HEALTHCHECK runs one every 15 s).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 

@@ -21,9 +21,7 @@ from queuekeeper.config import Settings
 
 # Libraries whose INFO lines are one per call (httpx: one per Management API request);
 # they speak at WARNING unless the root level is DEBUG.
-_CHATTY = ("httpx", "httpcore", "aiormq", "asyncio", "sqlalchemy.pool")
-# SQLAlchemy logs statements at INFO and result rows at DEBUG; rows hold password hashes,
-# so it never goes below INFO (its bound parameters are hidden by the engine).
+_CHATTY = ("httpx", "httpcore", "aiormq", "asyncio")
 _BRIDGED = (
     "uvicorn",
     "uvicorn.error",
@@ -44,6 +42,14 @@ def _mask_secrets(
 ) -> MutableMapping[str, Any]:
     for key, value in list(event_dict.items()):
         event_dict[key] = redactor.value(value, key)
+    return event_dict
+
+
+def _drop_color_message(
+    _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    # uvicorn passes a copy of its message with terminal colour codes as `extra`.
+    event_dict.pop("color_message", None)
     return event_dict
 
 
@@ -87,6 +93,7 @@ def configure_logging(
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.stdlib.ExtraAdder(),
+        _drop_color_message,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Any = (
@@ -130,12 +137,18 @@ def configure_logging(
         library.handlers[:] = []
         library.propagate = True
         library.setLevel(logging.NOTSET)
-    quiet = logging.DEBUG if level == "DEBUG" else logging.WARNING
+    debugging = level == "DEBUG"
     for name in _CHATTY:
-        logging.getLogger(name).setLevel(quiet)
-    logging.getLogger("sqlalchemy.engine").setLevel(max(quiet, logging.INFO))
+        logging.getLogger(name).setLevel(logging.DEBUG if debugging else logging.WARNING)
+    # SQLAlchemy: SQL statements (parameters hidden by the engine) only when debugging;
+    # never result rows (DEBUG: they hold password hashes) nor its mapper set-up chatter.
+    logging.getLogger("sqlalchemy").setLevel(logging.WARNING)
+    logging.getLogger("sqlalchemy.engine").setLevel(logging.INFO if debugging else logging.WARNING)
+    # uvicorn's access line is replaced by queuekeeper's `http_request` line, which carries
+    # the request id and the route template.
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     # aiosqlite logs every call at DEBUG from its own thread, outside the request's context
     # (no request id) and with nothing an operator can use.
-    logging.getLogger("aiosqlite").setLevel(max(quiet, logging.INFO))
+    logging.getLogger("aiosqlite").setLevel(logging.INFO)
     # stomp.py logs the passcode in clear at DEBUG; never let it reach DEBUG.
     logging.getLogger("stomp").setLevel(max(logging.INFO, root.level))
