@@ -45,11 +45,16 @@ def _mask_secrets(
     return event_dict
 
 
-def _drop_color_message(
+# Record attributes ExtraAdder would copy that only repeat `event`: uvicorn's coloured
+# copy of its message, and what another handler's formatter leaves on the record.
+_NOT_EXTRA = ("color_message", "message", "asctime")
+
+
+def _drop_non_extras(
     _logger: Any, _method: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
-    # uvicorn passes a copy of its message with terminal colour codes as `extra`.
-    event_dict.pop("color_message", None)
+    for key in _NOT_EXTRA:
+        event_dict.pop(key, None)
     return event_dict
 
 
@@ -93,7 +98,7 @@ def configure_logging(
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.stdlib.ExtraAdder(),
-        _drop_color_message,
+        _drop_non_extras,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Any = (
