@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint typecheck services test-postgres test-sqlite bench clean
+.PHONY: install run test lint typecheck services test-postgres test-sqlite bench docs clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { \
@@ -43,6 +43,10 @@ test: install services lint typecheck test-postgres test-sqlite
 
 bench: install services
 	$(BIN)/python -m bench
+
+## make docs: regenerate the configuration tables of README.md and docs/operations.md
+docs: install
+	$(BIN)/queuekeeper settings-table --write README.md --write docs/operations.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache queuekeeper.db*

@@ -8,6 +8,7 @@ tag of its own and is removed when the test ends.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -24,6 +25,7 @@ from queuekeeper.app import create_app
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
+from queuekeeper.logging import QueuekeeperHandler
 from queuekeeper.models import Base
 from tests.helpers import Backend
 
@@ -142,6 +144,17 @@ async def management(settings: Settings) -> AsyncIterator[ManagementClient]:
 @pytest.fixture
 def backend(client: httpx.AsyncClient) -> Backend:
     return Backend(client, SERVICE_TOKEN)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """Code that configures logging (CLI commands, logging tests) writes to streams that
+    close with the test: take its handler off again, and restore the root level."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.handlers[:] = [h for h in root.handlers if not isinstance(h, QueuekeeperHandler)]
+    root.setLevel(level)
 
 
 def pytest_report_header(config: Any) -> str:

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import structlog
 from fastapi import FastAPI
+from prometheus_client import multiprocess
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.common.openapi import install_openapi, operation_id
 from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
+from queuekeeper.health.endpoints import router as health_router
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
+from queuekeeper.observability.endpoints import MULTIPROC_ENV
+from queuekeeper.observability.endpoints import router as metrics_router
+from queuekeeper.observability.http import ObservabilityMiddleware
 from queuekeeper.observability.metrics import observe_management_call
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
@@ -25,11 +32,43 @@ from queuekeeper.subscriptions.endpoints import router as subscriptions_router
 log = structlog.get_logger(__name__)
 
 TAGS = [
-    {"name": "agents", "description": "Site agents: `Authorization: Token <api token>`."},
-    {"name": "internal", "description": "The backend: `Authorization: Bearer <service token>`."},
-    {"name": "admin", "description": "Operators: `Authorization: Bearer <service token>`."},
-    {"name": "health", "description": "Liveness, readiness and metrics."},
+    {
+        "name": "agents",
+        "description": "Site agents register event subscriptions and queues, then consume "
+        "them over STOMP. Authentication: `Authorization: Token <api token>`.",
+    },
+    {
+        "name": "internal",
+        "description": "The backend pushes its directory (users, offerings, grants) and "
+        "publishes events. Authentication: `Authorization: Bearer <service token>`.",
+    },
+    {
+        "name": "admin",
+        "description": "Operators inspect queues, run reconciles and redrive dead letters. "
+        "Authentication: `Authorization: Bearer <service token>`.",
+    },
+    {
+        "name": "health",
+        "description": "Probes and metrics for load balancers, orchestrators and Prometheus. "
+        "No authentication; not counted as HTTP traffic.",
+    },
 ]
+
+DESCRIPTION = """\
+queuekeeper owns the RabbitMQ queues through which a marketplace backend sends events to
+remote site agents.
+
+* **Agents** (`agents`) create an event subscription, register one queue per (offering,
+  object type) with `create_queue`, then subscribe over STOMP to `/amq/queue/<queue_name>`
+  in vhost `<user uuid hex>`, logging in as `<subscription uuid hex>` with their API token.
+* **The backend** (`internal`) pushes users, offerings and access grants, and publishes
+  events; an accepted event is never lost.
+* **Operators** (`admin`, `health`) see every queue's state, reconcile the broker with the
+  database, redrive dead letters, and scrape `/metrics`.
+
+Every error answers with `{"detail": "...", "errors": [{"field", "message"}]?}`. A request
+may carry `X-Request-ID`; the response always does, and every log line of the request has it.
+"""
 
 
 def build_state(settings: Settings) -> AppState:
@@ -51,35 +90,48 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = build_state(settings)
         app.state.queuekeeper = state
-        log.info("queuekeeper_started", instance=settings.instance_name)
+        log.info("queuekeeper_started", instance=settings.instance_name, pid=os.getpid())
         try:
             yield
         finally:
             await state.management.aclose()
             await state.engine.dispose()
+            if os.environ.get(MULTIPROC_ENV):
+                # Drops this worker's live gauges (pool size, outbox depth) from the totals.
+                multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
             log.info("queuekeeper_stopped")
 
     app = FastAPI(
         title="queuekeeper",
         version="0.1.0",
-        description="Owns the RabbitMQ queues through which a marketplace backend sends events "
-        "to remote site agents.",
+        description=DESCRIPTION,
         openapi_tags=TAGS,
         lifespan=lifespan,
         # Agents do not follow redirects: never answer a missing slash with a 307.
         redirect_slashes=False,
+        generate_unique_id_function=operation_id,
     )
-    if settings.root_path:
-        app.add_middleware(PathPrefixMiddleware, prefix=settings.root_path)
     install_error_handlers(app, settings)
+    install_openapi(app)
+    app.add_middleware(ObservabilityMiddleware)
+    if settings.root_path:
+        # Added last, so outermost: everything inside sees the canonical path.
+        app.add_middleware(PathPrefixMiddleware, prefix=settings.root_path)
     app.include_router(subscriptions_router)
     app.include_router(users_router)
     app.include_router(directory_router)
     app.include_router(identities_router)
     app.include_router(identities_admin_router)
-
-    @app.get("/healthz", tags=["health"], summary="Liveness", include_in_schema=False)
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
+    app.include_router(health_router)
+    app.include_router(metrics_router)
     return app
+
+
+def serve_app() -> FastAPI:
+    """The factory `queuekeeper serve` hands uvicorn: every worker process calls it, so
+    each configures its own logging before it builds the app."""
+    from queuekeeper.logging import configure_logging
+
+    settings = get_settings()
+    configure_logging(settings)
+    return create_app(settings)

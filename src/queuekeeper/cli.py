@@ -1,18 +1,49 @@
-"""The `queuekeeper` command."""
+"""The `queuekeeper` command.
+
+Exit codes: 0 success; 1 the operation failed (a dependency down, items refused);
+2 bad usage or an invalid input file.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from queuekeeper.config import get_settings
+from queuekeeper.config import Settings, get_settings
 
 app = typer.Typer(
-    help="queuekeeper: owns the RabbitMQ queues of site agents.", no_args_is_help=True
+    help="queuekeeper: owns the RabbitMQ queues through which a backend sends events to site "
+    "agents. Configuration comes from QUEUEKEEPER_* environment variables (see "
+    "`queuekeeper settings`).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,  # locals would print settings, tokens included
 )
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Also in observability/endpoints.py; not imported from there, so that commands which do not
+# serve stay quick to start (the container's HEALTHCHECK runs one every 15 s).
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def migrations_dir() -> Path:
+    """`migrations/` of a source checkout, or the copy packaged into the wheel."""
+    if PACKAGE_DIR == PROJECT_ROOT / "src" / "queuekeeper":
+        return PROJECT_ROOT / "migrations"
+    return PACKAGE_DIR / "_migrations"
 
 
 def _alembic_config(database_url: str | None = None) -> object:
@@ -20,7 +51,7 @@ def _alembic_config(database_url: str | None = None) -> object:
 
     ini = PROJECT_ROOT / "alembic.ini"
     config = Config(str(ini)) if ini.exists() else Config()
-    config.set_main_option("script_location", str(PROJECT_ROOT / "migrations"))
+    config.set_main_option("script_location", str(migrations_dir()))
     config.attributes["database_url"] = database_url or get_settings().database_url
     return config
 
@@ -29,33 +60,232 @@ def _alembic_config(database_url: str | None = None) -> object:
 def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Apply database migrations (run before `serve`, and after every upgrade)."""
     from alembic import command
+    from sqlalchemy.exc import SQLAlchemyError
 
+    from queuekeeper.common.redact import redact_url
     from queuekeeper.logging import configure_logging
 
-    configure_logging()
-    command.upgrade(_alembic_config(), revision)  # type: ignore[arg-type]
+    settings = get_settings()
+    configure_logging(settings)
+    try:
+        command.upgrade(_alembic_config(), revision)  # type: ignore[arg-type]
+    except (SQLAlchemyError, OSError) as exc:
+        raise fail(
+            f"migration failed on {redact_url(settings.database_url)}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
     typer.echo(f"database migrated to {revision}")
+
+
+def _prepare_multiprocess_dir() -> str:
+    """Several workers share their metrics through files in one directory.
+
+    It must start empty (stale files would add a previous run's counts), so queuekeeper
+    empties the one it is given or makes a fresh one.
+    """
+    directory = os.environ.get(MULTIPROC_ENV)
+    if directory:
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob("*.db"):
+            stale.unlink()
+    else:
+        directory = tempfile.mkdtemp(prefix="queuekeeper-metrics-")
+        os.environ[MULTIPROC_ENV] = directory  # inherited by the worker processes
+    return directory
 
 
 @app.command()
 def serve(
     host: str | None = typer.Option(None, help="Default: QUEUEKEEPER_HOST."),
     port: int | None = typer.Option(None, help="Default: QUEUEKEEPER_PORT."),
-    workers: int = typer.Option(1, help="Worker processes (see docs/operations.md)."),
+    workers: int = typer.Option(
+        1,
+        min=1,
+        help="Worker processes. One per container is the recommended set-up (scale with "
+        "replicas); more switch metrics to Prometheus multiprocess mode.",
+    ),
 ) -> None:
     """Run the HTTP service (uvicorn)."""
+    import structlog
     import uvicorn
 
     from queuekeeper.logging import configure_logging
 
     settings = get_settings()
-    configure_logging()
+    configure_logging(settings)
+    if workers > 1 or os.environ.get(MULTIPROC_ENV):
+        directory = _prepare_multiprocess_dir()
+        structlog.get_logger("queuekeeper.cli").info(
+            "metrics_multiprocess_mode", directory=directory, workers=workers
+        )
     uvicorn.run(
-        "queuekeeper.app:create_app",
+        "queuekeeper.app:serve_app",
         factory=True,
         host=host or settings.host,
         port=port or settings.port,
         workers=workers,
         log_config=None,
+        # queuekeeper logs each request itself, with its request id.
+        access_log=False,
         proxy_headers=True,
     )
+
+
+@app.command()
+def healthcheck(
+    url: str | None = typer.Option(
+        None, help="Base URL of the service. Default: http://QUEUEKEEPER_HOST:QUEUEKEEPER_PORT."
+    ),
+    ready: bool = typer.Option(False, "--ready", help="Probe /readyz instead of /healthz."),
+    timeout: float = typer.Option(3.0, help="Seconds to wait for the answer."),
+) -> None:
+    """Probe a running service's /healthz (or /readyz); exit 1 when it does not answer 200."""
+    import httpx
+
+    if url is None:
+        settings = get_settings()
+        host = settings.host if settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"  # noqa: S104
+        url = f"http://{host}:{settings.port}"
+    target = url.rstrip("/") + ("/readyz" if ready else "/healthz")
+    try:
+        response = httpx.get(target, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise fail(f"{target}: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != 200:
+        raise fail(f"{target} answered {response.status_code}: {response.text[:500]}")
+    typer.echo(f"{target}: {response.status_code} {response.text[:500]}")
+
+
+def masked_settings(settings: Settings) -> dict[str, Any]:
+    """Effective settings by environment variable name, secrets masked."""
+    from queuekeeper.common.redact import MASK, is_secret_key, redact_url
+    from queuekeeper.config_reference import env_names
+
+    values: dict[str, Any] = {}
+    for name, field in Settings.model_fields.items():
+        value = getattr(settings, name)
+        if is_secret_key(name) and value:
+            value = [MASK] * len(value) if isinstance(value, list) else MASK
+        elif isinstance(value, str) and "://" in value:
+            value = redact_url(value)
+        values[env_names(name, field)[0]] = value
+    return values
+
+
+@app.command("settings")
+def show_settings(
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of lines."),
+) -> None:
+    """Print the effective settings (environment and .env applied), secrets masked."""
+    from pydantic import ValidationError
+
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        raise fail(f"invalid settings:\n{exc}", 2) from exc
+    values = masked_settings(settings)
+    if as_json:
+        typer.echo(json.dumps(values, indent=2, default=str))
+        return
+    for name, value in values.items():
+        shown = ",".join(map(str, value)) if isinstance(value, list) else value
+        if isinstance(shown, bool):
+            shown = str(shown).lower()
+        typer.echo(f"{name}={'' if shown is None else shown}")
+
+
+@app.command("settings-table")
+def settings_table(
+    write: list[Path] = typer.Option(
+        [], help="Rewrite the table between the settings-table markers of this file."
+    ),
+    check: bool = typer.Option(False, help="Exit 1 when a --write file is out of date."),
+) -> None:
+    """Print the configuration reference table (Markdown), or write it into the docs."""
+    from queuekeeper.config_reference import (
+        embedded_table,
+        render_table,
+        undocumented_settings,
+        write_table,
+    )
+
+    missing = undocumented_settings()
+    if missing:
+        raise fail(f"settings without a description: {', '.join(missing)}")
+    if not write:
+        typer.echo(render_table(), nl=False)
+        return
+    stale = []
+    for path in write:
+        if not path.exists():
+            raise fail(f"{path}: no such file", 2)
+        if check:
+            if embedded_table(path.read_text(encoding="utf-8")) != render_table():
+                stale.append(str(path))
+            continue
+        try:
+            changed = write_table(path)
+        except ValueError as exc:
+            raise fail(f"{path}: {exc}") from exc
+        typer.echo(f"{path}: {'updated' if changed else 'up to date'}")
+    if stale:
+        raise fail(f"out of date: {', '.join(stale)}; run `queuekeeper settings-table --write`")
+
+
+def _read_directory_file(file: str) -> Any:
+    from pydantic import ValidationError
+
+    from queuekeeper.directory.schemas import DirectoryFile
+
+    try:
+        raw = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise fail(f"cannot read {file}: {exc.strerror or exc}", 2) from exc
+    try:
+        return DirectoryFile.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = [
+            f"  {'.'.join(map(str, error['loc'])) or '(file)'}: {error['msg']}"
+            for error in exc.errors(include_input=False, include_url=False)
+        ]
+        raise fail(f"{file} is not a valid directory file:\n" + "\n".join(problems), 2) from exc
+
+
+@app.command("import-directory")
+def import_directory(
+    file: str = typer.Argument(
+        ..., help='JSON file {"offerings": [...], "users": [...], "grants": [...]}, or - for stdin.'
+    ),
+) -> None:
+    """Import users, offerings and access grants from a JSON file (idempotent)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from queuekeeper.app import build_state
+    from queuekeeper.common.progress import Progress
+    from queuekeeper.directory.importer import ImportReport
+    from queuekeeper.directory.importer import import_directory as run_import
+    from queuekeeper.logging import configure_logging
+
+    settings = get_settings()
+    configure_logging(settings, level="WARNING")
+    data = _read_directory_file(file)
+
+    async def run() -> ImportReport:
+        state = build_state(settings)
+        try:
+            with Progress("import-directory", total=data.size) as progress:
+                return await run_import(state, data, progress.advance)
+        finally:
+            await state.management.aclose()
+            await state.engine.dispose()
+
+    try:
+        report = asyncio.run(run())
+    except (SQLAlchemyError, OSError) as exc:
+        raise fail(f"database unavailable: {type(exc).__name__}") from exc
+    for label, reason in report.failures:
+        typer.echo(f"failed: {label}: {reason}", err=True)
+    typer.echo(report.summary())
+    if report.failures:
+        raise typer.Exit(1)

@@ -7,7 +7,7 @@ checks that the two agree.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -31,16 +31,28 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL. `postgresql://` and `sqlite:///` are given their "
         "async drivers (asyncpg, aiosqlite) automatically.",
     )
-    database_pool_size: int = Field(default=10, ge=1)
+    database_pool_size: int = Field(
+        default=10,
+        ge=1,
+        description="PostgreSQL connections kept per process (as many again may overflow).",
+    )
     amqp_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/",
         validation_alias=AliasChoices("QUEUEKEEPER_AMQP_URL", "RABBIT_URL", "amqp_url"),
         description="AMQP connection string; `RABBIT_URL` is used when this is not set. "
-        "The path (vhost) is ignored: queuekeeper connects to each user vhost.",
+        "Events go to each user's own vhost; the path (vhost) here is only opened by the "
+        "`/readyz` check, so the user needs access to it (default `/`).",
     )
-    management_url: str = "http://127.0.0.1:15672"
-    management_user: str = "guest"
-    management_password: str = "guest"
+    management_url: str = Field(
+        default="http://127.0.0.1:15672",
+        description="RabbitMQ Management API base URL (`https://` with the TLS settings below).",
+    )
+    management_user: str = Field(
+        default="guest",
+        description="Management API user; needs the `administrator` tag (it creates vhosts "
+        "and users).",
+    )
+    management_password: str = Field(default="guest", description="Management API password.")
     management_timeout: float = Field(default=5.0, gt=0, description="Seconds per call.")
     tls_ca_file: str | None = Field(
         default=None, description="CA bundle for `amqps://` and an `https://` Management API."
@@ -66,21 +78,62 @@ class Settings(BaseSettings):
         description="Path prefix behind a proxy, e.g. `/qk`: requests are answered with and "
         "without it (whether or not the proxy strips it).",
     )
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address `queuekeeper serve` listens on (`0.0.0.0` in a container).",
+    )
+    port: int = Field(default=8000, description="Port `queuekeeper serve` listens on.")
     retry_after_seconds: int = Field(
         default=5, ge=1, description="`Retry-After` sent with a 503 when the broker is down."
     )
 
     # --- queue arguments (SPEC 3) -------------------------------------------------------
-    queue_message_ttl_ms: int = Field(default=3_600_000, ge=0)
-    queue_max_length: int = Field(default=10_000, ge=1)
-    queue_overflow: str = "reject-publish-dlx"
-    dead_letter_exchange: str = ""
-    dlq_name: str = "waldur.dlq.messages"
-    dlq_max_length: int = Field(default=100_000, ge=1)
-    dlq_message_ttl_ms: int = Field(default=7 * 24 * 3_600_000, ge=0)
-    dlq_overflow: str = "drop-head"
+    queue_message_ttl_ms: int = Field(
+        default=3_600_000, ge=0, description="`x-message-ttl` of every registered queue."
+    )
+    queue_max_length: int = Field(
+        default=10_000, ge=1, description="`x-max-length` of every registered queue."
+    )
+    queue_overflow: str = Field(
+        default="reject-publish-dlx", description="`x-overflow` of every registered queue."
+    )
+    dead_letter_exchange: str = Field(
+        default="",
+        description='`x-dead-letter-exchange` of every registered queue (`""` is the default '
+        "exchange).",
+    )
+    dlq_name: str = Field(
+        default="waldur.dlq.messages",
+        description="Dead-letter queue declared in every user vhost; also the registered "
+        "queues' `x-dead-letter-routing-key`.",
+    )
+    dlq_max_length: int = Field(
+        default=100_000, ge=1, description="`x-max-length` of the dead-letter queue."
+    )
+    dlq_message_ttl_ms: int = Field(
+        default=7 * 24 * 3_600_000,
+        ge=0,
+        description="`x-message-ttl` of the dead-letter queue (7 days).",
+    )
+    dlq_overflow: str = Field(
+        default="drop-head", description="`x-overflow` of the dead-letter queue."
+    )
+
+    # --- operations (logs, health) ------------------------------------------------------
+    log_level: str = Field(
+        default="INFO",
+        description="Root log level (`DEBUG`, `INFO`, `WARNING`, `ERROR`).",
+    )
+    log_format: Literal["auto", "json", "console"] = Field(
+        default="auto",
+        description="`json` (one object per line), `console` (readable), or `auto`: "
+        "console in a terminal, JSON otherwise.",
+    )
+    readiness_timeout: float = Field(
+        default=2.0,
+        gt=0,
+        description="Seconds each `/readyz` check (database, AMQP, Management API) may take.",
+    )
 
     @field_validator("service_tokens", mode="before")
     @classmethod

@@ -19,7 +19,9 @@ from queuekeeper.config import Settings
 def create_engine(settings: Settings) -> AsyncEngine:
     if settings.is_sqlite:
         # One writer at a time: wait for the lock rather than fail with "database is locked".
-        engine = create_async_engine(settings.database_url, connect_args={"timeout": 30})
+        engine = create_async_engine(
+            settings.database_url, connect_args={"timeout": 30}, hide_parameters=True
+        )
 
         @event.listens_for(engine.sync_engine, "connect")
         def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -36,6 +38,9 @@ def create_engine(settings: Settings) -> AsyncEngine:
         max_overflow=settings.database_pool_size,
         pool_pre_ping=True,
         connect_args={"timeout": 5},
+        # Bound values (token digests, broker password hashes) stay out of SQL logs and
+        # out of the text of database exceptions.
+        hide_parameters=True,
     )
 
 

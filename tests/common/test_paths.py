@@ -14,6 +14,7 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
+from prometheus_client import REGISTRY
 
 from queuekeeper.app import create_app
 from queuekeeper.config import Settings
@@ -89,12 +90,20 @@ async def test_served_under_a_prefix_whether_or_not_the_proxy_strips_it(
             # A stripping proxy forwards `/api/...`; a plain one `/qk/api/...`.
             return path if proxy_strips_prefix else f"{base}{path}"
 
+        labels = {
+            "method": "POST",
+            "route": "/api/marketplace-site-agent-identities/",
+            "status": "201",
+        }
+        counted = REGISTRY.get_sample_value("queuekeeper_http_requests_total", labels) or 0.0
         response = await http.post(
             url("/api/marketplace-site-agent-identities/"),
             json={"offering": offering.hex, "name": f"agent-{offering.hex}"},
             headers=agent.headers,
         )
         assert response.status_code == 201, response.text
+        # HTTP metrics see the route template either way (the prefix is handled outside them).
+        assert REGISTRY.get_sample_value("queuekeeper_http_requests_total", labels) == counted + 1
         response = await http.get(
             url("/api/marketplace-site-agent-identities/"),
             params={"name": f"agent-{offering.hex}", "page_size": 1},

@@ -1,4 +1,5 @@
-"""The identity routes are documented: tags, summary, description, errors, body examples."""
+"""The identity routes exist as the agent calls them and are documented (tests/ops checks
+the shape of every route; this checks the codes the agent depends on)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def test_identity_routes_are_documented() -> None:
         assert operation["tags"] == ["agents"], where
         assert operation["summary"], where
         assert operation["description"], where
-        assert {"401", "404"} <= set(operation["responses"]), where
+        assert "401" in operation["responses"], where
+        if "{identity_uuid}" in path:
+            assert "404" in operation["responses"], where
         body = operation.get("requestBody")
         if body is not None:
             name = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]

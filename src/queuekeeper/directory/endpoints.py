@@ -6,8 +6,10 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Response, status
+from pydantic import BaseModel
 
 from queuekeeper.auth.dependencies import CurrentUser, ServiceCaller
+from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
@@ -20,15 +22,19 @@ from queuekeeper.state import SessionDep, StateDep
 internal_router = APIRouter(prefix="/api/internal", tags=["internal"], dependencies=[ServiceCaller])
 agent_router = APIRouter(tags=["agents"])
 
-SERVICE_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"description": "Bad body or a malformed uuid in the path (the field is named)."},
-    401: {"description": "No or unknown service token."},
-    403: {"description": "An agent token was sent."},
+SERVICE_DESCRIPTIONS = {
+    400: "Bad body or a malformed uuid in the path (the field is named).",
+    401: "No or unknown service token.",
+    403: "An agent token was sent where a service token is needed.",
 }
-CREATED_OR_UPDATED: dict[int | str, dict[str, Any]] = {
-    201: {"description": "Created."},
-    200: {"description": "Updated."},
-}
+SERVICE_ERRORS = error_responses(400, 401, 403, descriptions=SERVICE_DESCRIPTIONS)
+
+
+def created_or_updated(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    return {
+        201: {"description": "Created.", "model": model},
+        200: {"description": "Updated (or unchanged).", "model": model},
+    }
 
 
 def _uuid(value: str, what: str) -> uuid.UUID:
@@ -58,7 +64,20 @@ def user_out(settings: Settings, user: User) -> UserOut:
     summary="Create or update a user",
     description="Idempotent. Fields left out keep their value; `token: null` removes the token. "
     "A changed token becomes the broker password of all the user's subscriptions.",
-    responses={**CREATED_OR_UPDATED, **SERVICE_ERRORS, 503: {"description": "Broker down; retry."}},
+    responses={
+        **created_or_updated(UserOut),
+        **error_responses(
+            400,
+            401,
+            403,
+            503,
+            descriptions={
+                **SERVICE_DESCRIPTIONS,
+                503: "The user was saved but RabbitMQ could not be given the new password; "
+                "repeat the same PUT.",
+            },
+        ),
+    },
 )
 async def put_user(
     user_uuid: str, body: UserPut, response: Response, session: SessionDep, state: StateDep
@@ -90,7 +109,7 @@ async def delete_user(user_uuid: str, session: SessionDep, state: StateDep) -> R
     "/offerings/{offering_uuid}/",
     summary="Create or update an offering",
     description="Idempotent.",
-    responses={**CREATED_OR_UPDATED, **SERVICE_ERRORS},
+    responses={**created_or_updated(OfferingOut), **SERVICE_ERRORS},
 )
 async def put_offering(
     offering_uuid: str, body: OfferingPut, response: Response, session: SessionDep
@@ -119,9 +138,14 @@ async def delete_offering(offering_uuid: str, session: SessionDep, state: StateD
     summary="Grant a user access to an offering",
     description="Idempotent; no body.",
     responses={
-        **CREATED_OR_UPDATED,
-        **SERVICE_ERRORS,
-        404: {"description": "User or offering not pushed yet."},
+        **created_or_updated(AccessOut),
+        **error_responses(
+            400,
+            401,
+            403,
+            404,
+            descriptions={**SERVICE_DESCRIPTIONS, 404: "User or offering not pushed yet."},
+        ),
     },
 )
 async def grant_access(
@@ -157,7 +181,7 @@ async def revoke_access(
     "/api/users/me/",
     summary="Your own user record",
     description="The record behind your token.",
-    responses={401: {"description": "Bad token."}},
+    responses=error_responses(401),
 )
 async def get_me(user: CurrentUser, state: StateDep) -> UserOut:
     return user_out(state.settings, user)
@@ -167,7 +191,7 @@ async def get_me(user: CurrentUser, state: StateDep) -> UserOut:
     "/api/users/{user_uuid}/",
     summary="A user record (only your own)",
     description="The `user` field of a subscription points here. 404 for anyone else's.",
-    responses={401: {"description": "Bad token."}, 404: {"description": "Not you."}},
+    responses=error_responses(401, 404, descriptions={404: "Not you, or not a uuid."}),
 )
 async def get_user(user_uuid: str, user: CurrentUser, state: StateDep) -> UserOut:
     if parse_path_uuid(user_uuid) != user.uuid:

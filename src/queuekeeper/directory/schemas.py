@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import uuid
 from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,6 +36,25 @@ class UserPut(BaseModel):
 
 
 class UserOut(Schema):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "uuid": "8b1a9953c4611296a827abf8c47804d7",
+                    "url": "https://queuekeeper.example.org/api/users/8b1a9953c4611296a827abf8c47804d7/",
+                    "username": "site-agent-a",
+                    "full_name": "Site agent A",
+                    "email": "ops@example.org",
+                    "is_active": True,
+                    "has_token": True,
+                    "token_expires_at": None,
+                    "created": "2024-05-01T12:00:00.123456Z",
+                    "modified": "2024-05-01T12:00:00.123456Z",
+                }
+            ]
+        }
+    )
+
     uuid: HexUUID
     url: str
     username: str
@@ -57,6 +77,20 @@ class OfferingPut(BaseModel):
 
 
 class OfferingOut(Schema):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "uuid": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+                    "name": "HPC cluster",
+                    "state": "Active",
+                    "created": "2024-05-01T12:00:00.123456Z",
+                    "modified": "2024-05-01T12:00:00.123456Z",
+                }
+            ]
+        }
+    )
+
     uuid: HexUUID
     name: str
     state: str
@@ -65,6 +99,74 @@ class OfferingOut(Schema):
 
 
 class AccessOut(Schema):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "user_uuid": "8b1a9953c4611296a827abf8c47804d7",
+                    "offering_uuid": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+                    "created": "2024-05-01T12:00:00.123456Z",
+                }
+            ]
+        }
+    )
+
     user_uuid: HexUUID
     offering_uuid: HexUUID
     created: UTCDateTime
+
+
+# --- bulk import (`queuekeeper import-directory FILE`) -------------------------------
+
+
+class ImportUser(UserPut):
+    uuid: uuid.UUID
+
+
+class ImportOffering(OfferingPut):
+    uuid: uuid.UUID
+
+
+class ImportGrant(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    user_uuid: uuid.UUID
+    offering_uuid: uuid.UUID
+
+
+class DirectoryFile(BaseModel):
+    """What `queuekeeper import-directory` reads: the same fields as the internal PUTs."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "offerings": [
+                        {"uuid": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b", "name": "HPC cluster"}
+                    ],
+                    "users": [
+                        {
+                            "uuid": "8b1a9953c4611296a827abf8c47804d7",
+                            "username": "site-agent-a",
+                            "token": "2f6c1e0b9d0a4c53a5e4c1f2b3a4d5e6f7a8b9c0",
+                        }
+                    ],
+                    "grants": [
+                        {
+                            "user_uuid": "8b1a9953c4611296a827abf8c47804d7",
+                            "offering_uuid": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+                        }
+                    ],
+                }
+            ]
+        },
+    )
+
+    offerings: list[ImportOffering] = Field(default_factory=list)
+    users: list[ImportUser] = Field(default_factory=list)
+    grants: list[ImportGrant] = Field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.offerings) + len(self.users) + len(self.grants)

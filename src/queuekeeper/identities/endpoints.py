@@ -7,12 +7,13 @@ POST answers 201 only, PUT 200 only, register_event_subscription 201 or 200.
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 from sqlalchemy import func, select
 
 from queuekeeper.auth.dependencies import CurrentUser, ServiceCaller
+from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.common.urls import api_url
@@ -37,14 +38,13 @@ admin_router = APIRouter(
     prefix="/api/admin/agent-identities", tags=["admin"], dependencies=[ServiceCaller]
 )
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"description": "No token, or an unknown, inactive or expired one."},
-    404: {"description": "Not one of your identities, or not a uuid."},
-}
-WRITE_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"description": "Bad body: malformed or unknown offering, missing name (field named)."},
-    403: {"description": "You have no access to the offering."},
-    409: {"description": "You already have an identity with this name."},
+NOT_YOURS = "Not one of your identities, or not a uuid."
+ERRORS = error_responses(401, 404, descriptions={404: NOT_YOURS})
+WRITE_DESCRIPTIONS = {
+    400: "Bad body: malformed or unknown offering, missing name (the field is named).",
+    403: "You have no access to the offering.",
+    404: NOT_YOURS,
+    409: "You already have an identity with this name (the answer names it).",
 }
 
 
@@ -84,7 +84,7 @@ OwnedIdentity = Annotated[AgentIdentity, Depends(owned_identity)]
     summary="List your agent identities",
     description="A bare JSON array (the agent reads element 0 of `?name=`), oldest first, "
     "only identities you registered. `X-Result-Count` and `Link` headers paginate.",
-    responses=ERRORS,
+    responses=error_responses(400, 401),
 )
 async def list_identities(
     request: Request,
@@ -118,7 +118,7 @@ async def list_identities(
     description="201 only (the agent accepts nothing else). The offering may be sent hex or "
     "dashed, in any case; an offering uuid that is not lowercase is accepted but logged as a "
     "warning, because the agent would compute queue names that do not exist.",
-    responses={**ERRORS, **WRITE_ERRORS},
+    responses=error_responses(400, 401, 403, 409, descriptions=WRITE_DESCRIPTIONS),
 )
 async def create_identity(
     body: IdentityWrite, user: CurrentUser, session: SessionDep, state: StateDep
@@ -142,7 +142,7 @@ async def get_identity(identity: OwnedIdentity, state: StateDep) -> IdentityOut:
     summary="Update an agent identity (the agent does this on every restart)",
     description="200 only. `offering` and `name` are required; optional fields left out keep "
     "their value. `last_restarted` without an offset is taken as UTC.",
-    responses={**ERRORS, **WRITE_ERRORS},
+    responses=error_responses(400, 401, 403, 404, 409, descriptions=WRITE_DESCRIPTIONS),
 )
 async def update_identity(
     body: IdentityWrite,
@@ -179,11 +179,23 @@ async def delete_identity(
     "a new one otherwise, and the broken one is deleted with its queues and broker user. "
     "Restarting agents therefore never pile up subscriptions, broker users or queues.",
     responses={
-        **ERRORS,
         200: {"description": "The existing subscription.", "model": SubscriptionOut},
-        400: {"description": "Unknown object type (the field is named)."},
-        403: {"description": "You have no access to the identity's offering."},
-        503: {"description": "Broker or Management API unreachable; nothing was changed."},
+        **error_responses(
+            400,
+            401,
+            403,
+            404,
+            409,
+            503,
+            descriptions={
+                400: "Unknown object type (the field is named).",
+                403: "You have no access to the identity's offering.",
+                404: NOT_YOURS,
+                409: "The owner's vhost exists on the broker but is not this installation's.",
+                503: "Broker or Management API unreachable; nothing was changed. Retry after "
+                "`Retry-After` seconds.",
+            },
+        ),
     },
 )
 async def register_event_subscription(
@@ -216,11 +228,18 @@ async def register_event_subscription(
     "`present`, `consumers` (0 means the agent is not consuming: a wrong STOMP setting, a "
     "reconnect loop, or an agent that is down) and `messages` (waiting for it). Oldest first; "
     "`broker=false` skips the broker.",
-    responses={
-        401: {"description": "No or unknown service token."},
-        403: {"description": "An agent token was sent."},
-        503: {"description": "Management API unreachable (retry, or use broker=false)."},
-    },
+    responses=error_responses(
+        400,
+        401,
+        403,
+        503,
+        descriptions={
+            401: "No or unknown service token.",
+            403: "An agent token was sent.",
+            503: "Management API unreachable: retry after `Retry-After` seconds, or ask with "
+            "`broker=false`.",
+        },
+    ),
 )
 async def admin_list_identities(
     request: Request,

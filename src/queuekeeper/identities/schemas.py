@@ -69,7 +69,36 @@ class IdentityWrite(BaseModel):
         return uuid.UUID(self.offering)
 
 
+_IDENTITY_UUID = "7d1f0c2b9a8e4f6d8c5b4a3e2f1d0c9b"
+_OFFERING_UUID = "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b"
+_USER_UUID = "8b1a9953c4611296a827abf8c47804d7"
+_SUBSCRIPTION_UUID = "0d5e8f7a1b2c4d3e9f8a7b6c5d4e3f2a"
+
+
 class IdentityOut(Schema):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "uuid": _IDENTITY_UUID,
+                    "url": "https://queuekeeper.example.org/api/"
+                    f"marketplace-site-agent-identities/{_IDENTITY_UUID}/",
+                    "offering": _OFFERING_UUID,
+                    "created_by": _USER_UUID,
+                    "name": f"agent-{_OFFERING_UUID}",
+                    "version": "1.0.5",
+                    "dependencies": [{"package": "waldur-api-client", "version": "8.0.9.dev348"}],
+                    "config_file_path": "",
+                    "config_file_content": "",
+                    "last_restarted": "2026-11-21T22:25:36.755464Z",
+                    "services": [],
+                    "created": "2026-11-21T22:25:36.857310Z",
+                    "modified": "2026-11-21T22:25:36.857310Z",
+                }
+            ]
+        }
+    )
+
     uuid: HexUUID
     url: str
     offering: HexUUID
@@ -125,6 +154,43 @@ class AdminSubscription(BaseModel):
 
 
 class AdminIdentityOut(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "uuid": _IDENTITY_UUID,
+                    "name": f"agent-{_OFFERING_UUID}",
+                    "offering": _OFFERING_UUID,
+                    "owner_uuid": _USER_UUID,
+                    "owner_username": "site-agent-a",
+                    "version": "1.0.5",
+                    "last_restarted": "2026-11-21T22:25:36.755464Z",
+                    "created": "2026-11-21T22:25:36.857310Z",
+                    "modified": "2026-11-22T08:00:00.101010Z",
+                    "subscriptions": [
+                        {
+                            "object_type": "order",
+                            "subscription_uuid": _SUBSCRIPTION_UUID,
+                            "broker_state": "ok",
+                            "created": "2026-11-21T22:25:36.901234Z",
+                            "queues": [
+                                {
+                                    "queue_name": f"subscription_{_SUBSCRIPTION_UUID}"
+                                    f"_offering_{_OFFERING_UUID}_order",
+                                    "vhost": _USER_UUID,
+                                    "offering_uuid": _OFFERING_UUID,
+                                    "present": True,
+                                    "consumers": 0,
+                                    "messages": 12,
+                                }
+                            ],
+                        }
+                    ],
+                }
+            ]
+        }
+    )
+
     uuid: HexUUID
     name: str
     offering: HexUUID

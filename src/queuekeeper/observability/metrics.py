@@ -47,9 +47,17 @@ DELIVERIES = Counter(
     "retried, given_up.",
     ["outcome"],
 )
-OUTBOX_PENDING = Gauge("queuekeeper_outbox_pending", "Deliveries waiting to be published.")
+# multiprocess_mode says how workers' values combine under PROMETHEUS_MULTIPROC_DIR
+# (ignored otherwise): each worker reads the same outbox, so the largest live value is it.
+OUTBOX_PENDING = Gauge(
+    "queuekeeper_outbox_pending",
+    "Deliveries waiting to be published.",
+    multiprocess_mode="livemax",
+)
 OUTBOX_OLDEST_AGE = Gauge(
-    "queuekeeper_outbox_oldest_pending_age_seconds", "Age of the oldest pending delivery."
+    "queuekeeper_outbox_oldest_pending_age_seconds",
+    "Age of the oldest pending delivery.",
+    multiprocess_mode="livemax",
 )
 CONFIRM_LATENCY = Histogram(
     "queuekeeper_publish_confirm_seconds",
@@ -57,7 +65,9 @@ CONFIRM_LATENCY = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 AMQP_POOL_SIZE = Gauge(
-    "queuekeeper_amqp_pool_connections", "Open AMQP connections (one per vhost)."
+    "queuekeeper_amqp_pool_connections",
+    "Open AMQP connections (one per vhost).",
+    multiprocess_mode="livesum",
 )
 AMQP_RECONNECTS = Counter("queuekeeper_amqp_reconnects_total", "AMQP connections re-opened.")
 
@@ -99,6 +109,7 @@ JOB_LAST_SUCCESS = Gauge(
     "queuekeeper_job_last_success_timestamp_seconds",
     "Unix time of the last successful run.",
     ["job"],
+    multiprocess_mode="max",
 )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 from sqlalchemy import func, select
@@ -11,6 +11,7 @@ from sqlalchemy import func, select
 from queuekeeper.auth.dependencies import CurrentUser
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import QueueConflict, QueueOutcome
+from queuekeeper.common.openapi import QueueConflictBody, error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.common.urls import api_url
@@ -29,10 +30,8 @@ from queuekeeper.subscriptions.schemas import (
 
 router = APIRouter(tags=["agents"])
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"description": "No token, or an unknown, inactive or expired one."},
-    404: {"description": "Not yours, or not a uuid."},
-}
+NOT_YOURS = "Not yours, or not a uuid."
+ERRORS = error_responses(401, 404, descriptions={404: NOT_YOURS})
 
 
 def subscription_out(
@@ -89,7 +88,12 @@ OwnedSubscription = Annotated[EventSubscription, Depends(owned_subscription)]
     description="Creates the subscription, the owner's vhost (if new), the subscription's "
     "broker user (login = subscription uuid hex, password = your API token) and its "
     "read-only permissions on its own queues.",
-    responses={**ERRORS, 400: {"description": "Bad body."}, 503: {"description": "Broker down."}},
+    responses=error_responses(
+        400,
+        401,
+        503,
+        descriptions={400: "Bad body: an unknown object type, naming the field."},
+    ),
 )
 async def create_subscription(
     body: SubscriptionCreate,
@@ -112,7 +116,7 @@ async def create_subscription(
     "/api/event-subscriptions/",
     summary="List your event subscriptions",
     description="A bare JSON array (Waldur style); `X-Result-Count` and `Link` headers paginate.",
-    responses=ERRORS,
+    responses=error_responses(401),
 )
 async def list_subscriptions(
     request: Request,
@@ -168,12 +172,25 @@ async def delete_subscription(
     "ensured again either way). Answers only once the broker queue exists with the right "
     "arguments, so the agent may subscribe to `/amq/queue/<queue_name>` at once.",
     responses={
-        **ERRORS,
         200: {"description": "Already registered.", "model": QueueOut},
-        400: {"description": "Bad body: unknown object type or offering, malformed uuid."},
-        403: {"description": "No access to the offering."},
-        409: {"description": "A queue with other arguments holds messages or consumers."},
-        503: {"description": "Broker or Management API unreachable; nothing was stored."},
+        **error_responses(
+            400,
+            401,
+            403,
+            404,
+            409,
+            503,
+            descriptions={
+                400: "Bad body: unknown object type or offering, malformed uuid.",
+                403: "No access to the offering.",
+                404: NOT_YOURS,
+                409: "A queue with other arguments holds messages or has consumers; the body "
+                "says what the operator should do.",
+                503: "Broker or Management API unreachable; nothing was stored. Retry after "
+                "`Retry-After` seconds.",
+            },
+            models={409: QueueConflictBody},
+        ),
     },
 )
 async def create_queue(
@@ -206,8 +223,9 @@ async def create_queue(
 @router.get(
     "/api/event-subscription-queues/",
     summary="List your queues",
-    description="Filter by `offering_uuid`, `object_type`, `event_subscription_uuid`.",
-    responses=ERRORS,
+    description="Filter by `offering_uuid`, `object_type`, `event_subscription_uuid`. A bare "
+    "JSON array; `X-Result-Count` and `Link` headers paginate.",
+    responses=error_responses(401),
 )
 async def list_queues(
     request: Request,

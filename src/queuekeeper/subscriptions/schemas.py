@@ -34,6 +34,26 @@ class SubscriptionCreate(BaseModel):
 
 
 class SubscriptionOut(Schema):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "uuid": "0d5e8f7a1b2c4d3e9f8a7b6c5d4e3f2a",
+                    "url": "https://queuekeeper.example.org/api/event-subscriptions/0d5e8f7a1b2c4d3e9f8a7b6c5d4e3f2a/",
+                    "user": "https://queuekeeper.example.org/api/users/8b1a9953c4611296a827abf8c47804d7/",
+                    "user_uuid": "8b1a9953c4611296a827abf8c47804d7",
+                    "user_username": "site-agent-a",
+                    "user_full_name": "Site agent A",
+                    "created": "2024-05-01T12:00:00.123456Z",
+                    "modified": "2024-05-01T12:00:00.123456Z",
+                    "source_ip": "192.0.2.10",
+                    "description": "site agent for cluster A",
+                    "observable_objects": [{"object_type": "order"}],
+                }
+            ]
+        }
+    )
+
     uuid: HexUUID
     url: str
     user: str = Field(description="URL of the owner's record.")
@@ -62,6 +82,27 @@ class QueueCreate(BaseModel):
 
 
 class QueueOut(Schema):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "uuid": "c3a1e2d4f5b64789a0b1c2d3e4f5a6b7",
+                    "url": "https://queuekeeper.example.org/api/event-subscription-queues/"
+                    "c3a1e2d4f5b64789a0b1c2d3e4f5a6b7/",
+                    "event_subscription": "https://queuekeeper.example.org/api/"
+                    "event-subscriptions/0d5e8f7a1b2c4d3e9f8a7b6c5d4e3f2a/",
+                    "event_subscription_uuid": "0d5e8f7a1b2c4d3e9f8a7b6c5d4e3f2a",
+                    "offering_uuid": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+                    "object_type": "order",
+                    "queue_name": "subscription_0d5e8f7a1b2c4d3e9f8a7b6c5d4e3f2a"
+                    "_offering_5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b_order",
+                    "vhost": "8b1a9953c4611296a827abf8c47804d7",
+                    "created": "2024-05-01T12:00:00.123456Z",
+                }
+            ]
+        }
+    )
+
     uuid: HexUUID
     url: str
     event_subscription: str = Field(description="URL of the subscription.")

@@ -1,0 +1,92 @@
+"""One ASGI middleware per request: its request id, its access log line, its HTTP metrics.
+
+Pure ASGI (not BaseHTTPMiddleware), so the request id bound here is in the same context
+as the endpoint and every log line of the request carries it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+
+import structlog
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from queuekeeper.observability.metrics import HTTP_LATENCY, HTTP_REQUESTS
+
+log = structlog.get_logger("queuekeeper.http")
+
+REQUEST_ID_HEADER = "X-Request-ID"
+# A caller's id is kept when it is short and plain, so it can be searched for in logs;
+# anything else (too long, spaces, control characters) is replaced.
+_SANE_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+=/-]{0,127}")
+# Route templates that are not traffic: probes and scrapes.
+UNTRACKED_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
+# Raw paths of unmatched requests would give one time series per scanner probe.
+UNMATCHED_ROUTE = "unmatched"
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def request_id_from(scope: Scope) -> str:
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            candidate = bytes(value).decode("latin-1").strip()
+            if _SANE_REQUEST_ID.fullmatch(candidate):
+                return candidate
+            break
+    return uuid.uuid4().hex
+
+
+def route_template(scope: Scope) -> str:
+    path: object = getattr(scope.get("route"), "path", None)
+    return path if isinstance(path, str) else UNMATCHED_ROUTE
+
+
+class ObservabilityMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = request_id_from(scope)
+        status = 500  # what the server answers when an exception escapes the app
+        started = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                self._record(scope, status, time.perf_counter() - started)
+
+    @staticmethod
+    def _record(scope: Scope, status: int, seconds: float) -> None:
+        route = route_template(scope)
+        method = scope["method"] if scope["method"] in _METHODS else "OTHER"
+        fields = {
+            "method": method,
+            "path": scope["path"],
+            "route": route,
+            "status": status,
+            "duration_ms": round(seconds * 1000, 2),
+            "client": (scope.get("client") or ("", 0))[0],
+        }
+        if route in UNTRACKED_ROUTES:
+            log.debug("http_request", **fields)
+            return
+        HTTP_REQUESTS.labels(method=method, route=route, status=str(status)).inc()
+        HTTP_LATENCY.labels(method=method, route=route).observe(seconds)
+        if status >= 500:
+            log.warning("http_request", **fields)
+        else:
+            log.info("http_request", **fields)

@@ -1,0 +1,219 @@
+"""/healthz and /readyz against the real services, with outages made by a proxy we close."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import respx
+from asgi_lifespan import LifespanManager
+from structlog.testing import capture_logs
+
+from queuekeeper.app import create_app
+from queuekeeper.config import Settings
+from tests.netproxy import closed_port, tcp_proxy
+
+
+@asynccontextmanager
+async def serving(settings: Settings) -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
+    # A dependency that is up must not look down because a loaded test machine answered
+    # slowly: a generous timeout, unless the test is about timeouts.
+    if "readiness_timeout" not in settings.model_fields_set:
+        settings = settings.model_copy(update={"readiness_timeout": 15.0})
+    app = create_app(settings)
+    async with LifespanManager(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+            yield http, app.state.queuekeeper
+
+
+def _down(response: httpx.Response) -> set[str]:
+    return {name for name, check in response.json()["checks"].items() if not check["ok"]}
+
+
+async def test_healthz_answers_without_touching_dependencies(settings: Settings) -> None:
+    dead = settings.model_copy(
+        update={
+            "amqp_url": f"amqp://guest:guest@127.0.0.1:{closed_port()}/",
+            "management_url": f"http://127.0.0.1:{closed_port()}",
+        }
+    )
+    async with serving(dead) as (http, _state):
+        response = await http.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+async def test_ready_when_database_broker_and_management_answer(
+    settings: Settings, clean_state: None
+) -> None:
+    async with serving(settings) as (http, _state):
+        response = await http.get("/readyz")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "ready"
+    assert set(body["checks"]) == {"database", "amqp", "management"}
+    assert all(check["ok"] for check in body["checks"].values())
+
+
+async def test_closed_ports_make_readiness_503_naming_amqp_and_management(
+    settings: Settings,
+) -> None:
+    dead = settings.model_copy(
+        update={
+            "amqp_url": f"amqp://guest:secret-amqp-pw@127.0.0.1:{closed_port()}/",
+            "management_url": f"http://127.0.0.1:{closed_port()}",
+        }
+    )
+    async with serving(dead) as (http, _state):
+        response = await http.get("/readyz")
+    assert response.status_code == 503
+    assert response.headers["Retry-After"] == str(settings.retry_after_seconds)
+    assert _down(response) == {"amqp", "management"}
+    assert "amqp" in response.json()["detail"]
+    assert "management" in response.json()["detail"]
+    assert "secret-amqp-pw" not in response.text
+
+
+async def test_readiness_follows_a_broker_outage_and_its_end(settings: Settings) -> None:
+    with tcp_proxy("127.0.0.1", 5672) as amqp, tcp_proxy("127.0.0.1", 15672) as management:
+        proxied = settings.model_copy(
+            update={
+                "amqp_url": f"amqp://guest:guest@127.0.0.1:{amqp.port}/",
+                "management_url": f"http://127.0.0.1:{management.port}",
+            }
+        )
+        async with serving(proxied) as (http, _state):
+            assert (await http.get("/readyz")).status_code == 200
+
+            with capture_logs() as logs:
+                amqp.stop()
+                for _ in range(2):
+                    response = await http.get("/readyz")
+                    assert response.status_code == 503
+                    assert _down(response) == {"amqp"}
+                    assert response.json()["detail"] == "Not ready: amqp down."
+
+                amqp.start()
+                assert (await http.get("/readyz")).status_code == 200
+
+                management.stop()
+                response = await http.get("/readyz")
+                assert response.status_code == 503
+                assert _down(response) == {"management"}
+
+                management.start()
+                response = await http.get("/readyz")
+                assert response.status_code == 200, response.text
+
+    # One line per change, not one per probe.
+    changes = [
+        (entry["event"], entry.get("down") or entry.get("was_down"))
+        for entry in logs
+        if entry["event"] in ("not_ready", "ready_again")
+    ]
+    assert changes == [
+        ("not_ready", ["amqp"]),
+        ("ready_again", ["amqp"]),
+        ("not_ready", ["management"]),
+        ("ready_again", ["management"]),
+    ]
+
+
+async def test_database_outage_is_reported(settings: Settings, tmp_path: Any) -> None:
+    if settings.is_sqlite:
+        # A SQLite file in a directory that does not exist cannot be opened.
+        broken = settings.model_copy(
+            update={"database_url": f"sqlite+aiosqlite:///{tmp_path}/missing/dir/db.sqlite"}
+        )
+        async with serving(broken) as (http, _state):
+            response = await http.get("/readyz")
+        assert response.status_code == 503
+        assert _down(response) == {"database"}
+        return
+    url = urlsplit(settings.database_url)
+    with tcp_proxy(url.hostname or "127.0.0.1", url.port or 5432) as database:
+        proxied = settings.model_copy(
+            update={
+                "database_url": settings.database_url.replace(
+                    f"{url.hostname}:{url.port or 5432}", f"127.0.0.1:{database.port}"
+                )
+            }
+        )
+        async with serving(proxied) as (http, _state):
+            assert (await http.get("/readyz")).status_code == 200
+            database.stop()
+            response = await http.get("/readyz")
+            assert response.status_code == 503
+            assert _down(response) == {"database"}
+            database.start()
+            assert (await http.get("/readyz")).status_code == 200
+
+
+async def test_management_5xx_is_not_ready(settings: Settings) -> None:
+    async with serving(settings) as (http, _state):
+        with respx.mock(assert_all_called=False) as mock:
+            overview = mock.get(url__startswith=f"{settings.management_url}/api/overview")
+            overview.respond(503, json={"error": "not_ready", "reason": "node is booting"})
+            mock.route().pass_through()
+            response = await http.get("/readyz")
+    assert overview.called
+    assert response.status_code == 503
+    assert _down(response) == {"management"}
+    assert "node is booting" in response.json()["checks"]["management"]["error"]
+
+
+async def test_management_that_hangs_is_not_ready_within_the_timeout(settings: Settings) -> None:
+    quick = settings.model_copy(update={"readiness_timeout": 0.5})
+
+    async def hang(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(30)
+        return httpx.Response(200, json={})
+
+    async with serving(quick) as (http, _state):
+        with respx.mock(assert_all_called=False) as mock:
+            mock.get(url__startswith=f"{settings.management_url}/api/overview").mock(
+                side_effect=hang
+            )
+            mock.route().pass_through()
+            started = time.perf_counter()
+            response = await http.get("/readyz")
+            elapsed = time.perf_counter() - started
+    assert response.status_code == 503
+    assert _down(response) == {"management"}
+    assert response.json()["checks"]["management"]["error"] == "no answer within 0.5 s"
+    assert elapsed < 3
+
+
+class _Publisher:
+    """A publisher as the publishing layer provides it: readiness asks it, not the URL."""
+
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+        self.probed = 0
+
+    async def probe(self) -> None:
+        self.probed += 1
+        if self.error is not None:
+            raise self.error
+
+
+async def test_a_publisher_with_a_probe_answers_for_amqp(settings: Settings) -> None:
+    # The URL points nowhere: only the publisher's own probe can make amqp healthy.
+    nowhere = settings.model_copy(
+        update={"amqp_url": f"amqp://guest:guest@127.0.0.1:{closed_port()}/"}
+    )
+    async with serving(nowhere) as (http, state):
+        assert (await http.get("/readyz")).status_code == 503
+        state.publisher = _Publisher(None)
+        assert (await http.get("/readyz")).status_code == 200
+        state.publisher = _Publisher(ConnectionError("pool for vhost x lost its connection"))
+        response = await http.get("/readyz")
+        assert response.status_code == 503
+        assert "pool for vhost x" in response.json()["checks"]["amqp"]["error"]
+        assert state.publisher.probed == 1

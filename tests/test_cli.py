@@ -1,0 +1,276 @@
+"""The `queuekeeper` command against the real PostgreSQL (or SQLite) and RabbitMQ."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import pytest
+import typer
+from sqlalchemy import func, select
+from typer.testing import CliRunner
+
+from queuekeeper.cli import app
+from queuekeeper.config import Settings, get_settings
+from queuekeeper.db import create_engine, create_sessionmaker
+from queuekeeper.models import Offering, OfferingAccess, User
+from tests.netproxy import closed_port
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def cli_env(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """The test's settings as the environment a CLI process would have."""
+    env = {
+        "QUEUEKEEPER_DATABASE_URL": settings.database_url,
+        "QUEUEKEEPER_INSTANCE_NAME": settings.instance_name,
+        "QUEUEKEEPER_SERVICE_TOKENS": ",".join(settings.service_tokens),
+    }
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    get_settings.cache_clear()
+    yield env
+    get_settings.cache_clear()
+
+
+def invoke(runner: CliRunner, *args: str, **kwargs: Any) -> Any:
+    return runner.invoke(app, list(args), catch_exceptions=False, **kwargs)
+
+
+def test_help_lists_every_command_with_a_one_line_description(runner: CliRunner) -> None:
+    result = invoke(runner, "--help", env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    assert {
+        "migrate",
+        "serve",
+        "healthcheck",
+        "settings",
+        "settings-table",
+        "import-directory",
+    } <= set(commands)
+    for name, command in commands.items():
+        summary = command.help.strip().splitlines()[0]
+        assert summary.endswith("."), name
+        assert re.search(rf"{re.escape(name)}\s+{re.escape(summary)}", result.output), name
+
+
+def test_settings_are_printed_with_secrets_masked(
+    runner: CliRunner, cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QUEUEKEEPER_MANAGEMENT_PASSWORD", "mgmt-Secret-4711")
+    monkeypatch.setenv(
+        "QUEUEKEEPER_SERVICE_TOKENS", "svc-token-aaaaaaaaaaaa,svc-token-bbbbbbbbbbbb"
+    )
+    monkeypatch.setenv("RABBIT_URL", "amqps://qk:amqp-Secret-0815@rabbit.example.org:5671/")
+    monkeypatch.setenv("QUEUEKEEPER_PORT", "9123")
+    result = invoke(runner, "settings")
+    assert result.exit_code == 0
+    lines = dict(line.split("=", 1) for line in result.output.splitlines())
+    assert lines["QUEUEKEEPER_PORT"] == "9123"
+    assert lines["QUEUEKEEPER_AMQP_URL"] == "amqps://qk:***@rabbit.example.org:5671/"
+    assert lines["QUEUEKEEPER_MANAGEMENT_PASSWORD"] == "***"
+    assert lines["QUEUEKEEPER_SERVICE_TOKENS"] == "***,***"
+    assert len(lines) == len(Settings.model_fields)
+    for secret in ("mgmt-Secret-4711", "svc-token-aaaaaaaaaaaa", "amqp-Secret-0815"):
+        assert secret not in result.output
+    as_json = json.loads(invoke(runner, "settings", "--json").output)
+    assert as_json["QUEUEKEEPER_PORT"] == 9123
+    assert as_json["QUEUEKEEPER_MANAGEMENT_PASSWORD"] == "***"
+
+
+def test_invalid_settings_exit_2_naming_the_variable(
+    runner: CliRunner, cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QUEUEKEEPER_PORT", "eighty")
+    result = invoke(runner, "settings")
+    assert result.exit_code == 2
+    assert "port" in result.output
+
+
+def test_migrate_creates_the_schema_and_fails_cleanly_without_a_database(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    database = tmp_path / "fresh.db"
+    monkeypatch.setenv("QUEUEKEEPER_DATABASE_URL", f"sqlite:///{database}")
+    get_settings.cache_clear()
+    result = invoke(runner, "migrate")
+    assert result.exit_code == 0, result.output
+    assert "database migrated to head" in result.output
+    assert database.stat().st_size > 0
+
+    password = "pg-Secret-" + secrets.token_hex(4)
+    monkeypatch.setenv(
+        "QUEUEKEEPER_DATABASE_URL", f"postgresql://qk:{password}@127.0.0.1:{closed_port()}/qk"
+    )
+    get_settings.cache_clear()
+    result = invoke(runner, "migrate")
+    get_settings.cache_clear()
+    assert result.exit_code == 1
+    assert "migration failed" in result.output
+    assert password not in result.output
+
+
+def test_healthcheck_fails_when_nothing_answers(runner: CliRunner) -> None:
+    result = invoke(runner, "healthcheck", "--url", f"http://127.0.0.1:{closed_port()}")
+    assert result.exit_code == 1
+    assert "/healthz" in result.output
+
+
+# --- import-directory ------------------------------------------------------------------------
+
+
+async def _counts(settings: Settings) -> tuple[int, int, int]:
+    engine = create_engine(settings)
+    async with create_sessionmaker(engine)() as session:
+        counts = (
+            await session.scalar(select(func.count()).select_from(User)) or 0,
+            await session.scalar(select(func.count()).select_from(Offering)) or 0,
+            await session.scalar(select(func.count()).select_from(OfferingAccess)) or 0,
+        )
+    await engine.dispose()
+    return counts
+
+
+def _directory(tmp_path: Path, content: dict[str, Any], name: str = "directory.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(content))
+    return path
+
+
+def _sample() -> dict[str, Any]:
+    offerings = [uuid.uuid4() for _ in range(2)]
+    users = [uuid.uuid4() for _ in range(3)]
+    return {
+        "offerings": [{"uuid": str(o), "name": f"offering {i}"} for i, o in enumerate(offerings)],
+        "users": [
+            {"uuid": u.hex, "username": f"agent-{i}", "token": secrets.token_hex(20)}
+            for i, u in enumerate(users)
+        ],
+        "grants": [
+            {"user_uuid": users[0].hex, "offering_uuid": offerings[0].hex},
+            {"user_uuid": users[1].hex, "offering_uuid": offerings[0].hex},
+            {"user_uuid": users[2].hex, "offering_uuid": offerings[1].hex},
+        ],
+    }
+
+
+def test_import_directory_imports_and_is_idempotent(
+    runner: CliRunner,
+    cli_env: dict[str, str],
+    settings: Settings,
+    clean_state: None,
+    tmp_path: Path,
+) -> None:
+    content = _sample()
+    path = _directory(tmp_path, content)
+    result = invoke(runner, "import-directory", str(path))
+    assert result.exit_code == 0, result.output
+    assert (
+        "offerings: 2 created, 0 updated; users: 3 created, 0 updated; grants: 3 created, "
+        "0 updated; 0 failed" in result.output
+    )
+    # Not a terminal: plain progress lines, ending at the total.
+    assert "import-directory: 0/8" in result.output
+    assert "import-directory: 8/8 (100%)" in result.output
+    assert "━" not in result.output
+    assert asyncio.run(_counts(settings)) == (3, 2, 3)
+    for user in content["users"]:
+        assert user["token"] not in result.output
+
+    again = invoke(runner, "import-directory", str(path))
+    assert again.exit_code == 0
+    assert (
+        "offerings: 0 created, 2 updated; users: 0 created, 3 updated; grants: 0 created, "
+        "3 updated; 0 failed" in again.output
+    )
+    assert asyncio.run(_counts(settings)) == (3, 2, 3)
+
+
+def test_import_directory_goes_on_past_a_bad_item_and_exits_1(
+    runner: CliRunner,
+    cli_env: dict[str, str],
+    settings: Settings,
+    clean_state: None,
+    tmp_path: Path,
+) -> None:
+    content = _sample()
+    stranger = uuid.uuid4()
+    content["grants"].insert(
+        0, {"user_uuid": stranger.hex, "offering_uuid": content["offerings"][0]["uuid"]}
+    )
+    result = invoke(runner, "import-directory", str(_directory(tmp_path, content)))
+    assert result.exit_code == 1
+    assert f"failed: grant {stranger.hex}" in result.output
+    assert "PUT the user first" in result.output
+    assert "grants: 3 created, 0 updated; 1 failed" in result.output
+    assert asyncio.run(_counts(settings)) == (3, 2, 3)
+
+
+def test_import_directory_rejects_an_invalid_file_before_changing_anything(
+    runner: CliRunner,
+    cli_env: dict[str, str],
+    settings: Settings,
+    clean_state: None,
+    tmp_path: Path,
+) -> None:
+    content = _sample()
+    content["users"][1]["token"] = "short"
+    content["grants"][0]["offering_uuid"] = "not-a-uuid"
+    result = invoke(runner, "import-directory", str(_directory(tmp_path, content)))
+    assert result.exit_code == 2
+    assert "users.1.token" in result.output
+    assert "grants.0.offering_uuid" in result.output
+    assert asyncio.run(_counts(settings)) == (0, 0, 0)
+
+    assert invoke(runner, "import-directory", str(tmp_path / "missing.json")).exit_code == 2
+    not_json = tmp_path / "broken.json"
+    not_json.write_text("{users: [")
+    assert invoke(runner, "import-directory", str(not_json)).exit_code == 2
+
+
+def test_import_directory_reads_stdin(
+    runner: CliRunner, cli_env: dict[str, str], settings: Settings, clean_state: None
+) -> None:
+    result = invoke(runner, "import-directory", "-", input=json.dumps(_sample()))
+    assert result.exit_code == 0, result.output
+    assert asyncio.run(_counts(settings)) == (3, 2, 3)
+
+
+async def _can_login(vhost: str, login: str, password: str) -> bool:
+    try:
+        connection = await aio_pika.connect(
+            f"amqp://{login}:{password}@127.0.0.1:5672/{vhost}", timeout=5
+        )
+    except Exception:
+        return False
+    await connection.close()
+    return True
+
+
+async def test_imported_token_change_reaches_the_broker_users(
+    client: Any, backend: Any, runner: CliRunner, cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    agent, _offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription(description="rotated by import")
+    assert await _can_login(agent.vhost, subscription["uuid"], agent.token)
+    new_token = secrets.token_hex(20)
+    path = _directory(
+        tmp_path,
+        {"users": [{"uuid": agent.uuid.hex, "username": "rotated", "token": new_token}]},
+    )
+    result = await asyncio.to_thread(invoke, runner, "import-directory", str(path))
+    assert result.exit_code == 0, result.output
+    assert await _can_login(agent.vhost, subscription["uuid"], new_token)
+    assert not await _can_login(agent.vhost, subscription["uuid"], agent.token)
