@@ -25,7 +25,7 @@ from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.models import Base
-from tests.helpers import Backend
+from tests.helpers import Backend, Operator
 
 PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 TEST_DB = os.environ.get("QK_TEST_DB", "postgresql")
@@ -146,3 +146,8 @@ def backend(client: httpx.AsyncClient) -> Backend:
 
 def pytest_report_header(config: Any) -> str:
     return f"queuekeeper test database: {TEST_DB}"
+
+
+@pytest.fixture
+def operator(client: httpx.AsyncClient) -> Operator:
+    return Operator(client, SERVICE_TOKEN)

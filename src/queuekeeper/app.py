@@ -12,10 +12,13 @@ from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
+from queuekeeper.deadletters.endpoints import router as dead_letters_router
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
+from queuekeeper.jobs.scheduler import JobScheduler
 from queuekeeper.observability.metrics import observe_management_call
+from queuekeeper.reconcile.endpoints import router as admin_router
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
 
@@ -48,10 +51,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = build_state(settings)
         app.state.queuekeeper = state
+        if settings.scheduler_enabled:
+            state.scheduler = JobScheduler(state)
+            state.scheduler.start()
         log.info("queuekeeper_started", instance=settings.instance_name)
         try:
             yield
         finally:
+            if state.scheduler is not None:
+                await state.scheduler.stop()
             await state.management.aclose()
             await state.engine.dispose()
             log.info("queuekeeper_stopped")
@@ -71,6 +79,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(subscriptions_router)
     app.include_router(users_router)
     app.include_router(directory_router)
+    app.include_router(admin_router)
+    app.include_router(dead_letters_router)
 
     @app.get("/healthz", tags=["health"], summary="Liveness", include_in_schema=False)
     async def healthz() -> dict[str, str]:
