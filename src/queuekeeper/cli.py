@@ -240,7 +240,13 @@ def queues(
             await state.engine.dispose()
         return count
 
-    count = asyncio.run(main())
+    from queuekeeper.broker.management import ManagementError
+
+    try:
+        count = asyncio.run(main())
+    except ManagementError as exc:
+        typer.echo(f"RabbitMQ Management API: {exc}", err=True)
+        raise typer.Exit(1) from exc
     Console(width=None if _is_terminal() else 250).print(table)
     typer.echo(f"{count} queues")
 

@@ -266,7 +266,8 @@ class VhostRedrive:
         self, channel: AbstractChannel, message: AbstractIncomingMessage, origin: str
     ) -> None:
         headers: dict[str, Any] = dict(message.headers or {})
-        headers[REDRIVE_HEADER] = _int(headers.get(REDRIVE_HEADER)) + 1
+        # A string: RabbitMQ's STOMP adapter passes string headers on to agents, not numbers.
+        headers[REDRIVE_HEADER] = str(_int(headers.get(REDRIVE_HEADER)) + 1)
         copy = aio_pika.Message(
             body=message.body,
             headers=headers,
