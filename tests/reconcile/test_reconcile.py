@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from typing import Any
 
 import aio_pika
 from fastapi import FastAPI
+from prometheus_client import REGISTRY
 from sqlalchemy import delete, select
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.config import Settings
+from queuekeeper.jobs.runs import Trigger
 from queuekeeper.models import EventSubscription
+from queuekeeper.reconcile.service import run_reconcile
+from queuekeeper.reconcile.view import QueueFilter, queue_states
 from queuekeeper.state import AppState
 from tests.helpers import Agent, Backend, Operator
 from tests.stomp_client import StompConsumer
@@ -43,6 +48,10 @@ async def registered_queue(
     return agent, subscription, response.json()
 
 
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def actions(run: dict[str, Any], action: str) -> list[str]:
     return [entry["item"] for entry in run["actions"] if entry["action"] == action]
 
@@ -61,11 +70,19 @@ async def test_orphan_queue_deleted_registered_and_other_queues_kept(
     orphan = topology.queue_name(uuid.UUID(subscription["uuid"]), uuid.uuid4(), "resource")
     await management.put_queue(agent.vhost, orphan, arguments=SPEC_ARGUMENTS)
     await management.put_queue(agent.vhost, "someone.elses.queue", arguments={})
+    deleted_before = metric("queuekeeper_reconcile_items_total", action="orphans_deleted")
+    runs_before = metric("queuekeeper_job_runs_total", job="reconcile", status="succeeded")
 
     run = await operator.reconcile()
 
     assert run["status"] == "succeeded", run
     assert run["changed"] == {"orphans_deleted": 1}
+    assert metric("queuekeeper_reconcile_items_total", action="orphans_deleted") == (
+        deleted_before + 1
+    )
+    assert metric("queuekeeper_job_runs_total", job="reconcile", status="succeeded") == (
+        runs_before + 1
+    )
     assert actions(run, "delete_queue") == [f"{agent.vhost}/{orphan}"]
     assert await management.get_queue(agent.vhost, orphan) is None
     assert await management.get_queue(agent.vhost, queue["queue_name"]) is not None
@@ -405,3 +422,39 @@ async def test_run_records_listed_newest_first_and_fetched_by_uuid(
     assert await operator.get("/api/admin/reconcile-runs/", job="cleanup_stale") == []
     async with state_of(app).sessions() as session:
         assert len(list(await session.scalars(select(EventSubscription)))) == 0
+
+
+async def test_many_small_pages_join_exactly(
+    app: FastAPI, backend: Backend, management: ManagementClient
+) -> None:
+    """Pages of two queues: every queue is seen once, across page and chunk boundaries."""
+    state = dataclasses.replace(
+        state_of(app), settings=state_of(app).settings.model_copy(update={"reconcile_page_size": 2})
+    )
+    agent, offering = await backend.agent_with_offering()
+    names = []
+    for _ in range(2):
+        subscription = await agent.create_subscription()
+        for object_type in ("order", "resource", "user_role"):
+            response = await agent.create_queue(subscription["uuid"], offering, object_type)
+            assert response.status_code == 201
+            names.append(response.json()["queue_name"])
+    names.sort()
+    orphans = sorted(
+        topology.queue_name(uuid.UUID(hex=name[13:45]), uuid.uuid4(), "order") for name in names[:3]
+    )
+    for orphan in orphans:
+        await management.put_queue(agent.vhost, orphan, arguments=SPEC_ARGUMENTS)
+    for missing in (names[0], names[3], names[5]):  # first, middle and last by name
+        await management.delete_queue(agent.vhost, missing)
+
+    record = await run_reconcile(state, Trigger.API)
+
+    assert record.status == "succeeded", record.failures
+    assert record.changed == {"orphans_deleted": 3, "queues_recreated": 3}
+    assert record.found["queues"] == 3
+    entries = [entry async for entry in queue_states(state, QueueFilter(vhost=agent.vhost))]
+    assert [entry.queue_name for entry in entries] == names
+    assert {entry.state for entry in entries} == {"ok"}
+    again = await run_reconcile(state, Trigger.API)
+    assert again.changed == {}

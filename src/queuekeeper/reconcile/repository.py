@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 from sqlalchemy import ColumnElement, exists, or_, select, update
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User
 
@@ -39,6 +40,19 @@ def _name(session: AsyncSession) -> ColumnElement[str]:
     if session.get_bind().dialect.name == "postgresql":
         return column.collate("C")
     return column  # SQLite's default collation is already binary
+
+
+@asynccontextmanager
+async def reader(engine: AsyncEngine) -> AsyncIterator[AsyncSession]:
+    """A session on one connection in autocommit, for a run's many small reads.
+
+    Each query is then one round trip: no pool check-out, BEGIN or ROLLBACK around
+    it. Each still sees what was committed before it (nothing holds a snapshot).
+    """
+    async with engine.connect() as connection:
+        await connection.execution_options(isolation_level="AUTOCOMMIT")
+        async with AsyncSession(bind=connection) as session:
+            yield session
 
 
 def owner_of(vhost: str) -> UUID | None:
@@ -95,9 +109,13 @@ async def vhost_in_use(session: AsyncSession, vhost: str) -> bool:
     return bool(await session.scalar(select(or_(*conditions))))
 
 
-async def subscriptions_of_owner(
-    session: AsyncSession, owner_uuid: UUID
-) -> list[SubscriptionAccess]:
+async def subscriptions_of_owners(
+    session: AsyncSession, owners: Sequence[UUID]
+) -> dict[UUID, list[SubscriptionAccess]]:
+    """One query for a whole group of vhosts' owners."""
+    found: dict[UUID, list[SubscriptionAccess]] = {owner: [] for owner in owners}
+    if not owners:
+        return found
     result = await session.execute(
         select(
             EventSubscription.uuid,
@@ -106,10 +124,12 @@ async def subscriptions_of_owner(
             User.broker_password_hash,
         )
         .join(User, User.uuid == EventSubscription.user_uuid)
-        .where(EventSubscription.user_uuid == owner_uuid)
-        .order_by(EventSubscription.uuid)
+        .where(EventSubscription.user_uuid.in_(list(owners)))
+        .order_by(EventSubscription.user_uuid, EventSubscription.uuid)
     )
-    return [SubscriptionAccess(*row) for row in result.all()]
+    for row in result.all():
+        found[row.user_uuid].append(SubscriptionAccess(*row))
+    return found
 
 
 async def owner_password_hash(session: AsyncSession, owner_uuid: UUID) -> str | None:

@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 import structlog
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementBadRequest
@@ -33,10 +34,13 @@ from queuekeeper.reconcile.access import (
     check_subscription,
 )
 from queuekeeper.reconcile.listing import differences, vhost_queues
+from queuekeeper.reconcile.repository import SubscriptionAccess
 from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
 
+# Vhosts whose subscriptions are read with one query.
+VHOST_GROUP = 100
 # Deletions are made in batches, each under the vhost's exclusive lock: small enough that
 # a registration waiting for the lock waits well under a second.
 DELETE_BATCH = 50
@@ -64,28 +68,44 @@ async def reconcile(state: AppState, run: Run) -> None:
     management, provisioner = state.management, state.provisioner
     broker_vhosts = {str(v.get("name")): v for v in await management.list_vhosts()}
     owned = {name for name, info in broker_vhosts.items() if provisioner.owns(info)}
-    async with state.sessions() as session:
-        expected = await repository.subscribed_vhosts(session)
-    access = await BrokerAccess.load(management, state.settings.instance_tag, owned | expected)
-    run.find("vhosts", len(owned | expected))
+    async with repository.reader(state.engine) as reader:
+        expected = await repository.subscribed_vhosts(reader)
+        access = await BrokerAccess.load(management, state.settings.instance_tag, owned | expected)
+        run.find("vhosts", len(owned | expected))
 
-    todo = sorted(expected)
-    for done, vhost in enumerate(todo, 1):
-        await reconcile_vhost(state, run, access, vhost, broker_vhosts.get(vhost))
-        run.report("vhosts", done, len(todo))
-    for vhost in sorted(owned - expected):
-        run.find("vhosts_unused")
-        async with run.item(vhost):
-            await remove_unused_vhost(state, run, vhost)
-    await remove_orphan_users(state, run, access.ours())
+        todo = sorted(expected)
+        done = 0
+        for group in chunked(todo, VHOST_GROUP):
+            owners = [owner for owner in map(repository.owner_of, group) if owner is not None]
+            subscriptions = await repository.subscriptions_of_owners(reader, owners)
+            for vhost in group:
+                owner = repository.owner_of(vhost)
+                await reconcile_vhost(
+                    state,
+                    run,
+                    reader,
+                    access,
+                    vhost,
+                    broker_vhosts.get(vhost),
+                    subscriptions.get(owner, []) if owner else [],
+                )
+                done += 1
+                run.report("vhosts", done, len(todo))
+        for vhost in sorted(owned - expected):
+            run.find("vhosts_unused")
+            async with run.item(vhost):
+                await remove_unused_vhost(state, run, reader, vhost)
+        await remove_orphan_users(state, run, reader, access.ours())
 
 
 async def reconcile_vhost(
     state: AppState,
     run: Run,
+    reader: AsyncSession,
     access: BrokerAccess,
     vhost: str,
     info: dict[str, Any] | None,
+    subscriptions: list[SubscriptionAccess],
 ) -> None:
     provisioner = state.provisioner
     if info is not None and not provisioner.owns(info):
@@ -110,26 +130,21 @@ async def reconcile_vhost(
                 access.vhost_created(vhost, provisioner.service_users())
     async with run.item(f"{vhost} permissions"):
         await check_service_permissions(run, provisioner, access, vhost)
-    owner = repository.owner_of(vhost)
-    if owner is not None:
-        async with run.item(f"{vhost} subscriptions"):
-            async with state.sessions() as session:
-                subscriptions = await repository.subscriptions_of_owner(session, owner)
-            for subscription in subscriptions:
-                async with run.item(f"broker user {subscription.uuid.hex}"):
-                    await check_subscription(state, run, access, vhost, subscription)
+    for subscription in subscriptions:
+        async with run.item(f"broker user {subscription.uuid.hex}"):
+            await check_subscription(state, run, access, vhost, subscription)
     async with run.item(f"{vhost} queues"):
-        await reconcile_queues(state, run, vhost)
+        await reconcile_queues(state, run, reader, vhost)
 
 
-async def reconcile_queues(state: AppState, run: Run, vhost: str) -> None:
+async def reconcile_queues(state: AppState, run: Run, reader: AsyncSession, vhost: str) -> None:
     settings, provisioner = state.settings, state.provisioner
     orphans: list[str] = []
     missing: list[str] = []
     drifted: list[tuple[str, list[str]]] = []
     dead_letter_queue: dict[str, Any] | None = None
     async for batch in vhost_queues(
-        state.management, state.sessions, vhost, page_size=settings.reconcile_page_size
+        state.management, reader, vhost, page_size=settings.reconcile_page_size
     ):
         for queue in batch:
             if queue.row is None:
@@ -146,8 +161,8 @@ async def reconcile_queues(state: AppState, run: Run, vhost: str) -> None:
                 if found:
                     drifted.append((queue.name, found))
     # Act only after the listing: changing the vhost would shift the pages still to read.
-    await delete_orphans(state, run, vhost, orphans)
-    drifted.extend(await recreate_missing(state, run, vhost, missing))
+    await delete_orphans(state, run, reader, vhost, orphans)
+    drifted.extend(await recreate_missing(state, run, reader, vhost, missing))
     for name, found in drifted:
         async with run.item(f"{vhost}/{name}"):
             await repair_drift(state, run, vhost, name, found)
@@ -155,7 +170,9 @@ async def reconcile_queues(state: AppState, run: Run, vhost: str) -> None:
         await check_dead_letter_queue(state, run, vhost, dead_letter_queue)
 
 
-async def delete_orphans(state: AppState, run: Run, vhost: str, names: Sequence[str]) -> None:
+async def delete_orphans(
+    state: AppState, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
+) -> None:
     """Delete `subscription_*` queues nobody registered, re-checked under the vhost's lock.
 
     A create_queue holds the same lock, shared, from before it declares its queue
@@ -163,15 +180,18 @@ async def delete_orphans(state: AppState, run: Run, vhost: str, names: Sequence[
     exists has either its row committed (and we see it) or no create_queue behind it.
     """
     for batch in chunked(names, DELETE_BATCH):
-        async with run.item(f"{vhost} orphan queues"), state.sessions() as session:
+        async with run.item(f"{vhost} orphan queues"):
             if run.dry_run:
-                registered = await repository.registered_names(session, vhost, batch)
+                registered = await repository.registered_names(reader, vhost, batch)
                 for name in batch:
                     if name not in registered:
                         run.find("orphan_queues")
                         run.planned("delete_queue", f"{vhost}/{name}", "orphan: no registration")
                 continue
-            async with guard(session, vhost_key(vhost), exclusive=True):
+            async with (
+                state.sessions() as session,
+                guard(session, vhost_key(vhost), exclusive=True),
+            ):
                 registered = await repository.registered_names(session, vhost, batch)
                 for name in batch:
                     if name in registered:
@@ -190,14 +210,13 @@ async def delete_orphans(state: AppState, run: Run, vhost: str, names: Sequence[
 
 
 async def recreate_missing(
-    state: AppState, run: Run, vhost: str, names: Sequence[str]
+    state: AppState, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
 ) -> list[tuple[str, list[str]]]:
     """Re-create registered queues the broker lacks; returns those found drifted instead."""
     drifted: list[tuple[str, list[str]]] = []
     management, provisioner = state.management, state.provisioner
     for batch in chunked(names, DELETE_BATCH):
-        async with state.sessions() as session:
-            still_registered = await repository.registered_names(session, vhost, batch)
+        still_registered = await repository.registered_names(reader, vhost, batch)
         for name in batch:
             if name not in still_registered:
                 continue
@@ -292,30 +311,30 @@ async def check_dead_letter_queue(
     )
 
 
-async def remove_unused_vhost(state: AppState, run: Run, vhost: str) -> None:
+async def remove_unused_vhost(state: AppState, run: Run, reader: AsyncSession, vhost: str) -> None:
     """Delete one of our vhosts whose owner has no subscription left (re-checked under lock)."""
-    async with state.sessions() as session:
-        if run.dry_run:
-            if not await repository.vhost_in_use(session, vhost):
-                run.planned("delete_vhost", vhost, "no subscriptions left")
+    if run.dry_run:
+        if not await repository.vhost_in_use(reader, vhost):
+            run.planned("delete_vhost", vhost, "no subscriptions left")
+        return
+    # create_subscription holds this lock shared from before it ensures the vhost until its
+    # row is committed.
+    async with state.sessions() as session, guard(session, vhost_key(vhost), exclusive=True):
+        if await repository.vhost_in_use(session, vhost):
+            run.find("vhosts_in_use_meanwhile")
             return
-        # create_subscription holds this lock shared from before it ensures the vhost
-        # until its row is committed.
-        async with guard(session, vhost_key(vhost), exclusive=True):
-            if await repository.vhost_in_use(session, vhost):
-                run.find("vhosts_in_use_meanwhile")
-                return
-            if await state.provisioner.delete_vhost(vhost):
-                run.done("vhosts_deleted", "delete_vhost", vhost, "no subscriptions left")
-            await session.commit()
+        if await state.provisioner.delete_vhost(vhost):
+            run.done("vhosts_deleted", "delete_vhost", vhost, "no subscriptions left")
+        await session.commit()
 
 
-async def remove_orphan_users(state: AppState, run: Run, names: Sequence[str]) -> None:
+async def remove_orphan_users(
+    state: AppState, run: Run, reader: AsyncSession, names: Sequence[str]
+) -> None:
     """Delete broker users tagged ours that no subscription row owns (re-checked under lock)."""
     for batch in chunked(names, 500):
         async with run.item("broker users"):
-            async with state.sessions() as session:
-                owned = await repository.existing_subscription_users(session, batch)
+            owned = await repository.existing_subscription_users(reader, batch)
             candidates = [name for name in batch if name not in owned]
             if not candidates:
                 continue

@@ -48,14 +48,14 @@ async def cleanup_stale(state: AppState, run: Run) -> None:
     management, provisioner = state.management, state.provisioner
     vhosts = await management.list_vhosts()
     owned = {str(v.get("name")) for v in vhosts if provisioner.owns(v)}
-    async with state.sessions() as session:
-        expected = await repository.subscribed_vhosts(session)
-    for vhost in sorted(owned - expected):
-        run.find("vhosts_unused")
-        async with run.item(vhost):
-            await remove_unused_vhost(state, run, vhost)
-    access = await BrokerAccess.load(management, state.settings.instance_tag, set())
-    await remove_orphan_users(state, run, access.ours())
+    async with repository.reader(state.engine) as reader:
+        expected = await repository.subscribed_vhosts(reader)
+        for vhost in sorted(owned - expected):
+            run.find("vhosts_unused")
+            async with run.item(vhost):
+                await remove_unused_vhost(state, run, reader, vhost)
+        access = await BrokerAccess.load(management, state.settings.instance_tag, set())
+        await remove_orphan_users(state, run, reader, access.ours())
 
 
 async def remove_subscriptions_of(state: AppState, run: Run, owner: uuid.UUID, reason: str) -> None:
@@ -89,8 +89,8 @@ async def remove_subscriptions_of(state: AppState, run: Run, owner: uuid.UUID, r
         async with run.item(f"broker user {name}"):
             if await state.provisioner.delete_subscription_user(subscription.uuid):
                 run.done("users_deleted", "delete_user", f"broker user {name}", reason)
-    async with run.item(vhost):
-        await remove_unused_vhost(state, run, vhost)
+    async with run.item(vhost), repository.reader(state.engine) as reader:
+        await remove_unused_vhost(state, run, reader, vhost)
         if await state.management.get_vhost(vhost) is None:
             return  # its queues went with it
         # The owner registered again meanwhile: the vhost stays, the old queues go.

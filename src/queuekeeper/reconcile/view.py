@@ -8,6 +8,8 @@ import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from queuekeeper.broker import topology
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.listing import VIEW_COLUMNS, ListedQueue, differences, vhost_queues
@@ -77,36 +79,34 @@ async def queue_states(state: AppState, wanted: QueueFilter) -> AsyncIterator[Qu
     """Every queue, vhost by vhost in name order, then queue name order."""
     broker_vhosts = {str(v.get("name")): v for v in await state.management.list_vhosts()}
     owned = {name for name, info in broker_vhosts.items() if state.provisioner.owns(info)}
-    async with state.sessions() as session:
-        registered_in = await repository.queue_vhosts(session)
-    vhosts = sorted(owned | registered_in)
-    if wanted.vhost is not None:
-        vhosts = [vhost for vhost in vhosts if vhost == wanted.vhost]
-    for vhost in vhosts:
-        if vhost in broker_vhosts and vhost not in owned:
-            async for entry in _foreign(state, vhost):
-                if wanted.accepts(entry):
-                    yield entry
-            continue
-        async for batch in vhost_queues(
-            state.management,
-            state.sessions,
-            vhost,
-            page_size=state.settings.reconcile_page_size,
-            columns=VIEW_COLUMNS,
-        ):
-            for queue in batch:
-                listed = _entry(state, vhost, queue)
-                if listed is not None and wanted.accepts(listed):
-                    yield listed
+    async with repository.reader(state.engine) as reader:
+        registered_in = await repository.queue_vhosts(reader)
+        vhosts = sorted(owned | registered_in)
+        if wanted.vhost is not None:
+            vhosts = [vhost for vhost in vhosts if vhost == wanted.vhost]
+        for vhost in vhosts:
+            if vhost in broker_vhosts and vhost not in owned:
+                async for entry in _foreign(reader, state.settings.reconcile_page_size, vhost):
+                    if wanted.accepts(entry):
+                        yield entry
+                continue
+            async for batch in vhost_queues(
+                state.management,
+                reader,
+                vhost,
+                page_size=state.settings.reconcile_page_size,
+                columns=VIEW_COLUMNS,
+            ):
+                for queue in batch:
+                    listed = _entry(state, vhost, queue)
+                    if listed is not None and wanted.accepts(listed):
+                        yield listed
 
 
-async def _foreign(state: AppState, vhost: str) -> AsyncIterator[QueueStateOut]:
+async def _foreign(reader: AsyncSession, page: int, vhost: str) -> AsyncIterator[QueueStateOut]:
     after: str | None = None
-    page = state.settings.reconcile_page_size
     while True:
-        async with state.sessions() as session:
-            rows = await repository.rows_in_range(session, vhost, after, None, page)
+        rows = await repository.rows_in_range(reader, vhost, after, None, page)
         for row in rows:
             yield QueueStateOut(
                 queue_name=row.name,
