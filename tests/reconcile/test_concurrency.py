@@ -149,16 +149,22 @@ async def test_second_concurrent_run_skips_while_the_lock_is_held(
     assert run["changed"] == {"orphans_deleted": 1}
 
 
-async def test_two_runs_started_together_one_runs_one_skips(
-    backend: Backend, operator: Operator
+async def test_a_run_asked_for_while_one_is_going_skips(
+    app: FastAPI, backend: Backend, operator: Operator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await registered_queue(backend)
-
-    async def start() -> httpx.Response:
-        return await operator.client.post("/api/admin/reconcile/", headers=operator.headers)
-
-    first, second = await asyncio.gather(start(), start())
-    assert sorted([first.status_code, second.status_code]) == [200, 409]
+    # The first run stops right after its first broker call, holding the job's lock.
+    started, release = pause_after(state_of(app).management, "list_vhosts", monkeypatch)
+    first = asyncio.create_task(
+        operator.client.post("/api/admin/reconcile/", headers=operator.headers)
+    )
+    await asyncio.wait_for(started.wait(), 10)
+    second = await operator.client.post("/api/admin/reconcile/", headers=operator.headers)
+    release.set()
+    assert second.status_code == 409, second.text
+    assert (await first).status_code == 200
+    statuses = [run["status"] for run in await operator.get("/api/admin/reconcile-runs/")]
+    assert sorted(statuses) == ["skipped", "succeeded"]
 
 
 async def test_one_failing_delete_does_not_stop_the_run_and_is_recorded(

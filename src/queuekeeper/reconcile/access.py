@@ -96,14 +96,15 @@ async def check_service_permissions(
             )
 
 
-async def _settle_password(state: AppState, subscription: SubscriptionAccess) -> None:
+async def _settle_password(
+    state: AppState, subscription: SubscriptionAccess, written: str | None
+) -> None:
     """Record the password now on the broker, catching a token change that raced us.
 
     The directory commits a new token before it writes the broker, so re-reading
     the owner after our write is enough: either we see the new hash and write it
     too, or the directory's write comes after ours.
     """
-    written = subscription.owner_password_hash
     async with state.sessions() as session:
         current = await repository.owner_password_hash(session, subscription.owner_uuid)
         if current != written:
@@ -111,6 +112,34 @@ async def _settle_password(state: AppState, subscription: SubscriptionAccess) ->
         await repository.set_subscription_broker_state(
             session, subscription.uuid, broker_state="ok", password_hash=current, set_hash=True
         )
+
+
+def _user_problems(access: BrokerAccess, user: BrokerUser, owner_hash: str | None) -> list[str]:
+    problems = []
+    if user.password_hash != (owner_hash or ""):
+        problems.append("password is not the owner's current token")
+    if access.instance_tag not in user.tags:
+        problems.append(f"tag {access.instance_tag!r} missing")
+    return problems
+
+
+async def _look_again(
+    state: AppState, name: str, subscription: SubscriptionAccess
+) -> tuple[BrokerUser | None, str | None]:
+    """The broker user and the owner's password hash as they are now.
+
+    What the run read at its start may be stale by now (a subscription made or a
+    token changed meanwhile): look again before changing anything.
+    """
+    found = await state.management.get_user(name)
+    user = (
+        BrokerUser(name, str(found.get("password_hash") or ""), tuple(_tags(found.get("tags"))))
+        if found is not None
+        else None
+    )
+    async with state.sessions() as session:
+        owner_hash = await repository.owner_password_hash(session, subscription.owner_uuid)
+    return user, owner_hash
 
 
 async def check_subscription(
@@ -121,11 +150,14 @@ async def check_subscription(
     provisioner = state.provisioner
     name = topology.subscription_user_name(subscription.uuid)
     item = f"broker user {name}"
-    user = access.users.get(name)
     run.find("subscriptions")
+    user, owner_hash = access.users.get(name), subscription.owner_password_hash
+    if user is None or _user_problems(access, user, owner_hash):
+        user, owner_hash = await _look_again(state, name, subscription)
+
     if user is None:
         run.find("users_missing")
-        if subscription.owner_password_hash is None:
+        if owner_hash is None:
             run.find("users_unrestorable")
             if subscription.broker_state != "broken":
                 await run.apply(
@@ -139,10 +171,8 @@ async def check_subscription(
             return
 
         async def restore() -> None:
-            await provisioner.ensure_subscription_user(
-                vhost, subscription.uuid, subscription.owner_password_hash
-            )
-            await _settle_password(state, subscription)
+            await provisioner.ensure_subscription_user(vhost, subscription.uuid, owner_hash)
+            await _settle_password(state, subscription, owner_hash)
 
         await run.apply(
             "users_restored",
@@ -153,19 +183,13 @@ async def check_subscription(
         )
         return
 
-    problems = []
-    if user.password_hash != (subscription.owner_password_hash or ""):
-        problems.append("password is not the owner's current token")
-    if access.instance_tag not in user.tags:
-        problems.append(f"tag {access.instance_tag!r} missing")
+    problems = _user_problems(access, user, owner_hash)
     if problems:
         run.find("users_wrong")
 
         async def repair() -> None:
-            await provisioner.set_subscription_password(
-                subscription.uuid, subscription.owner_password_hash
-            )
-            await _settle_password(state, subscription)
+            await provisioner.set_subscription_password(subscription.uuid, owner_hash)
+            await _settle_password(state, subscription, owner_hash)
 
         await run.apply("users_restored", "repair_user", item, repair, detail="; ".join(problems))
     elif subscription.broker_state == "broken" and not run.dry_run:
@@ -177,6 +201,9 @@ async def check_subscription(
 
     expected = topology.subscription_permissions(subscription.uuid).as_body()
     actual = access.permissions.get((vhost, name))
+    if actual != expected:
+        fresh = await state.management.get_permissions(vhost, name)
+        actual = {key: str(fresh.get(key)) for key in expected} if fresh else None
     if actual != expected:
         run.find("permissions_wrong")
         await run.apply(
