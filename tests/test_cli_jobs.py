@@ -63,7 +63,7 @@ async def test_queues_prints_a_table(
     assert code == 0, out
     assert queue["queue_name"] in out
     assert agent.vhost in out
-    assert "1 queues" in out
+    assert "queues: 1" in out
     await management.delete_queue(agent.vhost, queue["queue_name"])
     code, out, _ = await queuekeeper(settings, "queues", "--state", "missing")
     assert code == 0, out

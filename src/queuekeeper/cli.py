@@ -248,7 +248,7 @@ def queues(
         typer.echo(f"RabbitMQ Management API: {exc}", err=True)
         raise typer.Exit(1) from exc
     Console(width=None if _is_terminal() else 250).print(table)
-    typer.echo(f"{count} queues")
+    typer.echo(f"queues: {count}")
 
 
 def _is_terminal() -> bool:

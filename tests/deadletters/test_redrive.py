@@ -202,3 +202,15 @@ async def test_queue_without_room_keeps_its_dead_letters(
         await asyncio.sleep(0.5)
     assert entry["present"] is True
     assert dead_letters["total_messages"] == 2
+
+
+async def test_redrive_of_a_vhost_not_ours_is_404(backend: Backend, operator: Operator) -> None:
+    response = await operator.client.post(
+        "/api/admin/dead-letters/redrive/", params={"vhost": "/"}, headers=operator.headers
+    )
+    assert response.status_code == 404
+    assert response.json()["errors"][0]["field"] == "vhost"
+    agent, _, _ = await agent_with_queue(backend)
+    run = await operator.redrive(agent.vhost)  # one of ours: fine
+    assert run["status"] == "succeeded"
+    assert run["found"] == {}  # its dead-letter queue is empty

@@ -93,7 +93,9 @@ async def test_dry_run_removes_nothing(
     assert run["dry_run"] is True
     assert run["changed"] == {}
     assert [(entry["action"], entry["planned"]) for entry in run["actions"]] == [
-        ("delete_subscription", True)
+        ("delete_subscription", True),
+        ("delete_user", True),
+        ("delete_vhost", True),
     ]
     assert await subscriptions_of(app, agent.uuid) == 1
     assert await management.get_queue(agent.vhost, queue["queue_name"]) is not None

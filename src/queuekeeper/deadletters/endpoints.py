@@ -11,6 +11,7 @@ from queuekeeper.common.pagination import Page, page_params
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
 from queuekeeper.deadletters.service import dead_letter_counts, run_redrive
+from queuekeeper.errors import NotFound
 from queuekeeper.jobs.runs import Trigger
 from queuekeeper.jobs.schemas import RunOut
 from queuekeeper.reconcile.endpoints import ADMIN_ERRORS, RUN_ERRORS, answer_run
@@ -54,8 +55,16 @@ async def dead_letters(
     "queue is registered, present and has room: published persistent and confirmed, then "
     "acknowledged. Dead letters too old, redriven too often or whose queue is no longer "
     "registered are taken off and recorded as given up. Answers with the run record.",
-    responses=RUN_ERRORS,
+    responses={**RUN_ERRORS, 404: {"description": "`vhost` is not one of this installation's."}},
 )
 async def redrive_now(state: StateDep, vhost: Annotated[str | None, VHOST] = None) -> RunOut:
+    if vhost is not None:
+        info = await state.management.get_vhost(vhost)
+        if info is None or not state.provisioner.owns(info):
+            raise NotFound(
+                f"vhost {vhost!r} is not one of this installation's vhosts "
+                f"(tagged {state.settings.instance_tag!r}).",
+                field="vhost",
+            )
     record = await run_redrive(state, Trigger.API, vhost=vhost)
     return answer_run(record, state.settings.retry_after_seconds)

@@ -71,6 +71,8 @@ async def remove_subscriptions_of(state: AppState, run: Run, owner: uuid.UUID, r
         if run.dry_run:
             for subscription in subscriptions:
                 run.planned("delete_subscription", f"subscription {subscription.uuid.hex}", reason)
+                run.planned("delete_user", f"broker user {subscription.uuid.hex}", reason)
+            run.planned("delete_vhost", vhost, f"{reason}; with its {len(queues)} queues")
             return
         for subscription in subscriptions:
             await session.delete(subscription)  # its queue rows go by cascade
