@@ -27,7 +27,7 @@ from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.logging import QueuekeeperHandler
 from queuekeeper.models import Base
-from tests.helpers import Backend
+from tests.helpers import Backend, Operator
 
 PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 TEST_DB = os.environ.get("QK_TEST_DB", "postgresql")
@@ -182,3 +182,8 @@ async def make_client(settings: Settings, clean_state: None) -> AsyncIterator[An
         await http.aclose()
     for manager in reversed(managers):
         await manager.__aexit__(None, None, None)
+
+
+@pytest.fixture
+def operator(client: httpx.AsyncClient) -> Operator:
+    return Operator(client, SERVICE_TOKEN)

@@ -81,3 +81,46 @@ class Backend:
         offering = await self.put_offering()
         await self.grant(agent, offering)
         return agent, offering
+
+
+class Operator:
+    """The operator's admin API (service token)."""
+
+    def __init__(self, client: httpx.AsyncClient, service_token: str) -> None:
+        self.client = client
+        self.headers = {"Authorization": f"Bearer {service_token}"}
+
+    async def reconcile(self, *, dry_run: bool = False, expect: int = 200) -> dict[str, Any]:
+        response = await self.client.post(
+            "/api/admin/reconcile/",
+            params={"dry_run": str(dry_run).lower()},
+            headers=self.headers,
+        )
+        assert response.status_code == expect, response.text
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def cleanup_stale(self, *, dry_run: bool = False) -> dict[str, Any]:
+        response = await self.client.post(
+            "/api/admin/cleanup-stale/",
+            params={"dry_run": str(dry_run).lower()},
+            headers=self.headers,
+        )
+        assert response.status_code == 200, response.text
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def redrive(self, vhost: str | None = None) -> dict[str, Any]:
+        response = await self.client.post(
+            "/api/admin/dead-letters/redrive/",
+            params={"vhost": vhost} if vhost else None,
+            headers=self.headers,
+        )
+        assert response.status_code == 200, response.text
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def get(self, path: str, **params: Any) -> Any:
+        response = await self.client.get(path, params=params or None, headers=self.headers)
+        assert response.status_code == 200, response.text
+        return response.json()

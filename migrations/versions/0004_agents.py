@@ -1,7 +1,7 @@
 """agent identities: one name per caller, one subscription per (identity, object type)
 
 Revision ID: 0004_agents
-Revises: 0001
+Revises: 0003_reconcile
 Create Date: 2026-11-22 00:30:00.000000
 
 Both are unique indexes rather than constraints so that SQLite needs no table
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "0004_agents"
-down_revision: str | None = "0001"
+down_revision: str | None = "0003_reconcile"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -16,16 +16,19 @@ from queuekeeper.common.openapi import install_openapi, operation_id
 from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
+from queuekeeper.deadletters.endpoints import router as dead_letters_router
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
 from queuekeeper.health.endpoints import router as health_router
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
+from queuekeeper.jobs.scheduler import JobScheduler
 from queuekeeper.observability.endpoints import MULTIPROC_ENV
 from queuekeeper.observability.endpoints import router as metrics_router
 from queuekeeper.observability.http import ObservabilityMiddleware
 from queuekeeper.observability.metrics import observe_management_call
+from queuekeeper.reconcile.endpoints import router as admin_router
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
 
@@ -90,10 +93,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = build_state(settings)
         app.state.queuekeeper = state
+        if settings.scheduler_enabled:
+            state.scheduler = JobScheduler(state)
+            state.scheduler.start()
         log.info("queuekeeper_started", instance=settings.instance_name, pid=os.getpid())
         try:
             yield
         finally:
+            if state.scheduler is not None:
+                await state.scheduler.stop()
             await state.management.aclose()
             await state.engine.dispose()
             if os.environ.get(MULTIPROC_ENV):
@@ -122,6 +130,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(directory_router)
     app.include_router(identities_router)
     app.include_router(identities_admin_router)
+    app.include_router(admin_router)
+    app.include_router(dead_letters_router)
     app.include_router(health_router)
     app.include_router(metrics_router)
     return app

@@ -135,6 +135,44 @@ class Settings(BaseSettings):
         description="Seconds each `/readyz` check (database, AMQP, Management API) may take.",
     )
 
+    # --- reconcile, stale cleanup, dead-letter redrive (SPEC 7) -----------------------------
+    scheduler_enabled: bool = Field(
+        default=True,
+        description="Run the scheduled jobs in this process. Switch off on replicas that "
+        "should only serve requests; with it on everywhere, an advisory lock still lets one "
+        "run at a time.",
+    )
+    scheduler_jitter_seconds: int = Field(
+        default=60, ge=0, description="Random shift of each scheduled run, so replicas spread out."
+    )
+    reconcile_interval_seconds: int = Field(
+        default=6 * 3600, ge=1, description="Seconds between scheduled reconcile runs."
+    )
+    stale_cleanup_interval_seconds: int = Field(
+        default=24 * 3600, ge=1, description="Seconds between scheduled stale-subscription runs."
+    )
+    redrive_interval_seconds: int = Field(
+        default=0,
+        ge=0,
+        description="Seconds between scheduled dead-letter redrives; 0 = only on demand.",
+    )
+    reconcile_page_size: int = Field(
+        default=500, ge=1, le=500, description="Queues per Management API page (broker max 500)."
+    )
+    redrive_max_age_seconds: int = Field(
+        default=24 * 3600,
+        ge=1,
+        description="A dead letter older than this (from its publish time) is given up.",
+    )
+    redrive_max_attempts: int = Field(
+        default=5, ge=1, description="A dead letter redriven this many times is given up."
+    )
+    redrive_max_messages: int = Field(
+        default=10_000,
+        ge=1,
+        description="Dead letters examined per vhost per redrive run (bounds memory).",
+    )
+
     @field_validator("service_tokens", mode="before")
     @classmethod
     def _split_tokens(cls, value: object) -> object:

@@ -245,6 +245,9 @@ class JobRun(Base):
     found: Mapped[dict[str, Any]] = mapped_column(default=dict)
     changed: Mapped[dict[str, Any]] = mapped_column(default=dict)
     failures: Mapped[list[Any]] = mapped_column(default=list)
+    # What the run did item by item ({action, item, detail, planned}); in a dry run,
+    # what it would have done. Capped; the logs hold everything.
+    actions: Mapped[list[Any]] = mapped_column(default=list)
 
 
 class GivenUpDeadLetter(Base):

@@ -205,11 +205,11 @@ class ManagementClient:
     async def get_user(self, name: str) -> dict[str, Any] | None:
         return await self._get_or_none(f"/users/{_q(name)}", "user")
 
-    async def list_users(self) -> list[dict[str, Any]]:
+    async def list_users(self, columns: str = "name,tags") -> list[dict[str, Any]]:
         # RabbitMQ 3.10 answers 500 when a user is deleted while it builds this
         # list (measured: 13 of 300 listings during concurrent deletes), so retry harder.
         response = await self._request(
-            "GET", "/users", "user", params={"columns": "name,tags"}, attempts=6
+            "GET", "/users", "user", params={"columns": columns}, attempts=6
         )
         body = self._json(response, "/users")
         return list(body) if isinstance(body, list) else []
@@ -231,6 +231,17 @@ class ManagementClient:
 
     async def get_permissions(self, vhost: str, user: str) -> dict[str, Any] | None:
         return await self._get_or_none(f"/permissions/{_q(vhost)}/{_q(user)}", "permission")
+
+    async def list_permissions(self) -> list[dict[str, Any]]:
+        """Every (user, vhost) permission on the broker, in one call."""
+        response = await self._request(
+            "GET",
+            "/permissions",
+            "permission",
+            params={"columns": "user,vhost,configure,write,read"},
+        )
+        body = self._json(response, "/permissions")
+        return list(body) if isinstance(body, list) else []
 
     async def put_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
         await self._request(
@@ -279,7 +290,16 @@ class ManagementClient:
         page_size: int,
         columns: str = "name,arguments,durable,auto_delete,messages,consumers",
         name_prefix: str | None = None,
+        sort: str | None = None,
+        disable_stats: bool = False,
     ) -> dict[str, Any]:
+        """One page of a vhost's queues.
+
+        A page past the end (the vhost shrank between two calls) comes back empty
+        with `page_count` one less, as the broker answers 400 for it.
+        `disable_stats` skips the statistics the broker would otherwise compute for
+        every queue: use it when `columns` names none.
+        """
         params: dict[str, Any] = {
             "page": page,
             "page_size": page_size,
@@ -289,11 +309,19 @@ class ManagementClient:
         if name_prefix:
             params["name"] = f"^{name_prefix}"
             params["use_regex"] = "true"
+        if sort:
+            params["sort"] = sort
+        if disable_stats:
+            params["disable_stats"] = "true"
         path = f"/queues/{_q(vhost)}"
         try:
             response = await self._request("GET", path, "queue_list", params=params)
         except ManagementNotFound:
             return {"items": [], "page": page, "page_count": 0}
+        except ManagementBadRequest as exc:
+            if "out of range" not in exc.reason.lower():
+                raise
+            return {"items": [], "page": page, "page_count": page - 1}
         body = self._json(response, path)
         if not isinstance(body, dict):
             raise BrokerUnavailable(f"Management API sent an unexpected body for {path}", path=path)

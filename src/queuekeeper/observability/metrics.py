@@ -98,8 +98,10 @@ JOB_DURATION = Histogram(
 )
 RECONCILE_ITEMS = Counter(
     "queuekeeper_reconcile_items_total",
-    "What reconcile runs did: orphans_deleted, queues_recreated, drift_found, drift_repaired, "
-    "users_restored, permissions_restored, vhosts_deleted, failures.",
+    "What reconcile and stale-cleanup runs did: orphans_deleted, queues_recreated, drift_found, "
+    "drift_repaired, users_restored, permissions_restored, vhosts_created, vhosts_deleted, "
+    "users_deleted, subscriptions_marked_broken, dead_letter_queues_ensured, "
+    "subscriptions_removed, queues_deleted, failures.",
     ["action"],
 )
 DEAD_LETTERS = Counter(

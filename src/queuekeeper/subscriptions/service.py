@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from queuekeeper.broker import topology
 from queuekeeper.broker.provisioner import Provisioner, QueueOutcome, best_effort
 from queuekeeper.errors import BadRequest, Forbidden, NotFound
+from queuekeeper.jobs import locks
 from queuekeeper.models import EventSubscription, EventSubscriptionQueue, Offering, User, utcnow
 from queuekeeper.subscriptions import repository
 from queuekeeper.subscriptions.schemas import QueueCreate, SubscriptionCreate
@@ -94,39 +95,48 @@ async def create_subscription(
     """
     subscription_uuid = uuid.uuid4()
     vhost = topology.vhost_name(owner.uuid)
-    await provisioner.ensure_vhost(vhost)
-    await provisioner.ensure_subscription_user(vhost, subscription_uuid, owner.broker_password_hash)
-    leftovers = await collect_leftovers(session, list(replaces)) if replaces else None
-    subscription = EventSubscription(
-        uuid=subscription_uuid,
-        user_uuid=owner.uuid,
-        description=body.description,
-        observable_objects=[
-            item.model_dump(mode="json", exclude_none=True) for item in body.observable_objects
-        ],
-        source_ip=source_ip,
-        agent_identity_uuid=agent_identity_uuid,
-        observable_object_type=observable_object_type,
-        broker_password_hash=owner.broker_password_hash,
-        broker_state="ok",
-    )
-    try:
-        for old in replaces:
-            await session.delete(old)
-        if replaces:
-            # The unit of work inserts before it deletes; the old row must be gone first
-            # or the new one collides with it on the (identity, object type) unique index.
-            await session.flush()
-        session.add(subscription)
-        await session.commit()
-    except Exception:
-        await session.rollback()
-        await best_effort(
-            "delete_user",
-            provisioner.delete_subscription_user(subscription_uuid),
-            subscription=subscription_uuid.hex,
+    # From before the vhost and broker user are made until the row is committed, hold
+    # shared the locks under which reconcile deletes unused vhosts and orphan users
+    # (exclusive, re-checking rows): it can never delete what this call is making.
+    async with (
+        locks.guard(session, locks.vhost_key(vhost), exclusive=False),
+        locks.guard(session, locks.BROKER_USERS_KEY, exclusive=False),
+    ):
+        await provisioner.ensure_vhost(vhost)
+        await provisioner.ensure_subscription_user(
+            vhost, subscription_uuid, owner.broker_password_hash
         )
-        raise
+        leftovers = await collect_leftovers(session, list(replaces)) if replaces else None
+        subscription = EventSubscription(
+            uuid=subscription_uuid,
+            user_uuid=owner.uuid,
+            description=body.description,
+            observable_objects=[
+                item.model_dump(mode="json", exclude_none=True) for item in body.observable_objects
+            ],
+            source_ip=source_ip,
+            agent_identity_uuid=agent_identity_uuid,
+            observable_object_type=observable_object_type,
+            broker_password_hash=owner.broker_password_hash,
+            broker_state="ok",
+        )
+        try:
+            for old in replaces:
+                await session.delete(old)
+            if replaces:
+                # The unit of work inserts before it deletes; the old row must be gone first
+                # or the new one collides with it on the (identity, object type) unique index.
+                await session.flush()
+            session.add(subscription)
+            await session.commit()
+        except Exception:
+            await session.rollback()
+            await best_effort(
+                "delete_user",
+                provisioner.delete_subscription_user(subscription_uuid),
+                subscription=subscription_uuid.hex,
+            )
+            raise
     log.info("subscription_created", subscription=subscription_uuid.hex, user=owner.uuid.hex)
     if leftovers is not None:
         log.info(
@@ -172,27 +182,32 @@ async def create_queue(
 
     name = topology.queue_name(subscription.uuid, offering.uuid, body.object_type)
     vhost = topology.vhost_name(owner.uuid)
-    outcome = await provisioner.ensure_queue(vhost, name)
+    # The broker queue exists before its row does. Reconcile deletes `subscription_*`
+    # queues without a row, but only while holding this lock exclusively and
+    # re-checking the rows; holding it shared from before the declare until the
+    # commit makes sure it never sees this queue without seeing its row.
+    async with locks.guard(session, locks.vhost_key(vhost), exclusive=False):
+        outcome = await provisioner.ensure_queue(vhost, name)
 
-    queue = EventSubscriptionQueue(
-        uuid=uuid.uuid4(),
-        subscription_uuid=subscription.uuid,
-        offering_uuid=offering.uuid,
-        object_type=body.object_type,
-        queue_name=name,
-        vhost=vhost,
-        created=utcnow(),
-    )
-    try:
-        inserted = await repository.insert_queue_if_absent(session, queue)
-        await session.commit()
-    except IntegrityError as exc:
-        # The subscription, offering or grant went away while we were at the broker.
-        await session.rollback()
-        await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
-        raise NotFound(
-            "The subscription or the offering was deleted while the queue was being created."
-        ) from exc
+        queue = EventSubscriptionQueue(
+            uuid=uuid.uuid4(),
+            subscription_uuid=subscription.uuid,
+            offering_uuid=offering.uuid,
+            object_type=body.object_type,
+            queue_name=name,
+            vhost=vhost,
+            created=utcnow(),
+        )
+        try:
+            inserted = await repository.insert_queue_if_absent(session, queue)
+            await session.commit()
+        except IntegrityError as exc:
+            # The subscription, offering or grant went away while we were at the broker.
+            await session.rollback()
+            await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
+            raise NotFound(
+                "The subscription or the offering was deleted while the queue was being created."
+            ) from exc
     if not inserted:
         existing = await repository.find_queue(
             session, subscription.uuid, offering.uuid, body.object_type

@@ -1,0 +1,399 @@
+"""Dead-letter redrive: move dead letters back to their queue, or give them up with a record.
+
+Per vhost of ours, over AMQP: take messages off the dead-letter queue one at a
+time (`basic.get`, unacknowledged), and for each decide:
+
+- its original queue (the `x-death` header) is registered, present and has
+  room: publish a copy there (persistent, mandatory, confirmed) and only then
+  acknowledge the dead letter. A crash in between leaves both copies, never
+  none: consumers deduplicate on `message_id`.
+- it is older than `redrive_max_age_seconds`, was redriven
+  `redrive_max_attempts` times already, has no `x-death`, or its queue is no
+  longer registered: write a given-up record, commit, then acknowledge it.
+- otherwise (its queue is full, or registered but missing on the broker until
+  the next reconcile) it is held unacknowledged and returned to the dead-letter
+  queue, in order, when the vhost is done.
+
+A run handles the messages that were in the queue when it reached the vhost
+(at most `redrive_max_messages`); what arrives meanwhile waits for the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import uuid
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+from urllib.parse import quote, urlsplit, urlunsplit
+
+import aio_pika
+import structlog
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
+from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishError
+
+from queuekeeper.config import Settings
+from queuekeeper.deadletters import repository
+from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, describe, run_job
+from queuekeeper.models import GivenUpDeadLetter, JobRun, utcnow
+from queuekeeper.observability.metrics import DEAD_LETTERS
+from queuekeeper.state import AppState
+
+log = structlog.get_logger(__name__)
+
+REDRIVE_HEADER = "x-queuekeeper-redrives"
+BATCH = 100  # confirms awaited together, given-up records committed together
+
+Kind = Literal["redrive", "give_up", "leave"]
+
+
+@dataclass
+class Verdict:
+    kind: Kind
+    origin: str | None
+    code: str = ""
+    reason: str = ""
+
+
+@dataclass
+class Target:
+    """An original queue, as far as this run knows it."""
+
+    registered: bool
+    present: bool
+    depth: int = 0
+    sent: int = 0
+    full: bool = False
+    reported: bool = False
+
+
+def _count(counter: str) -> None:
+    if counter in ("redriven", "given_up"):
+        DEAD_LETTERS.labels(outcome=counter).inc()
+
+
+async def run_redrive(
+    state: AppState,
+    trigger: Trigger,
+    *,
+    vhost: str | None = None,
+    progress: Progress | None = None,
+) -> JobRun:
+    return await run_job(
+        state,
+        Job.REDRIVE,
+        trigger,
+        lambda run: redrive(state, run, vhost),
+        progress=progress,
+        on_change=_count,
+    )
+
+
+async def owned_vhosts(state: AppState) -> list[str]:
+    vhosts = await state.management.list_vhosts()
+    return sorted(str(v.get("name")) for v in vhosts if state.provisioner.owns(v))
+
+
+async def redrive(state: AppState, run: Run, only: str | None = None) -> None:
+    vhosts = await owned_vhosts(state)
+    if only is not None:
+        if only not in vhosts:
+            run.fail(only, "no such vhost of this installation")
+            return
+        vhosts = [only]
+    for done, vhost in enumerate(vhosts, 1):
+        async with run.item(vhost):
+            connection = await aio_pika.connect(
+                _vhost_url(state.settings.amqp_url, vhost),
+                timeout=state.settings.management_timeout,
+                ssl_context=_amqp_ssl_context(state.settings),
+            )
+            async with connection:
+                await VhostRedrive(state, run, vhost, connection).execute()
+        run.report("vhosts", done, len(vhosts))
+
+
+class VhostRedrive:
+    def __init__(
+        self, state: AppState, run: Run, vhost: str, connection: AbstractConnection
+    ) -> None:
+        self.state, self.settings, self.run = state, state.settings, run
+        self.vhost, self.connection = vhost, connection
+        self.targets: dict[str, Target] = {}
+        self.held: list[AbstractIncomingMessage] = []
+        self.now = utcnow()
+        self.probe: AbstractChannel | None = None
+
+    async def execute(self) -> None:
+        settings = self.settings
+        # Passive declares of missing queues close their channel: they get one of their own.
+        self.probe = await self.connection.channel(publisher_confirms=False)
+        try:
+            declared = await self.probe.declare_queue(settings.dlq_name, passive=True)
+        except ChannelNotFoundEntity:
+            self.run.find("dead_letter_queues_missing")
+            return
+        depth = declared.declaration_result.message_count or 0
+        self.run.find("dead_letters", depth)
+        if not depth:
+            return
+        channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
+        dlq = await channel.get_queue(settings.dlq_name, ensure=False)
+        redrives: list[tuple[AbstractIncomingMessage, str]] = []
+        give_ups: list[tuple[AbstractIncomingMessage, GivenUpDeadLetter]] = []
+        try:
+            for _ in range(min(depth, settings.redrive_max_messages)):
+                message = await dlq.get(
+                    no_ack=False, fail=False, timeout=settings.management_timeout
+                )
+                if message is None:
+                    break
+                self.run.find("examined")
+                verdict = await self.judge(message)
+                if verdict.kind == "redrive" and verdict.origin:
+                    redrives.append((message, verdict.origin))
+                elif verdict.kind == "give_up":
+                    give_ups.append((message, self._record(message, verdict)))
+                else:
+                    self.run.find(f"left_{verdict.code}")
+                    self.held.append(message)
+                if len(redrives) >= BATCH:
+                    await self.flush_redrives(channel, redrives)
+                if len(give_ups) >= BATCH:
+                    await self.flush_give_ups(give_ups)
+            await self.flush_redrives(channel, redrives)
+            await self.flush_give_ups(give_ups)
+        finally:
+            # Back to the dead-letter queue, in order (a closed channel would do it too).
+            for message in self.held:
+                with suppress(Exception):
+                    await message.nack(requeue=True)
+
+    async def judge(self, message: AbstractIncomingMessage) -> Verdict:
+        settings = self.settings
+        headers = dict(message.headers or {})
+        deaths = _deaths(headers)
+        origin = _origin(headers, deaths)
+        redriven = _int(headers.get(REDRIVE_HEADER))
+        born = _aware(message.timestamp) or _first_death(deaths)
+        if not origin:
+            return Verdict("give_up", None, "no_origin", "no x-death header: its queue is unknown")
+        if redriven >= settings.redrive_max_attempts:
+            return Verdict(
+                "give_up",
+                origin,
+                "too_many_redrives",
+                f"redriven {redriven} times already (limit {settings.redrive_max_attempts})",
+            )
+        max_age = timedelta(seconds=settings.redrive_max_age_seconds)
+        if born is not None and self.now - born > max_age:
+            return Verdict(
+                "give_up",
+                origin,
+                "too_old",
+                f"published {born.isoformat()}, older than {settings.redrive_max_age_seconds} s",
+            )
+        target = await self.target(origin)
+        if not target.registered:
+            return Verdict("give_up", origin, "queue_gone", f"queue {origin!r} is not registered")
+        if not target.present:
+            if not target.reported:
+                target.reported = True
+                self.run.fail(
+                    f"{self.vhost}/{origin}",
+                    "registered but missing on the broker: its dead letters stay until a "
+                    "reconcile re-creates it",
+                )
+            return Verdict("leave", origin, "queue_missing")
+        if target.full or target.depth + target.sent >= settings.queue_max_length:
+            return Verdict("leave", origin, "no_room")
+        target.sent += 1
+        return Verdict("redrive", origin)
+
+    async def target(self, name: str) -> Target:
+        known = self.targets.get(name)
+        if known is not None:
+            return known
+        async with self.state.sessions() as session:
+            registered = await repository.is_registered(session, self.vhost, name)
+        target = Target(registered=registered, present=False)
+        if registered:
+            assert self.probe is not None
+            try:
+                declared = await self.probe.declare_queue(name, passive=True)
+                target.present = True
+                target.depth = declared.declaration_result.message_count or 0
+            except ChannelNotFoundEntity:
+                self.probe = await self.connection.channel(publisher_confirms=False)
+        self.targets[name] = target
+        return target
+
+    async def flush_redrives(
+        self, channel: AbstractChannel, batch: list[tuple[AbstractIncomingMessage, str]]
+    ) -> None:
+        if not batch:
+            return
+        results = await asyncio.gather(
+            *(self._publish(channel, message, origin) for message, origin in batch),
+            return_exceptions=True,
+        )
+        for (message, origin), result in zip(batch, results, strict=True):
+            item = f"{self.vhost}/{origin}"
+            if isinstance(result, BaseException):
+                self.held.append(message)
+                target = self.targets[origin]
+                target.sent -= 1
+                if isinstance(result, DeliveryError):
+                    target.full = True
+                    reason = (
+                        "the queue refused it (full); it stays in the dead-letter queue, "
+                        "and the broker may have dead-lettered a second copy"
+                    )
+                elif isinstance(result, PublishError):
+                    target.present = False
+                    reason = "unroutable: the queue vanished; it stays in the dead-letter queue"
+                else:
+                    reason = describe(result)
+                self.run.fail(item, reason)
+                continue
+            await message.ack()  # only now: the copy is confirmed in its queue
+            self.run.done("redriven", "redrive", item, f"message {message.message_id or '-'}")
+        batch.clear()
+
+    async def _publish(
+        self, channel: AbstractChannel, message: AbstractIncomingMessage, origin: str
+    ) -> None:
+        headers: dict[str, Any] = dict(message.headers or {})
+        # A string: RabbitMQ's STOMP adapter passes string headers on to agents, not numbers.
+        headers[REDRIVE_HEADER] = str(_int(headers.get(REDRIVE_HEADER)) + 1)
+        copy = aio_pika.Message(
+            body=message.body,
+            headers=headers,
+            content_type=message.content_type,
+            content_encoding=message.content_encoding,
+            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            priority=message.priority,
+            correlation_id=message.correlation_id,
+            reply_to=message.reply_to,
+            # aio-pika matches a mandatory return to its publish by message_id.
+            message_id=message.message_id or f"queuekeeper-redrive-{uuid.uuid4().hex}",
+            timestamp=message.timestamp,
+            type=message.type,
+            app_id=message.app_id,
+        )
+        await channel.default_exchange.publish(
+            copy, routing_key=origin, mandatory=True, timeout=self.settings.management_timeout
+        )
+
+    def _record(self, message: AbstractIncomingMessage, verdict: Verdict) -> GivenUpDeadLetter:
+        deaths = _deaths(dict(message.headers or {}))
+        return GivenUpDeadLetter(
+            vhost=self.vhost,
+            original_queue=verdict.origin,
+            reason=f"{verdict.code}: {verdict.reason}",
+            death_count=sum(_int(death.get("count")) for death in deaths),
+            first_death_at=_first_death(deaths),
+            message_id=(message.message_id or None),
+            body_size=len(message.body),
+            recorded=utcnow(),
+        )
+
+    async def flush_give_ups(
+        self, batch: list[tuple[AbstractIncomingMessage, GivenUpDeadLetter]]
+    ) -> None:
+        if not batch:
+            return
+        # The record is committed before the message is acknowledged: a crash between
+        # the two records it twice, never zero times.
+        async with self.state.sessions() as session:
+            await repository.record_given_up(session, [record for _, record in batch])
+        for message, record in batch:
+            await message.ack()
+            self.run.done(
+                "given_up",
+                "give_up",
+                f"{self.vhost}/{record.original_queue or '?'}",
+                record.reason,
+            )
+        batch.clear()
+
+
+def _deaths(headers: dict[str, Any]) -> list[dict[str, Any]]:
+    value = headers.get("x-death")
+    if not isinstance(value, list):
+        return []
+    return [dict(death) for death in value if isinstance(death, dict)]
+
+
+def _origin(headers: dict[str, Any], deaths: list[dict[str, Any]]) -> str | None:
+    # x-death is newest first; its first entry names the queue it last died in.
+    for candidate in (
+        deaths[0].get("queue") if deaths else None,
+        headers.get("x-first-death-queue"),
+    ):
+        if isinstance(candidate, bytes):
+            candidate = candidate.decode("utf-8", "replace")
+        if isinstance(candidate, str) and candidate:
+            return candidate
+    return None
+
+
+def _first_death(deaths: list[dict[str, Any]]) -> datetime | None:
+    times = [_aware(death.get("time")) for death in deaths]
+    known = [time for time in times if time is not None]
+    return min(known) if known else None
+
+
+def _aware(value: Any) -> datetime | None:
+    if not isinstance(value, datetime):
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _vhost_url(amqp_url: str, vhost: str) -> str:
+    parts = urlsplit(amqp_url)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + quote(vhost, safe=""), parts.query, ""))
+
+
+def _amqp_ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    if not settings.amqp_url.startswith("amqps://"):
+        return None
+    context = ssl.create_default_context(cafile=settings.tls_ca_file)
+    if settings.tls_cert_file:
+        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    if not settings.tls_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+async def dead_letter_counts(state: AppState, only: str | None = None) -> list[dict[str, Any]]:
+    """Each vhost's dead-letter queue as the Management API sees it (stats lag a few seconds)."""
+    vhosts = await owned_vhosts(state)
+    if only is not None:
+        vhosts = [vhost for vhost in vhosts if vhost == only]
+    limit = asyncio.Semaphore(8)
+    columns = "name,messages,messages_ready,messages_unacknowledged,consumers"
+
+    async def one(vhost: str) -> dict[str, Any]:
+        async with limit:
+            info = await state.management.get_queue(vhost, state.settings.dlq_name, columns=columns)
+        return {
+            "vhost": vhost,
+            "queue": state.settings.dlq_name,
+            "present": info is not None,
+            "messages": (info or {}).get("messages"),
+            "messages_ready": (info or {}).get("messages_ready"),
+            "messages_unacknowledged": (info or {}).get("messages_unacknowledged"),
+        }
+
+    return list(await asyncio.gather(*(one(vhost) for vhost in vhosts)))

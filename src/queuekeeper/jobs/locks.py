@@ -1,0 +1,148 @@
+"""Advisory locks: one run of a job at a time, and no deletion racing a registration.
+
+PostgreSQL: transaction-level advisory locks (`pg_*advisory_xact_lock*`), released
+by the database when the transaction ends, so a crashed process never leaves one
+behind. SQLite runs a single instance, so an in-process lock per key stands in.
+
+Keys are 64-bit digests of a name, scoped (as all advisory locks are) to the
+database: two installations with their own databases never contend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+# create_subscription holds this shared while a broker user exists without its
+# row; deleting orphan broker users takes it exclusive.
+BROKER_USERS_KEY = "broker-users"
+
+
+def lock_key(name: str) -> int:
+    digest = hashlib.sha256(f"queuekeeper:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def vhost_key(vhost: str) -> str:
+    return f"vhost:{vhost}"
+
+
+def job_key(job: str) -> str:
+    return f"job:{job}"
+
+
+class _KeyedLocks:
+    """In-process stand-in for advisory locks (SQLite): one asyncio.Lock per key, dropped when
+    nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def _take(self, key: str) -> asyncio.Lock:
+        lock, users = self._locks.get(key, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        return lock
+
+    def _drop(self, key: str) -> None:
+        lock, users = self._locks[key]
+        if users <= 1:
+            del self._locks[key]
+        else:
+            self._locks[key] = (lock, users - 1)
+
+    @asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock = self._take(key)
+        try:
+            async with lock:
+                yield
+        finally:
+            self._drop(key)
+
+    @asynccontextmanager
+    async def try_hold(self, key: str) -> AsyncIterator[bool]:
+        lock = self._take(key)
+        try:
+            if lock.locked():
+                yield False
+                return
+            async with lock:
+                yield True
+        finally:
+            self._drop(key)
+
+
+# asyncio locks belong to one event loop: keep one registry per loop.
+_local: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _KeyedLocks] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _local_locks() -> _KeyedLocks:
+    loop = asyncio.get_running_loop()
+    registry = _local.get(loop)
+    if registry is None:
+        registry = _local[loop] = _KeyedLocks()
+    return registry
+
+
+def _is_postgres(session: AsyncSession) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+@asynccontextmanager
+async def guard(session: AsyncSession, name: str, *, exclusive: bool) -> AsyncIterator[None]:
+    """Hold the lock `name` until the session's transaction ends.
+
+    Commit or roll back inside the block: that releases the lock. A transaction
+    still open when the block ends is rolled back. Shared holders do not wait for
+    each other; an exclusive holder waits for all of them and they for it.
+    """
+    if _is_postgres(session):
+        function = func.pg_advisory_xact_lock if exclusive else func.pg_advisory_xact_lock_shared
+        try:
+            await session.execute(select(function(lock_key(name))))
+            yield
+        finally:
+            if session.in_transaction():
+                await session.rollback()
+        return
+    # SQLite: one instance, and one writer at a time anyway; a plain mutex will do.
+    async with _local_locks().hold(name):
+        try:
+            yield
+        finally:
+            if session.in_transaction():
+                await session.rollback()
+
+
+@asynccontextmanager
+async def job_lock(engine: AsyncEngine, job: str) -> AsyncIterator[bool]:
+    """True when this caller may run `job`; False when another run (any replica) holds it.
+
+    On PostgreSQL the lock lives in a transaction on a connection of its own,
+    open for the whole run: the run's work uses other connections and commits as
+    it goes without releasing it.
+    """
+    if engine.dialect.name == "postgresql":
+        async with engine.connect() as connection:
+            transaction = await connection.begin()
+            try:
+                acquired = bool(
+                    await connection.scalar(
+                        select(func.pg_try_advisory_xact_lock(lock_key(job_key(job))))
+                    )
+                )
+                yield acquired
+            finally:
+                await transaction.rollback()
+        return
+    async with _local_locks().try_hold(job_key(job)) as acquired:
+        yield acquired

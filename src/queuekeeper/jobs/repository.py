@@ -1,0 +1,70 @@
+"""Queries for run records."""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy import Select, func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from queuekeeper.models import JobRun, utcnow
+
+
+async def insert_run(session: AsyncSession, record: JobRun) -> None:
+    session.add(record)
+    await session.commit()
+
+
+async def save_run(session: AsyncSession, record: JobRun) -> None:
+    await session.execute(
+        update(JobRun)
+        .where(JobRun.uuid == record.uuid)
+        .values(
+            finished=record.finished,
+            status=record.status,
+            found=record.found,
+            changed=record.changed,
+            actions=record.actions,
+            failures=record.failures,
+        )
+    )
+    await session.commit()
+
+
+async def close_interrupted(session: AsyncSession, job: str) -> None:
+    """Mark runs of `job` still "running" as failed; call only while holding the job's lock."""
+    await session.execute(
+        update(JobRun)
+        .where(JobRun.job == job, JobRun.status == "running")
+        .values(
+            status="failed",
+            finished=utcnow(),
+            failures=[{"item": job, "reason": "interrupted: the process running it stopped"}],
+        )
+    )
+    await session.commit()
+
+
+def runs_query(job: str | None = None, status: str | None = None) -> Select[JobRun]:
+    query = select(JobRun)
+    if job:
+        query = query.where(JobRun.job == job)
+    if status:
+        query = query.where(JobRun.status == status)
+    return query
+
+
+async def list_runs(
+    session: AsyncSession, *, job: str | None, status: str | None, offset: int, limit: int
+) -> tuple[int, list[JobRun]]:
+    """Newest first."""
+    query = runs_query(job, status)
+    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = await session.scalars(
+        query.order_by(JobRun.started.desc(), JobRun.uuid).offset(offset).limit(limit)
+    )
+    return int(total), list(rows)
+
+
+async def get_run(session: AsyncSession, run_uuid: uuid.UUID) -> JobRun | None:
+    return await session.get(JobRun, run_uuid)

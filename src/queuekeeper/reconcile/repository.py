@@ -1,0 +1,226 @@
+"""Queries for reconcile and stale cleanup: a few per vhost or per page, never one per queue."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from sqlalchemy import ColumnElement, exists, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+
+from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User
+
+
+@dataclass(frozen=True)
+class QueueRow:
+    name: str
+    uuid: UUID
+    subscription_uuid: UUID
+    offering_uuid: UUID
+    object_type: str
+
+
+@dataclass(frozen=True)
+class SubscriptionAccess:
+    """What a subscription's broker user should look like."""
+
+    uuid: UUID
+    broker_state: str
+    owner_uuid: UUID
+    owner_password_hash: str | None
+
+
+def _name(session: AsyncSession) -> ColumnElement[str]:
+    """Queue names compared byte by byte, as RabbitMQ sorts them (and as Python compares str)."""
+    column: ColumnElement[str] = EventSubscriptionQueue.queue_name.expression
+    if session.get_bind().dialect.name == "postgresql":
+        return column.collate("C")
+    return column  # SQLite's default collation is already binary
+
+
+@asynccontextmanager
+async def reader(engine: AsyncEngine) -> AsyncIterator[AsyncSession]:
+    """A session on one connection in autocommit, for a run's many small reads.
+
+    Each query is then one round trip: no pool check-out, BEGIN or ROLLBACK around
+    it. Each still sees what was committed before it (nothing holds a snapshot).
+    """
+    async with engine.connect() as connection:
+        await connection.execution_options(isolation_level="AUTOCOMMIT")
+        async with AsyncSession(bind=connection) as session:
+            yield session
+
+
+def owner_of(vhost: str) -> UUID | None:
+    try:
+        return UUID(hex=vhost)
+    except ValueError:
+        return None
+
+
+async def subscribed_vhosts(session: AsyncSession) -> set[str]:
+    """The vhosts that should exist: one per user with at least one subscription."""
+    rows = await session.scalars(select(EventSubscription.user_uuid).distinct())
+    return {owner.hex for owner in rows}
+
+
+async def rows_in_range(
+    session: AsyncSession, vhost: str, after: str | None, upto: str | None, limit: int
+) -> list[QueueRow]:
+    """Registered queues of `vhost` with `after < name <= upto`, in name order."""
+    name = _name(session)
+    query = select(
+        EventSubscriptionQueue.queue_name,
+        EventSubscriptionQueue.uuid,
+        EventSubscriptionQueue.subscription_uuid,
+        EventSubscriptionQueue.offering_uuid,
+        EventSubscriptionQueue.object_type,
+    ).where(EventSubscriptionQueue.vhost == vhost)
+    if after is not None:
+        query = query.where(name > after)
+    if upto is not None:
+        query = query.where(name <= upto)
+    result = await session.execute(query.order_by(name).limit(limit))
+    return [QueueRow(*row) for row in result.all()]
+
+
+async def registered_names(session: AsyncSession, vhost: str, names: Sequence[str]) -> set[str]:
+    if not names:
+        return set()
+    rows = await session.scalars(
+        select(EventSubscriptionQueue.queue_name).where(
+            EventSubscriptionQueue.vhost == vhost,
+            EventSubscriptionQueue.queue_name.in_(list(names)),
+        )
+    )
+    return set(rows)
+
+
+async def vhost_in_use(session: AsyncSession, vhost: str) -> bool:
+    """True when a subscription of the vhost's owner, or a queue row in it, exists."""
+    conditions: list[ColumnElement[bool]] = [exists().where(EventSubscriptionQueue.vhost == vhost)]
+    owner = owner_of(vhost)
+    if owner is not None:
+        conditions.append(exists().where(EventSubscription.user_uuid == owner))
+    return bool(await session.scalar(select(or_(*conditions))))
+
+
+async def subscriptions_of_owners(
+    session: AsyncSession, owners: Sequence[UUID]
+) -> dict[UUID, list[SubscriptionAccess]]:
+    """One query for a whole group of vhosts' owners."""
+    found: dict[UUID, list[SubscriptionAccess]] = {owner: [] for owner in owners}
+    if not owners:
+        return found
+    result = await session.execute(
+        select(
+            EventSubscription.uuid,
+            EventSubscription.broker_state,
+            EventSubscription.user_uuid,
+            User.broker_password_hash,
+        )
+        .join(User, User.uuid == EventSubscription.user_uuid)
+        .where(EventSubscription.user_uuid.in_(list(owners)))
+        .order_by(EventSubscription.user_uuid, EventSubscription.uuid)
+    )
+    for row in result.all():
+        found[row.user_uuid].append(SubscriptionAccess(*row))
+    return found
+
+
+async def owner_password_hash(session: AsyncSession, owner_uuid: UUID) -> str | None:
+    value: str | None = await session.scalar(
+        select(User.broker_password_hash).where(User.uuid == owner_uuid)
+    )
+    return value
+
+
+async def set_subscription_broker_state(
+    session: AsyncSession,
+    subscription_uuid: UUID,
+    *,
+    broker_state: str,
+    password_hash: str | None = None,
+    set_hash: bool = False,
+) -> None:
+    values: dict[str, Any] = {"broker_state": broker_state}
+    if set_hash:
+        values["broker_password_hash"] = password_hash
+    await session.execute(
+        update(EventSubscription).where(EventSubscription.uuid == subscription_uuid).values(values)
+    )
+    await session.commit()
+
+
+async def existing_subscription_users(session: AsyncSession, names: Sequence[str]) -> set[str]:
+    """Of these broker user names, the ones that belong to a subscription row."""
+    uuids = [owner for owner in (owner_of(name) for name in names) if owner is not None]
+    if not uuids:
+        return set()
+    rows = await session.scalars(
+        select(EventSubscription.uuid).where(EventSubscription.uuid.in_(uuids))
+    )
+    return {row.hex for row in rows}
+
+
+async def queue_vhosts(session: AsyncSession) -> set[str]:
+    rows = await session.scalars(select(EventSubscriptionQueue.vhost).distinct())
+    return set(rows)
+
+
+# --- stale subscriptions ------------------------------------------------------------------
+def _stale(now: datetime) -> ColumnElement[bool]:
+    return or_(
+        User.is_active.is_(False),
+        (User.token_expires_at.is_not(None)) & (User.token_expires_at <= now),
+    )
+
+
+async def stale_owners(session: AsyncSession, now: datetime) -> list[tuple[UUID, str]]:
+    """Users with subscriptions who are inactive or whose token expired, with the reason."""
+    result = await session.execute(
+        select(User.uuid, User.is_active, User.token_expires_at)
+        .where(_stale(now), exists().where(EventSubscription.user_uuid == User.uuid))
+        .order_by(User.uuid)
+    )
+    owners = []
+    for owner, active, expires in result.all():
+        reason = (
+            "user is inactive"
+            if not active
+            else f"token expired at {expires.isoformat() if expires else '?'}"
+        )
+        owners.append((owner, reason))
+    return owners
+
+
+async def lock_if_still_stale(session: AsyncSession, owner_uuid: UUID, now: datetime) -> bool:
+    """Lock the user row (PostgreSQL) so a concurrent token update waits; True if still stale."""
+    found = await session.scalar(
+        select(User.uuid).where(User.uuid == owner_uuid, _stale(now)).with_for_update()
+    )
+    return found is not None
+
+
+async def subscriptions_with_queues(
+    session: AsyncSession, owner_uuid: UUID
+) -> tuple[list[EventSubscription], list[EventSubscriptionQueue]]:
+    subscriptions = list(
+        await session.scalars(
+            select(EventSubscription).where(EventSubscription.user_uuid == owner_uuid)
+        )
+    )
+    if not subscriptions:
+        return [], []
+    queues = list(
+        await session.scalars(
+            select(EventSubscriptionQueue).where(
+                EventSubscriptionQueue.subscription_uuid.in_([s.uuid for s in subscriptions])
+            )
+        )
+    )
+    return subscriptions, queues

@@ -1,0 +1,365 @@
+"""Reconcile: make the broker hold what the database says, and nothing of ours besides.
+
+Order of a run: read the broker's vhosts, users and permissions once; then for
+every vhost that should exist (an owner with subscriptions): its set-up, its
+subscriptions' users and permissions, its queues page by page; then remove our
+vhosts nobody uses and our broker users no subscription owns.
+
+Nothing registered is ever deleted: every deletion (orphan queue, unused vhost,
+orphan broker user) re-checks the database while holding, exclusively, the
+advisory lock that registrations hold shared from before they touch the broker
+until their row is committed. See docs/reconcile.md for the argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import structlog
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from queuekeeper.broker import topology
+from queuekeeper.broker.management import ManagementBadRequest
+from queuekeeper.broker.provisioner import QueueConflict, QueueOutcome
+from queuekeeper.jobs.locks import BROKER_USERS_KEY, guard, vhost_key
+from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, chunked, run_job
+from queuekeeper.models import JobRun
+from queuekeeper.observability.metrics import RECONCILE_ITEMS
+from queuekeeper.reconcile import repository
+from queuekeeper.reconcile.access import (
+    BrokerAccess,
+    check_service_permissions,
+    check_subscription,
+)
+from queuekeeper.reconcile.listing import differences, vhost_queues
+from queuekeeper.reconcile.repository import SubscriptionAccess
+from queuekeeper.state import AppState
+
+log = structlog.get_logger(__name__)
+
+# Vhosts whose subscriptions are read with one query.
+VHOST_GROUP = 100
+# Deletions are made in batches, each under the vhost's exclusive lock: small enough that
+# a registration waiting for the lock waits well under a second.
+DELETE_BATCH = 50
+
+
+def count_change(counter: str) -> None:
+    RECONCILE_ITEMS.labels(action=counter).inc()
+
+
+async def run_reconcile(
+    state: AppState, trigger: Trigger, *, dry_run: bool = False, progress: Progress | None = None
+) -> JobRun:
+    return await run_job(
+        state,
+        Job.RECONCILE,
+        trigger,
+        lambda run: reconcile(state, run),
+        dry_run=dry_run,
+        progress=progress,
+        on_change=count_change,
+    )
+
+
+async def reconcile(state: AppState, run: Run) -> None:
+    management, provisioner = state.management, state.provisioner
+    broker_vhosts = {str(v.get("name")): v for v in await management.list_vhosts()}
+    owned = {name for name, info in broker_vhosts.items() if provisioner.owns(info)}
+    async with repository.reader(state.engine) as reader:
+        expected = await repository.subscribed_vhosts(reader)
+        access = await BrokerAccess.load(management, state.settings.instance_tag, owned | expected)
+        run.find("vhosts", len(owned | expected))
+
+        todo = sorted(expected)
+        done = 0
+        for group in chunked(todo, VHOST_GROUP):
+            owners = [owner for owner in map(repository.owner_of, group) if owner is not None]
+            subscriptions = await repository.subscriptions_of_owners(reader, owners)
+            for vhost in group:
+                owner = repository.owner_of(vhost)
+                await reconcile_vhost(
+                    state,
+                    run,
+                    reader,
+                    access,
+                    vhost,
+                    broker_vhosts.get(vhost),
+                    subscriptions.get(owner, []) if owner else [],
+                )
+                done += 1
+                run.report("vhosts", done, len(todo))
+        for vhost in sorted(owned - expected):
+            run.find("vhosts_unused")
+            async with run.item(vhost):
+                await remove_unused_vhost(state, run, reader, vhost)
+        await remove_orphan_users(state, run, reader, access.ours())
+
+
+async def reconcile_vhost(
+    state: AppState,
+    run: Run,
+    reader: AsyncSession,
+    access: BrokerAccess,
+    vhost: str,
+    info: dict[str, Any] | None,
+    subscriptions: list[SubscriptionAccess],
+) -> None:
+    provisioner = state.provisioner
+    if info is not None and not provisioner.owns(info):
+        run.find("vhosts_foreign")
+        run.fail(
+            vhost,
+            f"vhost exists but is not tagged {state.settings.instance_tag!r} (tags: "
+            f"{info.get('tags')}), so its queues and users are left alone; delete or tag it",
+        )
+        return
+    if info is None:
+        run.find("vhosts_missing")
+        async with run.item(vhost):
+            await run.apply(
+                "vhosts_created",
+                "create_vhost",
+                vhost,
+                lambda: provisioner.ensure_vhost(vhost),
+                detail="the vhost of a user with subscriptions was missing",
+            )
+            if not run.dry_run:
+                access.vhost_created(vhost, provisioner.service_users())
+    async with run.item(f"{vhost} permissions"):
+        await check_service_permissions(run, provisioner, access, vhost)
+    for subscription in subscriptions:
+        async with run.item(f"broker user {subscription.uuid.hex}"):
+            await check_subscription(state, run, access, vhost, subscription)
+    async with run.item(f"{vhost} queues"):
+        await reconcile_queues(state, run, reader, vhost)
+
+
+async def reconcile_queues(state: AppState, run: Run, reader: AsyncSession, vhost: str) -> None:
+    settings, provisioner = state.settings, state.provisioner
+    orphans: list[str] = []
+    missing: list[str] = []
+    drifted: list[tuple[str, list[str]]] = []
+    dead_letter_queue: dict[str, Any] | None = None
+    async for batch in vhost_queues(
+        state.management, reader, vhost, page_size=settings.reconcile_page_size
+    ):
+        for queue in batch:
+            if queue.row is None:
+                if queue.name == settings.dlq_name:
+                    dead_letter_queue = queue.broker
+                elif queue.name.startswith(topology.SUBSCRIPTION_QUEUE_PREFIX):
+                    orphans.append(queue.name)
+                # Any other queue is not queuekeeper's to judge.
+            elif queue.broker is None:
+                missing.append(queue.name)
+            else:
+                run.find("queues")
+                found = differences(provisioner.queue_arguments, queue.broker)
+                if found:
+                    drifted.append((queue.name, found))
+    # Act only after the listing: changing the vhost would shift the pages still to read.
+    await delete_orphans(state, run, reader, vhost, orphans)
+    drifted.extend(await recreate_missing(state, run, reader, vhost, missing))
+    for name, found in drifted:
+        async with run.item(f"{vhost}/{name}"):
+            await repair_drift(state, run, vhost, name, found)
+    async with run.item(f"{vhost}/{settings.dlq_name}"):
+        await check_dead_letter_queue(state, run, vhost, dead_letter_queue)
+
+
+async def delete_orphans(
+    state: AppState, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
+) -> None:
+    """Delete `subscription_*` queues nobody registered, re-checked under the vhost's lock.
+
+    A create_queue holds the same lock, shared, from before it declares its queue
+    until its row is committed: once we hold it exclusively, every queue that
+    exists has either its row committed (and we see it) or no create_queue behind it.
+    """
+    for batch in chunked(names, DELETE_BATCH):
+        async with run.item(f"{vhost} orphan queues"):
+            if run.dry_run:
+                registered = await repository.registered_names(reader, vhost, batch)
+                for name in batch:
+                    if name not in registered:
+                        run.find("orphan_queues")
+                        run.planned("delete_queue", f"{vhost}/{name}", "orphan: no registration")
+                continue
+            async with (
+                state.sessions() as session,
+                guard(session, vhost_key(vhost), exclusive=True),
+            ):
+                registered = await repository.registered_names(session, vhost, batch)
+                for name in batch:
+                    if name in registered:
+                        run.find("orphans_registered_meanwhile")
+                        continue
+                    run.find("orphan_queues")
+                    async with run.item(f"{vhost}/{name}"):
+                        if await state.provisioner.delete_queue(vhost, name):
+                            run.done(
+                                "orphans_deleted",
+                                "delete_queue",
+                                f"{vhost}/{name}",
+                                "orphan: no registration",
+                            )
+                await session.commit()
+
+
+async def recreate_missing(
+    state: AppState, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
+) -> list[tuple[str, list[str]]]:
+    """Re-create registered queues the broker lacks; returns those found drifted instead."""
+    drifted: list[tuple[str, list[str]]] = []
+    management, provisioner = state.management, state.provisioner
+    for batch in chunked(names, DELETE_BATCH):
+        still_registered = await repository.registered_names(reader, vhost, batch)
+        for name in batch:
+            if name not in still_registered:
+                continue
+            async with run.item(f"{vhost}/{name}"):
+                # The listing can miss a queue that exists (pages shift): confirm first.
+                info = await management.get_queue(vhost, name)
+                if info is not None:
+                    run.find("queues")
+                    found = differences(provisioner.queue_arguments, info)
+                    if found:
+                        drifted.append((name, found))
+                    continue
+                run.find("queues_missing")
+                await run.apply(
+                    "queues_recreated",
+                    "create_queue",
+                    f"{vhost}/{name}",
+                    partial(provisioner.ensure_queue, vhost, name),
+                    detail="registered, missing on the broker",
+                )
+    return drifted
+
+
+async def repair_drift(state: AppState, run: Run, vhost: str, name: str, found: list[str]) -> None:
+    """Re-create a queue with the wrong arguments when the broker confirms it empty and unused."""
+    run.find("queues_drifted")
+    item, detail = f"{vhost}/{name}", "; ".join(found)
+    if run.dry_run:
+        info = await state.management.get_queue(vhost, name, columns="name,messages,consumers")
+        busy = _busy(info)
+        if busy:
+            run.planned("report_drift", item, f"{detail}; would not repair: {busy}")
+        else:
+            run.planned("repair_queue", item, f"{detail}; repaired if still empty and unused")
+        return
+    count_change("drift_found")
+    try:
+        outcome = await state.provisioner.ensure_queue(vhost, name)
+    except QueueConflict as exc:
+        run.fail(item, f"drifted ({detail}), not repaired: {exc.reason}")
+        return
+    if outcome is QueueOutcome.REPAIRED:
+        run.done("drift_repaired", "repair_queue", item, detail)
+
+
+def _busy(info: dict[str, Any] | None) -> str:
+    if info is None:
+        return ""
+    parts = []
+    if info.get("messages"):
+        parts.append(f"holds {info['messages']} messages")
+    if info.get("consumers"):
+        parts.append(f"has {info['consumers']} consumers")
+    return ", ".join(parts)
+
+
+async def check_dead_letter_queue(
+    state: AppState, run: Run, vhost: str, entry: dict[str, Any] | None
+) -> None:
+    settings, provisioner = state.settings, state.provisioner
+    name, item = settings.dlq_name, f"{vhost}/{settings.dlq_name}"
+    if entry is None:
+        run.find("dead_letter_queues_missing")
+        await run.apply(
+            "dead_letter_queues_ensured",
+            "create_queue",
+            item,
+            lambda: provisioner.ensure_dead_letter_queue(vhost),
+            detail="the vhost's dead-letter queue was missing",
+        )
+        return
+    found = differences(provisioner.dlq_arguments, entry)
+    if not found:
+        return
+    run.find("dead_letter_queues_drifted")
+
+    async def recreate() -> None:
+        try:
+            await state.management.delete_queue(vhost, name, if_empty=True, if_unused=True)
+        except ManagementBadRequest as exc:
+            raise QueueConflict(
+                vhost,
+                name,
+                f"dead-letter queue has other arguments ({'; '.join(found)}) and is not empty "
+                f"or has consumers, so it was kept: {exc.reason}. Redrive or purge it, then "
+                "run reconcile again.",
+            ) from exc
+        await state.management.put_queue(vhost, name, arguments=provisioner.dlq_arguments)
+
+    await run.apply(
+        "dead_letter_queues_ensured", "repair_queue", item, recreate, detail="; ".join(found)
+    )
+
+
+async def remove_unused_vhost(state: AppState, run: Run, reader: AsyncSession, vhost: str) -> None:
+    """Delete one of our vhosts whose owner has no subscription left (re-checked under lock)."""
+    if run.dry_run:
+        if not await repository.vhost_in_use(reader, vhost):
+            run.planned("delete_vhost", vhost, "no subscriptions left")
+        return
+    # create_subscription holds this lock shared from before it ensures the vhost until its
+    # row is committed.
+    async with state.sessions() as session, guard(session, vhost_key(vhost), exclusive=True):
+        if await repository.vhost_in_use(session, vhost):
+            run.find("vhosts_in_use_meanwhile")
+            return
+        if await state.provisioner.delete_vhost(vhost):
+            run.done("vhosts_deleted", "delete_vhost", vhost, "no subscriptions left")
+        await session.commit()
+
+
+async def remove_orphan_users(
+    state: AppState, run: Run, reader: AsyncSession, names: Sequence[str]
+) -> None:
+    """Delete broker users tagged ours that no subscription row owns (re-checked under lock)."""
+    for batch in chunked(names, 500):
+        async with run.item("broker users"):
+            owned = await repository.existing_subscription_users(reader, batch)
+            candidates = [name for name in batch if name not in owned]
+            if not candidates:
+                continue
+            if run.dry_run:
+                for name in candidates:
+                    run.find("orphan_users")
+                    run.planned("delete_user", f"broker user {name}", "no subscription")
+                continue
+            # create_subscription holds this lock shared from before it creates the broker
+            # user until its row is committed.
+            async with (
+                state.sessions() as session,
+                guard(session, BROKER_USERS_KEY, exclusive=True),
+            ):
+                owned = await repository.existing_subscription_users(session, candidates)
+                for name in candidates:
+                    if name in owned:
+                        continue
+                    run.find("orphan_users")
+                    async with run.item(f"broker user {name}"):
+                        if await state.management.delete_user(name):
+                            run.done(
+                                "users_deleted",
+                                "delete_user",
+                                f"broker user {name}",
+                                "no subscription",
+                            )
+                await session.commit()

@@ -1,0 +1,104 @@
+"""Stale subscriptions: those of users who were deactivated or whose token expired.
+
+They are removed with everything they own on the broker: queues, broker users,
+and the vhost when they were its owner's last. Users deleted by the backend lose
+their subscriptions at once (cascade); what the broker kept of them (had it
+been down) is removed here too: vhosts of ours nobody uses, users of ours no
+subscription owns.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from queuekeeper.broker import topology
+from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, run_job
+from queuekeeper.models import JobRun, utcnow
+from queuekeeper.reconcile import repository
+from queuekeeper.reconcile.access import BrokerAccess
+from queuekeeper.reconcile.service import count_change, remove_orphan_users, remove_unused_vhost
+from queuekeeper.state import AppState
+
+
+async def run_cleanup_stale(
+    state: AppState, trigger: Trigger, *, dry_run: bool = False, progress: Progress | None = None
+) -> JobRun:
+    return await run_job(
+        state,
+        Job.CLEANUP_STALE,
+        trigger,
+        lambda run: cleanup_stale(state, run),
+        dry_run=dry_run,
+        progress=progress,
+        on_change=count_change,
+    )
+
+
+async def cleanup_stale(state: AppState, run: Run) -> None:
+    now = utcnow()
+    async with state.sessions() as session:
+        owners = await repository.stale_owners(session, now)
+    run.find("stale_users", len(owners))
+    for done, (owner, reason) in enumerate(owners, 1):
+        async with run.item(f"user {owner.hex}"):
+            await remove_subscriptions_of(state, run, owner, reason)
+        run.report("stale users", done, len(owners))
+
+    # Leftovers of deleted users (and of any removal whose broker clean-up failed).
+    management, provisioner = state.management, state.provisioner
+    vhosts = await management.list_vhosts()
+    owned = {str(v.get("name")) for v in vhosts if provisioner.owns(v)}
+    async with repository.reader(state.engine) as reader:
+        expected = await repository.subscribed_vhosts(reader)
+        for vhost in sorted(owned - expected):
+            run.find("vhosts_unused")
+            async with run.item(vhost):
+                await remove_unused_vhost(state, run, reader, vhost)
+        access = await BrokerAccess.load(management, state.settings.instance_tag, set())
+        await remove_orphan_users(state, run, reader, access.ours())
+
+
+async def remove_subscriptions_of(state: AppState, run: Run, owner: uuid.UUID, reason: str) -> None:
+    vhost = topology.vhost_name(owner)
+    async with state.sessions() as session:
+        # Checked again with the user's row locked: a token pushed since the query wins.
+        if not await repository.lock_if_still_stale(session, owner, utcnow()):
+            run.find("no_longer_stale")
+            return
+        subscriptions, queues = await repository.subscriptions_with_queues(session, owner)
+        run.find("stale_subscriptions", len(subscriptions))
+        run.find("stale_queues", len(queues))
+        if run.dry_run:
+            for subscription in subscriptions:
+                run.planned("delete_subscription", f"subscription {subscription.uuid.hex}", reason)
+                run.planned("delete_user", f"broker user {subscription.uuid.hex}", reason)
+            run.planned("delete_vhost", vhost, f"{reason}; with its {len(queues)} queues")
+            return
+        for subscription in subscriptions:
+            await session.delete(subscription)  # its queue rows go by cascade
+        await session.commit()
+    for subscription in subscriptions:
+        run.done(
+            "subscriptions_removed",
+            "delete_subscription",
+            f"subscription {subscription.uuid.hex}",
+            reason,
+        )
+
+    # The rows are gone: now the broker, item by item (a failure is left to the next run).
+    for subscription in subscriptions:
+        name = topology.subscription_user_name(subscription.uuid)
+        async with run.item(f"broker user {name}"):
+            if await state.provisioner.delete_subscription_user(subscription.uuid):
+                run.done("users_deleted", "delete_user", f"broker user {name}", reason)
+    async with run.item(vhost), repository.reader(state.engine) as reader:
+        await remove_unused_vhost(state, run, reader, vhost)
+        if await state.management.get_vhost(vhost) is None:
+            return  # its queues went with it
+        # The owner registered again meanwhile: the vhost stays, the old queues go.
+        for queue in queues:
+            async with run.item(f"{vhost}/{queue.queue_name}"):
+                if await state.provisioner.delete_queue(vhost, queue.queue_name):
+                    run.done(
+                        "queues_deleted", "delete_queue", f"{vhost}/{queue.queue_name}", reason
+                    )

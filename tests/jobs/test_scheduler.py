@@ -1,0 +1,111 @@
+"""The scheduler inside the app: it fires, it records, it can be switched off, it stops cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from asgi_lifespan import LifespanManager
+from sqlalchemy import select
+
+from queuekeeper.app import create_app
+from queuekeeper.config import Settings
+from queuekeeper.jobs.runs import Job, Trigger, run_job
+from queuekeeper.models import JobRun, utcnow
+from queuekeeper.state import AppState
+
+
+async def test_scheduler_fires_reconcile_and_records_the_run(
+    settings: Settings, clean_state: None
+) -> None:
+    fast = settings.model_copy(
+        update={"reconcile_interval_seconds": 1, "scheduler_jitter_seconds": 0}
+    )
+    app = create_app(fast)
+    async with LifespanManager(app):
+        state: AppState = app.state.queuekeeper
+        jobs = {job.id for job in state.scheduler.scheduler.get_jobs()}
+        # Redrive is on demand unless an interval is configured.
+        assert jobs == {"reconcile", "cleanup_stale"}
+        deadline = time.monotonic() + 10
+        while True:
+            async with state.sessions() as session:
+                runs = list(await session.scalars(select(JobRun).order_by(JobRun.started)))
+            if runs and runs[0].finished is not None:
+                break
+            assert time.monotonic() < deadline, "the scheduler never ran reconcile"
+            await asyncio.sleep(0.2)
+    [run, *_] = runs
+    assert run.job == "reconcile"
+    assert run.trigger == "schedule"
+    assert run.status == "succeeded"
+
+
+async def test_first_run_waits_one_interval(settings: Settings, clean_state: None) -> None:
+    app = create_app(settings)  # the defaults: hours
+    async with LifespanManager(app):
+        state: AppState = app.state.queuekeeper
+        next_runs = {job.id: job.next_run_time for job in state.scheduler.scheduler.get_jobs()}
+    soonest = min(next_runs.values())
+    assert (soonest - utcnow()).total_seconds() > 5 * 3600
+
+
+async def test_scheduler_can_be_switched_off(settings: Settings, clean_state: None) -> None:
+    app = create_app(settings.model_copy(update={"scheduler_enabled": False}))
+    async with LifespanManager(app):
+        assert app.state.queuekeeper.scheduler is None
+
+
+async def test_scheduled_redrive_when_an_interval_is_set(
+    settings: Settings, clean_state: None
+) -> None:
+    app = create_app(settings.model_copy(update={"redrive_interval_seconds": 600}))
+    async with LifespanManager(app):
+        jobs = {job.id for job in app.state.queuekeeper.scheduler.scheduler.get_jobs()}
+    assert "redrive_dead_letters" in jobs
+
+
+async def test_run_interrupted_by_shutdown_is_recorded_as_failed(
+    settings: Settings, clean_state: None
+) -> None:
+    app = create_app(settings.model_copy(update={"scheduler_enabled": False}))
+    started = asyncio.Event()
+
+    async def endless(run: object) -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    async with LifespanManager(app):
+        state: AppState = app.state.queuekeeper
+        task = asyncio.create_task(run_job(state, Job.RECONCILE, Trigger.SCHEDULE, endless))
+        await asyncio.wait_for(started.wait(), 5)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        async with state.sessions() as session:
+            [record] = list(await session.scalars(select(JobRun)))
+    assert record.status == "failed"
+    assert record.finished is not None
+    assert "interrupted" in record.failures[0]["reason"]
+
+
+async def test_record_left_running_by_a_dead_process_is_closed_by_the_next_run(
+    settings: Settings, clean_state: None
+) -> None:
+    app = create_app(settings.model_copy(update={"scheduler_enabled": False}))
+    async with LifespanManager(app):
+        state: AppState = app.state.queuekeeper
+        orphaned = JobRun(uuid=uuid.uuid4(), job="reconcile", trigger="schedule", status="running")
+        async with state.sessions() as session:
+            session.add(orphaned)
+            await session.commit()
+
+        async def nothing(run: object) -> None:
+            return None
+
+        await run_job(state, Job.RECONCILE, Trigger.API, nothing)
+        async with state.sessions() as session:
+            stored = await session.get(JobRun, orphaned.uuid)
+    assert stored is not None
+    assert stored.status == "failed"
+    assert "interrupted" in stored.failures[0]["reason"]
