@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 
 from queuekeeper.auth.dependencies import ServiceCaller
+from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
@@ -28,7 +29,10 @@ VHOST = Query(description="Only this vhost (the owner's uuid hex).")
     description="Each of this installation's vhosts with the message count of its dead-letter "
     "queue (from the broker's statistics, a few seconds old), and the records of dead letters "
     "taken off without a redrive (newest first; `page`/`page_size` page through them).",
-    responses={**ADMIN_ERRORS, 503: {"description": "The Management API is unreachable."}},
+    responses={
+        **ADMIN_ERRORS,
+        **error_responses(503, descriptions={503: "The Management API is unreachable."}),
+    },
 )
 async def dead_letters(
     state: StateDep,
@@ -55,7 +59,10 @@ async def dead_letters(
     "queue is registered, present and has room: published persistent and confirmed, then "
     "acknowledged. Dead letters too old, redriven too often or whose queue is no longer "
     "registered are taken off and recorded as given up. Answers with the run record.",
-    responses={**RUN_ERRORS, 404: {"description": "`vhost` is not one of this installation's."}},
+    responses={
+        **RUN_ERRORS,
+        **error_responses(404, descriptions={404: "`vhost` is not one of this installation's."}),
+    },
 )
 async def redrive_now(state: StateDep, vhost: Annotated[str | None, VHOST] = None) -> RunOut:
     if vhost is not None:

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from queuekeeper.auth.dependencies import ServiceCaller
+from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.errors import BadRequest, Conflict, NotFound, ServiceUnavailable
@@ -23,19 +24,27 @@ from queuekeeper.state import SessionDep, StateDep
 router = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[ServiceCaller])
 
 ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"description": "No or unknown service token."},
-    403: {"description": "An agent token was sent; this needs a service token."},
+    **error_responses(401, descriptions={401: "No or unknown service token."}),
+    **error_responses(
+        403, descriptions={403: "An agent token was sent; this needs a service token."}
+    ),
 }
 RUN_ERRORS: dict[int | str, dict[str, Any]] = {
     **ADMIN_ERRORS,
-    409: {
-        "description": "Another run of the same job is in progress (here or on another "
-        "replica); nothing was done. `run` holds the skipped run's record."
-    },
-    503: {
-        "description": "The run ended early: RabbitMQ or the database is unreachable. "
-        "`run` holds its record; retry after `Retry-After` seconds."
-    },
+    **error_responses(
+        409,
+        descriptions={
+            409: "Another run of the same job is in progress (here or on another "
+            "replica); nothing was done. `run` holds the skipped run's record."
+        },
+    ),
+    **error_responses(
+        503,
+        descriptions={
+            503: "The run ended early: RabbitMQ or the database is unreachable. "
+            "`run` holds its record; retry after `Retry-After` seconds."
+        },
+    ),
 }
 DRY_RUN = Query(description="Report what would change, change nothing.")
 
@@ -94,7 +103,10 @@ async def cleanup_stale_now(state: StateDep, dry_run: Annotated[bool, DRY_RUN] =
     description="Every run of every job (reconcile, stale cleanup, dead-letter redrive), "
     "scheduled or on demand, newest first. A bare JSON array; `X-Result-Count` and `Link` "
     "paginate.",
-    responses={**ADMIN_ERRORS, 400: {"description": "Unknown `job` or `status`."}},
+    responses={
+        **ADMIN_ERRORS,
+        **error_responses(400, descriptions={400: "Unknown `job` or `status`."}),
+    },
 )
 async def list_runs(
     request: Request,
@@ -119,7 +131,7 @@ async def list_runs(
     "/reconcile-runs/{run_uuid}/",
     summary="Get one run record",
     description="A run record by its uuid (hex or dashed).",
-    responses={**ADMIN_ERRORS, 404: {"description": "No such run."}},
+    responses={**ADMIN_ERRORS, **error_responses(404, descriptions={404: "No such run."})},
 )
 async def get_run(run_uuid: str, session: SessionDep) -> RunOut:
     parsed = parse_path_uuid(run_uuid)
@@ -148,8 +160,10 @@ def _hex_filter(value: str | None, name: str) -> str | None:
     "statistics, a few seconds old.",
     responses={
         **ADMIN_ERRORS,
-        400: {"description": "A malformed uuid filter, or an unknown `state`."},
-        503: {"description": "The Management API is unreachable."},
+        **error_responses(
+            400, descriptions={400: "A malformed uuid filter, or an unknown `state`."}
+        ),
+        **error_responses(503, descriptions={503: "The Management API is unreachable."}),
     },
 )
 async def list_queue_states(
