@@ -10,11 +10,16 @@ from fastapi import FastAPI
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
+from queuekeeper.events.endpoints import admin_router as outbox_router
+from queuekeeper.events.endpoints import internal_router as events_router
+from queuekeeper.events.relay import Relay
+from queuekeeper.events.service import outbox_signals
 from queuekeeper.observability.metrics import observe_management_call
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
@@ -41,6 +46,26 @@ def build_state(settings: Settings) -> AppState:
     )
 
 
+def start_relay(state: AppState) -> Relay:
+    """The outbox relay and its AMQP publisher, in this process (`queuekeeper relay` too)."""
+    state.publisher = AmqpPublisher(state.settings)
+    relay = Relay(
+        state.settings, state.sessions, state.publisher, state.provisioner, outbox_signals(state)
+    )
+    relay.start()
+    state.relay = relay
+    return relay
+
+
+async def stop_relay(state: AppState) -> None:
+    if state.relay is not None:
+        await state.relay.stop()
+        state.relay = None
+    if state.publisher is not None:
+        await state.publisher.close()
+        state.publisher = None
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
@@ -48,10 +73,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = build_state(settings)
         app.state.queuekeeper = state
+        if settings.relay_enabled:
+            start_relay(state)
         log.info("queuekeeper_started", instance=settings.instance_name)
         try:
             yield
         finally:
+            await stop_relay(state)
             await state.management.aclose()
             await state.engine.dispose()
             log.info("queuekeeper_stopped")
@@ -71,6 +99,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(subscriptions_router)
     app.include_router(users_router)
     app.include_router(directory_router)
+    app.include_router(events_router)
+    app.include_router(outbox_router)
 
     @app.get("/healthz", tags=["health"], summary="Liveness", include_in_schema=False)
     async def healthz() -> dict[str, str]:

@@ -59,3 +59,33 @@ def serve(
         log_config=None,
         proxy_headers=True,
     )
+
+
+@app.command()
+def relay() -> None:
+    """Run the outbox relay alone (no HTTP) until interrupted; shares the work with the
+    relays of running services and other `queuekeeper relay` processes."""
+    import asyncio
+    import signal
+
+    from queuekeeper.app import build_state, start_relay, stop_relay
+    from queuekeeper.logging import configure_logging
+
+    settings = get_settings()
+    configure_logging()
+
+    async def run() -> None:
+        state = build_state(settings)
+        relay = start_relay(state)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, relay.request_stop)
+        typer.echo(f"relay {relay.id} running; Ctrl-C stops it", err=True)
+        try:
+            await relay.wait_stopped()
+        finally:
+            await stop_relay(state)
+            await state.management.aclose()
+            await state.engine.dispose()
+
+    asyncio.run(run())

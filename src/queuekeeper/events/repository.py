@@ -1,0 +1,381 @@
+"""Queries for events and the outbox (the `deliveries` table).
+
+The outbox is written and read with Core statements on the tables: the relay
+moves thousands of rows a second and needs neither ORM identity tracking nor
+per-row round trips.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    Row,
+    Table,
+    Text,
+    and_,
+    bindparam,
+    case,
+    cast,
+    delete,
+    exists,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from queuekeeper.models import (
+    Base,
+    Event,
+    EventSubscription,
+    EventSubscriptionQueue,
+    Offering,
+    OfferingAccess,
+    User,
+)
+
+EVENTS: Table = Base.metadata.tables["events"]
+DELIVERIES: Table = Base.metadata.tables["deliveries"]
+PENDING = "pending"
+
+
+def _is_postgres(session: AsyncSession) -> bool:
+    return session.get_bind().dialect.name == "postgresql"
+
+
+# --- accepting ----------------------------------------------------------------------------
+async def known_offerings(
+    session: AsyncSession, offering_uuids: Collection[uuid.UUID]
+) -> set[uuid.UUID]:
+    rows = await session.scalars(select(Offering.uuid).where(Offering.uuid.in_(offering_uuids)))
+    return set(rows)
+
+
+@dataclass(frozen=True)
+class SubscriptionQueueRow:
+    """A subscription whose owner may receive events of `offering_uuid` now, with its queue
+    for one of the requested object types (None when it registered none)."""
+
+    subscription_uuid: uuid.UUID
+    owner_uuid: uuid.UUID
+    observable_objects: list[Any]
+    offering_uuid: uuid.UUID
+    queue_uuid: uuid.UUID | None
+    object_type: str | None
+    queue_name: str | None
+    vhost: str | None
+
+
+async def subscriptions_with_access(
+    session: AsyncSession,
+    offering_uuids: Collection[uuid.UUID],
+    object_types: Collection[str],
+    now: datetime,
+) -> list[SubscriptionQueueRow]:
+    """Every subscription of an active owner with access to one of the offerings, joined with
+    its queues for the object types: one query for a whole batch, whatever its fan-out."""
+    queue = EventSubscriptionQueue
+    statement = (
+        select(
+            EventSubscription.uuid,
+            EventSubscription.user_uuid,
+            EventSubscription.observable_objects,
+            OfferingAccess.offering_uuid,
+            queue.uuid,
+            queue.object_type,
+            queue.queue_name,
+            queue.vhost,
+        )
+        .join(User, User.uuid == EventSubscription.user_uuid)
+        .join(OfferingAccess, OfferingAccess.user_uuid == EventSubscription.user_uuid)
+        .outerjoin(
+            queue,
+            and_(
+                queue.subscription_uuid == EventSubscription.uuid,
+                queue.offering_uuid == OfferingAccess.offering_uuid,
+                queue.object_type.in_(object_types),
+            ),
+        )
+        .where(
+            OfferingAccess.offering_uuid.in_(offering_uuids),
+            User.is_active.is_(True),
+            or_(User.token_expires_at.is_(None), User.token_expires_at > now),
+        )
+    )
+    result = await session.execute(statement)
+    return [SubscriptionQueueRow(*row) for row in result]
+
+
+async def insert_new_events(session: AsyncSession, rows: Sequence[dict[str, Any]]) -> set[str]:
+    """Insert the events whose id is new; returns the ids this call inserted.
+
+    ON CONFLICT DO NOTHING makes a concurrent repeat wait for the first insert and
+    then see the conflict, so each event_id is accepted exactly once.
+    """
+    if not rows:
+        return set()
+    insert = postgresql.insert if _is_postgres(session) else sqlite.insert
+    statement = insert(EVENTS).on_conflict_do_nothing().returning(EVENTS.c.event_id)
+    result = await session.execute(statement, list(rows))
+    return set(result.scalars())
+
+
+async def event_counts(
+    session: AsyncSession, event_ids: Collection[str]
+) -> dict[str, tuple[int, int]]:
+    if not event_ids:
+        return {}
+    rows = await session.execute(
+        select(Event.event_id, Event.queued, Event.skipped_unregistered).where(
+            Event.event_id.in_(event_ids)
+        )
+    )
+    return {event_id: (queued, skipped) for event_id, queued, skipped in rows}
+
+
+async def insert_deliveries(session: AsyncSession, rows: Sequence[dict[str, Any]]) -> None:
+    if rows:
+        await session.execute(DELIVERIES.insert(), list(rows))
+
+
+async def delivery_states(
+    session: AsyncSession, event_ids: Collection[str]
+) -> dict[str, list[tuple[str, str, str]]]:
+    """(queue_name, vhost, state) of every copy, by event, in creation order."""
+    found: dict[str, list[tuple[str, str, str]]] = {event_id: [] for event_id in event_ids}
+    if not event_ids:
+        return found
+    rows = await session.execute(
+        select(
+            DELIVERIES.c.event_id,
+            DELIVERIES.c.queue_name,
+            DELIVERIES.c.vhost,
+            DELIVERIES.c.state,
+        )
+        .where(DELIVERIES.c.event_id.in_(event_ids))
+        .order_by(DELIVERIES.c.id)
+    )
+    for event_id, queue_name, vhost, state in rows:
+        found[event_id].append((queue_name, vhost, state))
+    return found
+
+
+async def get_event(session: AsyncSession, event_id: str) -> Event | None:
+    return await session.get(Event, event_id)
+
+
+async def deliveries_of(session: AsyncSession, event_id: str) -> Sequence[Row[Any]]:
+    rows = await session.execute(
+        select(DELIVERIES).where(DELIVERIES.c.event_id == event_id).order_by(DELIVERIES.c.id)
+    )
+    return rows.all()
+
+
+# --- the relay ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Claimed:
+    id: int
+    event_id: str
+    queue_uuid: uuid.UUID | None
+    queue_name: str
+    vhost: str
+    attempts: int
+    created: datetime
+    last_error: str | None
+    offering_uuid: uuid.UUID
+    object_type: str
+    accepted: datetime
+    body: str  # the stored payload JSON, sent as it is
+
+
+_DELIVERY_COLUMNS = (
+    DELIVERIES.c.id,
+    DELIVERIES.c.event_id,
+    DELIVERIES.c.queue_uuid,
+    DELIVERIES.c.queue_name,
+    DELIVERIES.c.vhost,
+    DELIVERIES.c.attempts,
+    DELIVERIES.c.created,
+    DELIVERIES.c.last_error,
+)
+_EVENT_COLUMNS = (
+    EVENTS.c.offering_uuid,
+    EVENTS.c.object_type,
+    EVENTS.c.accepted,
+    cast(EVENTS.c.payload, Text),
+)
+
+
+async def claim(
+    session: AsyncSession, relay_id: str, now: datetime, lease_until: datetime, limit: int
+) -> list[Claimed]:
+    """Take up to `limit` due deliveries for `relay_id` until `lease_until`.
+
+    A claim moves `next_attempt_at` to the end of the lease, so claimed rows are
+    simply not due for anyone else; a relay that dies leaves them due again when
+    its lease runs out. On PostgreSQL `FOR UPDATE SKIP LOCKED` lets relays claim
+    side by side without waiting on or double-claiming each other's rows; SQLite
+    has one writer at a time, so a plain UPDATE is already exclusive.
+    """
+    due = (
+        select(DELIVERIES.c.id)
+        .where(DELIVERIES.c.state == PENDING, DELIVERIES.c.next_attempt_at <= now)
+        .order_by(DELIVERIES.c.next_attempt_at, DELIVERIES.c.id)
+        .limit(limit)
+    )
+    values = {
+        "claimed_by": relay_id,
+        "claimed_until": lease_until,
+        "next_attempt_at": lease_until,
+        "attempts": DELIVERIES.c.attempts + 1,
+    }
+    if _is_postgres(session):
+        # One statement: the claim and the event columns it needs to publish.
+        due_cte = due.with_for_update(skip_locked=True).cte("due")
+        statement = (
+            update(DELIVERIES)
+            .where(DELIVERIES.c.id == due_cte.c.id, DELIVERIES.c.event_id == EVENTS.c.event_id)
+            .values(values)
+            .returning(*_DELIVERY_COLUMNS, *_EVENT_COLUMNS)
+        )
+        rows = (await session.execute(statement)).all()
+        claimed = [Claimed(*row) for row in rows]
+    else:
+        # Look before claiming, so an idle relay never takes SQLite's write lock.
+        if await session.scalar(due.with_only_columns(DELIVERIES.c.id).limit(1)) is None:
+            return []
+        # SQLite cannot return columns of an UPDATE's FROM tables: read the events apart.
+        statement = (
+            update(DELIVERIES)
+            .where(DELIVERIES.c.id.in_(due.scalar_subquery()))
+            .values(values)
+            .returning(*_DELIVERY_COLUMNS)
+        )
+        deliveries = (await session.execute(statement)).all()
+        event_ids = {row[1] for row in deliveries}
+        events: dict[str, tuple[Any, ...]] = {}
+        if event_ids:
+            result = await session.execute(
+                select(EVENTS.c.event_id, *_EVENT_COLUMNS).where(EVENTS.c.event_id.in_(event_ids))
+            )
+            events = {row[0]: tuple(row[1:]) for row in result}
+        claimed = [Claimed(*row, *events[row[1]]) for row in deliveries]
+    claimed.sort(key=lambda item: item.id)  # RETURNING has no order; publish oldest first
+    return claimed
+
+
+async def finish(
+    session: AsyncSession,
+    ids: Collection[int],
+    state: str,
+    now: datetime,
+    error: str | None = None,
+) -> None:
+    """Settle deliveries (published, rejected, given_up). A settled row stays settled."""
+    if not ids:
+        return
+    values: dict[str, Any] = {
+        "state": state,
+        "finished": now,
+        "claimed_by": None,
+        "claimed_until": None,
+    }
+    if error is not None:
+        values["last_error"] = error
+    await session.execute(
+        update(DELIVERIES)
+        .where(DELIVERIES.c.id.in_(ids), DELIVERIES.c.state == PENDING)
+        .values(values)
+    )
+
+
+async def give_up(session: AsyncSession, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
+    if not reasons:
+        return
+    statement = (
+        update(DELIVERIES)
+        .where(DELIVERIES.c.id == bindparam("b_id"), DELIVERIES.c.state == PENDING)
+        .values(
+            state="given_up",
+            finished=now,
+            claimed_by=None,
+            claimed_until=None,
+            last_error=bindparam("b_error"),
+        )
+    )
+    await session.execute(statement, [{"b_id": i, "b_error": reason} for i, reason in reasons])
+
+
+async def reschedule(
+    session: AsyncSession, relay_id: str, retries: Sequence[tuple[int, datetime, str]]
+) -> None:
+    """Release our claim on (id, next attempt, error), unless another relay took it since."""
+    if not retries:
+        return
+    statement = (
+        update(DELIVERIES)
+        .where(
+            DELIVERIES.c.id == bindparam("b_id"),
+            DELIVERIES.c.state == PENDING,
+            DELIVERIES.c.claimed_by == relay_id,
+        )
+        .values(
+            next_attempt_at=bindparam("b_next"),
+            last_error=bindparam("b_error"),
+            claimed_by=None,
+            claimed_until=None,
+        )
+    )
+    await session.execute(
+        statement,
+        [{"b_id": i, "b_next": when, "b_error": error} for i, when, error in retries],
+    )
+
+
+async def existing_queues(
+    session: AsyncSession, queue_uuids: Collection[uuid.UUID]
+) -> set[uuid.UUID]:
+    if not queue_uuids:
+        return set()
+    rows = await session.scalars(
+        select(EventSubscriptionQueue.uuid).where(EventSubscriptionQueue.uuid.in_(queue_uuids))
+    )
+    return set(rows)
+
+
+async def outbox_stats(session: AsyncSession, now: datetime) -> tuple[int, int, datetime | None]:
+    """(pending, claimed by a live lease, oldest pending creation time)."""
+    row = (
+        await session.execute(
+            select(
+                func.count(),
+                func.coalesce(func.sum(case((DELIVERIES.c.claimed_until > now, 1), else_=0)), 0),
+                func.min(DELIVERIES.c.created),
+            ).where(DELIVERIES.c.state == PENDING)
+        )
+    ).one()
+    oldest = row[2]
+    if isinstance(oldest, str):  # SQLite hands an aggregate back untyped
+        oldest = datetime.fromisoformat(oldest)
+    if oldest is not None and oldest.tzinfo is None:
+        oldest = oldest.replace(tzinfo=now.tzinfo)
+    return int(row[0]), int(row[1]), oldest
+
+
+async def prune_events(session: AsyncSession, cutoff: datetime, limit: int = 1000) -> int:
+    """Delete up to `limit` events accepted before `cutoff` with no copy still pending."""
+    pending = exists().where(
+        DELIVERIES.c.event_id == EVENTS.c.event_id, DELIVERIES.c.state == PENDING
+    )
+    old = select(EVENTS.c.event_id).where(EVENTS.c.accepted < cutoff, ~pending).limit(limit)
+    result = await session.execute(
+        delete(EVENTS).where(EVENTS.c.event_id.in_(old.scalar_subquery()))
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
