@@ -50,7 +50,7 @@ def start_relay(state: AppState) -> Relay:
     """The outbox relay and its AMQP publisher, in this process (`queuekeeper relay` too)."""
     state.publisher = AmqpPublisher(state.settings)
     relay = Relay(
-        state.settings, state.sessions, state.publisher, state.provisioner, outbox_signals(state)
+        state.settings, state.engine, state.publisher, state.provisioner, outbox_signals(state)
     )
     relay.start()
     state.relay = relay

@@ -9,6 +9,7 @@ import uuid
 import aio_pika
 import pytest
 
+from queuekeeper.broker import publisher as publisher_module
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing
@@ -58,11 +59,17 @@ async def test_outcomes_confirmed_rejected_returned(
     assert "NO_ROUTE" in (results[2].error or "")
 
 
+@pytest.mark.parametrize("channels", [64, 2])
 async def test_copies_of_one_event_in_one_vhost_are_told_apart(
-    settings: Settings, provisioner: Provisioner
+    settings: Settings,
+    provisioner: Provisioner,
+    monkeypatch: pytest.MonkeyPatch,
+    channels: int,
 ) -> None:
     """Same message_id to several queues of one vhost at once, one of them missing: only
-    that copy is returned, every other one confirmed (aiormq matches returns by message_id)."""
+    that copy is returned, every other one confirmed (aiormq matches returns by message_id).
+    With fewer channels than queues, queues share channels but never one message_id."""
+    monkeypatch.setattr(publisher_module, "MAX_CHANNELS_PER_CONNECTION", channels)
     queues = [f"{QUEUE}_{n}" for n in range(4)]
     vhost = await _vhost_with_queue(provisioner, *queues)
     publisher = AmqpPublisher(settings)
@@ -76,6 +83,7 @@ async def test_copies_of_one_event_in_one_vhost_are_told_apart(
                 Outcome.RETURNED if n == missing else Outcome.CONFIRMED for n in range(len(names))
             ]
             assert [r.outcome for r in results] == expected
+        assert len(publisher._pool[vhost].channels) == min(channels, len(queues) + 1)
     finally:
         await publisher.close()
 

@@ -354,4 +354,4 @@ async def test_recipient_lookup_costs_the_same_queries_for_any_fan_out(
     # The four subscriptions of `lister`, and each user's resource subscription (it lists
     # every type, having no observable_objects) but no order queue on that subscription.
     assert answers[0]["skipped_unregistered"] == 4 + 6
-    assert many == few == 4, [s[:120] for s in statements]
+    assert many == few == 3, [s[:120] for s in statements]

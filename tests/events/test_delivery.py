@@ -194,7 +194,7 @@ async def test_revoked_access_gives_up_a_waiting_copy(
     )
     assert response.status_code == 204
     state: AppState = app.state.queuekeeper
-    relay = Relay(state.settings, state.sessions, _NoPublisher(), state.provisioner)  # type: ignore[arg-type]
+    relay = Relay(state.settings, state.engine, _NoPublisher(), state.provisioner)  # type: ignore[arg-type]
     assert await relay.run_once() == 1
     (copy,) = (await event_detail(client, "late"))["deliveries"]
     assert copy["state"] == "given_up"

@@ -35,7 +35,7 @@ def _relay(app: FastAPI, **changes: object) -> tuple[Relay, AmqpPublisher]:
     state: AppState = app.state.queuekeeper
     settings = state.settings.model_copy(update=changes)
     publisher = AmqpPublisher(settings)
-    return Relay(settings, state.sessions, publisher, state.provisioner), publisher
+    return Relay(settings, state.engine, publisher, state.provisioner), publisher
 
 
 def _parse(value: str) -> datetime:

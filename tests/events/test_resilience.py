@@ -19,6 +19,7 @@ from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.config import Settings
 from queuekeeper.events.relay import Relay
+from queuekeeper.events.repository import Claimed
 from queuekeeper.observability.metrics import AMQP_RECONNECTS, DELIVERIES
 from queuekeeper.state import AppState
 from tests.events.support import (
@@ -136,7 +137,7 @@ async def test_copies_claimed_by_a_relay_that_dies_are_delivered_by_another(
     # Another relay takes the copies over once the dead one's lease has run out.
     state: AppState = app.state.queuekeeper
     publisher = AmqpPublisher(state.settings)
-    survivor = Relay(state.settings, state.sessions, publisher, state.provisioner)
+    survivor = Relay(state.settings, state.engine, publisher, state.provisioner)
     survivor.start()
     try:
         await _all_settled(client, ids, timeout=15)
@@ -176,10 +177,10 @@ async def test_a_queue_deleted_behind_our_back_is_declared_again_and_the_event_d
 class _CountingRelay(Relay):
     claimed = 0
 
-    async def run_once(self) -> int:
-        count = await super().run_once()
-        self.claimed += count
-        return count
+    async def claim(self) -> list[Claimed]:
+        claimed = await super().claim()
+        self.claimed += len(claimed)
+        return claimed
 
 
 @pytest.mark.settings(relay_enabled=False, relay_batch_size=20, relay_concurrency=2)
@@ -194,7 +195,7 @@ async def test_relays_share_the_outbox_without_claiming_a_copy_twice(
     state: AppState = app.state.queuekeeper
     publishers = [AmqpPublisher(state.settings) for _ in range(2)]
     relays = [
-        _CountingRelay(state.settings, state.sessions, publisher, state.provisioner)
+        _CountingRelay(state.settings, state.engine, publisher, state.provisioner)
         for publisher in publishers
     ]
     for relay in relays:

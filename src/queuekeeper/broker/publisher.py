@@ -4,12 +4,14 @@ Each publish is `mandatory` and persistent and waits for the broker's confirm,
 but publishes are issued concurrently, so a batch keeps many confirms in flight
 on one channel instead of paying one round trip per message.
 
-Why several channels per connection: aiormq matches a `basic.return` to its
-publish by `message_id`. Every copy of an event carries the event id as its
-`message_id`, and two copies may go to two queues in the same vhost (one user,
-several subscriptions); in flight on one channel, a return for one copy would
-be booked against the other. A channel therefore never has two publishes with
-the same `message_id` in flight; a second copy takes another channel.
+Why a channel per queue: aiormq matches a `basic.return` to its publish by
+`message_id`. Every copy of an event carries the event id as its `message_id`,
+and two copies may go to two queues in the same vhost (one user, several
+subscriptions); in flight on one channel, a return for one copy would be booked
+against the other. So each queue of a vhost gets a channel of its own (up to
+MAX_CHANNELS_PER_CONNECTION; past that, any channel without that `message_id`
+in flight), and one channel per queue also keeps each queue's messages in the
+order they were published.
 
 Reconnects are our own, not aio-pika's robust connection: a publish that fails
 because the connection dropped is reported as `UNREACHABLE`, the outbox relay
@@ -40,8 +42,8 @@ from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS, C
 
 log = structlog.get_logger(__name__)
 
-# More copies of one event in one vhost than this wait for a channel to free up.
-MAX_CHANNELS_PER_CONNECTION = 16
+# Queues of one vhost with a channel each; more share channels (never one message_id twice).
+MAX_CHANNELS_PER_CONNECTION = 64
 
 
 class Outcome(enum.Enum):
@@ -81,6 +83,7 @@ class _VhostConnection:
         self.vhost = vhost
         self.connection: AbstractConnection | None = None
         self.channels: list[_Channel] = []
+        self.by_key: dict[str, _Channel] = {}
         self.users = 0
         self.last_used = time.monotonic()
         self.lock = asyncio.Lock()
@@ -106,25 +109,35 @@ class _VhostConnection:
                 url, timeout=connect_timeout, ssl_context=ssl_context
             )
 
-    async def channel_for(self, message_id: str) -> _Channel:
-        """A channel on which no publish with this message_id is in flight."""
+    async def channel_for(self, routing_key: str, message_id: str) -> _Channel:
+        """The queue's own channel, unless that one has this message_id in flight."""
         while True:
             if self.connection is None or self.broken:
                 raise aiormq.exceptions.ChannelInvalidStateError("connection lost")
             self.channels = [ch for ch in self.channels if not ch.channel.is_closed]
-            for candidate in self.channels:
-                if message_id not in candidate.in_flight:
-                    candidate.in_flight.add(message_id)
-                    return candidate
-            if len(self.channels) < MAX_CHANNELS_PER_CONNECTION:
-                async with self.lock:
-                    if self.connection is None or self.broken:
-                        raise aiormq.exceptions.ChannelInvalidStateError("connection lost")
-                    channel = await self.connection.channel(
-                        publisher_confirms=True, on_return_raises=True
-                    )
-                self.channels.append(_Channel(channel, channel.default_exchange))
+            own = self.by_key.get(routing_key)
+            if own is not None and not own.channel.is_closed:
+                if message_id not in own.in_flight:
+                    own.in_flight.add(message_id)
+                    return own
+            elif len(self.channels) < MAX_CHANNELS_PER_CONNECTION:
+                async with self.lock:  # one opening at a time; a concurrent one may have won
+                    current = self.by_key.get(routing_key)
+                    room = len(self.channels) < MAX_CHANNELS_PER_CONNECTION
+                    if room and (current is None or current.channel.is_closed):
+                        if self.connection is None or self.broken:
+                            raise aiormq.exceptions.ChannelInvalidStateError("connection lost")
+                        opened = await self.connection.channel(
+                            publisher_confirms=True, on_return_raises=True
+                        )
+                        self.by_key[routing_key] = _Channel(opened, opened.default_exchange)
+                        self.channels.append(self.by_key[routing_key])
                 continue
+            else:  # more queues than channels: share, but never one message_id twice
+                for candidate in self.channels:
+                    if not candidate.channel.is_closed and message_id not in candidate.in_flight:
+                        candidate.in_flight.add(message_id)
+                        return candidate
             self.waiting += 1
             try:
                 async with self.released:
@@ -140,6 +153,7 @@ class _VhostConnection:
 
     async def close(self) -> None:
         connection, self.connection, self.channels = self.connection, None, []
+        self.by_key = {}
         if connection is not None and not connection.is_closed:
             try:
                 await asyncio.wait_for(connection.close(), timeout=5)
@@ -209,7 +223,7 @@ class AmqpPublisher:
     async def _publish_one(self, entry: _VhostConnection, item: Outgoing) -> Result:
         message_id = item.message.message_id or ""
         try:
-            channel = await entry.channel_for(message_id)
+            channel = await entry.channel_for(item.routing_key, message_id)
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError, TimeoutError) as exc:
             # RuntimeError: aio-pika's "connection closed" (ChannelInvalidStateError included)
             return Result(Outcome.UNREACHABLE, _describe(exc))

@@ -30,7 +30,7 @@ from datetime import datetime, timedelta
 
 import aio_pika
 import structlog
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
@@ -92,14 +92,18 @@ class Relay:
     def __init__(
         self,
         settings: Settings,
-        sessions: async_sessionmaker[AsyncSession],
+        engine: AsyncEngine,
         publisher: AmqpPublisher,
         provisioner: Provisioner,
         signals: OutboxSignals | None = None,
         relay_id: str | None = None,
     ) -> None:
         self.settings = settings
-        self.sessions = sessions
+        # Every statement the relay runs stands alone (a claim, a settlement, each guarded
+        # by the row's state), so it runs them in autocommit: no BEGIN/COMMIT round trips.
+        self.sessions = async_sessionmaker(
+            engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
+        )
         self.publisher = publisher
         self.provisioner = provisioner
         self.signals = signals or OutboxSignals()
@@ -112,15 +116,14 @@ class Relay:
     def start(self) -> None:
         self._stopping.clear()
         self._tasks = [
-            asyncio.create_task(self._work(), name=f"relay-worker-{n}")
-            for n in range(self.settings.relay_concurrency)
+            asyncio.create_task(self._dispatch(), name="relay-dispatch"),
+            asyncio.create_task(self._housekeeping(), name="relay-housekeeping"),
         ]
-        self._tasks.append(asyncio.create_task(self._housekeeping(), name="relay-housekeeping"))
-        log.info("relay_started", relay=self.id, workers=self.settings.relay_concurrency)
+        log.info("relay_started", relay=self.id, batches=self.settings.relay_concurrency)
 
     async def stop(self, grace: float = STOP_GRACE) -> None:
-        self._stopping.set()
-        self.signals.accepted.notify()
+        """Stop claiming; let batches in flight finish for up to `grace` seconds."""
+        self.request_stop()
         if not self._tasks:
             return
         _done, pending = await asyncio.wait(self._tasks, timeout=grace)
@@ -139,23 +142,65 @@ class Relay:
         self.signals.accepted.notify()
 
     # --- the loop -----------------------------------------------------------------------
-    async def _work(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                claimed = await self.run_once()
-            except Exception as exc:  # the database or broker is down: keep the loop alive
-                log.error("relay_batch_failed", relay=self.id, error=repr(exc)[:500])
-                await self._pause(self.settings.relay_backoff_base)
-                continue
-            if claimed == 0:
-                await self._pause(self.settings.relay_poll_interval)
+    async def _dispatch(self) -> None:
+        """Claim a batch whenever fewer than `relay_concurrency` are in flight.
 
-    async def _pause(self, seconds: float) -> None:
+        While one batch waits for its confirms the next is already claimed and
+        publishing, so the broker always has confirms outstanding.
+        """
+        slots = asyncio.Semaphore(self.settings.relay_concurrency)
+        in_flight: set[asyncio.Task[None]] = set()
+
+        def finished(task: asyncio.Task[None]) -> None:
+            in_flight.discard(task)
+            slots.release()
+
+        try:
+            while not self._stopping.is_set():
+                await slots.acquire()
+                # Read before claiming: an event accepted during the claim then
+                # cuts the pause short instead of waiting for the next poll.
+                seen = self.signals.accepted.generation
+                try:
+                    claimed = [] if self._stopping.is_set() else await self.claim()
+                except Exception as exc:  # the database is down: keep the loop alive
+                    slots.release()
+                    log.error("relay_claim_failed", relay=self.id, error=repr(exc)[:500])
+                    await self._pause(self.settings.relay_backoff_base, seen)
+                    continue
+                if not claimed:
+                    slots.release()
+                    await self._pause(self.settings.relay_poll_interval, seen)
+                    continue
+                task = asyncio.create_task(self._process_logged(claimed))
+                in_flight.add(task)
+                task.add_done_callback(finished)
+                if len(claimed) < self.settings.relay_batch_size:
+                    # Nothing more was due: claim again only when told of new events
+                    # (or at the next poll), not in an extra query that finds nothing.
+                    await self._pause(self.settings.relay_poll_interval, seen)
+        finally:
+            # Cancelling this gather (stop's grace ran out) cancels the batches too.
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _pause(self, seconds: float, seen: int) -> None:
         if not self._stopping.is_set():
-            await self.signals.accepted.wait(seconds)
+            await self.signals.accepted.wait(seconds, since=seen)
+
+    async def _process_logged(self, claimed: list[Claimed]) -> None:
+        try:
+            await self.process(claimed)
+        except Exception as exc:  # claims not settled are retried when their lease ends
+            log.error("relay_batch_failed", relay=self.id, error=repr(exc)[:500])
 
     async def run_once(self) -> int:
         """Claim one batch, publish it and settle it; returns how many deliveries it claimed."""
+        claimed = await self.claim()
+        if claimed:
+            await self.process(claimed)
+        return len(claimed)
+
+    async def claim(self) -> list[Claimed]:
         now = utcnow()
         lease_until = now + timedelta(seconds=self.settings.relay_lease_seconds)
         async with self.sessions() as session:
@@ -163,8 +208,11 @@ class Relay:
                 session, self.id, now, lease_until, self.settings.relay_batch_size
             )
             await session.commit()
-        if not claimed:
-            return 0
+        return claimed
+
+    async def process(self, claimed: list[Claimed]) -> None:
+        """Publish a claimed batch and write back what became of each copy."""
+        now = utcnow()
         settlement = _Settlement()
         by_vhost: dict[str, list[Claimed]] = defaultdict(list)
         for item in claimed:
@@ -190,7 +238,6 @@ class Relay:
         if to_recreate:
             await self._recreate_queues(settlement, to_recreate)
         await self._settle(settlement)
-        return len(claimed)
 
     async def _publish_vhost(
         self, vhost: str, items: list[Claimed]

@@ -31,15 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from queuekeeper.models import (
-    Base,
-    Event,
-    EventSubscription,
-    EventSubscriptionQueue,
-    Offering,
-    OfferingAccess,
-    User,
-)
+from queuekeeper.models import Base, Event, EventSubscriptionQueue
 
 EVENTS: Table = Base.metadata.tables["events"]
 DELIVERIES: Table = Base.metadata.tables["deliveries"]
@@ -51,11 +43,11 @@ def _is_postgres(session: AsyncSession) -> bool:
 
 
 # --- accepting ----------------------------------------------------------------------------
-async def known_offerings(
-    session: AsyncSession, offering_uuids: Collection[uuid.UUID]
-) -> set[uuid.UUID]:
-    rows = await session.scalars(select(Offering.uuid).where(Offering.uuid.in_(offering_uuids)))
-    return set(rows)
+OFFERINGS: Table = Base.metadata.tables["offerings"]
+ACCESS: Table = Base.metadata.tables["offering_access"]
+USERS: Table = Base.metadata.tables["users"]
+SUBSCRIPTIONS: Table = Base.metadata.tables["event_subscriptions"]
+QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
 
 
 @dataclass(frozen=True)
@@ -73,44 +65,82 @@ class SubscriptionQueueRow:
     vhost: str | None
 
 
-async def subscriptions_with_access(
+async def recipients_of(
     session: AsyncSession,
     offering_uuids: Collection[uuid.UUID],
     object_types: Collection[str],
     now: datetime,
-) -> list[SubscriptionQueueRow]:
-    """Every subscription of an active owner with access to one of the offerings, joined with
-    its queues for the object types: one query for a whole batch, whatever its fan-out."""
-    queue = EventSubscriptionQueue
-    statement = (
+) -> tuple[set[uuid.UUID], list[SubscriptionQueueRow]]:
+    """The known offerings among `offering_uuids`, and every subscription of an active
+    owner with access to one of them joined with its queues for the object types.
+
+    One query for a whole request, whatever its fan-out: the offerings left-joined
+    with who may receive their events (an unknown offering yields no row at all).
+    """
+    reachable = (
         select(
-            EventSubscription.uuid,
-            EventSubscription.user_uuid,
-            EventSubscription.observable_objects,
-            OfferingAccess.offering_uuid,
-            queue.uuid,
-            queue.object_type,
-            queue.queue_name,
-            queue.vhost,
+            ACCESS.c.offering_uuid,
+            SUBSCRIPTIONS.c.uuid.label("subscription_uuid"),
+            SUBSCRIPTIONS.c.user_uuid,
+            SUBSCRIPTIONS.c.observable_objects,
+            QUEUES.c.uuid.label("queue_uuid"),
+            QUEUES.c.object_type,
+            QUEUES.c.queue_name,
+            QUEUES.c.vhost,
         )
-        .join(User, User.uuid == EventSubscription.user_uuid)
-        .join(OfferingAccess, OfferingAccess.user_uuid == EventSubscription.user_uuid)
-        .outerjoin(
-            queue,
-            and_(
-                queue.subscription_uuid == EventSubscription.uuid,
-                queue.offering_uuid == OfferingAccess.offering_uuid,
-                queue.object_type.in_(object_types),
-            ),
+        .select_from(
+            ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
+            .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
+            .outerjoin(
+                QUEUES,
+                and_(
+                    QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
+                    QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
+                    QUEUES.c.object_type.in_(object_types),
+                ),
+            )
         )
         .where(
-            OfferingAccess.offering_uuid.in_(offering_uuids),
-            User.is_active.is_(True),
-            or_(User.token_expires_at.is_(None), User.token_expires_at > now),
+            ACCESS.c.offering_uuid.in_(offering_uuids),
+            USERS.c.is_active.is_(True),
+            or_(USERS.c.token_expires_at.is_(None), USERS.c.token_expires_at > now),
         )
+        .subquery("reachable")
     )
-    result = await session.execute(statement)
-    return [SubscriptionQueueRow(*row) for row in result]
+    statement = (
+        select(
+            OFFERINGS.c.uuid,
+            reachable.c.subscription_uuid,
+            reachable.c.user_uuid,
+            reachable.c.observable_objects,
+            reachable.c.queue_uuid,
+            reachable.c.object_type,
+            reachable.c.queue_name,
+            reachable.c.vhost,
+        )
+        .select_from(OFFERINGS.outerjoin(reachable, reachable.c.offering_uuid == OFFERINGS.c.uuid))
+        .where(OFFERINGS.c.uuid.in_(offering_uuids))
+    )
+    known: set[uuid.UUID] = set()
+    rows: list[SubscriptionQueueRow] = []
+    for (
+        offering,
+        subscription,
+        owner,
+        observable,
+        queue,
+        object_type,
+        name,
+        vhost,
+    ) in await session.execute(statement):
+        known.add(offering)
+        if subscription is not None:
+            rows.append(
+                SubscriptionQueueRow(
+                    subscription, owner, observable, offering, queue, object_type, name, vhost
+                )
+            )
+    return known, rows
 
 
 async def insert_new_events(session: AsyncSession, rows: Sequence[dict[str, Any]]) -> set[str]:

@@ -40,19 +40,28 @@ _ATTEMPTS = 3
 
 
 class Signal:
-    """Wakes every task waiting on it (in this process); waiters also poll the database,
-    so a signal from another replica is never needed for correctness."""
+    """Wakes the tasks waiting on it in this process. Waiters also poll the database, so
+    a signal from another replica is never needed for correctness, only for speed.
+
+    `generation` counts notifications: a waiter that read it before looking at the
+    database passes it as `since`, and a notification that came in between (while it
+    was not yet waiting) makes the wait return at once instead of being lost.
+    """
 
     def __init__(self) -> None:
+        self.generation = 0
         self._waiters: set[asyncio.Future[None]] = set()
 
     def notify(self) -> None:
+        self.generation += 1
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
         self._waiters.clear()
 
-    async def wait(self, seconds: float) -> None:
+    async def wait(self, seconds: float, since: int | None = None) -> None:
+        if since is not None and since != self.generation:
+            return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.add(waiter)
         try:
@@ -229,7 +238,9 @@ async def _store(
     field_prefix: str,
 ) -> Accepted:
     now = utcnow()
-    known = await repository.known_offerings(session, offerings)
+    known, reachable = await repository.recipients_of(
+        session, offerings, {event.object_type for event in events}, now
+    )
     for index, event in enumerate(events):
         if event.offering_uuid not in known:
             raise BadRequest(
@@ -238,11 +249,7 @@ async def _store(
                 if field_prefix
                 else "offering_uuid",
             )
-    recipient_index = RecipientIndex(
-        await repository.subscriptions_with_access(
-            session, offerings, {event.object_type for event in events}, now
-        )
-    )
+    recipient_index = RecipientIndex(reachable)
 
     event_ids = [event.event_id or uuid.uuid4().hex for event in events]
     first_of: dict[str, int] = {}
@@ -341,13 +348,14 @@ async def wait_settled(
     event_ids = {answer.event_id for answer in answers}
     interval = 0.02
     while True:
+        seen = settled.generation
         async with sessions() as session:
             states = await repository.delivery_states(session, event_ids)
         pending = any(state == repository.PENDING for rows in states.values() for *_, state in rows)
         remaining = deadline - loop.time()
         if not pending or remaining <= 0:
             break
-        await settled.wait(min(interval, remaining))
+        await settled.wait(min(interval, remaining), since=seen)
         interval = min(interval * 1.5, 0.25)
     for answer in answers:
         answer.deliveries = [
