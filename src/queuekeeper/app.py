@@ -48,10 +48,13 @@ def build_state(settings: Settings) -> AppState:
 
 def start_relay(state: AppState) -> Relay:
     """The outbox relay and its AMQP publisher, in this process (`queuekeeper relay` too)."""
-    state.publisher = AmqpPublisher(state.settings)
-    relay = Relay(
-        state.settings, state.engine, state.publisher, state.provisioner, outbox_signals(state)
-    )
+    settings = state.settings
+    state.publisher = AmqpPublisher(settings)
+    # Its own small pool without pre-ping: the relay retries a statement that fails on
+    # a dead connection anyway, and a ping per statement would triple its round trips.
+    engine = create_engine(settings, pre_ping=False, pool_size=settings.relay_concurrency + 2)
+    state.extras["relay_engine"] = engine
+    relay = Relay(settings, engine, state.publisher, state.provisioner, outbox_signals(state))
     relay.start()
     state.relay = relay
     return relay
@@ -64,6 +67,9 @@ async def stop_relay(state: AppState) -> None:
     if state.publisher is not None:
         await state.publisher.close()
         state.publisher = None
+    engine = state.extras.pop("relay_engine", None)
+    if engine is not None:
+        await engine.dispose()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

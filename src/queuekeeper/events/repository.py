@@ -15,8 +15,10 @@ from typing import Any
 
 from sqlalchemy import (
     Row,
+    Select,
     Table,
     Text,
+    Update,
     and_,
     bindparam,
     case,
@@ -65,18 +67,7 @@ class SubscriptionQueueRow:
     vhost: str | None
 
 
-async def recipients_of(
-    session: AsyncSession,
-    offering_uuids: Collection[uuid.UUID],
-    object_types: Collection[str],
-    now: datetime,
-) -> tuple[set[uuid.UUID], list[SubscriptionQueueRow]]:
-    """The known offerings among `offering_uuids`, and every subscription of an active
-    owner with access to one of them joined with its queues for the object types.
-
-    One query for a whole request, whatever its fan-out: the offerings left-joined
-    with who may receive their events (an unknown offering yields no row at all).
-    """
+def _recipients_statement() -> Select[Any]:
     reachable = (
         select(
             ACCESS.c.offering_uuid,
@@ -96,18 +87,21 @@ async def recipients_of(
                 and_(
                     QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
                     QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
-                    QUEUES.c.object_type.in_(object_types),
+                    QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
                 ),
             )
         )
         .where(
-            ACCESS.c.offering_uuid.in_(offering_uuids),
+            ACCESS.c.offering_uuid.in_(bindparam("access_offerings", expanding=True)),
             USERS.c.is_active.is_(True),
-            or_(USERS.c.token_expires_at.is_(None), USERS.c.token_expires_at > now),
+            or_(
+                USERS.c.token_expires_at.is_(None),
+                USERS.c.token_expires_at > bindparam("now", type_=USERS.c.token_expires_at.type),
+            ),
         )
         .subquery("reachable")
     )
-    statement = (
+    return (
         select(
             OFFERINGS.c.uuid,
             reachable.c.subscription_uuid,
@@ -119,7 +113,35 @@ async def recipients_of(
             reachable.c.vhost,
         )
         .select_from(OFFERINGS.outerjoin(reachable, reachable.c.offering_uuid == OFFERINGS.c.uuid))
-        .where(OFFERINGS.c.uuid.in_(offering_uuids))
+        .where(OFFERINGS.c.uuid.in_(bindparam("offerings", expanding=True)))
+    )
+
+
+# Built once: constructing this join per request cost more than running it.
+_RECIPIENTS = _recipients_statement()
+
+
+async def recipients_of(
+    session: AsyncSession,
+    offering_uuids: Collection[uuid.UUID],
+    object_types: Collection[str],
+    now: datetime,
+) -> tuple[set[uuid.UUID], list[SubscriptionQueueRow]]:
+    """The known offerings among `offering_uuids`, and every subscription of an active
+    owner with access to one of them joined with its queues for the object types.
+
+    One query for a whole request, whatever its fan-out: the offerings left-joined
+    with who may receive their events (an unknown offering yields no row at all).
+    """
+    offerings = list(offering_uuids)
+    result = await session.execute(
+        _RECIPIENTS,
+        {
+            "offerings": offerings,
+            "access_offerings": offerings,
+            "object_types": list(object_types),
+            "now": now,
+        },
     )
     known: set[uuid.UUID] = set()
     rows: list[SubscriptionQueueRow] = []
@@ -132,7 +154,7 @@ async def recipients_of(
         object_type,
         name,
         vhost,
-    ) in await session.execute(statement):
+    ) in result:
         known.add(offering)
         if subscription is not None:
             rows.append(
@@ -243,6 +265,43 @@ _EVENT_COLUMNS = (
 )
 
 
+_WHEN = DELIVERIES.c.next_attempt_at.type  # binds datetimes as the column stores them
+_DUE = (
+    select(DELIVERIES.c.id)
+    .where(
+        DELIVERIES.c.state == PENDING,
+        DELIVERIES.c.next_attempt_at <= bindparam("b_now", type_=_WHEN),
+    )
+    .order_by(DELIVERIES.c.next_attempt_at, DELIVERIES.c.id)
+    .limit(bindparam("b_limit"))
+)
+_CLAIM_VALUES = {
+    "claimed_by": bindparam("b_relay"),
+    "claimed_until": bindparam("b_lease", type_=_WHEN),
+    "next_attempt_at": bindparam("b_lease", type_=_WHEN),
+    "attempts": DELIVERIES.c.attempts + 1,
+}
+_DUE_CTE = _DUE.with_for_update(skip_locked=True).cte("due")
+# PostgreSQL: one statement claims and returns what publishing needs.
+_CLAIM_POSTGRES = (
+    update(DELIVERIES)
+    .where(DELIVERIES.c.id == _DUE_CTE.c.id, DELIVERIES.c.event_id == EVENTS.c.event_id)
+    .values(_CLAIM_VALUES)
+    .returning(*_DELIVERY_COLUMNS, *_EVENT_COLUMNS)
+)
+# SQLite cannot return columns of an UPDATE's FROM tables: the events are read apart.
+_CLAIM_SQLITE = (
+    update(DELIVERIES)
+    .where(DELIVERIES.c.id.in_(_DUE.scalar_subquery()))
+    .values(_CLAIM_VALUES)
+    .returning(*_DELIVERY_COLUMNS)
+)
+_ANY_DUE = _DUE.with_only_columns(DELIVERIES.c.id)
+_EVENTS_OF = select(EVENTS.c.event_id, *_EVENT_COLUMNS).where(
+    EVENTS.c.event_id.in_(bindparam("b_events", expanding=True))
+)
+
+
 async def claim(
     session: AsyncSession, relay_id: str, now: datetime, lease_until: datetime, limit: int
 ) -> list[Claimed]:
@@ -254,51 +313,47 @@ async def claim(
     side by side without waiting on or double-claiming each other's rows; SQLite
     has one writer at a time, so a plain UPDATE is already exclusive.
     """
-    due = (
-        select(DELIVERIES.c.id)
-        .where(DELIVERIES.c.state == PENDING, DELIVERIES.c.next_attempt_at <= now)
-        .order_by(DELIVERIES.c.next_attempt_at, DELIVERIES.c.id)
-        .limit(limit)
-    )
-    values = {
-        "claimed_by": relay_id,
-        "claimed_until": lease_until,
-        "next_attempt_at": lease_until,
-        "attempts": DELIVERIES.c.attempts + 1,
-    }
+    params = {"b_now": now, "b_limit": limit, "b_relay": relay_id, "b_lease": lease_until}
     if _is_postgres(session):
-        # One statement: the claim and the event columns it needs to publish.
-        due_cte = due.with_for_update(skip_locked=True).cte("due")
-        statement = (
-            update(DELIVERIES)
-            .where(DELIVERIES.c.id == due_cte.c.id, DELIVERIES.c.event_id == EVENTS.c.event_id)
-            .values(values)
-            .returning(*_DELIVERY_COLUMNS, *_EVENT_COLUMNS)
-        )
-        rows = (await session.execute(statement)).all()
+        rows = (await session.execute(_CLAIM_POSTGRES, params)).all()
         claimed = [Claimed(*row) for row in rows]
     else:
         # Look before claiming, so an idle relay never takes SQLite's write lock.
-        if await session.scalar(due.with_only_columns(DELIVERIES.c.id).limit(1)) is None:
+        if await session.scalar(_ANY_DUE, {"b_now": now, "b_limit": 1}) is None:
             return []
-        # SQLite cannot return columns of an UPDATE's FROM tables: read the events apart.
-        statement = (
-            update(DELIVERIES)
-            .where(DELIVERIES.c.id.in_(due.scalar_subquery()))
-            .values(values)
-            .returning(*_DELIVERY_COLUMNS)
-        )
-        deliveries = (await session.execute(statement)).all()
-        event_ids = {row[1] for row in deliveries}
+        deliveries = (await session.execute(_CLAIM_SQLITE, params)).all()
         events: dict[str, tuple[Any, ...]] = {}
-        if event_ids:
+        if deliveries:
             result = await session.execute(
-                select(EVENTS.c.event_id, *_EVENT_COLUMNS).where(EVENTS.c.event_id.in_(event_ids))
+                _EVENTS_OF, {"b_events": list({row[1] for row in deliveries})}
             )
             events = {row[0]: tuple(row[1:]) for row in result}
         claimed = [Claimed(*row, *events[row[1]]) for row in deliveries]
     claimed.sort(key=lambda item: item.id)  # RETURNING has no order; publish oldest first
     return claimed
+
+
+def _finish_statement(with_error: bool) -> Update:
+    values: dict[str, Any] = {
+        "state": bindparam("b_state"),
+        "finished": bindparam("b_finished", type_=_WHEN),
+        "claimed_by": None,
+        "claimed_until": None,
+    }
+    if with_error:
+        values["last_error"] = bindparam("b_error")
+    return (
+        update(DELIVERIES)
+        .where(
+            DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
+            DELIVERIES.c.state == PENDING,
+        )
+        .values(values)
+    )
+
+
+_FINISH = _finish_statement(with_error=False)
+_FINISH_WITH_ERROR = _finish_statement(with_error=True)
 
 
 async def finish(
@@ -311,19 +366,11 @@ async def finish(
     """Settle deliveries (published, rejected, given_up). A settled row stays settled."""
     if not ids:
         return
-    values: dict[str, Any] = {
-        "state": state,
-        "finished": now,
-        "claimed_by": None,
-        "claimed_until": None,
-    }
-    if error is not None:
-        values["last_error"] = error
-    await session.execute(
-        update(DELIVERIES)
-        .where(DELIVERIES.c.id.in_(ids), DELIVERIES.c.state == PENDING)
-        .values(values)
-    )
+    params = {"b_ids": list(ids), "b_state": state, "b_finished": now}
+    if error is None:
+        await session.execute(_FINISH, params)
+    else:
+        await session.execute(_FINISH_WITH_ERROR, {**params, "b_error": error})
 
 
 async def give_up(session: AsyncSession, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
