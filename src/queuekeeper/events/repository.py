@@ -14,8 +14,10 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    ColumnElement,
     Row,
     Select,
+    String,
     Table,
     Text,
     Update,
@@ -26,6 +28,7 @@ from sqlalchemy import (
     delete,
     exists,
     func,
+    literal_column,
     or_,
     select,
     update,
@@ -38,6 +41,9 @@ from queuekeeper.models import Base, Event, EventSubscriptionQueue
 EVENTS: Table = Base.metadata.tables["events"]
 DELIVERIES: Table = Base.metadata.tables["deliveries"]
 PENDING = "pending"
+# Written out, not bound: the partial index of pending rows is used only when the
+# planner sees the literal it was defined with (asyncpg plans prepared statements).
+IS_PENDING: ColumnElement[str] = literal_column("'pending'", String)
 
 
 def _is_postgres(session: AsyncSession) -> bool:
@@ -269,7 +275,7 @@ _WHEN = DELIVERIES.c.next_attempt_at.type  # binds datetimes as the column store
 _DUE = (
     select(DELIVERIES.c.id)
     .where(
-        DELIVERIES.c.state == PENDING,
+        DELIVERIES.c.state == IS_PENDING,
         DELIVERIES.c.next_attempt_at <= bindparam("b_now", type_=_WHEN),
     )
     .order_by(DELIVERIES.c.next_attempt_at, DELIVERIES.c.id)
@@ -435,7 +441,7 @@ async def outbox_stats(session: AsyncSession, now: datetime) -> tuple[int, int, 
                 func.count(),
                 func.coalesce(func.sum(case((DELIVERIES.c.claimed_until > now, 1), else_=0)), 0),
                 func.min(DELIVERIES.c.created),
-            ).where(DELIVERIES.c.state == PENDING)
+            ).where(DELIVERIES.c.state == IS_PENDING)
         )
     ).one()
     oldest = row[2]
