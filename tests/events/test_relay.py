@@ -26,7 +26,7 @@ from tests.events.support import (
     register,
 )
 from tests.helpers import Backend
-from tests.proxy import free_port
+from tests.proxy import TcpProxy, free_port
 
 pytestmark = pytest.mark.settings(relay_enabled=False)
 
@@ -187,3 +187,29 @@ async def test_a_stopping_relay_stops_at_once_when_idle(app: FastAPI) -> None:
     await relay.stop()
     await publisher.close()
     assert time.perf_counter() - started < 0.5
+
+
+async def test_a_stopping_relay_cuts_a_hanging_batch_short_and_leaves_it_to_the_lease(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    hang = TcpProxy(blackhole=True)  # the broker accepts the connection and never answers
+    await hang.open()
+    relay, publisher = _relay(app, amqp_url=hang.amqp_url(), amqp_connect_timeout=30.0)
+    try:
+        relay.start()
+        response = await post_event(client, order_event(registered.offering))
+        event_id = response.json()["event_id"]
+        for _ in range(100):
+            if hang.accepted:
+                break
+            await asyncio.sleep(0.02)
+        assert hang.accepted, "the relay never tried to publish"
+        started = time.perf_counter()
+        await relay.stop(grace=0.3)
+        assert time.perf_counter() - started < 2
+    finally:
+        await publisher.close()
+        await hang.close()
+    copy = (await event_detail(client, event_id))["deliveries"][0]
+    assert (copy["state"], copy["claimed_by"]) == ("pending", relay.id)

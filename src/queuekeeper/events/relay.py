@@ -25,6 +25,7 @@ import random
 import secrets
 import socket
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -156,32 +157,44 @@ class Relay:
             slots.release()
 
         try:
-            while not self._stopping.is_set():
-                await slots.acquire()
-                # Read before claiming: an event accepted during the claim then
-                # cuts the pause short instead of waiting for the next poll.
-                seen = self.signals.accepted.generation
-                try:
-                    claimed = [] if self._stopping.is_set() else await self.claim()
-                except Exception as exc:  # the database is down: keep the loop alive
-                    slots.release()
-                    log.error("relay_claim_failed", relay=self.id, error=repr(exc)[:500])
-                    await self._pause(self.settings.relay_backoff_base, seen)
-                    continue
-                if not claimed:
-                    slots.release()
-                    await self._pause(self.settings.relay_poll_interval, seen)
-                    continue
-                task = asyncio.create_task(self._process_logged(claimed))
-                in_flight.add(task)
-                task.add_done_callback(finished)
-                if len(claimed) < self.settings.relay_batch_size:
-                    # Nothing more was due: claim again only when told of new events
-                    # (or at the next poll), not in an extra query that finds nothing.
-                    await self._pause(self.settings.relay_poll_interval, seen)
-        finally:
-            # Cancelling this gather (stop's grace ran out) cancels the batches too.
+            await self._claim_loop(slots, in_flight, finished)
+        except asyncio.CancelledError:
+            for task in in_flight:
+                task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
+            raise
+        # A stop: let the batches in flight finish (cancelling this wait cancels them).
+        await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _claim_loop(
+        self,
+        slots: asyncio.Semaphore,
+        in_flight: set[asyncio.Task[None]],
+        finished: Callable[[asyncio.Task[None]], None],
+    ) -> None:
+        while not self._stopping.is_set():
+            await slots.acquire()
+            # Read before claiming: an event accepted during the claim then
+            # cuts the pause short instead of waiting for the next poll.
+            seen = self.signals.accepted.generation
+            try:
+                claimed = [] if self._stopping.is_set() else await self.claim()
+            except Exception as exc:  # the database is down: keep the loop alive
+                slots.release()
+                log.error("relay_claim_failed", relay=self.id, error=repr(exc)[:500])
+                await self._pause(self.settings.relay_backoff_base, seen)
+                continue
+            if not claimed:
+                slots.release()
+                await self._pause(self.settings.relay_poll_interval, seen)
+                continue
+            task = asyncio.create_task(self._process_logged(claimed))
+            in_flight.add(task)
+            task.add_done_callback(finished)
+            if len(claimed) < self.settings.relay_batch_size:
+                # Nothing more was due: claim again only when told of new events
+                # (or at the next poll), not in an extra query that finds nothing.
+                await self._pause(self.settings.relay_poll_interval, seen)
 
     async def _pause(self, seconds: float, seen: int) -> None:
         if not self._stopping.is_set():
