@@ -179,3 +179,14 @@ async def test_confirms_are_awaited_together_not_one_round_trip_each(
         await proxy.close()
     assert {r.outcome for r in results} == {Outcome.CONFIRMED}
     assert elapsed < 1.5, elapsed
+
+
+def test_vhost_urls_keep_credentials_and_options(settings: Settings) -> None:
+    publisher = AmqpPublisher(
+        settings.model_copy(
+            update={"amqp_url": "amqps://qk:p%40ss@broker.example:5671/?heartbeat=30"}
+        )
+    )
+    assert publisher.url("0f" * 16) == (
+        f"amqps://qk:p%40ss@broker.example:5671/{'0f' * 16}?heartbeat=30"
+    )

@@ -200,7 +200,8 @@ class AmqpPublisher:
         self._closed = False
 
     def url(self, vhost: str) -> str:
-        return str(self._base.with_path("/" + quote(vhost, safe=""), encoded=True))
+        # Keep the query: heartbeat, connection_name and TLS options live there.
+        return str(self._base.with_path("/" + quote(vhost, safe=""), encoded=True, keep_query=True))
 
     @property
     def open_connections(self) -> int:
