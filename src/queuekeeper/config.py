@@ -102,7 +102,7 @@ class Settings(BaseSettings):
         description="Run the outbox relay inside the service. Switch off when the relay runs "
         "as its own process (`queuekeeper relay`).",
     )
-    relay_batch_size: int = Field(default=500, ge=1, description="Deliveries claimed at once.")
+    relay_batch_size: int = Field(default=1000, ge=1, description="Deliveries claimed at once.")
     relay_concurrency: int = Field(
         default=2, ge=1, description="Batches one relay keeps in flight at the same time."
     )
