@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 
 import aio_pika
 import structlog
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
@@ -101,10 +101,9 @@ class Relay:
     ) -> None:
         self.settings = settings
         # Every statement the relay runs stands alone (a claim, a settlement, each guarded
-        # by the row's state), so it runs them in autocommit: no BEGIN/COMMIT round trips.
-        self.sessions = async_sessionmaker(
-            engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
-        )
+        # by the row's state), so it runs them on autocommit connections: no BEGIN/COMMIT
+        # round trips, and no ORM session to set up per statement.
+        self.engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.publisher = publisher
         self.provisioner = provisioner
         self.signals = signals or OutboxSignals()
@@ -216,11 +215,10 @@ class Relay:
     async def claim(self) -> list[Claimed]:
         now = utcnow()
         lease_until = now + timedelta(seconds=self.settings.relay_lease_seconds)
-        async with self.sessions() as session:
+        async with self.engine.connect() as connection:
             claimed = await repository.claim(
-                session, self.id, now, lease_until, self.settings.relay_batch_size
+                connection, self.id, now, lease_until, self.settings.relay_batch_size
             )
-            await session.commit()
         return claimed
 
     async def process(self, claimed: list[Claimed]) -> None:
@@ -287,9 +285,9 @@ class Relay:
         self, settlement: _Settlement, returned: list[tuple[Claimed, Result]]
     ) -> None:
         """Declare the queues of returned copies again, then retry those copies."""
-        async with self.sessions() as session:
+        async with self.engine.connect() as connection:
             alive = await repository.existing_queues(
-                session, {item.queue_uuid for item, _ in returned if item.queue_uuid}
+                connection, {item.queue_uuid for item, _ in returned if item.queue_uuid}
             )
         failures: dict[tuple[str, str], str | None] = {}
         for item, _result in returned:
@@ -327,13 +325,12 @@ class Relay:
 
     async def _settle(self, settlement: _Settlement) -> None:
         now = utcnow()
-        async with self.sessions() as session:
-            await repository.finish(session, settlement.published, "published", now)
+        async with self.engine.connect() as connection:
+            await repository.finish(connection, settlement.published, "published", now)
             for error, ids in settlement.rejected.items():
-                await repository.finish(session, ids, "rejected", now, error)
-            await repository.give_up(session, settlement.given_up, now)
-            await repository.reschedule(session, self.id, settlement.retries)
-            await session.commit()
+                await repository.finish(connection, ids, "rejected", now, error)
+            await repository.give_up(connection, settlement.given_up, now)
+            await repository.reschedule(connection, self.id, settlement.retries)
         DELIVERIES.labels(outcome="published").inc(len(settlement.published))
         rejected = sum(len(ids) for ids in settlement.rejected.values())
         DELIVERIES.labels(outcome="rejected").inc(rejected)
@@ -368,16 +365,15 @@ class Relay:
 
     async def refresh_gauges(self) -> None:
         now = utcnow()
-        async with self.sessions() as session:
-            pending, _claimed, oldest = await repository.outbox_stats(session, now)
+        async with self.engine.connect() as connection:
+            pending, _claimed, oldest = await repository.outbox_stats(connection, now)
         OUTBOX_PENDING.set(pending)
         OUTBOX_OLDEST_AGE.set((now - oldest).total_seconds() if oldest else 0.0)
 
     async def prune(self) -> int:
         cutoff = utcnow() - timedelta(seconds=self.settings.event_retention_seconds)
-        async with self.sessions() as session:
-            deleted = await repository.prune_events(session, cutoff)
-            await session.commit()
+        async with self.engine.connect() as connection:
+            deleted = await repository.prune_events(connection, cutoff)
         if deleted:
             log.info("events_pruned", events=deleted)
         return deleted

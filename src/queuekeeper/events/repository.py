@@ -34,7 +34,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from queuekeeper.models import Base, Event, EventSubscriptionQueue
 
@@ -46,8 +46,13 @@ PENDING = "pending"
 IS_PENDING: ColumnElement[str] = literal_column("'pending'", String)
 
 
-def _is_postgres(session: AsyncSession) -> bool:
-    return session.get_bind().dialect.name == "postgresql"
+# The relay runs its statements on autocommit connections, the API in sessions.
+Executor = AsyncSession | AsyncConnection
+
+
+def _is_postgres(executor: Executor) -> bool:
+    bind = executor if isinstance(executor, AsyncConnection) else executor.get_bind()
+    return bind.dialect.name == "postgresql"
 
 
 # --- accepting ----------------------------------------------------------------------------
@@ -309,7 +314,7 @@ _EVENTS_OF = select(EVENTS.c.event_id, *_EVENT_COLUMNS).where(
 
 
 async def claim(
-    session: AsyncSession, relay_id: str, now: datetime, lease_until: datetime, limit: int
+    session: Executor, relay_id: str, now: datetime, lease_until: datetime, limit: int
 ) -> list[Claimed]:
     """Take up to `limit` due deliveries for `relay_id` until `lease_until`.
 
@@ -363,7 +368,7 @@ _FINISH_WITH_ERROR = _finish_statement(with_error=True)
 
 
 async def finish(
-    session: AsyncSession,
+    session: Executor,
     ids: Collection[int],
     state: str,
     now: datetime,
@@ -379,7 +384,7 @@ async def finish(
         await session.execute(_FINISH_WITH_ERROR, {**params, "b_error": error})
 
 
-async def give_up(session: AsyncSession, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
+async def give_up(session: Executor, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
     if not reasons:
         return
     statement = (
@@ -397,7 +402,7 @@ async def give_up(session: AsyncSession, reasons: Sequence[tuple[int, str]], now
 
 
 async def reschedule(
-    session: AsyncSession, relay_id: str, retries: Sequence[tuple[int, datetime, str]]
+    session: Executor, relay_id: str, retries: Sequence[tuple[int, datetime, str]]
 ) -> None:
     """Release our claim on (id, next attempt, error), unless another relay took it since."""
     if not retries:
@@ -422,9 +427,7 @@ async def reschedule(
     )
 
 
-async def existing_queues(
-    session: AsyncSession, queue_uuids: Collection[uuid.UUID]
-) -> set[uuid.UUID]:
+async def existing_queues(session: Executor, queue_uuids: Collection[uuid.UUID]) -> set[uuid.UUID]:
     if not queue_uuids:
         return set()
     rows = await session.scalars(
@@ -433,7 +436,7 @@ async def existing_queues(
     return set(rows)
 
 
-async def outbox_stats(session: AsyncSession, now: datetime) -> tuple[int, int, datetime | None]:
+async def outbox_stats(session: Executor, now: datetime) -> tuple[int, int, datetime | None]:
     """(pending, claimed by a live lease, oldest pending creation time)."""
     row = (
         await session.execute(
@@ -452,7 +455,7 @@ async def outbox_stats(session: AsyncSession, now: datetime) -> tuple[int, int, 
     return int(row[0]), int(row[1]), oldest
 
 
-async def prune_events(session: AsyncSession, cutoff: datetime, limit: int = 1000) -> int:
+async def prune_events(session: Executor, cutoff: datetime, limit: int = 1000) -> int:
     """Delete up to `limit` events accepted before `cutoff` with no copy still pending."""
     pending = exists().where(
         DELIVERIES.c.event_id == EVENTS.c.event_id, DELIVERIES.c.state == PENDING
