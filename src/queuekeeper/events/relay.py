@@ -302,6 +302,8 @@ class Relay:
                 failures[key] = f"vhost {exc.vhost!r} is not tagged as ours; not touched"
             except ManagementError as exc:
                 failures[key] = f"queue could not be re-declared: {exc}"
+            except Exception as exc:  # anything else: retried with backoff, reason kept
+                failures[key] = f"queue could not be re-declared: {exc!r}"[:500]
             else:
                 failures[key] = None
                 log.warning(
