@@ -1,7 +1,7 @@
 """job_runs.actions: what each run did (or, dry, would do), item by item
 
 Revision ID: 0003_reconcile
-Revises: 0001
+Revises: 0002_publish
 Create Date: 2026-11-22 00:30:00.000000
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0003_reconcile"
-down_revision: str | None = "0001"
+down_revision: str | None = "0002_publish"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -12,6 +12,7 @@ from prometheus_client import multiprocess
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.common.openapi import install_openapi, operation_id
 from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.config import Settings, get_settings
@@ -20,6 +21,10 @@ from queuekeeper.deadletters.endpoints import router as dead_letters_router
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
+from queuekeeper.events.endpoints import admin_router as outbox_router
+from queuekeeper.events.endpoints import internal_router as events_router
+from queuekeeper.events.relay import Relay
+from queuekeeper.events.service import outbox_signals
 from queuekeeper.health.endpoints import router as health_router
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
@@ -86,6 +91,32 @@ def build_state(settings: Settings) -> AppState:
     )
 
 
+def start_relay(state: AppState) -> Relay:
+    """The outbox relay and its AMQP publisher, in this process (`queuekeeper relay` too)."""
+    settings = state.settings
+    state.publisher = AmqpPublisher(settings)
+    # Its own small pool without pre-ping: the relay retries a statement that fails on
+    # a dead connection anyway, and a ping per statement would triple its round trips.
+    engine = create_engine(settings, pre_ping=False, pool_size=settings.relay_concurrency + 2)
+    state.extras["relay_engine"] = engine
+    relay = Relay(settings, engine, state.publisher, state.provisioner, outbox_signals(state))
+    relay.start()
+    state.relay = relay
+    return relay
+
+
+async def stop_relay(state: AppState) -> None:
+    if state.relay is not None:
+        await state.relay.stop()
+        state.relay = None
+    if state.publisher is not None:
+        await state.publisher.close()
+        state.publisher = None
+    engine = state.extras.pop("relay_engine", None)
+    if engine is not None:
+        await engine.dispose()
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
 
@@ -93,6 +124,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = build_state(settings)
         app.state.queuekeeper = state
+        if settings.relay_enabled:
+            start_relay(state)
         if settings.scheduler_enabled:
             state.scheduler = JobScheduler(state)
             state.scheduler.start()
@@ -102,6 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             if state.scheduler is not None:
                 await state.scheduler.stop()
+            await stop_relay(state)
             await state.management.aclose()
             await state.engine.dispose()
             if os.environ.get(MULTIPROC_ENV):
@@ -134,6 +168,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(dead_letters_router)
     app.include_router(health_router)
     app.include_router(metrics_router)
+    app.include_router(events_router)
+    app.include_router(outbox_router)
     return app
 
 

@@ -173,6 +173,70 @@ class Settings(BaseSettings):
         description="Dead letters examined per vhost per redrive run (bounds memory).",
     )
 
+    # --- publishing (SPEC 6) ----------------------------------------------------------------
+    events_batch_max: int = Field(
+        default=1000, ge=1, description="Most events one POST /api/internal/events/batch/ takes."
+    )
+    events_wait_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds `?wait=true` waits for every copy to be confirmed or to fail; "
+        "copies still unsettled then are answered as `pending`.",
+    )
+    event_retention_seconds: float = Field(
+        default=7 * 86_400,
+        gt=0,
+        description="Events (and their delivery records) older than this whose copies are all "
+        "settled are deleted; a repeated event_id is recognised within this window.",
+    )
+    relay_enabled: bool = Field(
+        default=True,
+        description="Run the outbox relay inside the service. Switch off when the relay runs "
+        "as its own process (`queuekeeper relay`).",
+    )
+    relay_batch_size: int = Field(default=1000, ge=1, description="Deliveries claimed at once.")
+    relay_concurrency: int = Field(
+        default=2, ge=1, description="Batches one relay keeps in flight at the same time."
+    )
+    relay_lease_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a claim lasts; a relay that dies holding claims releases them "
+        "when the lease runs out. Must exceed `publish_timeout`.",
+    )
+    relay_poll_interval: float = Field(
+        default=0.5,
+        gt=0,
+        description="Seconds an idle relay waits before looking for due deliveries again "
+        "(events accepted by the same process wake it at once).",
+    )
+    relay_backoff_base: float = Field(
+        default=1.0, gt=0, description="First retry delay (s) after the broker was unreachable."
+    )
+    relay_backoff_max: float = Field(
+        default=60.0, gt=0, description="Cap (s) of the exponential retry delay."
+    )
+    delivery_max_age: float = Field(
+        default=86_400.0,
+        gt=0,
+        description="Seconds after which a copy still not confirmed is given up (reason stored).",
+    )
+    publish_timeout: float = Field(
+        default=10.0, gt=0, description="Seconds to wait for a broker confirm before retrying."
+    )
+    amqp_pool_size: int = Field(
+        default=64,
+        ge=1,
+        description="Most AMQP connections open at once (one per vhost); the least recently "
+        "used is closed to make room.",
+    )
+    amqp_idle_seconds: float = Field(
+        default=300.0, gt=0, description="An AMQP connection unused this long is closed."
+    )
+    amqp_connect_timeout: float = Field(
+        default=5.0, gt=0, description="Seconds to open an AMQP connection."
+    )
+
     @field_validator("service_tokens", mode="before")
     @classmethod
     def _split_tokens(cls, value: object) -> object:

@@ -16,7 +16,11 @@ from sqlalchemy.ext.asyncio import (
 from queuekeeper.config import Settings
 
 
-def create_engine(settings: Settings) -> AsyncEngine:
+def create_engine(
+    settings: Settings, *, pre_ping: bool = True, pool_size: int | None = None
+) -> AsyncEngine:
+    """`pre_ping=False` suits users that survive a failed statement anyway (the outbox
+    relay): on asyncpg a pre-ping costs three round trips per checkout."""
     if settings.is_sqlite:
         # One writer at a time: wait for the lock rather than fail with "database is locked".
         engine = create_async_engine(
@@ -32,11 +36,12 @@ def create_engine(settings: Settings) -> AsyncEngine:
             cursor.close()
 
         return engine
+    size = pool_size or settings.database_pool_size
     return create_async_engine(
         settings.database_url,
-        pool_size=settings.database_pool_size,
-        max_overflow=settings.database_pool_size,
-        pool_pre_ping=True,
+        pool_size=size,
+        max_overflow=size,
+        pool_pre_ping=pre_ping,
         connect_args={"timeout": 5},
         # Bound values (token digests, broker password hashes) stay out of SQL logs and
         # out of the text of database exceptions.

@@ -26,6 +26,7 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     Uuid,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -203,7 +204,16 @@ class Delivery(Base):
     """One copy of an event for one queue: the transactional outbox."""
 
     __tablename__ = "deliveries"
-    __table_args__ = (Index("ix_deliveries_state_next_attempt", "state", "next_attempt_at"),)
+    # Only the pending rows, in the relay's claim order (migration 0002_publish).
+    __table_args__ = (
+        Index(
+            "ix_deliveries_pending_due",
+            "next_attempt_at",
+            "id",
+            postgresql_where=text("state = 'pending'"),
+            sqlite_where=text("state = 'pending'"),
+        ),
+    )
 
     id: Mapped[int] = mapped_column(
         BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True

@@ -29,7 +29,8 @@ class AppState:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
+    # async, so FastAPI calls it in the event loop instead of a worker thread per request
     state: AppState = request.app.state.queuekeeper
     return state
 

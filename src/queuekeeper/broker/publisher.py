@@ -1,0 +1,332 @@
+"""AMQP publishing with publisher confirms: one connection per vhost from a bounded pool.
+
+Each publish is `mandatory` and persistent and waits for the broker's confirm,
+but publishes are issued concurrently, so a batch keeps many confirms in flight
+on one channel instead of paying one round trip per message.
+
+Why a channel per queue: aiormq matches a `basic.return` to its publish by
+`message_id`. Every copy of an event carries the event id as its `message_id`,
+and two copies may go to two queues in the same vhost (one user, several
+subscriptions); in flight on one channel, a return for one copy would be booked
+against the other. So each queue of a vhost gets a channel of its own (up to
+MAX_CHANNELS_PER_CONNECTION; past that, any channel without that `message_id`
+in flight), and one channel per queue also keeps each queue's messages in the
+order they were published.
+
+Reconnects are our own, not aio-pika's robust connection: a publish that fails
+because the connection dropped is reported as `UNREACHABLE`, the outbox relay
+retries it later, and the next use of the vhost opens a fresh connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import ssl
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+import aio_pika
+import aiormq
+import structlog
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
+from aio_pika.exceptions import DeliveryError, PublishError
+from yarl import URL
+
+from queuekeeper.config import Settings
+from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS, CONFIRM_LATENCY
+
+log = structlog.get_logger(__name__)
+
+# Queues of one vhost with a channel each; more share channels (never one message_id twice).
+MAX_CHANNELS_PER_CONNECTION = 64
+
+
+class Outcome(enum.Enum):
+    CONFIRMED = "confirmed"
+    # basic.nack: with `x-overflow: reject-publish-dlx` the queue is full and the
+    # broker has dead-lettered the message.
+    REJECTED = "rejected"
+    # basic.return: nothing routed it, i.e. the queue does not exist.
+    RETURNED = "returned"
+    # The vhost refused the connection (missing vhost or permissions).
+    VHOST_REFUSED = "vhost_refused"
+    # Connection or channel lost, broker unreachable, or no confirm in time.
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True)
+class Result:
+    outcome: Outcome
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    routing_key: str
+    message: aio_pika.Message
+
+
+@dataclass
+class _Channel:
+    channel: AbstractChannel
+    exchange: AbstractExchange
+    in_flight: set[str] = field(default_factory=set)
+
+
+class _VhostConnection:
+    def __init__(self, vhost: str) -> None:
+        self.vhost = vhost
+        self.connection: AbstractConnection | None = None
+        self.channels: list[_Channel] = []
+        self.by_key: dict[str, _Channel] = {}
+        self.users = 0
+        self.last_used = time.monotonic()
+        self.lock = asyncio.Lock()
+        self.released = asyncio.Condition()
+        self.waiting = 0
+
+    @property
+    def broken(self) -> bool:
+        # aio-pika's is_closed only turns true on a close *we* asked for; a connection the
+        # broker or the network dropped shows as no longer `connected`.
+        connection = self.connection
+        return connection is not None and (
+            connection.is_closed or not connection.connected.is_set()
+        )
+
+    async def connect(
+        self, url: str, connect_timeout: float, ssl_context: ssl.SSLContext | None
+    ) -> None:
+        async with self.lock:
+            if self.connection is not None:
+                return
+            self.connection = await aio_pika.connect(
+                url, timeout=connect_timeout, ssl_context=ssl_context
+            )
+
+    async def channel_for(self, routing_key: str, message_id: str) -> _Channel:
+        """The queue's own channel, unless that one has this message_id in flight."""
+        while True:
+            if self.connection is None or self.broken:
+                raise aiormq.exceptions.ChannelInvalidStateError("connection lost")
+            self.channels = [ch for ch in self.channels if not ch.channel.is_closed]
+            own = self.by_key.get(routing_key)
+            if own is not None and not own.channel.is_closed:
+                if message_id not in own.in_flight:
+                    own.in_flight.add(message_id)
+                    return own
+            elif len(self.channels) < MAX_CHANNELS_PER_CONNECTION:
+                async with self.lock:  # one opening at a time; a concurrent one may have won
+                    current = self.by_key.get(routing_key)
+                    room = len(self.channels) < MAX_CHANNELS_PER_CONNECTION
+                    if room and (current is None or current.channel.is_closed):
+                        if self.connection is None or self.broken:
+                            raise aiormq.exceptions.ChannelInvalidStateError("connection lost")
+                        opened = await self.connection.channel(
+                            publisher_confirms=True, on_return_raises=True
+                        )
+                        self.by_key[routing_key] = _Channel(opened, opened.default_exchange)
+                        self.channels.append(self.by_key[routing_key])
+                continue
+            else:  # more queues than channels: share, but never one message_id twice
+                for candidate in self.channels:
+                    if not candidate.channel.is_closed and message_id not in candidate.in_flight:
+                        candidate.in_flight.add(message_id)
+                        return candidate
+            self.waiting += 1
+            try:
+                async with self.released:
+                    await self.released.wait()
+            finally:
+                self.waiting -= 1
+
+    async def release(self, channel: _Channel, message_id: str) -> None:
+        channel.in_flight.discard(message_id)
+        if self.waiting:
+            async with self.released:
+                self.released.notify_all()
+
+    async def close(self) -> None:
+        connection, self.connection, self.channels = self.connection, None, []
+        self.by_key = {}
+        if connection is not None and not connection.is_closed:
+            try:
+                await asyncio.wait_for(connection.close(), timeout=5)
+            except Exception as exc:  # closing a dead connection may fail; it is gone either way
+                log.debug("amqp_close_failed", vhost=self.vhost, error=repr(exc))
+
+
+def _ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    if not settings.amqp_url.startswith("amqps://"):
+        return None
+    context = ssl.create_default_context(cafile=settings.tls_ca_file)
+    if settings.tls_cert_file:
+        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    if not settings.tls_verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def _vhost_refused(exc: BaseException) -> bool:
+    """The broker closed the connection at `connection.open`: the vhost is missing or we
+    have no permissions in it (RabbitMQ answers 530 NOT_ALLOWED; aiormq reports the Close
+    frame it got instead of OpenOk)."""
+    if isinstance(exc, aiormq.exceptions.ConnectionNotAllowed):
+        return True
+    return isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.OpenOk" in str(exc)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+class AmqpPublisher:
+    """Publishes to per-vhost connections; at most `amqp_pool_size` are open at once."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._base = URL(settings.amqp_url)
+        self._ssl = _ssl_context(settings)
+        self._pool: OrderedDict[str, _VhostConnection] = OrderedDict()
+        # Bounds the connections in use at once, so making room always finds an idle one.
+        self._slots = asyncio.Semaphore(settings.amqp_pool_size)
+        self._lost: set[str] = set()
+        self._closed = False
+
+    def url(self, vhost: str) -> str:
+        # Keep the query: heartbeat, connection_name and TLS options live there.
+        return str(self._base.with_path("/" + quote(vhost, safe=""), encoded=True, keep_query=True))
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._pool)
+
+    async def publish(self, vhost: str, items: Sequence[Outgoing]) -> list[Result]:
+        """Publish every item to `vhost` (confirms in flight together); one result per item."""
+        if not items:
+            return []
+        try:
+            async with self._use(vhost) as entry:
+                results = await asyncio.gather(*(self._publish_one(entry, item) for item in items))
+        except (aiormq.exceptions.AMQPError, RuntimeError, OSError, TimeoutError) as exc:
+            if _vhost_refused(exc):
+                return [Result(Outcome.VHOST_REFUSED, _describe(exc))] * len(items)
+            log.warning("amqp_connect_failed", vhost=vhost, error=_describe(exc))
+            return [Result(Outcome.UNREACHABLE, _describe(exc))] * len(items)
+        return list(results)
+
+    async def _publish_one(self, entry: _VhostConnection, item: Outgoing) -> Result:
+        message_id = item.message.message_id or ""
+        try:
+            channel = await entry.channel_for(item.routing_key, message_id)
+        except (aiormq.exceptions.AMQPError, RuntimeError, OSError, TimeoutError) as exc:
+            # RuntimeError: aio-pika's "connection closed" (ChannelInvalidStateError included)
+            return Result(Outcome.UNREACHABLE, _describe(exc))
+        started = time.perf_counter()
+        try:
+            await channel.exchange.publish(
+                item.message,
+                routing_key=item.routing_key,
+                mandatory=True,
+                timeout=self.settings.publish_timeout,
+            )
+        except PublishError as exc:  # a subclass of DeliveryError: test it first
+            reply = getattr(exc.frame, "reply_text", "")
+            return Result(Outcome.RETURNED, f"returned by the broker as unroutable ({reply})")
+        except DeliveryError:
+            return Result(
+                Outcome.REJECTED,
+                "nacked by the broker: the queue is full (x-overflow reject-publish-dlx), "
+                "the message went to the dead-letter queue",
+            )
+        except TimeoutError:
+            return Result(
+                Outcome.UNREACHABLE,
+                f"no confirm within {self.settings.publish_timeout:g} s",
+            )
+        except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
+            return Result(Outcome.UNREACHABLE, _describe(exc))
+        finally:
+            await entry.release(channel, message_id)
+        CONFIRM_LATENCY.observe(time.perf_counter() - started)
+        return Result(Outcome.CONFIRMED)
+
+    @asynccontextmanager
+    async def _use(self, vhost: str) -> AsyncIterator[_VhostConnection]:
+        if self._closed:
+            raise aiormq.exceptions.ChannelInvalidStateError("publisher closed")
+        async with self._slots:
+            entry = self._pool.get(vhost)
+            if entry is not None and entry.broken:
+                self._lost.add(vhost)
+                await self._drop(entry)
+                entry = None
+            if entry is None:
+                await self._make_room()
+                entry = _VhostConnection(vhost)
+                self._pool[vhost] = entry
+                AMQP_POOL_SIZE.set(len(self._pool))
+            self._pool.move_to_end(vhost)
+            entry.users += 1
+            try:
+                if entry.connection is None:
+                    await entry.connect(
+                        self.url(vhost), self.settings.amqp_connect_timeout, self._ssl
+                    )
+                    if vhost in self._lost:
+                        self._lost.discard(vhost)
+                        AMQP_RECONNECTS.inc()
+                        log.info("amqp_reconnected", vhost=vhost)
+                yield entry
+            except BaseException:
+                if entry.connection is None or entry.broken:
+                    self._lost.add(vhost)
+                    await self._drop(entry)
+                raise
+            finally:
+                entry.users -= 1
+                entry.last_used = time.monotonic()
+            if entry.broken:
+                self._lost.add(vhost)
+                await self._drop(entry)
+
+    async def _drop(self, entry: _VhostConnection) -> None:
+        if self._pool.get(entry.vhost) is entry:
+            del self._pool[entry.vhost]
+            AMQP_POOL_SIZE.set(len(self._pool))
+        if entry.users == 0:
+            await entry.close()
+
+    async def _make_room(self) -> None:
+        """Close least recently used idle connections until one more fits."""
+        while len(self._pool) >= self.settings.amqp_pool_size:
+            idle = next((e for e in self._pool.values() if e.users == 0), None)
+            if idle is None:  # cannot happen while _slots bounds the users; never block on it
+                return
+            log.info("amqp_pool_evicted", vhost=idle.vhost)
+            await self._drop(idle)
+
+    async def close_idle(self, now: float | None = None) -> int:
+        """Close connections unused for `amqp_idle_seconds`; returns how many."""
+        now = time.monotonic() if now is None else now
+        idle = [
+            entry
+            for entry in self._pool.values()
+            if entry.users == 0 and now - entry.last_used >= self.settings.amqp_idle_seconds
+        ]
+        for entry in idle:
+            await self._drop(entry)
+        return len(idle)
+
+    async def close(self) -> None:
+        self._closed = True
+        entries = list(self._pool.values())
+        self._pool.clear()
+        AMQP_POOL_SIZE.set(0)
+        await asyncio.gather(*(entry.close() for entry in entries))

@@ -1,0 +1,169 @@
+"""Events from the backend (SPEC 5), what became of them, and the outbox's depth."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Response, status
+
+from queuekeeper.auth.dependencies import ServiceCaller
+from queuekeeper.errors import BadRequest, NotFound
+from queuekeeper.events import repository, service
+from queuekeeper.events.schemas import (
+    DeliveryDetail,
+    EventAccepted,
+    EventBatchAccepted,
+    EventBatchIn,
+    EventDetail,
+    EventIn,
+    OutboxStats,
+)
+from queuekeeper.events.service import outbox_signals
+from queuekeeper.models import utcnow
+from queuekeeper.state import AppState, SessionDep, StateDep
+
+internal_router = APIRouter(
+    prefix="/api/internal/events", tags=["internal"], dependencies=[ServiceCaller]
+)
+admin_router = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[ServiceCaller])
+
+AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"description": "No or unknown service token."},
+    403: {"description": "An agent token was sent."},
+    503: {"description": "The database is unavailable; nothing was stored. Retry."},
+}
+ACCEPT_ERRORS: dict[int | str, dict[str, Any]] = {
+    **AUTH_ERRORS,
+    400: {
+        "description": "A bad event: unknown offering or object type, a payload missing a "
+        "field its type requires, a payload contradicting the envelope. `errors` names each "
+        "field (`events.<index>.…` in a batch); nothing of the request was stored."
+    },
+}
+Wait = Annotated[
+    bool,
+    Query(
+        description="Answer only when every copy is confirmed by the broker or has failed "
+        "(or QUEUEKEEPER_EVENTS_WAIT_TIMEOUT passed), with the state of each copy."
+    ),
+]
+
+
+async def _accept(
+    state: AppState, session: SessionDep, events: list[EventIn], prefix: str, wait: bool
+) -> list[EventAccepted]:
+    accepted = await service.accept(session, events, field_prefix=prefix)
+    signals = outbox_signals(state)
+    if accepted.new_deliveries:
+        signals.accepted.notify()
+    if wait:
+        await service.wait_settled(
+            state.sessions, accepted.answers, signals.settled, state.settings.events_wait_timeout
+        )
+    return accepted.answers
+
+
+@internal_router.post(
+    "/",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model_exclude_none=True,
+    summary="Publish an event",
+    description="Stores the event and one outbox copy per recipient queue (the registered "
+    "queues for its offering and object type whose owner has access, narrowed to "
+    "`user_uuids`) in one transaction, then answers 202; the relay publishes the copies. "
+    "A repeated `event_id` answers 200 with `duplicate: true` and the first answer's counts, "
+    "and sends nothing again.",
+    responses={
+        **ACCEPT_ERRORS,
+        200: {"description": "A duplicate, or `?wait=true`.", "model": EventAccepted},
+    },
+)
+async def publish_event(
+    body: EventIn, response: Response, session: SessionDep, state: StateDep, wait: Wait = False
+) -> EventAccepted:
+    (answer,) = await _accept(state, session, [body], "", wait)
+    if answer.duplicate or wait:
+        response.status_code = status.HTTP_200_OK
+    return answer
+
+
+@internal_router.post(
+    "/batch/",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model_exclude_none=True,
+    summary="Publish a batch of events",
+    description="Up to QUEUEKEEPER_EVENTS_BATCH_MAX events, all stored in one transaction or "
+    "none; one answer per event, in order.",
+    responses={
+        **ACCEPT_ERRORS,
+        200: {"description": "With `?wait=true`.", "model": EventBatchAccepted},
+    },
+)
+async def publish_batch(
+    body: EventBatchIn,
+    response: Response,
+    session: SessionDep,
+    state: StateDep,
+    wait: Wait = False,
+) -> EventBatchAccepted:
+    limit = state.settings.events_batch_max
+    if len(body.events) > limit:
+        raise BadRequest(
+            f"A batch holds at most {limit} events; this one has {len(body.events)}. "
+            "Split it into several requests.",
+            field="events",
+        )
+    answers = await _accept(state, session, body.events, "events", wait)
+    if wait:
+        response.status_code = status.HTTP_200_OK
+    return EventBatchAccepted(events=answers)
+
+
+@internal_router.get(
+    "/{event_id}/",
+    summary="What became of an event",
+    description="The event, its message body, and every copy's state (`pending`, "
+    "`published` = confirmed by the broker, `rejected` = queue full and dead-lettered, "
+    "`given_up` with the reason in `last_error`).",
+    responses={**AUTH_ERRORS, 404: {"description": "No such event (or pruned)."}},
+)
+async def get_event(event_id: str, session: SessionDep) -> EventDetail:
+    event = await repository.get_event(session, event_id)
+    if event is None:
+        raise NotFound(f"Event {event_id!r} not found.")
+    deliveries = await repository.deliveries_of(session, event_id)
+    return EventDetail(
+        event_id=event.event_id,
+        offering_uuid=event.offering_uuid,
+        object_type=event.object_type,
+        user_uuids=event.user_uuids,
+        accepted=event.accepted,
+        queued=event.queued,
+        skipped_unregistered=event.skipped_unregistered,
+        body=event.payload,
+        deliveries=[_delivery_detail(row) for row in deliveries],
+    )
+
+
+def _delivery_detail(row: Any) -> DeliveryDetail:
+    detail = DeliveryDetail.model_validate(row)
+    if detail.state != repository.PENDING:
+        detail.next_attempt_at = None
+    return detail
+
+
+@admin_router.get(
+    "/outbox/",
+    summary="Outbox depth",
+    description="Copies waiting to be published, how many a relay holds right now, and the "
+    "age of the oldest (also exported as queuekeeper_outbox_* metrics).",
+    responses=AUTH_ERRORS,
+)
+async def outbox(session: SessionDep) -> OutboxStats:
+    now = utcnow()
+    pending, claimed, oldest = await repository.outbox_stats(session, now)
+    return OutboxStats(
+        pending=pending,
+        claimed=claimed,
+        oldest_pending_age_seconds=(now - oldest).total_seconds() if oldest else 0.0,
+    )

@@ -1,0 +1,381 @@
+"""The outbox relay: claims due deliveries, publishes them, settles each on the broker's answer.
+
+At-least-once: a delivery is marked done only after the broker confirmed it,
+so a relay that dies between publish and mark leaves it to be published again
+when its lease runs out (consumers deduplicate on `message_id`). Any number of
+relays (threads of one process, replicas, `queuekeeper relay` processes) share
+the work through the claim in `repository.claim`.
+
+What happens to a copy, by the broker's answer:
+- confirmed → `published`;
+- nack (queue full under `reject-publish-dlx`; the broker dead-lettered it) → `rejected`;
+- returned as unroutable, or the vhost refused us → the queue is declared again
+  through the Management API and the copy retried at once;
+- broker unreachable or no confirm in time → retried after a capped, jittered
+  exponential backoff;
+- its queue row is gone (access revoked, queue or subscription deleted), or it is
+  older than `delivery_max_age` → `given_up`, with the reason stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import socket
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import aio_pika
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from queuekeeper.broker.management import ManagementError
+from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
+from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing, Result
+from queuekeeper.config import Settings
+from queuekeeper.events import repository
+from queuekeeper.events.repository import Claimed
+from queuekeeper.events.service import OutboxSignals
+from queuekeeper.models import utcnow
+from queuekeeper.observability.metrics import DELIVERIES, OUTBOX_OLDEST_AGE, OUTBOX_PENDING
+
+log = structlog.get_logger(__name__)
+
+HOUSEKEEPING_INTERVAL = 5.0  # seconds between outbox gauge refreshes and idle-connection sweeps
+PRUNE_INTERVAL = 60.0
+STOP_GRACE = 5.0  # seconds a stopping relay lets a batch in flight finish
+QUEUE_GONE = (
+    "its queue is no longer registered (access revoked, or the queue, subscription, "
+    "owner or offering deleted); not published"
+)
+# A queue re-declared after a return is retried at once this many times, then with backoff.
+IMMEDIATE_RETRIES = 3
+
+
+def new_relay_id() -> str:
+    return f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def event_message(item: Claimed) -> aio_pika.Message:
+    """SPEC 6: the stored body, and the properties consumers rely on."""
+    offering = item.offering_uuid.hex
+    return aio_pika.Message(
+        item.body.encode(),
+        content_type="application/json",
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=item.event_id,
+        timestamp=item.accepted,
+        type=item.object_type,
+        app_id="queuekeeper",
+        headers={
+            "offering_uuid": offering,
+            "object_type": item.object_type,
+            "event_id": item.event_id,
+        },
+    )
+
+
+@dataclass
+class _Settlement:
+    """What one batch decided, written back in one transaction."""
+
+    published: list[int] = field(default_factory=list)
+    rejected: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    given_up: list[tuple[int, str]] = field(default_factory=list)
+    retries: list[tuple[int, datetime, str]] = field(default_factory=list)
+
+
+class Relay:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: AsyncEngine,
+        publisher: AmqpPublisher,
+        provisioner: Provisioner,
+        signals: OutboxSignals | None = None,
+        relay_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        # Every statement the relay runs stands alone (a claim, a settlement, each guarded
+        # by the row's state), so it runs them on autocommit connections: no BEGIN/COMMIT
+        # round trips, and no ORM session to set up per statement.
+        self.engine = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.publisher = publisher
+        self.provisioner = provisioner
+        self.signals = signals or OutboxSignals()
+        self.id = relay_id or new_relay_id()
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._max_age = timedelta(seconds=settings.delivery_max_age)
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._stopping.clear()
+        self._tasks = [
+            asyncio.create_task(self._dispatch(), name="relay-dispatch"),
+            asyncio.create_task(self._housekeeping(), name="relay-housekeeping"),
+        ]
+        log.info("relay_started", relay=self.id, batches=self.settings.relay_concurrency)
+
+    async def stop(self, grace: float = STOP_GRACE) -> None:
+        """Stop claiming; let batches in flight finish for up to `grace` seconds."""
+        self.request_stop()
+        if not self._tasks:
+            return
+        _done, pending = await asyncio.wait(self._tasks, timeout=grace)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        log.info("relay_stopped", relay=self.id, cut_short=len(pending))
+
+    async def wait_stopped(self) -> None:
+        """Return once `request_stop` was called (by a signal handler, say)."""
+        await self._stopping.wait()
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+        self.signals.accepted.notify()
+
+    # --- the loop -----------------------------------------------------------------------
+    async def _dispatch(self) -> None:
+        """Claim a batch whenever fewer than `relay_concurrency` are in flight.
+
+        While one batch waits for its confirms the next is already claimed and
+        publishing, so the broker always has confirms outstanding.
+        """
+        slots = asyncio.Semaphore(self.settings.relay_concurrency)
+        in_flight: set[asyncio.Task[None]] = set()
+
+        def finished(task: asyncio.Task[None]) -> None:
+            in_flight.discard(task)
+            slots.release()
+
+        try:
+            await self._claim_loop(slots, in_flight, finished)
+        except asyncio.CancelledError:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            raise
+        # A stop: let the batches in flight finish (cancelling this wait cancels them).
+        await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _claim_loop(
+        self,
+        slots: asyncio.Semaphore,
+        in_flight: set[asyncio.Task[None]],
+        finished: Callable[[asyncio.Task[None]], None],
+    ) -> None:
+        while not self._stopping.is_set():
+            await slots.acquire()
+            # Read before claiming: an event accepted during the claim then
+            # cuts the pause short instead of waiting for the next poll.
+            seen = self.signals.accepted.generation
+            try:
+                claimed = [] if self._stopping.is_set() else await self.claim()
+            except Exception as exc:  # the database is down: keep the loop alive
+                slots.release()
+                log.error("relay_claim_failed", relay=self.id, error=repr(exc)[:500])
+                await self._pause(self.settings.relay_backoff_base, seen)
+                continue
+            if not claimed:
+                slots.release()
+                await self._pause(self.settings.relay_poll_interval, seen)
+                continue
+            task = asyncio.create_task(self._process_logged(claimed))
+            in_flight.add(task)
+            task.add_done_callback(finished)
+            if len(claimed) < self.settings.relay_batch_size:
+                # Nothing more was due: claim again only when told of new events
+                # (or at the next poll), not in an extra query that finds nothing.
+                await self._pause(self.settings.relay_poll_interval, seen)
+
+    async def _pause(self, seconds: float, seen: int) -> None:
+        if not self._stopping.is_set():
+            await self.signals.accepted.wait(seconds, since=seen)
+
+    async def _process_logged(self, claimed: list[Claimed]) -> None:
+        try:
+            await self.process(claimed)
+        except Exception as exc:  # claims not settled are retried when their lease ends
+            log.error("relay_batch_failed", relay=self.id, error=repr(exc)[:500])
+
+    async def run_once(self) -> int:
+        """Claim one batch, publish it and settle it; returns how many deliveries it claimed."""
+        claimed = await self.claim()
+        if claimed:
+            await self.process(claimed)
+        return len(claimed)
+
+    async def claim(self) -> list[Claimed]:
+        now = utcnow()
+        lease_until = now + timedelta(seconds=self.settings.relay_lease_seconds)
+        async with self.engine.connect() as connection:
+            claimed = await repository.claim(
+                connection, self.id, now, lease_until, self.settings.relay_batch_size
+            )
+        return claimed
+
+    async def process(self, claimed: list[Claimed]) -> None:
+        """Publish a claimed batch and write back what became of each copy."""
+        now = utcnow()
+        settlement = _Settlement()
+        by_vhost: dict[str, list[Claimed]] = defaultdict(list)
+        for item in claimed:
+            if item.queue_uuid is None:
+                settlement.given_up.append((item.id, QUEUE_GONE))
+            elif now - item.created > self._max_age:
+                settlement.given_up.append((item.id, self._too_old(item.last_error)))
+            else:
+                by_vhost[item.vhost].append(item)
+        results = await asyncio.gather(
+            *(self._publish_vhost(vhost, items) for vhost, items in by_vhost.items())
+        )
+        to_recreate: list[tuple[Claimed, Result]] = []
+        for item, result in (pair for batch in results for pair in batch):
+            if result.outcome is Outcome.CONFIRMED:
+                settlement.published.append(item.id)
+            elif result.outcome is Outcome.REJECTED:
+                settlement.rejected[result.error or "rejected"].append(item.id)
+            elif result.outcome in (Outcome.RETURNED, Outcome.VHOST_REFUSED):
+                to_recreate.append((item, result))
+            else:
+                self._retry_later(settlement, item, result.error or "broker unreachable")
+        if to_recreate:
+            await self._recreate_queues(settlement, to_recreate)
+        await self._settle(settlement)
+
+    async def _publish_vhost(
+        self, vhost: str, items: list[Claimed]
+    ) -> list[tuple[Claimed, Result]]:
+        outgoing = [Outgoing(item.queue_name, event_message(item)) for item in items]
+        try:
+            results = await self.publisher.publish(vhost, outgoing)
+        except Exception as exc:
+            # Whatever went wrong, the claimed copies are retried, never left to the lease.
+            log.error("relay_publish_failed", vhost=vhost, error=repr(exc)[:500])
+            results = [Result(Outcome.UNREACHABLE, f"publish failed: {exc!r}"[:500])] * len(items)
+        return list(zip(items, results, strict=True))
+
+    def _too_old(self, last_error: str | None) -> str:
+        reason = f"not confirmed within delivery_max_age ({self.settings.delivery_max_age:g} s)"
+        return f"{reason}; last error: {last_error}" if last_error else reason
+
+    def _retry_later(self, settlement: _Settlement, item: Claimed, error: str) -> None:
+        now = utcnow()
+        if now - item.created > self._max_age:
+            settlement.given_up.append((item.id, self._too_old(error)))
+            return
+        delay = min(
+            self.settings.relay_backoff_max,
+            self.settings.relay_backoff_base * 2 ** max(item.attempts - 1, 0),
+        )
+        delay *= random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not security
+        # Never schedule past the give-up time, so an old copy is given up on time.
+        when = min(now + timedelta(seconds=delay), max(item.created + self._max_age, now))
+        settlement.retries.append((item.id, when, error))
+        DELIVERIES.labels(outcome="retried").inc()
+
+    async def _recreate_queues(
+        self, settlement: _Settlement, returned: list[tuple[Claimed, Result]]
+    ) -> None:
+        """Declare the queues of returned copies again, then retry those copies."""
+        async with self.engine.connect() as connection:
+            alive = await repository.existing_queues(
+                connection, {item.queue_uuid for item, _ in returned if item.queue_uuid}
+            )
+        failures: dict[tuple[str, str], str | None] = {}
+        for item, _result in returned:
+            key = (item.vhost, item.queue_name)
+            if item.queue_uuid not in alive or key in failures:
+                continue
+            try:
+                outcome = await self.provisioner.ensure_queue(item.vhost, item.queue_name)
+            except QueueConflict as exc:
+                failures[key] = f"queue could not be re-declared: {exc.reason}"
+            except ForeignVhost as exc:
+                failures[key] = f"vhost {exc.vhost!r} is not tagged as ours; not touched"
+            except ManagementError as exc:
+                failures[key] = f"queue could not be re-declared: {exc}"
+            except Exception as exc:  # anything else: retried with backoff, reason kept
+                failures[key] = f"queue could not be re-declared: {exc!r}"[:500]
+            else:
+                failures[key] = None
+                log.warning(
+                    "queue_redeclared_after_return",
+                    vhost=item.vhost,
+                    queue=item.queue_name,
+                    broker=outcome.value,
+                )
+        now = utcnow()
+        for item, result in returned:
+            DELIVERIES.labels(outcome="returned").inc()
+            if item.queue_uuid not in alive:
+                settlement.given_up.append((item.id, QUEUE_GONE))
+                continue
+            failure = failures[(item.vhost, item.queue_name)]
+            error = f"{result.error}; " + (failure or "queue declared again, retrying")
+            if failure is None and item.attempts <= IMMEDIATE_RETRIES:
+                settlement.retries.append((item.id, now, error))
+            else:
+                self._retry_later(settlement, item, error)
+
+    async def _settle(self, settlement: _Settlement) -> None:
+        now = utcnow()
+        async with self.engine.connect() as connection:
+            await repository.finish(connection, settlement.published, "published", now)
+            for error, ids in settlement.rejected.items():
+                await repository.finish(connection, ids, "rejected", now, error)
+            await repository.give_up(connection, settlement.given_up, now)
+            await repository.reschedule(connection, self.id, settlement.retries)
+        DELIVERIES.labels(outcome="published").inc(len(settlement.published))
+        rejected = sum(len(ids) for ids in settlement.rejected.values())
+        DELIVERIES.labels(outcome="rejected").inc(rejected)
+        DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
+        if rejected or settlement.given_up:
+            log.warning(
+                "deliveries_not_published",
+                rejected=rejected,
+                given_up=len(settlement.given_up),
+                reasons=sorted({reason for _, reason in settlement.given_up})[:5],
+            )
+        self.signals.settled.notify()
+
+    # --- housekeeping ---------------------------------------------------------------------
+    async def _housekeeping(self) -> None:
+        last_prune = 0.0
+        loop = asyncio.get_running_loop()
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+                return
+            except TimeoutError:
+                pass
+            try:
+                await self.refresh_gauges()
+                await self.publisher.close_idle()
+                if loop.time() - last_prune >= PRUNE_INTERVAL:
+                    last_prune = loop.time()
+                    await self.prune()
+            except Exception as exc:  # housekeeping never takes the relay down
+                log.warning("relay_housekeeping_failed", error=repr(exc)[:500])
+
+    async def refresh_gauges(self) -> None:
+        now = utcnow()
+        async with self.engine.connect() as connection:
+            pending, _claimed, oldest = await repository.outbox_stats(connection, now)
+        OUTBOX_PENDING.set(pending)
+        OUTBOX_OLDEST_AGE.set((now - oldest).total_seconds() if oldest else 0.0)
+
+    async def prune(self) -> int:
+        cutoff = utcnow() - timedelta(seconds=self.settings.event_retention_seconds)
+        async with self.engine.connect() as connection:
+            deleted = await repository.prune_events(connection, cutoff)
+        if deleted:
+            log.info("events_pruned", events=deleted)
+        return deleted

@@ -1,0 +1,130 @@
+"""Bodies and answers of the events API (SPEC 5)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
+from queuekeeper.events.payloads import ObjectType
+
+DeliveryState = Literal["pending", "published", "rejected", "given_up"]
+
+_EVENT_EXAMPLE: dict[str, Any] = {
+    "event_id": "0b5a4e3c2f1d4e6fa7b8c9d0e1f2a3b4",
+    "offering_uuid": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+    "object_type": "order",
+    "payload": {
+        "order_uuid": "9d2b5c0e3a8f4e1b8c7d6e5f4a3b2c1d",
+        "order_state": "executing",
+        "action": "create",
+    },
+}
+
+
+class EventIn(BaseModel):
+    """One event. `payload` is checked against the object type's model (extra fields kept)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [_EVENT_EXAMPLE]})
+
+    event_id: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._:~+=@-]+$",
+        description="Your id for the event (letters, digits and `. _ : ~ + = @ -`); the AMQP "
+        "`message_id` of every copy. A repeated id is accepted once. A hex uuid is made up "
+        "when it is left out.",
+    )
+    offering_uuid: HexUUID
+    object_type: ObjectType
+    payload: dict[str, Any] = Field(default_factory=dict)
+    user_uuids: list[HexUUID] | None = Field(
+        default=None,
+        max_length=10_000,
+        description="Only these users' queues receive the event (still only with access).",
+    )
+
+
+class EventBatchIn(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "events": [
+                        _EVENT_EXAMPLE,
+                        {
+                            "offering_uuid": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+                            "object_type": "resource",
+                            "payload": {"resource_uuid": "1a2b3c4d5e6f40718293a4b5c6d7e8f9"},
+                            "user_uuids": ["7c9e6679742541de944be07fc1f90ae7"],
+                        },
+                    ]
+                }
+            ]
+        },
+    )
+
+    events: list[EventIn] = Field(
+        description="Up to QUEUEKEEPER_EVENTS_BATCH_MAX events, stored in one transaction."
+    )
+
+
+class DeliveryOut(BaseModel):
+    queue_name: str
+    vhost: str
+    state: DeliveryState
+
+
+class EventAccepted(BaseModel):
+    event_id: str
+    queued: int = Field(description="Copies written to the outbox, one per recipient queue.")
+    skipped_unregistered: int = Field(
+        description="Subscriptions that would have received the event but registered no queue "
+        "for this offering and object type."
+    )
+    duplicate: bool = Field(description="The event_id was accepted before; nothing was sent.")
+    deliveries: list[DeliveryOut] | None = Field(
+        default=None, description="Only with `?wait=true`: the state of every copy."
+    )
+
+
+class EventBatchAccepted(BaseModel):
+    events: list[EventAccepted]
+
+
+class DeliveryDetail(Schema):
+    queue_name: str
+    vhost: str
+    state: DeliveryState
+    attempts: int = Field(description="Publish attempts so far (claims by a relay).")
+    last_error: str | None = Field(
+        description="Why the last attempt failed, or why the copy was rejected or given up."
+    )
+    created: UTCDateTime
+    next_attempt_at: UTCDateTime | None = Field(
+        description="When a pending copy is due (the lease's end while a relay holds it)."
+    )
+    claimed_by: str | None = Field(description="The relay holding a pending copy right now.")
+    claimed_until: UTCDateTime | None
+    finished: UTCDateTime | None
+
+
+class EventDetail(Schema):
+    event_id: str
+    offering_uuid: HexUUID
+    object_type: str
+    user_uuids: list[str] | None
+    accepted: UTCDateTime
+    queued: int
+    skipped_unregistered: int
+    body: dict[str, Any] = Field(description="The message body every copy carries.")
+    deliveries: list[DeliveryDetail]
+
+
+class OutboxStats(BaseModel):
+    pending: int = Field(description="Copies not yet confirmed, rejected or given up.")
+    claimed: int = Field(description="Pending copies a relay holds right now (lease running).")
+    oldest_pending_age_seconds: float = Field(description="0 when nothing is pending.")

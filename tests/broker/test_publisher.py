@@ -1,0 +1,192 @@
+"""The AMQP publisher against the real broker: outcomes, the bounded pool, reconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import aio_pika
+import pytest
+
+from queuekeeper.broker import publisher as publisher_module
+from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing
+from queuekeeper.config import Settings
+from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS
+from tests.proxy import TcpProxy, free_port
+
+QUEUE = "subscription_publisher_test"
+
+
+@pytest.fixture
+def provisioner(settings: Settings, clean_state: None, management: ManagementClient) -> Provisioner:
+    """Vhosts made with it carry the test's tag, so clean_state removes them afterwards."""
+    return Provisioner(management, settings)
+
+
+async def _vhost_with_queue(provisioner: Provisioner, *queues: str) -> str:
+    vhost = uuid.uuid4().hex
+    await provisioner.ensure_vhost(vhost)
+    for queue in queues or (QUEUE,):
+        await provisioner.ensure_queue(vhost, queue)
+    return vhost
+
+
+def _message(message_id: str) -> aio_pika.Message:
+    return aio_pika.Message(b"{}", message_id=message_id, delivery_mode=2)
+
+
+async def test_outcomes_confirmed_rejected_returned(
+    settings: Settings, provisioner: Provisioner
+) -> None:
+    settings = settings.model_copy(update={"queue_max_length": 1})
+    vhost = await _vhost_with_queue(Provisioner(provisioner.management, settings))
+    publisher = AmqpPublisher(settings)
+    try:
+        results = await publisher.publish(
+            vhost,
+            [
+                Outgoing(QUEUE, _message("a")),
+                Outgoing(QUEUE, _message("b")),  # the queue holds one: nacked
+                Outgoing("subscription_missing", _message("c")),  # no such queue: returned
+            ],
+        )
+    finally:
+        await publisher.close()
+    assert [r.outcome for r in results] == [Outcome.CONFIRMED, Outcome.REJECTED, Outcome.RETURNED]
+    assert "NO_ROUTE" in (results[2].error or "")
+
+
+@pytest.mark.parametrize("channels", [64, 2])
+async def test_copies_of_one_event_in_one_vhost_are_told_apart(
+    settings: Settings,
+    provisioner: Provisioner,
+    monkeypatch: pytest.MonkeyPatch,
+    channels: int,
+) -> None:
+    """Same message_id to several queues of one vhost at once, one of them missing: only
+    that copy is returned, every other one confirmed (aiormq matches returns by message_id).
+    With fewer channels than queues, queues share channels but never one message_id."""
+    monkeypatch.setattr(publisher_module, "MAX_CHANNELS_PER_CONNECTION", channels)
+    queues = [f"{QUEUE}_{n}" for n in range(4)]
+    vhost = await _vhost_with_queue(provisioner, *queues)
+    publisher = AmqpPublisher(settings)
+    try:
+        for missing in range(len(queues) + 1):
+            names = [q if n != missing else "subscription_gone" for n, q in enumerate(queues)]
+            results = await publisher.publish(
+                vhost, [Outgoing(name, _message("same-event")) for name in names]
+            )
+            expected = [
+                Outcome.RETURNED if n == missing else Outcome.CONFIRMED for n in range(len(names))
+            ]
+            assert [r.outcome for r in results] == expected
+        assert len(publisher._pool[vhost].channels) == min(channels, len(queues) + 1)
+    finally:
+        await publisher.close()
+
+
+async def test_unreachable_broker_and_refused_vhost(
+    settings: Settings, provisioner: Provisioner
+) -> None:
+    down = AmqpPublisher(
+        settings.model_copy(update={"amqp_url": f"amqp://guest:guest@127.0.0.1:{free_port()}/"})
+    )
+    results = await down.publish("any", [Outgoing(QUEUE, _message("x"))])
+    assert results[0].outcome is Outcome.UNREACHABLE
+    assert down.open_connections == 0
+    await down.close()
+
+    publisher = AmqpPublisher(settings)
+    try:
+        results = await publisher.publish(uuid.uuid4().hex, [Outgoing(QUEUE, _message("y"))])
+    finally:
+        await publisher.close()
+    assert results[0].outcome is Outcome.VHOST_REFUSED
+
+
+async def test_the_pool_is_bounded_and_closes_the_least_recently_used(
+    settings: Settings, provisioner: Provisioner
+) -> None:
+    vhosts = [await _vhost_with_queue(provisioner) for _ in range(3)]
+    publisher = AmqpPublisher(settings.model_copy(update={"amqp_pool_size": 2}))
+    try:
+        for vhost in vhosts[:2]:
+            await publisher.publish(vhost, [Outgoing(QUEUE, _message("1"))])
+        await publisher.publish(vhosts[0], [Outgoing(QUEUE, _message("2"))])  # 0 is now fresher
+        await publisher.publish(vhosts[2], [Outgoing(QUEUE, _message("3"))])
+        assert list(publisher._pool) == [vhosts[0], vhosts[2]]
+        assert AMQP_POOL_SIZE._value.get() == 2
+        results = await publisher.publish(vhosts[1], [Outgoing(QUEUE, _message("4"))])
+        assert results[0].outcome is Outcome.CONFIRMED
+        assert list(publisher._pool) == [vhosts[2], vhosts[1]]
+
+        # Connections unused for amqp_idle_seconds are closed.
+        idle_later = time.monotonic() + settings.amqp_idle_seconds + 1
+        assert await publisher.close_idle(now=idle_later) == 2
+        assert publisher.open_connections == 0
+    finally:
+        await publisher.close()
+
+
+async def test_a_lost_connection_is_reopened(settings: Settings, provisioner: Provisioner) -> None:
+    vhost = await _vhost_with_queue(provisioner)
+    proxy = TcpProxy()
+    await proxy.open()
+    publisher = AmqpPublisher(settings.model_copy(update={"amqp_url": proxy.amqp_url()}))
+    try:
+        first = await publisher.publish(vhost, [Outgoing(QUEUE, _message("before"))])
+        assert first[0].outcome is Outcome.CONFIRMED
+        before = AMQP_RECONNECTS._value.get()
+        proxy.sever()
+        outcomes = []
+        for attempt in range(50):
+            results = await publisher.publish(
+                vhost, [Outgoing(QUEUE, _message(f"after-{attempt}"))]
+            )
+            outcomes.append(results[0].outcome)
+            if results[0].outcome is Outcome.CONFIRMED:
+                break
+            await asyncio.sleep(0.05)
+        assert outcomes[-1] is Outcome.CONFIRMED
+        assert AMQP_RECONNECTS._value.get() == before + 1
+        assert proxy.accepted == 2
+    finally:
+        await publisher.close()
+        await proxy.close()
+
+
+async def test_confirms_are_awaited_together_not_one_round_trip_each(
+    settings: Settings, provisioner: Provisioner
+) -> None:
+    """Through a link that delays every chunk from the broker by 50 ms, 100 publishes done one
+    round trip at a time would take at least 5 s."""
+    vhost = await _vhost_with_queue(provisioner)
+    proxy = TcpProxy(delay=0.05)
+    await proxy.open()
+    publisher = AmqpPublisher(settings.model_copy(update={"amqp_url": proxy.amqp_url()}))
+    try:
+        await publisher.publish(vhost, [Outgoing(QUEUE, _message("warm-up"))])
+        started = time.perf_counter()
+        results = await publisher.publish(
+            vhost, [Outgoing(QUEUE, _message(f"m-{n}")) for n in range(100)]
+        )
+        elapsed = time.perf_counter() - started
+    finally:
+        await publisher.close()
+        await proxy.close()
+    assert {r.outcome for r in results} == {Outcome.CONFIRMED}
+    assert elapsed < 1.5, elapsed
+
+
+def test_vhost_urls_keep_credentials_and_options(settings: Settings) -> None:
+    publisher = AmqpPublisher(
+        settings.model_copy(
+            update={"amqp_url": "amqps://qk:p%40ss@broker.example:5671/?heartbeat=30"}
+        )
+    )
+    assert publisher.url("0f" * 16) == (
+        f"amqps://qk:p%40ss@broker.example:5671/{'0f' * 16}?heartbeat=30"
+    )

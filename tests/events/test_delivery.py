@@ -1,0 +1,228 @@
+"""Events reach real consumers on the real broker: who gets them, what they look like, outcomes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import UTC, datetime
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from queuekeeper.broker.management import ManagementClient
+from queuekeeper.events.relay import Relay
+from queuekeeper.observability.metrics import DELIVERIES
+from queuekeeper.state import AppState
+from tests.events.support import (
+    drain,
+    event_detail,
+    order_event,
+    post_batch,
+    post_event,
+    queue_depth,
+    register,
+)
+from tests.helpers import Backend
+from tests.proxy import free_port
+from tests.stomp_client import StompConsumer
+
+
+async def _consumer(vhost: str, subscription: str, token: str, queue: str) -> StompConsumer:
+    consumer = StompConsumer(vhost, subscription, token)
+    await asyncio.to_thread(consumer.connect)
+    consumer.subscribe(f"/amq/queue/{queue}", sub_id=queue)
+    return consumer
+
+
+async def test_an_event_reaches_each_registered_queue_and_nowhere_else(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    first = await register(backend)
+    offering = first.offering
+    second = await register(backend, offering=offering)
+    other_type = await register(
+        backend, agent=second.agent, offering=offering, object_type="resource"
+    )
+    other_offering = await register(backend, object_type="order")
+    inactive = await register(backend, offering=offering)
+    await backend.put_user(inactive.agent.uuid, is_active=False, token=inactive.agent.token)
+    revoked = await register(backend, offering=offering)
+    response = await client.delete(
+        f"/api/internal/offerings/{offering}/users/{revoked.agent.uuid}/",
+        headers=backend.headers,
+    )
+    assert response.status_code == 204
+
+    consumers = [
+        await _consumer(r.vhost, r.subscription, r.agent.token, r.queue_name)
+        for r in (first, second)
+    ]
+    try:
+        response = await post_event(client, order_event(offering, event_id="to-all"), wait=True)
+        assert response.status_code == 200, response.text
+        assert {d["queue_name"] for d in response.json()["deliveries"]} == {
+            first.queue_name,
+            second.queue_name,
+        }
+        assert {d["state"] for d in response.json()["deliveries"]} == {"published"}
+        narrowed = order_event(offering, event_id="to-second", user_uuids=[second.agent.uuid.hex])
+        response = await post_event(client, narrowed, wait=True)
+        assert [d["queue_name"] for d in response.json()["deliveries"]] == [second.queue_name]
+
+        got_first = await asyncio.to_thread(consumers[0].wait_for, 1)
+        got_second = await asyncio.to_thread(consumers[1].wait_for, 2)
+        await asyncio.sleep(0.3)  # anything extra would have arrived by now
+        assert [m.headers["amqp-message-id"] for m in consumers[0].listener.messages] == ["to-all"]
+        assert [m.headers["amqp-message-id"] for m in got_second] == ["to-all", "to-second"]
+        assert json.loads(got_first[0].body)["offering_uuid"] == offering.hex
+    finally:
+        for consumer in consumers:
+            consumer.close()
+
+    for quiet in (other_type, other_offering, inactive):
+        assert await queue_depth(quiet.vhost, quiet.queue_name) == 0, quiet.queue_name
+    response = await client.get("/api/event-subscription-queues/", headers=revoked.agent.headers)
+    assert response.json() == []  # revoking access deleted its queue
+
+
+async def test_message_body_and_properties(client: httpx.AsyncClient, backend: Backend) -> None:
+    registered = await register(backend)
+    payload = {"order_uuid": uuid.uuid4().hex, "order_state": "done", "nested": {"a": [1, 2]}}
+    event = {
+        "event_id": "shape-1",
+        "offering_uuid": str(registered.offering),  # dashed in, hex out
+        "object_type": "order",
+        "payload": payload,
+    }
+    before = datetime.now(UTC).replace(microsecond=0)
+    response = await post_event(client, event, wait=True)
+    assert response.json()["deliveries"][0]["state"] == "published"
+
+    (message,) = await drain(registered.vhost, registered.queue_name)
+    assert json.loads(message.body) == {
+        **payload,
+        "offering_uuid": registered.offering.hex,
+        "object_type": "order",
+    }
+    assert message.content_type == "application/json"
+    assert message.message_id == "shape-1"
+    assert message.type == "order"
+    assert message.app_id == "queuekeeper"
+    assert message.delivery_mode == 2  # persistent
+    assert message.timestamp is not None
+    assert before <= message.timestamp.replace(tzinfo=UTC) <= datetime.now(UTC)
+    assert message.headers == {
+        "offering_uuid": registered.offering.hex,
+        "object_type": "order",
+        "event_id": "shape-1",
+    }
+
+
+async def test_a_batch_of_1000_is_delivered_once_each(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    events = [order_event(registered.offering, event_id=f"k-{n}") for n in range(1000)]
+    response = await post_batch(client, events, wait=True)
+    assert response.status_code == 200, response.text
+    answers = response.json()["events"]
+    assert len(answers) == 1000
+    assert all(a["deliveries"][0]["state"] == "published" for a in answers)
+    received = [m.message_id for m in await drain(registered.vhost, registered.queue_name)]
+    assert sorted(received) == sorted(e["event_id"] for e in events)
+
+
+@pytest.mark.settings(queue_max_length=1)
+async def test_a_full_queue_rejects_and_the_broker_dead_letters(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    rejected_before = DELIVERIES.labels(outcome="rejected")._value.get()
+    events = [order_event(registered.offering, event_id=f"full-{n}") for n in range(2)]
+    response = await post_batch(client, events, wait=True)
+    states = [a["deliveries"][0]["state"] for a in response.json()["events"]]
+    assert states == ["published", "rejected"]
+    assert DELIVERIES.labels(outcome="rejected")._value.get() == rejected_before + 1
+    detail = await event_detail(client, "full-1")
+    assert "queue is full" in detail["deliveries"][0]["last_error"]
+    assert detail["deliveries"][0]["finished"] is not None
+
+    (dead,) = await drain(registered.vhost, "waldur.dlq.messages")
+    assert dead.message_id == "full-1"
+    assert dead.headers["x-death"][0]["queue"] == registered.queue_name
+    assert [m.message_id for m in await drain(registered.vhost, registered.queue_name)] == [
+        "full-0"
+    ]
+
+
+@pytest.mark.settings(relay_enabled=False, events_wait_timeout=0.3)
+async def test_wait_answers_pending_when_the_wait_limit_passes(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    started = asyncio.get_running_loop().time()
+    response = await post_event(client, order_event(registered.offering), wait=True)
+    elapsed = asyncio.get_running_loop().time() - started
+    assert response.status_code == 200
+    assert response.json()["deliveries"] == [
+        {"queue_name": registered.queue_name, "vhost": registered.vhost, "state": "pending"}
+    ]
+    assert 0.3 <= elapsed < 3
+
+
+async def test_wait_with_no_recipients_answers_at_once(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    offering = await backend.put_offering()
+    response = await post_event(client, order_event(offering), wait=True)
+    assert response.status_code == 200
+    assert response.json()["queued"] == 0
+    assert response.json()["deliveries"] == []
+
+
+@pytest.mark.settings(relay_enabled=False)
+async def test_revoked_access_gives_up_a_waiting_copy(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, management: ManagementClient
+) -> None:
+    registered = await register(backend)
+    await post_event(client, order_event(registered.offering, event_id="late"))
+    response = await client.delete(
+        f"/api/internal/offerings/{registered.offering}/users/{registered.agent.uuid}/",
+        headers=backend.headers,
+    )
+    assert response.status_code == 204
+    state: AppState = app.state.queuekeeper
+    relay = Relay(state.settings, state.engine, _NoPublisher(), state.provisioner)  # type: ignore[arg-type]
+    assert await relay.run_once() == 1
+    (copy,) = (await event_detail(client, "late"))["deliveries"]
+    assert copy["state"] == "given_up"
+    assert "no longer registered" in copy["last_error"]
+    assert await management.get_queue(registered.vhost, registered.queue_name) is None
+
+
+class _NoPublisher:
+    async def publish(self, *_args: object) -> list[object]:
+        raise AssertionError("a copy whose queue is gone must not be published")
+
+
+@pytest.mark.settings(
+    amqp_url=f"amqp://guest:guest@127.0.0.1:{free_port()}/",  # nothing listens there
+    delivery_max_age=0.6,
+    relay_backoff_base=0.1,
+    relay_backoff_max=0.2,
+)
+async def test_a_copy_is_given_up_after_the_maximum_age(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """The broker is unreachable (nothing listens on the AMQP port given): retried until too old."""
+    registered = await register(backend)
+    response = await post_event(client, order_event(registered.offering), wait=True)
+    (copy,) = response.json()["deliveries"]
+    assert copy["state"] == "given_up"
+    detail = await event_detail(client, response.json()["event_id"])
+    error = detail["deliveries"][0]["last_error"]
+    assert "not confirmed within delivery_max_age (0.6 s)" in error
+    assert "last error:" in error
+    assert detail["deliveries"][0]["attempts"] >= 2

@@ -1,0 +1,215 @@
+"""The relay's own rules: leases, backoff, outbox figures, pruning, stopping."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime, timedelta
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import update
+
+from queuekeeper.broker.publisher import AmqpPublisher
+from queuekeeper.events import repository
+from queuekeeper.events.relay import Relay
+from queuekeeper.models import Delivery, Event, utcnow
+from queuekeeper.observability.metrics import OUTBOX_OLDEST_AGE, OUTBOX_PENDING
+from queuekeeper.state import AppState
+from tests.events.support import (
+    SERVICE,
+    event_detail,
+    order_event,
+    post_batch,
+    post_event,
+    register,
+)
+from tests.helpers import Backend
+from tests.proxy import TcpProxy, free_port
+
+pytestmark = pytest.mark.settings(relay_enabled=False)
+
+
+def _relay(app: FastAPI, **changes: object) -> tuple[Relay, AmqpPublisher]:
+    state: AppState = app.state.queuekeeper
+    settings = state.settings.model_copy(update=changes)
+    publisher = AmqpPublisher(settings)
+    return Relay(settings, state.engine, publisher, state.provisioner), publisher
+
+
+def _parse(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+async def test_a_claim_is_exclusive_until_its_lease_runs_out(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    await post_batch(client, [order_event(registered.offering) for _ in range(3)])
+    sessions = app.state.queuekeeper.sessions
+    now = utcnow()
+    async with sessions() as session:
+        first = await repository.claim(session, "relay-a", now, now + timedelta(seconds=0.4), 10)
+        await session.commit()
+    assert len(first) == 3
+    assert {c.attempts for c in first} == {1}
+    assert first == sorted(first, key=lambda c: c.id)
+    async with sessions() as session:
+        assert await repository.claim(session, "relay-b", utcnow(), utcnow(), 10) == []
+        await session.commit()
+    await asyncio.sleep(0.45)
+    async with sessions() as session:
+        now = utcnow()
+        taken = await repository.claim(session, "relay-b", now, now + timedelta(seconds=5), 10)
+        await session.commit()
+    assert sorted(c.id for c in taken) == sorted(c.id for c in first)
+    assert {c.attempts for c in taken} == {2}
+    detail = await event_detail(client, first[0].event_id)
+    assert detail["deliveries"][0]["claimed_by"] == "relay-b"
+
+
+async def test_an_unreachable_broker_is_retried_with_capped_exponential_backoff(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    response = await post_event(client, order_event(registered.offering))
+    event_id = response.json()["event_id"]
+    relay, publisher = _relay(
+        app,
+        amqp_url=f"amqp://guest:guest@127.0.0.1:{free_port()}/",
+        relay_backoff_base=2.0,
+        relay_backoff_max=3.0,
+    )
+    try:
+        before = utcnow()
+        assert await relay.run_once() == 1
+        copy = (await event_detail(client, event_id))["deliveries"][0]
+        assert copy["state"] == "pending"
+        assert copy["attempts"] == 1
+        assert copy["claimed_by"] is None
+        assert "Connect call failed" in copy["last_error"]
+        # First retry after base * [0.5, 1] seconds.
+        delay = (_parse(copy["next_attempt_at"]) - before).total_seconds()
+        assert 1.0 <= delay <= 2.5, delay
+        assert await relay.run_once() == 0  # not due yet
+
+        # Many attempts later the delay is capped.
+        async with app.state.queuekeeper.sessions() as session:
+            await session.execute(
+                update(Delivery)
+                .where(Delivery.event_id == event_id)
+                .values(attempts=9, next_attempt_at=utcnow())
+            )
+            await session.commit()
+        before = utcnow()
+        assert await relay.run_once() == 1
+        copy = (await event_detail(client, event_id))["deliveries"][0]
+        assert copy["attempts"] == 10
+        delay = (_parse(copy["next_attempt_at"]) - before).total_seconds()
+        assert 1.5 <= delay <= 3.5, delay
+    finally:
+        await publisher.close()
+
+
+async def test_outbox_depth_is_readable_and_exported(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    empty = await client.get("/api/admin/outbox/", headers=SERVICE)
+    assert empty.json() == {"pending": 0, "claimed": 0, "oldest_pending_age_seconds": 0.0}
+    await post_batch(client, [order_event(registered.offering) for _ in range(3)])
+    await asyncio.sleep(0.2)
+    sessions = app.state.queuekeeper.sessions
+    async with sessions() as session:
+        now = utcnow()
+        await repository.claim(session, "relay-x", now, now + timedelta(seconds=30), 1)
+        await session.commit()
+    stats = (await client.get("/api/admin/outbox/", headers=SERVICE)).json()
+    assert (stats["pending"], stats["claimed"]) == (3, 1)
+    assert 0.2 <= stats["oldest_pending_age_seconds"] < 10
+
+    relay, publisher = _relay(app)
+    try:
+        await relay.refresh_gauges()
+        assert OUTBOX_PENDING._value.get() == 3
+        assert OUTBOX_OLDEST_AGE._value.get() >= 0.2
+        relay.start()  # publishes what is due; the claimed copy waits for its lease
+        for _ in range(100):
+            stats = (await client.get("/api/admin/outbox/", headers=SERVICE)).json()
+            if stats["pending"] == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert stats["pending"] == 1
+        await relay.refresh_gauges()
+        assert OUTBOX_PENDING._value.get() == 1
+    finally:
+        await relay.stop()
+        await publisher.close()
+    assert (await client.get("/api/admin/outbox/")).status_code == 401
+
+
+async def test_old_settled_events_are_pruned_and_pending_ones_kept(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    offering = registered.offering
+    await post_event(client, order_event(offering, event_id="old-pending"))
+    other = await backend.put_offering()
+    await post_event(client, order_event(other, event_id="old-settled"))  # no recipients
+    await post_event(client, order_event(other, event_id="recent"))
+    async with app.state.queuekeeper.sessions() as session:
+        await session.execute(
+            update(Event)
+            .where(Event.event_id.in_(["old-pending", "old-settled"]))
+            .values(accepted=utcnow() - timedelta(days=30))
+        )
+        await session.commit()
+    relay, publisher = _relay(app)
+    try:
+        assert await relay.prune() == 1
+    finally:
+        await publisher.close()
+    pruned = await client.get("/api/internal/events/old-settled/", headers=SERVICE)
+    assert pruned.status_code == 404
+    await event_detail(client, "old-pending")
+    await event_detail(client, "recent")
+    # Once pruned, the id is new again: the dedupe window is the retention time.
+    response = await post_event(client, order_event(other, event_id="old-settled"))
+    assert response.json()["duplicate"] is False
+
+
+async def test_a_stopping_relay_stops_at_once_when_idle(app: FastAPI) -> None:
+    relay, publisher = _relay(app, relay_poll_interval=30.0)
+    relay.start()
+    await asyncio.sleep(0.1)
+    started = time.perf_counter()
+    await relay.stop()
+    await publisher.close()
+    assert time.perf_counter() - started < 0.5
+
+
+async def test_a_stopping_relay_cuts_a_hanging_batch_short_and_leaves_it_to_the_lease(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    hang = TcpProxy(blackhole=True)  # the broker accepts the connection and never answers
+    await hang.open()
+    relay, publisher = _relay(app, amqp_url=hang.amqp_url(), amqp_connect_timeout=30.0)
+    try:
+        relay.start()
+        response = await post_event(client, order_event(registered.offering))
+        event_id = response.json()["event_id"]
+        for _ in range(100):
+            if hang.accepted:
+                break
+            await asyncio.sleep(0.02)
+        assert hang.accepted, "the relay never tried to publish"
+        started = time.perf_counter()
+        await relay.stop(grace=0.3)
+        assert time.perf_counter() - started < 2
+    finally:
+        await publisher.close()
+        await hang.close()
+    copy = (await event_detail(client, event_id))["deliveries"][0]
+    assert (copy["state"], copy["claimed_by"]) == ("pending", relay.id)
