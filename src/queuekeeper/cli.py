@@ -500,8 +500,11 @@ def _is_terminal() -> bool:
 
 @app.command()
 def relay() -> None:
-    """Run the outbox relay alone (no HTTP) until interrupted; shares the work with the
-    relays of running services and other `queuekeeper relay` processes."""
+    """Run the outbox relay alone (no HTTP) until interrupted.
+
+    It shares the work with the relays of running services and other
+    `queuekeeper relay` processes.
+    """
     import asyncio
     import signal
 

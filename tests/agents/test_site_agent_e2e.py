@@ -32,7 +32,7 @@ from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from tests.agents.site_agent_venv import ensure_site_agent_venv
 from tests.conftest import SERVICE_TOKEN
-from tests.helpers import Agent, Backend
+from tests.helpers import Backend
 
 RUNNER = Path(__file__).with_name("agent_runner.py")
 
@@ -267,49 +267,37 @@ async def start_agent(python: Path, config: Path, workdir: Path, name: str) -> R
 # --- events and the broker's view -------------------------------------------------------
 
 
-async def publish_directly(
-    vhost: str, queue_name: str, event_id: str, offering_uuid: str, object_type: str, body: bytes
-) -> None:
-    """The SPEC 6 message, published with confirms (until POST /api/internal/events/ exists)."""
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        await channel.default_exchange.publish(
-            aio_pika.Message(
-                body,
-                content_type="application/json",
-                message_id=event_id,
-                timestamp=time.time(),
-                type=object_type,
-                app_id="queuekeeper",
-                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-                headers={
-                    "offering_uuid": offering_uuid,
-                    "object_type": object_type,
-                    "event_id": event_id,
-                },
-            ),
-            routing_key=queue_name,
-            mandatory=True,
-        )
-
-
 Publisher = Callable[[str, dict[str, Any]], Awaitable[str]]
 
 
-def publisher_for(agent: Agent, offering: uuid.UUID, queue_of: dict[str, str]) -> Publisher:
+def publisher_for(
+    http: httpx.AsyncClient, offering: uuid.UUID, queue_of: dict[str, str]
+) -> Publisher:
+    """Publish as the backend does: POST /api/internal/events/, waiting for the confirm."""
 
     async def publish(object_type: str, payload: dict[str, Any]) -> str:
         event_id = f"e2e-{object_type}-{uuid.uuid4().hex[:8]}"
-        body = {**payload, "offering_uuid": offering.hex, "object_type": object_type}
-        await publish_directly(
-            agent.vhost,
-            queue_of[object_type],
-            event_id,
-            offering.hex,
-            object_type,
-            json.dumps(body).encode(),
+        response = await http.post(
+            "/api/internal/events/",
+            params={"wait": "true"},
+            json={
+                "event_id": event_id,
+                "offering_uuid": offering.hex,
+                "object_type": object_type,
+                "payload": payload,
+            },
+            headers={"Authorization": f"Bearer {SERVICE_TOKEN}"},
         )
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["queued"] == 1, answer
+        assert answer["deliveries"] == [
+            {
+                "queue_name": queue_of[object_type],
+                "vhost": answer["deliveries"][0]["vhost"],
+                "state": "published",
+            }
+        ], answer
         return event_id
 
     return publish
@@ -427,7 +415,7 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
             assert agent_requests == expected_sequence(True, identity, subscriptions)
 
             queues = queue_names(offering, consumers)
-            publish = publisher_for(agent, offering, queues)
+            publish = publisher_for(http, offering, queues)
             await assert_receives_every_type(first, publish, offering, queues)
             before = await broker_snapshot(management, settings, agent.vhost)
             assert len([q for q in before["queues"] if q[0].startswith("subscription_")]) == 9
@@ -453,8 +441,8 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
 
         listed = await http.get("/api/event-subscriptions/", headers=agent.headers)
         assert len(listed.json()) == 9
-        queues = await http.get("/api/event-subscription-queues/", headers=agent.headers)
-        assert len(queues.json()) == 9
+        registered = await http.get("/api/event-subscription-queues/", headers=agent.headers)
+        assert len(registered.json()) == 9
         print(  # the figures quoted in docs/agents.md (run with -s to see them)
             f"\nsite-agent start-up, 9 types: first start {first.status['setup_seconds']:.2f} s "
             f"(queuekeeper {first_rest:.2f} s of it; +{first.status['import_seconds']:.2f} s "
@@ -486,7 +474,7 @@ async def test_an_upper_case_offering_uuid_is_flagged_and_its_agent_receives_not
             assert REGISTRY.get_sample_value(metric) == flagged_before + 1
             (consumer,) = status["consumers"]
             queue = queue_names(offering, [consumer])["order"]
-            publish = publisher_for(agent, offering, {"order": queue})
+            publish = publisher_for(http, offering, {"order": queue})
             await publish("order", valid_payload("order"))
             # ...but the agent subscribes to `..._offering_<UPPER HEX>_order`, is refused
             # NOT_FOUND and reconnects in a loop, so the event stays in the queue.

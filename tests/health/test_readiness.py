@@ -202,6 +202,9 @@ class _Publisher:
         if self.error is not None:
             raise self.error
 
+    async def close(self) -> None:
+        """The lifespan closes the publisher on shutdown."""
+
 
 async def test_a_publisher_with_a_probe_answers_for_amqp(settings: Settings) -> None:
     # The URL points nowhere: only the publisher's own probe can make amqp healthy.

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Response, status
 
 from queuekeeper.auth.dependencies import ServiceCaller
+from queuekeeper.common.openapi import error_responses
 from queuekeeper.errors import BadRequest, NotFound
 from queuekeeper.events import repository, service
 from queuekeeper.events.schemas import (
@@ -27,18 +28,26 @@ internal_router = APIRouter(
 )
 admin_router = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[ServiceCaller])
 
-AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"description": "No or unknown service token."},
-    403: {"description": "An agent token was sent."},
-    503: {"description": "The database is unavailable; nothing was stored. Retry."},
-}
+AUTH_ERRORS: dict[int | str, dict[str, Any]] = error_responses(
+    401,
+    403,
+    503,
+    descriptions={
+        401: "No or unknown service token.",
+        403: "An agent token was sent.",
+        503: "The database is unavailable; nothing was stored. Retry.",
+    },
+)
 ACCEPT_ERRORS: dict[int | str, dict[str, Any]] = {
     **AUTH_ERRORS,
-    400: {
-        "description": "A bad event: unknown offering or object type, a payload missing a "
-        "field its type requires, a payload contradicting the envelope. `errors` names each "
-        "field (`events.<index>.…` in a batch); nothing of the request was stored."
-    },
+    **error_responses(
+        400,
+        descriptions={
+            400: "A bad event: unknown offering or object type, a payload missing a field its "
+            "type requires, a payload contradicting the envelope. `errors` names each field "
+            "(`events.<index>.…` in a batch); nothing of the request was stored."
+        },
+    ),
 }
 Wait = Annotated[
     bool,
@@ -125,7 +134,10 @@ async def publish_batch(
     description="The event, its message body, and every copy's state (`pending`, "
     "`published` = confirmed by the broker, `rejected` = queue full and dead-lettered, "
     "`given_up` with the reason in `last_error`).",
-    responses={**AUTH_ERRORS, 404: {"description": "No such event (or pruned)."}},
+    responses={
+        **AUTH_ERRORS,
+        **error_responses(404, descriptions={404: "No such event (or pruned)."}),
+    },
 )
 async def get_event(event_id: str, session: SessionDep) -> EventDetail:
     event = await repository.get_event(session, event_id)

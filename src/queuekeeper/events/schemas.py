@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.events.payloads import ObjectType
@@ -78,7 +78,30 @@ class DeliveryOut(BaseModel):
     state: DeliveryState
 
 
+_ACCEPTED_EXAMPLE: dict[str, JsonValue] = {
+    "event_id": "order-42-created",
+    "queued": 1,
+    "skipped_unregistered": 0,
+    "duplicate": False,
+}
+_DELIVERY_EXAMPLE: dict[str, JsonValue] = {
+    "queue_name": "subscription_8d2f0c1e9b7a4e4f9c3b2a1d0e9f8a7b"
+    "_offering_5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b_order",
+    "vhost": "3b1f5c2d7e8a4b9c8d7e6f5a4b3c2d1e",
+    "state": "published",
+}
+
+
 class EventAccepted(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                _ACCEPTED_EXAMPLE,
+                {**_ACCEPTED_EXAMPLE, "deliveries": [_DELIVERY_EXAMPLE]},
+            ]
+        }
+    )
+
     event_id: str
     queued: int = Field(description="Copies written to the outbox, one per recipient queue.")
     skipped_unregistered: int = Field(
@@ -92,6 +115,8 @@ class EventAccepted(BaseModel):
 
 
 class EventBatchAccepted(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"events": [_ACCEPTED_EXAMPLE]}]})
+
     events: list[EventAccepted]
 
 
@@ -113,6 +138,40 @@ class DeliveryDetail(Schema):
 
 
 class EventDetail(Schema):
+    model_config = ConfigDict(
+        from_attributes=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "event_id": "order-42-created",
+                    "offering_uuid": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+                    "object_type": "order",
+                    "user_uuids": None,
+                    "accepted": "2026-11-21T22:25:36.857310Z",
+                    "queued": 1,
+                    "skipped_unregistered": 0,
+                    "body": {
+                        "order_uuid": "0b9a3c1e5d5e4f4e8a3b1c2d3e4f5a6b",
+                        "offering_uuid": "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b",
+                        "object_type": "order",
+                    },
+                    "deliveries": [
+                        {
+                            **_DELIVERY_EXAMPLE,
+                            "attempts": 1,
+                            "last_error": None,
+                            "created": "2026-11-21T22:25:36.857310Z",
+                            "next_attempt_at": None,
+                            "claimed_by": None,
+                            "claimed_until": None,
+                            "finished": "2026-11-21T22:25:36.871002Z",
+                        }
+                    ],
+                }
+            ]
+        },
+    )
+
     event_id: str
     offering_uuid: HexUUID
     object_type: str
@@ -125,6 +184,12 @@ class EventDetail(Schema):
 
 
 class OutboxStats(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"pending": 12, "claimed": 10, "oldest_pending_age_seconds": 0.8}]
+        }
+    )
+
     pending: int = Field(description="Copies not yet confirmed, rejected or given up.")
     claimed: int = Field(description="Pending copies a relay holds right now (lease running).")
     oldest_pending_age_seconds: float = Field(description="0 when nothing is pending.")
