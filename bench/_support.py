@@ -7,15 +7,15 @@ import contextlib
 import os
 import socket
 import statistics
-import threading
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import uvicorn
+import httpx
 
-from queuekeeper.app import create_app
 from queuekeeper.config import Settings
 
 PG_ADMIN_DSN = os.environ.get("QK_BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -61,24 +61,38 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def live_server(settings: Settings) -> Iterator[str]:
-    """queuekeeper under uvicorn on a loopback port, in a thread of this process."""
+    """`queuekeeper serve` in a process of its own (so it does not share this one's GIL)."""
     port = free_port()
-    config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+    env = {
+        **os.environ,
+        "QUEUEKEEPER_DATABASE_URL": settings.database_url,
+        "QUEUEKEEPER_INSTANCE_NAME": settings.instance_name,
+        "QUEUEKEEPER_SERVICE_TOKENS": ",".join(settings.service_tokens),
+        "QUEUEKEEPER_PUBLIC_URL": f"http://127.0.0.1:{port}",
+        "QUEUEKEEPER_LOG_LEVEL": "WARNING",
+        "QUEUEKEEPER_LOG_FORMAT": "json",
+    }
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "queuekeeper"), "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
     )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("queuekeeper did not start")
-        time.sleep(0.05)
+    base = f"http://127.0.0.1:{port}"
     try:
-        yield f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("queuekeeper did not start")
+            time.sleep(0.1)
+        yield base
     finally:
-        server.should_exit = True
-        thread.join(30)
+        process.terminate()
+        process.wait(30)
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:

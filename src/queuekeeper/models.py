@@ -50,9 +50,10 @@ class AwareDateTime(TypeDecorator[datetime]):
     cache_ok = True
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
-        if value is not None and value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
-        return value
+        if value is None:
+            return None
+        # SQLite keeps the wall-clock digits and drops the offset: store UTC, always.
+        return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is not None and value.tzinfo is None:

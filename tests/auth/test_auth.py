@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
 import httpx
 
@@ -100,3 +100,22 @@ async def test_user_record_is_only_your_own(client: httpx.AsyncClient, backend: 
     assert by_uuid.json() == me.json()
     response = await client.get(f"/api/users/{other.uuid.hex}/", headers=agent.headers)
     assert response.status_code == 404
+
+
+async def test_token_expiry_with_an_offset_is_honoured_on_every_database(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    # 30 minutes from now, written in UTC+02:00: a store that dropped the offset would
+    # read it as 1h30 in the past (expired) or, for a negative offset, hours too late.
+    soon = datetime.now(UTC) + timedelta(minutes=30)
+    plus_two = soon.astimezone(timezone(timedelta(hours=2))).isoformat()
+    agent = await backend.put_user(token_expires_at=plus_two)
+    assert (await client.get("/api/users/me/", headers=agent.headers)).status_code == 200
+    me = await client.get("/api/users/me/", headers=agent.headers)
+    stored = datetime.fromisoformat(me.json()["token_expires_at"].replace("Z", "+00:00"))
+    assert abs((stored - soon).total_seconds()) < 1
+
+    past = datetime.now(UTC) - timedelta(minutes=30)
+    minus_five = past.astimezone(timezone(timedelta(hours=-5))).isoformat()
+    expired = await backend.put_user(token_expires_at=minus_five)
+    assert (await client.get("/api/users/me/", headers=expired.headers)).status_code == 401

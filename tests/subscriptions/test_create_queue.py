@@ -239,3 +239,21 @@ async def test_unobserved_type_may_be_registered_and_names_are_lowercase_hex(
         f"subscription_{subscription['uuid']}_offering_{offering.hex}_resource"
     )
     assert response.json()["offering_uuid"] == offering.hex
+
+
+async def test_concurrent_calls_repairing_the_same_queue_all_succeed(
+    client: httpx.AsyncClient, backend: Backend, management: ManagementClient
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    name = f"subscription_{subscription['uuid']}_offering_{offering.hex}_order"
+    await _declare_bare_queue(agent.vhost, name)
+    responses = await asyncio.gather(
+        *(agent.create_queue(subscription["uuid"], offering) for _ in range(4))
+    )
+    assert sorted(response.status_code for response in responses) == [200, 200, 200, 201], [
+        response.text for response in responses
+    ]
+    info = await management.get_queue(agent.vhost, name)
+    assert info is not None
+    assert info["arguments"] == EXPECTED_ARGUMENTS

@@ -25,6 +25,9 @@ from queuekeeper.config import Settings
 log = structlog.get_logger(__name__)
 
 
+VANISHED = "queue vanished while being checked"
+
+
 class QueueOutcome(enum.StrEnum):
     CREATED = "created"
     EXISTING = "existing"
@@ -198,7 +201,7 @@ class Provisioner:
         if info is None:
             # Deleted between our PUT and GET (a concurrent repair): the broker
             # will hold a correct one once that repair finishes.
-            return ["queue vanished while being checked"]
+            return [VANISHED]
         differences = topology.argument_differences(
             self.queue_arguments, dict(info.get("arguments") or {})
         )
@@ -218,8 +221,13 @@ class Provisioner:
                 f"queue {name!r} in vhost {vhost!r} exists with other arguments ({reason}) "
                 f"and cannot be re-created safely: {exc.reason}",
             ) from exc
-        await self._put_queue(vhost, name)
-        differences = await self.queue_differences(vhost, name)
+        # An identical call repairing the same queue at the same moment may delete the
+        # empty queue we just declared (its if-empty delete succeeds): declare again.
+        for _ in range(3):
+            await self._put_queue(vhost, name)
+            differences = await self.queue_differences(vhost, name)
+            if differences != [VANISHED]:
+                break
         if differences:
             raise QueueConflict(vhost, name, "; ".join(differences))
         log.warning(

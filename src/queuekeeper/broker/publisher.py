@@ -28,15 +28,14 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from urllib.parse import quote
 
 import aio_pika
 import aiormq
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 from aio_pika.exceptions import DeliveryError, PublishError
-from yarl import URL
 
+from queuekeeper.broker.amqp import amqp_ssl_context, vhost_url
 from queuekeeper.config import Settings
 from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS, CONFIRM_LATENCY
 
@@ -161,18 +160,6 @@ class _VhostConnection:
                 log.debug("amqp_close_failed", vhost=self.vhost, error=repr(exc))
 
 
-def _ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    if not settings.amqp_url.startswith("amqps://"):
-        return None
-    context = ssl.create_default_context(cafile=settings.tls_ca_file)
-    if settings.tls_cert_file:
-        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
-    if not settings.tls_verify:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
-
-
 def _vhost_refused(exc: BaseException) -> bool:
     """The broker closed the connection at `connection.open`: the vhost is missing or we
     have no permissions in it (RabbitMQ answers 530 NOT_ALLOWED; aiormq reports the Close
@@ -191,8 +178,7 @@ class AmqpPublisher:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._base = URL(settings.amqp_url)
-        self._ssl = _ssl_context(settings)
+        self._ssl = amqp_ssl_context(settings)
         self._pool: OrderedDict[str, _VhostConnection] = OrderedDict()
         # Bounds the connections in use at once, so making room always finds an idle one.
         self._slots = asyncio.Semaphore(settings.amqp_pool_size)
@@ -200,8 +186,7 @@ class AmqpPublisher:
         self._closed = False
 
     def url(self, vhost: str) -> str:
-        # Keep the query: heartbeat, connection_name and TLS options live there.
-        return str(self._base.with_path("/" + quote(vhost, safe=""), encoded=True, keep_query=True))
+        return vhost_url(self.settings.amqp_url, vhost)
 
     @property
     def open_connections(self) -> int:

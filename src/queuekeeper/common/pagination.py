@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Query, Request, Response
 from pydantic import BaseModel
+from sqlalchemy import Select, func, select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+T = TypeVar("T")
 
 
 class Page(BaseModel):
@@ -33,3 +37,12 @@ def set_page_headers(request: Request, response: Response, page: Page, total: in
         links.append(f'<{request.url.include_query_params(page=page.page - 1)}>; rel="prev"')
     if links:
         response.headers["Link"] = ", ".join(links)
+
+
+async def fetch_page(
+    session: AsyncSession, query: Select[T], *order_by: Any, offset: int, limit: int
+) -> tuple[int, list[T]]:
+    """The total matching `query`, and one page of it in the given order."""
+    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = await session.scalars(query.order_by(*order_by).offset(offset).limit(limit))
+    return int(total), list(rows)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper.common.pagination import fetch_page
 from queuekeeper.models import EventSubscriptionQueue, GivenUpDeadLetter
 
 
@@ -31,10 +32,11 @@ async def list_given_up(
     query = select(GivenUpDeadLetter)
     if vhost:
         query = query.where(GivenUpDeadLetter.vhost == vhost)
-    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    rows = await session.scalars(
-        query.order_by(GivenUpDeadLetter.recorded.desc(), GivenUpDeadLetter.id.desc())
-        .offset(offset)
-        .limit(limit)
+    return await fetch_page(
+        session,
+        query,
+        GivenUpDeadLetter.recorded.desc(),
+        GivenUpDeadLetter.id.desc(),
+        offset=offset,
+        limit=limit,
     )
-    return int(total), list(rows)

@@ -21,20 +21,18 @@ A run handles the messages that were in the queue when it reached the vhost
 from __future__ import annotations
 
 import asyncio
-import ssl
 import uuid
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
-from urllib.parse import quote, urlsplit, urlunsplit
 
 import aio_pika
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishError
 
-from queuekeeper.config import Settings
+from queuekeeper.broker.amqp import amqp_ssl_context, vhost_url
 from queuekeeper.deadletters import repository
 from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, describe, run_job
 from queuekeeper.models import GivenUpDeadLetter, JobRun, utcnow
@@ -106,9 +104,9 @@ async def redrive(state: AppState, run: Run, only: str | None = None) -> None:
     for done, vhost in enumerate(vhosts, 1):
         async with run.item(vhost):
             connection = await aio_pika.connect(
-                _vhost_url(state.settings.amqp_url, vhost),
+                vhost_url(state.settings.amqp_url, vhost),
                 timeout=state.settings.management_timeout,
-                ssl_context=_amqp_ssl_context(state.settings),
+                ssl_context=amqp_ssl_context(state.settings),
             )
             async with connection:
                 await VhostRedrive(state, run, vhost, connection).execute()
@@ -153,6 +151,13 @@ class VhostRedrive:
                 self.run.find("examined")
                 verdict = await self.judge(message)
                 if verdict.kind == "redrive" and verdict.origin:
+                    # aiormq matches a basic.return to its publish by message_id: two copies
+                    # with one id in flight on a channel could book a return against the
+                    # wrong copy and ack one that went nowhere. Settle the batch first.
+                    if message.message_id and any(
+                        pending.message_id == message.message_id for pending, _ in redrives
+                    ):
+                        await self.flush_redrives(channel, redrives)
                     redrives.append((message, verdict.origin))
                 elif verdict.kind == "give_up":
                     give_ups.append((message, self._record(message, verdict)))
@@ -357,23 +362,6 @@ def _int(value: Any) -> int:
         return int(value or 0)
     except (TypeError, ValueError):
         return 0
-
-
-def _vhost_url(amqp_url: str, vhost: str) -> str:
-    parts = urlsplit(amqp_url)
-    return urlunsplit((parts.scheme, parts.netloc, "/" + quote(vhost, safe=""), parts.query, ""))
-
-
-def _amqp_ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    if not settings.amqp_url.startswith("amqps://"):
-        return None
-    context = ssl.create_default_context(cafile=settings.tls_ca_file)
-    if settings.tls_cert_file:
-        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
-    if not settings.tls_verify:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
 
 
 async def dead_letter_counts(state: AppState, only: str | None = None) -> list[dict[str, Any]]:

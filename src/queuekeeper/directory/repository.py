@@ -11,9 +11,9 @@ from queuekeeper.models import EventSubscription, EventSubscriptionQueue, Offeri
 
 
 async def get_grant(
-    session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID
+    session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID, *, lock: bool = False
 ) -> OfferingAccess | None:
-    return await session.get(OfferingAccess, (user_uuid, offering_uuid))
+    return await session.get(OfferingAccess, (user_uuid, offering_uuid), with_for_update=lock)
 
 
 async def subscriptions_of_user(

@@ -194,7 +194,9 @@ async def revoke_access(
     session: AsyncSession, provisioner: Provisioner, user_uuid: uuid.UUID, offering_uuid: uuid.UUID
 ) -> None:
     """Delivery stops at once: the user's queues for the offering go with the grant."""
-    grant = await repository.get_grant(session, user_uuid, offering_uuid)
+    # Locked before the queues are listed: a create_queue in flight holds the grant
+    # FOR SHARE until it commits its row, so the list below includes that row.
+    grant = await repository.get_grant(session, user_uuid, offering_uuid, lock=True)
     queues = await repository.queues_of_user_for_offering(session, user_uuid, offering_uuid)
     if grant is not None:
         await session.delete(grant)

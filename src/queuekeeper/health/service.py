@@ -7,18 +7,16 @@ about `readiness_timeout` seconds even when a dependency hangs rather than refus
 from __future__ import annotations
 
 import asyncio
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
-from urllib.parse import urlsplit
 
 import aio_pika
 import structlog
 from sqlalchemy import text
 
+from queuekeeper.broker.amqp import amqp_ssl_context
 from queuekeeper.common.redact import default_redactor
-from queuekeeper.config import Settings
 from queuekeeper.health.schemas import CheckResult, Readiness
 from queuekeeper.state import AppState
 
@@ -37,18 +35,6 @@ class AmqpProbe(Protocol):
     """
 
     async def probe(self) -> None: ...
-
-
-def amqp_ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    if urlsplit(settings.amqp_url).scheme != "amqps":
-        return None
-    context = ssl.create_default_context(cafile=settings.tls_ca_file)
-    if settings.tls_cert_file:
-        context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
-    if not settings.tls_verify:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    return context
 
 
 async def check_database(state: AppState) -> None:

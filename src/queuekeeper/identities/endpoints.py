@@ -10,11 +10,10 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
-from sqlalchemy import func, select
 
 from queuekeeper.auth.dependencies import CurrentUser, ServiceCaller
 from queuekeeper.common.openapi import error_responses
-from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.common.pagination import Page, fetch_page, page_params, set_page_headers
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
@@ -101,11 +100,13 @@ async def list_identities(
         query = query.where(AgentIdentity.name == name)
     if offering_uuid is not None:
         query = query.where(AgentIdentity.offering_uuid == offering_uuid)
-    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    rows = await session.scalars(
-        query.order_by(AgentIdentity.created, AgentIdentity.uuid)
-        .offset(page.offset)
-        .limit(page.page_size)
+    total, rows = await fetch_page(
+        session,
+        query,
+        AgentIdentity.created,
+        AgentIdentity.uuid,
+        offset=page.offset,
+        limit=page.page_size,
     )
     set_page_headers(request, response, page, total)
     return [identity_out(state.settings, row) for row in rows]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import Select, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper.common.pagination import fetch_page
 from queuekeeper.models import JobRun, utcnow
 
 
@@ -59,11 +60,9 @@ async def list_runs(
 ) -> tuple[int, list[JobRun]]:
     """Newest first."""
     query = runs_query(job, status)
-    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    rows = await session.scalars(
-        query.order_by(JobRun.started.desc(), JobRun.uuid).offset(offset).limit(limit)
+    return await fetch_page(
+        session, query, JobRun.started.desc(), JobRun.uuid, offset=offset, limit=limit
     )
-    return int(total), list(rows)
 
 
 async def get_run(session: AsyncSession, run_uuid: uuid.UUID) -> JobRun | None:

@@ -6,13 +6,12 @@ import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
-from sqlalchemy import func, select
 
 from queuekeeper.auth.dependencies import CurrentUser
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import QueueConflict, QueueOutcome
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
-from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.common.pagination import Page, fetch_page, page_params, set_page_headers
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
@@ -127,11 +126,13 @@ async def list_subscriptions(
     page: Annotated[Page, Depends(page_params)],
 ) -> list[SubscriptionOut]:
     query = repository.owned_subscriptions(user.uuid)
-    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    rows = await session.scalars(
-        query.order_by(EventSubscription.created, EventSubscription.uuid)
-        .offset(page.offset)
-        .limit(page.page_size)
+    total, rows = await fetch_page(
+        session,
+        query,
+        EventSubscription.created,
+        EventSubscription.uuid,
+        offset=page.offset,
+        limit=page.page_size,
     )
     set_page_headers(request, response, page, total)
     return [subscription_out(state.settings, row, user) for row in rows]
@@ -245,11 +246,13 @@ async def list_queues(
         query = query.where(EventSubscriptionQueue.object_type == object_type)
     if event_subscription_uuid is not None:
         query = query.where(EventSubscriptionQueue.subscription_uuid == event_subscription_uuid)
-    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    rows = await session.scalars(
-        query.order_by(EventSubscriptionQueue.created, EventSubscriptionQueue.uuid)
-        .offset(page.offset)
-        .limit(page.page_size)
+    total, rows = await fetch_page(
+        session,
+        query,
+        EventSubscriptionQueue.created,
+        EventSubscriptionQueue.uuid,
+        offset=page.offset,
+        limit=page.page_size,
     )
     set_page_headers(request, response, page, total)
     return [queue_out(state.settings, row) for row in rows]

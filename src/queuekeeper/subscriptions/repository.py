@@ -40,13 +40,26 @@ def owned_queues(user_uuid: uuid.UUID) -> Select[EventSubscriptionQueue]:
     )
 
 
-async def has_access(session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID) -> bool:
-    found = await session.scalar(
-        select(OfferingAccess.user_uuid).where(
-            OfferingAccess.user_uuid == user_uuid, OfferingAccess.offering_uuid == offering_uuid
+async def has_access(
+    session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID, *, lock: bool = False
+) -> bool:
+    query = select(OfferingAccess.user_uuid).where(
+        OfferingAccess.user_uuid == user_uuid, OfferingAccess.offering_uuid == offering_uuid
+    )
+    if lock:
+        query = query.with_for_update(read=True)
+    return await session.scalar(query) is not None
+
+
+async def registered_queue_names(
+    session: AsyncSession, vhost: str, names: Sequence[str]
+) -> set[str]:
+    rows = await session.scalars(
+        select(EventSubscriptionQueue.queue_name).where(
+            EventSubscriptionQueue.vhost == vhost, EventSubscriptionQueue.queue_name.in_(names)
         )
     )
-    return found is not None
+    return set(rows)
 
 
 async def insert_queue_if_absent(session: AsyncSession, queue: EventSubscriptionQueue) -> bool:

@@ -65,15 +65,40 @@ async def remove_leftovers(
         )
     emptied = set()
     for owner_uuid in leftovers.owner_uuids:
-        if await repository.count_subscriptions(session, owner_uuid) == 0:
-            vhost = topology.vhost_name(owner_uuid)
-            emptied.add(vhost)
-            await best_effort("delete_vhost", provisioner.delete_vhost(vhost), vhost=vhost)
+        vhost = topology.vhost_name(owner_uuid)
+        # create_subscription holds this lock shared until its row is committed: counted
+        # under it exclusively, no subscription means nobody is about to use the vhost.
+        async with locks.guard(session, locks.vhost_key(vhost), exclusive=True):
+            if await repository.count_subscriptions(session, owner_uuid) == 0:
+                emptied.add(vhost)
+                await best_effort("delete_vhost", provisioner.delete_vhost(vhost), vhost=vhost)
+            # Commit (nothing to write) to release the lock: a rollback would expire
+            # every object the caller still holds.
+            await session.commit()
+    by_vhost: dict[str, list[str]] = {}
     for vhost, name in leftovers.queues:
         if vhost not in emptied:  # a deleted vhost took its queues with it
-            await best_effort(
-                "delete_queue", provisioner.delete_queue(vhost, name), vhost=vhost, queue=name
-            )
+            by_vhost.setdefault(vhost, []).append(name)
+    for vhost, names in by_vhost.items():
+        await delete_unregistered_queues(session, provisioner, vhost, names)
+
+
+async def delete_unregistered_queues(
+    session: AsyncSession, provisioner: Provisioner, vhost: str, names: list[str]
+) -> None:
+    """Delete broker queues whose rows were deleted, unless registered again meanwhile.
+
+    create_queue holds the vhost lock shared from its broker declare to its commit,
+    so under the lock held exclusively a name without a row stays without one.
+    """
+    async with locks.guard(session, locks.vhost_key(vhost), exclusive=True):
+        registered = await repository.registered_queue_names(session, vhost, names)
+        for name in names:
+            if name not in registered:
+                await best_effort(
+                    "delete_queue", provisioner.delete_queue(vhost, name), vhost=vhost, queue=name
+                )
+        await session.commit()  # releases the lock without expiring the caller's objects
 
 
 async def create_subscription(
@@ -199,6 +224,13 @@ async def create_queue(
             created=utcnow(),
         )
         try:
+            # Access again, locked (FOR SHARE) until the commit: revoke_access locks the
+            # grant before it lists the queues to delete, so either it sees this row or
+            # this sees the grant gone.
+            if not await repository.has_access(session, owner.uuid, offering.uuid, lock=True):
+                await session.rollback()
+                await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
+                raise Forbidden(f"Your access to offering {offering.uuid.hex} was revoked.")
             inserted = await repository.insert_queue_if_absent(session, queue)
             await session.commit()
         except IntegrityError as exc:
@@ -232,6 +264,4 @@ async def delete_queue(
     await session.delete(queue)
     await session.commit()
     log.info("queue_deleted", queue=name, vhost=vhost)
-    await best_effort(
-        "delete_queue", provisioner.delete_queue(vhost, name), vhost=vhost, queue=name
-    )
+    await delete_unregistered_queues(session, provisioner, vhost, [name])
