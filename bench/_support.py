@@ -103,3 +103,22 @@ def percentiles(samples: list[float]) -> dict[str, float]:
 
 def fmt_ms(stats: dict[str, float]) -> str:
     return "  ".join(f"{key} {stats[key] * 1000:6.2f} ms" for key in ("p50", "p90", "p99"))
+
+
+async def remove_broker_objects(settings: Settings) -> tuple[int, int]:
+    """Delete every vhost and broker user tagged with this run's instance name."""
+    from queuekeeper.broker.management import ManagementClient
+    from queuekeeper.broker.provisioner import Provisioner
+
+    management = ManagementClient(settings.model_copy(update={"management_timeout": 60.0}))
+    provisioner = Provisioner(management, settings)
+    try:
+        vhosts = await provisioner.owned_vhosts()
+        users = await provisioner.owned_users()
+        for vhost in vhosts:
+            await management.delete_vhost(vhost)
+        for user in users:
+            await management.delete_user(user)
+        return len(vhosts), len(users)
+    finally:
+        await management.aclose()

@@ -37,12 +37,11 @@ import aio_pika
 import asyncpg
 import httpx
 
+from bench._support import bench_database, remove_broker_objects
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings
 
-ROOT = Path(__file__).resolve().parents[1]
-PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 TOKEN = "bench-service-token-" + secrets.token_hex(8)
 BODY_BYTES = 1024
 EVENTS = int(os.environ.get("BENCH_EVENTS", "20000"))
@@ -53,23 +52,6 @@ RAW_MESSAGES = EVENTS
 IN_FLIGHT = 500
 BATCH = 1000
 CONCURRENT_REQUESTS = 2
-
-
-def _migrate(url: str) -> None:
-    from alembic import command
-    from alembic.config import Config
-
-    config = Config(str(ROOT / "alembic.ini"))
-    config.attributes["database_url"] = url
-    command.upgrade(config, "head")
-
-
-async def _admin(sql: str) -> None:
-    connection = await asyncpg.connect(PG_ADMIN_DSN)
-    try:
-        await connection.execute(sql)
-    finally:
-        await connection.close()
 
 
 def _payload(filler: int) -> dict[str, Any]:
@@ -458,30 +440,13 @@ async def run(settings: Settings, dsn: str) -> None:
             )
     finally:
         await service.stop()
-        await _remove_broker_objects(settings, management)
+        await remove_broker_objects(settings)
         await management.aclose()
     print(f"load average after: {_load()}")
 
 
-async def _remove_broker_objects(settings: Settings, management: ManagementClient) -> None:
-    for vhost in await management.list_vhosts():
-        tags = vhost.get("tags") or []
-        if settings.instance_tag in (tags.split(",") if isinstance(tags, str) else tags):
-            await management.delete_vhost(vhost["name"])
-    for user in await management.list_users():
-        tags = user.get("tags") or []
-        if settings.instance_tag in (tags.split(",") if isinstance(tags, str) else tags):
-            await management.delete_user(user["name"])
-
-
 def main() -> None:
-    name = f"qk_bench_{secrets.token_hex(6)}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    base = PG_ADMIN_DSN.rsplit("/", 1)[0]
-    dsn = f"{base}/{name}"
-    url = dsn.replace("postgresql://", "postgresql+asyncpg://")
-    try:
-        _migrate(url)
+    with bench_database() as url:
         settings = Settings(
             database_url=url,
             instance_name=f"qkbench-{secrets.token_hex(5)}",
@@ -494,6 +459,4 @@ def main() -> None:
             f"latency {LATENCY_SECONDS:g} s",
             flush=True,
         )
-        asyncio.run(run(settings, dsn))
-    finally:
-        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        asyncio.run(run(settings, url.replace("postgresql+asyncpg://", "postgresql://")))

@@ -21,7 +21,6 @@ Run: `make bench` or `python -m bench reconcile`. Takes two to three minutes.
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import statistics
 import time
@@ -35,10 +34,10 @@ from typing import Any
 from urllib.parse import quote
 
 import aio_pika
-import asyncpg  # type: ignore[import-untyped]
 import httpx
 from sqlalchemy import event
 
+from bench._support import bench_database
 from queuekeeper.auth.tokens import token_digest
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
@@ -60,7 +59,6 @@ from queuekeeper.reconcile.listing import RECONCILE_COLUMNS
 from queuekeeper.reconcile.service import run_reconcile
 from queuekeeper.state import AppState
 
-PG_ADMIN_DSN = os.environ.get("QK_BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 VHOSTS = 100
 SUBSCRIPTIONS_PER_VHOST = 10
 QUEUES_PER_SUBSCRIPTION = 10
@@ -73,23 +71,6 @@ class Counts:
     def __init__(self) -> None:
         self.statements = 0
         self.management = Counter[str]()
-
-
-async def _admin_sql(sql: str) -> None:
-    connection = await asyncpg.connect(PG_ADMIN_DSN)
-    try:
-        await connection.execute(sql)
-    finally:
-        await connection.close()
-
-
-def _migrate(url: str) -> None:
-    from alembic import command
-    from alembic.config import Config
-
-    config = Config(str(ROOT / "alembic.ini"))
-    config.attributes["database_url"] = url
-    command.upgrade(config, "head")
 
 
 def _state(settings: Settings, counts: Counts) -> AppState:
@@ -290,14 +271,14 @@ async def timed_run(state: AppState, counts: Counts, *, trace: bool = False) -> 
 
 async def cleanup(settings: Settings) -> None:
     management = ManagementClient(settings.model_copy(update={"management_timeout": 60.0}))
+    provisioner = Provisioner(management, settings)
     try:
         tag = settings.instance_tag
-        vhosts = [v["name"] for v in await management.list_vhosts() if tag in (v.get("tags") or [])]
-        users = [u["name"] for u in await management.list_users() if tag in (u.get("tags") or [])]
+        vhosts = await provisioner.owned_vhosts()
+        users = await provisioner.owned_users()
         await _gather_limited(4, [partial(management.delete_vhost, v) for v in vhosts])
         await _gather_limited(16, [partial(management.delete_user, u) for u in users])
-        left = [v for v in await management.list_vhosts() if tag in (v.get("tags") or [])]
-        left += [u for u in await management.list_users() if tag in (u.get("tags") or [])]
+        left = await provisioner.owned_vhosts() + await provisioner.owned_users()
         print(
             f"cleaned up {len(vhosts)} vhosts and {len(users)} broker users tagged {tag!r}"
             + (f"; LEFT BEHIND: {left}" if left else "; nothing left")
@@ -398,22 +379,18 @@ async def bench(settings: Settings) -> None:
 
 
 def main() -> None:
-    configure_logging("WARNING")  # one line per deleted orphan would drown the figures
-    name = f"qk_bench_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin_sql(f'CREATE DATABASE "{name}"'))
-    base = PG_ADMIN_DSN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+asyncpg://")
-    settings = Settings(
-        database_url=f"{base}/{name}",
-        instance_name=f"qkbench-reconcile-{uuid.uuid4().hex[:10]}",
-        scheduler_enabled=False,
-        management_timeout=60.0,
-    )
-    try:
-        _migrate(settings.database_url)
-        asyncio.run(bench(settings))
-    finally:
-        asyncio.run(cleanup(settings))
-        asyncio.run(_admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    configure_logging(level="WARNING")  # one line per deleted orphan would drown the figures
+    with bench_database() as url:
+        settings = Settings(
+            database_url=url,
+            instance_name=f"qkbench-reconcile-{uuid.uuid4().hex[:10]}",
+            scheduler_enabled=False,
+            management_timeout=60.0,
+        )
+        try:
+            asyncio.run(bench(settings))
+        finally:
+            asyncio.run(cleanup(settings))
 
 
 if __name__ == "__main__":

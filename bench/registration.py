@@ -14,7 +14,14 @@ import uuid
 
 import httpx
 
-from bench._support import SERVICE_TOKEN, bench_database, fmt_ms, live_server, percentiles
+from bench._support import (
+    SERVICE_TOKEN,
+    bench_database,
+    fmt_ms,
+    live_server,
+    percentiles,
+    remove_broker_objects,
+)
 from queuekeeper.broker import topology
 from queuekeeper.config import Settings
 from queuekeeper.events.payloads import OBJECT_TYPES
@@ -112,22 +119,7 @@ def main() -> None:
             with live_server(settings) as base:
                 asyncio.run(_run(base, settings))
         finally:
-            asyncio.run(_cleanup(settings))
-
-
-async def _cleanup(settings: Settings) -> None:
-    from queuekeeper.broker.management import ManagementClient
-
-    management = ManagementClient(settings)
-    try:
-        for vhost in await management.list_vhosts():
-            if settings.instance_tag in (vhost.get("tags") or []):
-                await management.delete_vhost(vhost["name"])
-        for user in await management.list_users():
-            if settings.instance_tag in (user.get("tags") or []):
-                await management.delete_user(user["name"])
-    finally:
-        await management.aclose()
+            asyncio.run(remove_broker_objects(settings))
 
 
 if __name__ == "__main__":

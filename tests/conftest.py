@@ -23,6 +23,7 @@ from sqlalchemy import text
 
 from queuekeeper.app import create_app
 from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.logging import QueuekeeperHandler
@@ -99,15 +100,12 @@ async def _empty_database(settings: Settings) -> None:
 
 async def _remove_broker_objects(settings: Settings) -> None:
     management = ManagementClient(settings)
+    provisioner = Provisioner(management, settings)
     try:
-        for vhost in await management.list_vhosts():
-            tags = vhost.get("tags") or []
-            if settings.instance_tag in (tags.split(",") if isinstance(tags, str) else tags):
-                await management.delete_vhost(vhost["name"])
-        for user in await management.list_users():
-            tags = user.get("tags") or []
-            if settings.instance_tag in (tags.split(",") if isinstance(tags, str) else tags):
-                await management.delete_user(user["name"])
+        for vhost in await provisioner.owned_vhosts():
+            await management.delete_vhost(vhost)
+        for user in await provisioner.owned_users():
+            await management.delete_user(user)
     finally:
         await management.aclose()
 

@@ -70,6 +70,17 @@ class Provisioner:
     def owns(self, vhost_info: dict[str, Any]) -> bool:
         return self.settings.instance_tag in _tags(vhost_info.get("tags"))
 
+    async def owned_vhosts(self) -> list[str]:
+        """Names of the vhosts tagged as this installation's, sorted."""
+        vhosts = await self.management.list_vhosts()
+        return sorted(str(info.get("name")) for info in vhosts if self.owns(info))
+
+    async def owned_users(self) -> list[str]:
+        """Names of the broker users tagged as this installation's, sorted."""
+        users = await self.management.list_users()
+        tag = self.settings.instance_tag
+        return sorted(str(info.get("name")) for info in users if tag in _tags(info.get("tags")))
+
     async def ensure_vhost(self, vhost: str) -> bool:
         """Vhost tagged as ours, our own users with full rights, the dead-letter queue.
 

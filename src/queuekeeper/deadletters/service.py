@@ -90,8 +90,7 @@ async def run_redrive(
 
 
 async def owned_vhosts(state: AppState) -> list[str]:
-    vhosts = await state.management.list_vhosts()
-    return sorted(str(v.get("name")) for v in vhosts if state.provisioner.owns(v))
+    return await state.provisioner.owned_vhosts()
 
 
 async def redrive(state: AppState, run: Run, only: str | None = None) -> None:

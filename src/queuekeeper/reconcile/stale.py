@@ -46,8 +46,7 @@ async def cleanup_stale(state: AppState, run: Run) -> None:
 
     # Leftovers of deleted users (and of any removal whose broker clean-up failed).
     management, provisioner = state.management, state.provisioner
-    vhosts = await management.list_vhosts()
-    owned = {str(v.get("name")) for v in vhosts if provisioner.owns(v)}
+    owned = set(await provisioner.owned_vhosts())
     async with repository.reader(state.engine) as reader:
         expected = await repository.subscribed_vhosts(reader)
         for vhost in sorted(owned - expected):
