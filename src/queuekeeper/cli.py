@@ -310,41 +310,16 @@ def import_directory(
 EXIT_SKIPPED = 3
 
 
-def _progress_printer() -> tuple[Any, Any]:
-    """A rich progress bar in a terminal, a plain line per step (at most ~20) otherwise."""
-    import sys
-
-    if sys.stdout.isatty():
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-        tasks: dict[str, Any] = {}
-
-        def on_progress(what: str, done: int, total: int) -> None:
-            if what not in tasks:
-                tasks[what] = bar.add_task(what, total=total)
-            bar.update(tasks[what], completed=done, total=total)
-
-        return bar, on_progress
-
-    def plain(what: str, done: int, total: int) -> None:
-        step = max(1, total // 20)
-        if done == total or done % step == 0:
-            typer.echo(f"{what}: {done}/{total}")
-
-    return None, plain
-
-
 def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
     import asyncio
 
     from queuekeeper.app import build_state
+    from queuekeeper.common.progress import Phases
     from queuekeeper.logging import configure_logging
 
     configure_logging(get_settings(), level="WARNING")  # each change is in the run record below
-    bar, on_progress = _progress_printer()
 
-    async def main() -> Any:
+    async def main(on_progress: Phases) -> Any:
         state = build_state(get_settings())
         try:
             return await start(state, on_progress)
@@ -352,11 +327,8 @@ def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
             await state.management.aclose()
             await state.engine.dispose()
 
-    if bar is not None:
-        with bar:
-            record = asyncio.run(main())
-    else:
-        record = asyncio.run(main())
+    with Phases() as on_progress:
+        record = asyncio.run(main(on_progress))
     raise typer.Exit(_print_run(record))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from queuekeeper.common.progress import Progress
+from queuekeeper.common.progress import Phases, Progress
 
 
 def test_plain_lines_when_not_a_terminal() -> None:
@@ -54,3 +54,19 @@ def test_a_bar_in_a_terminal() -> None:
     assert "4/4" in text
     assert "done with the users" in text
     assert "\x1b[" in text  # drawn with terminal control sequences
+
+
+def test_phases_give_each_job_phase_its_own_progress_lines() -> None:
+    out = io.StringIO()
+    with Phases(file=out, interactive=False) as report:
+        for done in range(1, 4):
+            report("vhosts", done, 3)
+        report("stale users", 1, 1)
+    assert out.getvalue().splitlines() == [
+        "vhosts: 0/3",
+        "vhosts: 1/3 (33%)",
+        "vhosts: 2/3 (66%)",
+        "vhosts: 3/3 (100%)",
+        "stale users: 0/1",
+        "stale users: 1/1 (100%)",
+    ]

@@ -89,3 +89,40 @@ class Progress:
     ) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+class Phases:
+    """Progress for job runs, which report `(phase, done, total)`: one Progress per phase.
+
+    The previous phase is closed when the next one starts, since a terminal shows one
+    live bar at a time.
+    """
+
+    def __init__(self, *, file: TextIO | None = None, interactive: bool | None = None) -> None:
+        self._file = file
+        self._interactive = interactive
+        self._current: Progress | None = None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if self._current is None or self._current.description != phase:
+            self.close()
+            self._current = Progress(
+                phase, total, file=self._file, interactive=self._interactive
+            ).__enter__()
+        self._current.advance(done - self._current.done)
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.__exit__(None, None, None)
+            self._current = None
+
+    def __enter__(self) -> Phases:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
