@@ -24,7 +24,6 @@ from queuekeeper.errors import install_error_handlers
 from queuekeeper.events.endpoints import admin_router as outbox_router
 from queuekeeper.events.endpoints import internal_router as events_router
 from queuekeeper.events.relay import Relay
-from queuekeeper.events.service import outbox_signals
 from queuekeeper.health.endpoints import router as health_router
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
@@ -98,8 +97,8 @@ def start_relay(state: AppState) -> Relay:
     # Its own small pool without pre-ping: the relay retries a statement that fails on
     # a dead connection anyway, and a ping per statement would triple its round trips.
     engine = create_engine(settings, pre_ping=False, pool_size=settings.relay_concurrency + 2)
-    state.extras["relay_engine"] = engine
-    relay = Relay(settings, engine, state.publisher, state.provisioner, outbox_signals(state))
+    state.relay_engine = engine
+    relay = Relay(settings, engine, state.publisher, state.provisioner, state.signals)
     relay.start()
     state.relay = relay
     return relay
@@ -112,9 +111,9 @@ async def stop_relay(state: AppState) -> None:
     if state.publisher is not None:
         await state.publisher.close()
         state.publisher = None
-    engine = state.extras.pop("relay_engine", None)
-    if engine is not None:
-        await engine.dispose()
+    if state.relay_engine is not None:
+        await state.relay_engine.dispose()
+        state.relay_engine = None
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

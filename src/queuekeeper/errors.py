@@ -20,57 +20,35 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from queuekeeper.broker.management import BrokerUnavailable, ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, QueueConflict
 from queuekeeper.config import Settings
+from queuekeeper.exceptions import (
+    BadRequest,
+    Conflict,
+    DomainError,
+    Forbidden,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+)
 
 log = structlog.get_logger(__name__)
 
 
-class ApiError(Exception):
-    status_code = 400
-
-    def __init__(
-        self,
-        detail: str,
-        *,
-        field: str | None = None,
-        headers: dict[str, str] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.field = field
-        self.headers = headers
-        self.extra = extra or {}
-
-    def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"detail": self.detail}
-        if self.field:
-            body["errors"] = [{"field": self.field, "message": self.detail}]
-        body.update(self.extra)
-        return body
+# Each domain error's status; a subclass takes its nearest listed ancestor's.
+STATUS: dict[type[DomainError], int] = {
+    BadRequest: 400,
+    Unauthorized: 401,
+    Forbidden: 403,
+    NotFound: 404,
+    Conflict: 409,
+    Unavailable: 503,
+}
 
 
-class BadRequest(ApiError):
-    status_code = 400
-
-
-class Unauthorized(ApiError):
-    status_code = 401
-
-
-class Forbidden(ApiError):
-    status_code = 403
-
-
-class NotFound(ApiError):
-    status_code = 404
-
-
-class Conflict(ApiError):
-    status_code = 409
-
-
-class ServiceUnavailable(ApiError):
-    status_code = 503
+def status_of(exc: DomainError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 400
 
 
 def _field_name(location: tuple[Any, ...]) -> str:
@@ -87,9 +65,15 @@ def _validation_message(error: dict[str, Any]) -> str:
 def install_error_handlers(app: FastAPI, settings: Settings) -> None:
     retry_after = {"Retry-After": str(settings.retry_after_seconds)}
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+    @app.exception_handler(DomainError)
+    async def _domain_error(_request: Request, exc: DomainError) -> JSONResponse:
+        status = status_of(exc)
+        headers: dict[str, str] | None = None
+        if isinstance(exc, Unauthorized):
+            headers = {"WWW-Authenticate": exc.scheme}
+        elif status == 503:
+            headers = retry_after
+        return JSONResponse(exc.body(), status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,17 +1,28 @@
-"""What the app holds for its lifetime, and the FastAPI dependencies that hand it out."""
+"""What the app holds for its lifetime, and the FastAPI dependencies that hand it out.
+
+Endpoints ask for the collaborators they pass to a service (`SessionDep`,
+`SettingsDep`, `ProvisionerDep`, ...), never for the whole state: a service's
+signature says what it uses.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
+
+if TYPE_CHECKING:
+    from queuekeeper.broker.publisher import AmqpPublisher
+    from queuekeeper.events.relay import Relay
+    from queuekeeper.jobs.scheduler import JobScheduler
 
 
 @dataclass
@@ -21,12 +32,15 @@ class AppState:
     sessions: async_sessionmaker[AsyncSession]
     management: ManagementClient
     provisioner: Provisioner
-    # Started in the lifespan by the layers that own them (publishing, jobs); None
-    # until started, and in tests that do not need them.
-    publisher: Any = None
-    relay: Any = None
-    scheduler: Any = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    # Shared by the accept path, the relay and `?wait=true` waiters of this process.
+    signals: OutboxSignals = field(default_factory=OutboxSignals)
+    # Started by the lifespan when configured; None otherwise (and in tests without them).
+    publisher: AmqpPublisher | None = None
+    relay: Relay | None = None
+    relay_engine: AsyncEngine | None = None
+    scheduler: JobScheduler | None = None
+    # What readiness last reported down, so a change is logged once, not per probe.
+    readiness_down: tuple[str, ...] = ()
 
 
 async def get_state(request: Request) -> AppState:
@@ -35,12 +49,37 @@ async def get_state(request: Request) -> AppState:
     return state
 
 
-async def get_session(
-    state: Annotated[AppState, Depends(get_state)],
-) -> AsyncIterator[AsyncSession]:
+StateDep = Annotated[AppState, Depends(get_state)]
+
+
+async def get_session(state: StateDep) -> AsyncIterator[AsyncSession]:
     async with state.sessions() as session:
         yield session
 
 
-StateDep = Annotated[AppState, Depends(get_state)]
+async def get_sessions(state: StateDep) -> async_sessionmaker[AsyncSession]:
+    return state.sessions
+
+
+async def get_settings(state: StateDep) -> Settings:
+    return state.settings
+
+
+async def get_provisioner(state: StateDep) -> Provisioner:
+    return state.provisioner
+
+
+async def get_management(state: StateDep) -> ManagementClient:
+    return state.management
+
+
+async def get_signals(state: StateDep) -> OutboxSignals:
+    return state.signals
+
+
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
+SessionsDep = Annotated[async_sessionmaker[AsyncSession], Depends(get_sessions)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+ProvisionerDep = Annotated[Provisioner, Depends(get_provisioner)]
+ManagementDep = Annotated[ManagementClient, Depends(get_management)]
+SignalsDep = Annotated[OutboxSignals, Depends(get_signals)]

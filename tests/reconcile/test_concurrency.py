@@ -14,7 +14,7 @@ from fastapi import FastAPI
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
-from queuekeeper.jobs.locks import job_lock
+from queuekeeper.common.locks import job_lock
 from queuekeeper.state import AppState
 from tests.helpers import Backend, Operator
 from tests.reconcile.test_reconcile import SPEC_ARGUMENTS, registered_queue

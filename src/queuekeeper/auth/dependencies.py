@@ -10,7 +10,7 @@ from fastapi.security import APIKeyHeader
 from sqlalchemy import select
 
 from queuekeeper.auth.tokens import is_service_token, token_digest
-from queuekeeper.errors import Forbidden, Unauthorized
+from queuekeeper.exceptions import Forbidden, Unauthorized
 from queuekeeper.models import User
 from queuekeeper.state import SessionDep, StateDep
 
@@ -23,20 +23,16 @@ authorization_header = APIKeyHeader(
 )
 AuthorizationHeader = Annotated[str | None, Depends(authorization_header)]
 
-_CHALLENGE = {"WWW-Authenticate": "Token"}
-
 
 def _credentials(header: str | None) -> str:
     if not header:
         raise Unauthorized(
-            "Authentication credentials were not provided: send `Authorization: Token <token>`.",
-            headers=_CHALLENGE,
+            "Authentication credentials were not provided: send `Authorization: Token <token>`."
         )
     scheme, _, token = header.strip().partition(" ")
     if scheme.lower() not in ("token", "bearer") or not token.strip():
         raise Unauthorized(
-            "Malformed Authorization header: expected `Token <token>` or `Bearer <token>`.",
-            headers=_CHALLENGE,
+            "Malformed Authorization header: expected `Token <token>` or `Bearer <token>`."
         )
     return token.strip()
 
@@ -49,11 +45,11 @@ async def current_user(
     if user is None:
         if is_service_token(token, state.settings.service_tokens):
             raise Forbidden("A service token cannot act as an agent; use an agent's API token.")
-        raise Unauthorized("Invalid token.", headers=_CHALLENGE)
+        raise Unauthorized("Invalid token.")
     if not user.is_active:
-        raise Unauthorized("User is inactive.", headers=_CHALLENGE)
+        raise Unauthorized("User is inactive.")
     if user.token_expires_at is not None and user.token_expires_at <= datetime.now(UTC):
-        raise Unauthorized("Token has expired.", headers=_CHALLENGE)
+        raise Unauthorized("Token has expired.")
     request.state.user_uuid = user.uuid
     return user
 
@@ -64,7 +60,7 @@ async def service_caller(header: AuthorizationHeader, session: SessionDep, state
         return
     if await session.scalar(select(User.uuid).where(User.token_hash == token_digest(token))):
         raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
-    raise Unauthorized("Invalid service token.", headers={"WWW-Authenticate": "Bearer"})
+    raise Unauthorized("Invalid service token.", scheme="Bearer")
 
 
 CurrentUser = Annotated[User, Depends(current_user)]

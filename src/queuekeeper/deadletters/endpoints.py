@@ -12,7 +12,7 @@ from queuekeeper.common.pagination import Page, page_params
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
 from queuekeeper.deadletters.service import dead_letter_counts, run_redrive
-from queuekeeper.errors import NotFound
+from queuekeeper.exceptions import NotFound
 from queuekeeper.jobs.runs import Trigger
 from queuekeeper.jobs.schemas import RunOut
 from queuekeeper.reconcile.endpoints import ADMIN_ERRORS, RUN_ERRORS, answer_run
@@ -74,4 +74,4 @@ async def redrive_now(state: StateDep, vhost: Annotated[str | None, VHOST] = Non
                 field="vhost",
             )
     record = await run_redrive(state, Trigger.API, vhost=vhost)
-    return answer_run(record, state.settings.retry_after_seconds)
+    return answer_run(record)

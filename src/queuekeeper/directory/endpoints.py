@@ -15,7 +15,7 @@ from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
 from queuekeeper.directory import service
 from queuekeeper.directory.schemas import AccessOut, OfferingOut, OfferingPut, UserOut, UserPut
-from queuekeeper.errors import BadRequest, NotFound
+from queuekeeper.exceptions import BadRequest, NotFound
 from queuekeeper.models import User
 from queuekeeper.state import SessionDep, StateDep
 
@@ -87,7 +87,6 @@ async def put_user(
         state.provisioner,
         _uuid(user_uuid, "user_uuid"),
         body,
-        state.settings.retry_after_seconds,
     )
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     return user_out(state.settings, user)

@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.directory import service
 from queuekeeper.directory.schemas import DirectoryFile, OfferingPut, UserPut
-from queuekeeper.errors import ApiError
+from queuekeeper.exceptions import DomainError
 from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
@@ -50,7 +50,7 @@ async def _item(
     """Runs one item; a refusal (bad item, broker down) is recorded and the import goes on."""
     try:
         _, created = await action
-    except (ApiError, ManagementError) as exc:
+    except (DomainError, ManagementError) as exc:
         await session.rollback()
         reason = getattr(exc, "detail", None) or str(exc)
         report.failures.append((label, reason))
@@ -64,7 +64,6 @@ async def import_directory(
 ) -> ImportReport:
     """Offerings, then users, then grants (a grant needs both)."""
     report = ImportReport()
-    retry_after = state.settings.retry_after_seconds
     async with state.sessions() as session:
         for offering in data.offerings:
             body = OfferingPut.model_validate(offering.model_dump(exclude={"uuid"}))
@@ -86,7 +85,7 @@ async def import_directory(
                 report,
                 f"user {user.uuid.hex}",
                 "users",
-                service.put_user(session, state.provisioner, user.uuid, body_user, retry_after),
+                service.put_user(session, state.provisioner, user.uuid, body_user),
             )
             advance()
         for grant in data.grants:

@@ -17,7 +17,7 @@ from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.directory import repository
 from queuekeeper.directory.schemas import OfferingPut, UserPut
-from queuekeeper.errors import BadRequest, NotFound, ServiceUnavailable
+from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
 from queuekeeper.models import Offering, OfferingAccess, User
 from queuekeeper.subscriptions.service import (
     BrokerLeftovers,
@@ -55,7 +55,6 @@ async def put_user(
     provisioner: Provisioner,
     user_uuid: uuid.UUID,
     body: UserPut,
-    retry_after: int,
 ) -> tuple[User, bool]:
     """Create or update a user; True when created.
 
@@ -83,13 +82,11 @@ async def put_user(
             if attempt:  # a concurrent PUT created the same user: update it instead
                 raise
     log.info("user_saved", user=user_uuid.hex, created=created, token_changed=token_changed)
-    await sync_broker_passwords(session, provisioner, user, retry_after)
+    await sync_broker_passwords(session, provisioner, user)
     return user, created
 
 
-async def sync_broker_passwords(
-    session: AsyncSession, provisioner: Provisioner, user: User, retry_after: int
-) -> int:
+async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner, user: User) -> int:
     """Give every subscription's broker user the owner's current password; returns how many."""
     stale = await repository.subscriptions_needing_password(
         session, user.uuid, user.broker_password_hash
@@ -101,10 +98,9 @@ async def sync_broker_passwords(
             )
         except (BrokerUnavailable, ManagementError) as exc:
             await session.commit()
-            raise ServiceUnavailable(
+            raise Unavailable(
                 "The user was saved, but RabbitMQ could not be given the new token as the "
-                f"broker password ({exc}); repeat the same PUT to finish.",
-                headers={"Retry-After": str(retry_after)},
+                f"broker password ({exc}); repeat the same PUT to finish."
             ) from exc
         subscription.broker_password_hash = user.broker_password_hash
     await session.commit()

@@ -8,7 +8,6 @@ from fastapi import APIRouter, Query, Response, status
 
 from queuekeeper.auth.dependencies import ServiceCaller
 from queuekeeper.common.openapi import error_responses
-from queuekeeper.errors import BadRequest, NotFound
 from queuekeeper.events import repository, service
 from queuekeeper.events.schemas import (
     DeliveryDetail,
@@ -19,7 +18,7 @@ from queuekeeper.events.schemas import (
     EventIn,
     OutboxStats,
 )
-from queuekeeper.events.service import outbox_signals
+from queuekeeper.exceptions import BadRequest, NotFound
 from queuekeeper.models import utcnow
 from queuekeeper.state import AppState, SessionDep, StateDep
 
@@ -62,7 +61,7 @@ async def _accept(
     state: AppState, session: SessionDep, events: list[EventIn], prefix: str, wait: bool
 ) -> list[EventAccepted]:
     accepted = await service.accept(session, events, field_prefix=prefix)
-    signals = outbox_signals(state)
+    signals = state.signals
     if accepted.new_deliveries:
         signals.accepted.notify()
     if wait:

@@ -36,10 +36,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
 from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing, Result
+from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
 from queuekeeper.events import repository
 from queuekeeper.events.repository import Claimed
-from queuekeeper.events.service import OutboxSignals
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import DELIVERIES, OUTBOX_OLDEST_AGE, OUTBOX_PENDING
 

@@ -11,7 +11,7 @@ import asyncio
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -19,69 +19,24 @@ from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from queuekeeper.errors import BadRequest
+from queuekeeper.common.signals import Signal
 from queuekeeper.events import repository
 from queuekeeper.events.payloads import PAYLOAD_MODELS
 from queuekeeper.events.repository import SubscriptionQueueRow
 from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
+from queuekeeper.exceptions import BadRequest
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
     EVENTS_ACCEPTED,
     EVENTS_DUPLICATE,
     SKIPPED_UNREGISTERED,
 )
-from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
 
 # A concurrent deletion of a recipient queue makes the insert fail its foreign key:
 # the recipients are looked up again, this many times at most.
 _ATTEMPTS = 3
-
-
-class Signal:
-    """Wakes the tasks waiting on it in this process. Waiters also poll the database, so
-    a signal from another replica is never needed for correctness, only for speed.
-
-    `generation` counts notifications: a waiter that read it before looking at the
-    database passes it as `since`, and a notification that came in between (while it
-    was not yet waiting) makes the wait return at once instead of being lost.
-    """
-
-    def __init__(self) -> None:
-        self.generation = 0
-        self._waiters: set[asyncio.Future[None]] = set()
-
-    def notify(self) -> None:
-        self.generation += 1
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._waiters.clear()
-
-    async def wait(self, seconds: float, since: int | None = None) -> None:
-        if since is not None and since != self.generation:
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.add(waiter)
-        try:
-            await asyncio.wait_for(asyncio.shield(waiter), seconds)
-        except TimeoutError:
-            pass
-        finally:
-            self._waiters.discard(waiter)
-
-
-@dataclass
-class OutboxSignals:
-    accepted: Signal = field(default_factory=Signal)  # new deliveries: wake the relay
-    settled: Signal = field(default_factory=Signal)  # deliveries settled: wake `?wait=true`
-
-
-def outbox_signals(state: AppState) -> OutboxSignals:
-    """The signals of this process, shared by the endpoints and the relay."""
-    signals: OutboxSignals = state.extras.setdefault("outbox_signals", OutboxSignals())
-    return signals
 
 
 def _field(prefix: str, *parts: object) -> str:

@@ -23,7 +23,6 @@ from queuekeeper.state import AppState
 log = structlog.get_logger(__name__)
 
 Check = Callable[[], Awaitable[None]]
-_LAST_DOWN = "readiness_last_down"
 
 
 @runtime_checkable
@@ -100,8 +99,8 @@ async def readiness(state: AppState) -> Readiness:
 
 def _log_change(state: AppState, down: list[str], report: dict[str, CheckResult]) -> None:
     """One line when readiness changes, not one per probe."""
-    previous = state.extras.get(_LAST_DOWN)
-    state.extras[_LAST_DOWN] = down
+    previous = list(state.readiness_down)
+    state.readiness_down = tuple(down)
     if down == previous:
         return
     if down:

@@ -17,7 +17,7 @@ from queuekeeper.common.pagination import Page, fetch_page, page_params, set_pag
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
-from queuekeeper.errors import NotFound
+from queuekeeper.exceptions import NotFound
 from queuekeeper.identities import repository, service
 from queuekeeper.identities.schemas import (
     AdminIdentityOut,

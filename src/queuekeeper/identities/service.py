@@ -19,7 +19,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.errors import BadRequest, Conflict, Forbidden, NotFound
+from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.identities import repository
 from queuekeeper.identities.schemas import (
     AdminIdentityOut,

@@ -23,8 +23,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from queuekeeper.broker.management import BrokerUnavailable, ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, QueueConflict
+from queuekeeper.common.locks import job_lock
 from queuekeeper.jobs import repository
-from queuekeeper.jobs.locks import job_lock
 from queuekeeper.models import JobRun, utcnow
 from queuekeeper.observability.metrics import JOB_DURATION, JOB_LAST_SUCCESS, JOB_RUNS
 from queuekeeper.state import AppState

@@ -10,7 +10,7 @@ from queuekeeper.auth.dependencies import ServiceCaller
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.common.schemas import parse_path_uuid
-from queuekeeper.errors import BadRequest, Conflict, NotFound, ServiceUnavailable
+from queuekeeper.exceptions import BadRequest, Conflict, NotFound, Unavailable
 from queuekeeper.jobs import repository as runs_repository
 from queuekeeper.jobs.runs import Job, RunStatus, Trigger
 from queuekeeper.jobs.schemas import RunOut, run_out
@@ -49,7 +49,7 @@ RUN_ERRORS: dict[int | str, dict[str, Any]] = {
 DRY_RUN = Query(description="Report what would change, change nothing.")
 
 
-def answer_run(record: JobRun, retry_after: int) -> RunOut:
+def answer_run(record: JobRun) -> RunOut:
     """200 with the record; a skipped run is a 409, a run cut short a 503 (record in `run`)."""
     out = run_out(record)
     body = {"run": out.model_dump(mode="json")}
@@ -61,9 +61,8 @@ def answer_run(record: JobRun, retry_after: int) -> RunOut:
         )
     if record.status == RunStatus.FAILED:
         reasons = "; ".join(failure["reason"] for failure in record.failures[-1:])
-        raise ServiceUnavailable(
+        raise Unavailable(
             f"The {record.job} run ended early: {reasons}",
-            headers={"Retry-After": str(retry_after)},
             extra=body,
         )
     return out
@@ -81,7 +80,7 @@ def answer_run(record: JobRun, retry_after: int) -> RunOut:
 )
 async def reconcile_now(state: StateDep, dry_run: Annotated[bool, DRY_RUN] = False) -> RunOut:
     record = await run_reconcile(state, Trigger.API, dry_run=dry_run)
-    return answer_run(record, state.settings.retry_after_seconds)
+    return answer_run(record)
 
 
 @router.post(
@@ -94,7 +93,7 @@ async def reconcile_now(state: StateDep, dry_run: Annotated[bool, DRY_RUN] = Fal
 )
 async def cleanup_stale_now(state: StateDep, dry_run: Annotated[bool, DRY_RUN] = False) -> RunOut:
     record = await run_cleanup_stale(state, Trigger.API, dry_run=dry_run)
-    return answer_run(record, state.settings.retry_after_seconds)
+    return answer_run(record)
 
 
 @router.get(

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementBadRequest
 from queuekeeper.broker.provisioner import QueueConflict, QueueOutcome
-from queuekeeper.jobs.locks import BROKER_USERS_KEY, guard, vhost_key
+from queuekeeper.common.locks import BROKER_USERS_KEY, guard, vhost_key
 from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, chunked, run_job
 from queuekeeper.models import JobRun
 from queuekeeper.observability.metrics import RECONCILE_ITEMS

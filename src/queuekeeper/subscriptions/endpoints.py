@@ -15,7 +15,7 @@ from queuekeeper.common.pagination import Page, fetch_page, page_params, set_pag
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
-from queuekeeper.errors import NotFound
+from queuekeeper.exceptions import NotFound
 from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User
 from queuekeeper.observability.metrics import CREATE_QUEUE
 from queuekeeper.state import SessionDep, StateDep

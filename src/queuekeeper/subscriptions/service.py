@@ -17,8 +17,8 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.provisioner import Provisioner, QueueOutcome, best_effort
-from queuekeeper.errors import BadRequest, Forbidden, NotFound
-from queuekeeper.jobs import locks
+from queuekeeper.common import locks
+from queuekeeper.exceptions import BadRequest, Forbidden, NotFound
 from queuekeeper.models import EventSubscription, EventSubscriptionQueue, Offering, User, utcnow
 from queuekeeper.subscriptions import repository
 from queuekeeper.subscriptions.schemas import QueueCreate, SubscriptionCreate

@@ -1,0 +1,45 @@
+"""In-process wake-ups between the accept path, the relay and `?wait=true` waiters."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+
+class Signal:
+    """Wakes the tasks waiting on it in this process. Waiters also poll the database, so
+    a signal from another replica is never needed for correctness, only for speed.
+
+    `generation` counts notifications: a waiter that read it before looking at the
+    database passes it as `since`, and a notification that came in between (while it
+    was not yet waiting) makes the wait return at once instead of being lost.
+    """
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def notify(self) -> None:
+        self.generation += 1
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def wait(self, seconds: float, since: int | None = None) -> None:
+        if since is not None and since != self.generation:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.add(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), seconds)
+        except TimeoutError:
+            pass
+        finally:
+            self._waiters.discard(waiter)
+
+
+@dataclass
+class OutboxSignals:
+    accepted: Signal = field(default_factory=Signal)  # new deliveries: wake the relay
+    settled: Signal = field(default_factory=Signal)  # deliveries settled: wake `?wait=true`

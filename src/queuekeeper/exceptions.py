@@ -1,0 +1,63 @@
+"""What services raise: failures in the domain's own words, free of HTTP.
+
+Services and repositories raise these (or the broker layer's own typed errors);
+`errors.py` is the one place that maps each class to a status code and adds the
+headers that belong with it (`Retry-After` on `Unavailable`, the challenge on
+`Unauthorized`). Nothing below the endpoints knows a status code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DomainError(Exception):
+    """A failure a caller can act on: `detail` says what, `field` names the input at fault."""
+
+    def __init__(
+        self,
+        detail: str,
+        *,
+        field: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.field = field
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"detail": self.detail}
+        if self.field:
+            body["errors"] = [{"field": self.field, "message": self.detail}]
+        body.update(self.extra)
+        return body
+
+
+class BadRequest(DomainError):
+    """The input is wrong; `field` names it."""
+
+
+class Unauthorized(DomainError):
+    """No valid credentials. `scheme` is the one the caller should use (`Token`, `Bearer`)."""
+
+    def __init__(self, detail: str, *, scheme: str = "Token", **kwargs: Any) -> None:
+        super().__init__(detail, **kwargs)
+        self.scheme = scheme
+
+
+class Forbidden(DomainError):
+    """Known caller, not allowed."""
+
+
+class NotFound(DomainError):
+    """No such thing, or not the caller's (the two are not told apart)."""
+
+
+class Conflict(DomainError):
+    """The request contradicts what exists (another owner, a run already in progress)."""
+
+
+class Unavailable(DomainError):
+    """A dependency (database, RabbitMQ) is down: retry later; what was said was kept or
+    nothing changed, as `detail` tells."""
