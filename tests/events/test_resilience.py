@@ -169,7 +169,7 @@ async def test_a_queue_deleted_behind_our_back_is_declared_again_and_the_event_d
     assert copy["attempts"] == 2
     info = await management.get_queue(registered.vhost, registered.queue_name)
     assert info is not None
-    assert info["arguments"]["x-overflow"] == "reject-publish-dlx"
+    assert info.arguments["x-overflow"] == "reject-publish-dlx"
     received = [m.message_id for m in await drain(registered.vhost, registered.queue_name)]
     assert received == ["reborn"]
 

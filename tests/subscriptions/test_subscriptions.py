@@ -151,6 +151,6 @@ async def test_a_vhost_not_tagged_as_ours_is_never_used(
         assert "not tagged" in response.json()["detail"]
         vhost = await management.get_vhost(agent.vhost)
         assert vhost is not None
-        assert vhost["tags"] == ["other:app"]
+        assert vhost.tags == ("other:app",)
     finally:
         await management.delete_vhost(agent.vhost)

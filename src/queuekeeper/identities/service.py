@@ -9,7 +9,6 @@ piles up on the broker or in the database.
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -17,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
 from queuekeeper.broker import topology
-from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.management import ManagementClient, QueueInfo
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.identities import repository
@@ -298,9 +297,9 @@ async def register_event_subscription(
 
 async def _broker_queues(
     management: ManagementClient, vhosts: set[str]
-) -> dict[tuple[str, str], dict[str, Any]]:
+) -> dict[tuple[str, str], QueueInfo]:
     """(vhost, queue name) -> the broker's row, listed page by page per vhost."""
-    found: dict[tuple[str, str], dict[str, Any]] = {}
+    found: dict[tuple[str, str], QueueInfo] = {}
     for vhost in sorted(vhosts):
         page = 1
         while True:
@@ -311,9 +310,9 @@ async def _broker_queues(
                 columns="name,consumers,messages",
                 name_prefix=topology.SUBSCRIPTION_QUEUE_PREFIX,
             )
-            for item in body.get("items") or []:
-                found[(vhost, str(item.get("name")))] = item
-            if page >= int(body.get("page_count") or 0):
+            for item in body.items:
+                found[(vhost, item.name)] = item
+            if page >= body.page_count:
                 break
             page += 1
     return found
@@ -365,8 +364,8 @@ async def admin_overview(
                 vhost=queue.vhost,
                 offering_uuid=queue.offering_uuid,
                 present=None if broker is None else seen is not None,
-                consumers=int(seen.get("consumers") or 0) if seen else None,
-                messages=int(seen.get("messages") or 0) if seen else None,
+                consumers=(seen.consumers or 0) if seen else None,
+                messages=(seen.messages or 0) if seen else None,
             )
         )
     return [
