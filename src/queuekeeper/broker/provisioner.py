@@ -138,16 +138,13 @@ class Provisioner:
     async def repair_dead_letter_queue(self, vhost: str, found: list[str]) -> None:
         """Re-create the dead-letter queue with our bounds, only when empty and unconsumed."""
         name = self.settings.dlq_name
-        try:
-            await self.management.delete_queue(vhost, name, if_empty=True, if_unused=True)
-        except ManagementBadRequest as exc:
-            raise QueueConflict(
-                vhost,
-                name,
-                f"dead-letter queue has other arguments ({'; '.join(found)}) and is not empty "
-                f"or has consumers, so it was kept: {exc.reason}. Redrive or purge it, then "
-                "run reconcile again.",
-            ) from exc
+        await self._delete_if_idle(
+            vhost,
+            name,
+            f"dead-letter queue has other arguments ({'; '.join(found)}) and is not empty "
+            "or has consumers, so it was kept",
+            ". Redrive or purge it, then run reconcile again.",
+        )
         await self.management.put_queue(vhost, name, arguments=self.dlq_arguments)
 
     async def delete_vhost(self, vhost: str) -> bool:
@@ -257,16 +254,21 @@ class Provisioner:
     def dead_letter_queue_differences(self, info: QueueInfo) -> list[str]:
         return _differences(self.dlq_arguments, info)
 
-    async def _repair(self, vhost: str, name: str, reason: str) -> QueueOutcome:
+    async def _delete_if_idle(self, vhost: str, name: str, refused: str, advice: str = "") -> None:
+        """Delete a queue only if the broker confirms, atomically, that it is empty and
+        unconsumed; otherwise QueueConflict: `refused`, the broker's reason, `advice`."""
         try:
             await self.management.delete_queue(vhost, name, if_empty=True, if_unused=True)
         except ManagementBadRequest as exc:
-            raise QueueConflict(
-                vhost,
-                name,
-                f"queue {name!r} in vhost {vhost!r} exists with other arguments ({reason}) "
-                f"and cannot be re-created safely: {exc.reason}",
-            ) from exc
+            raise QueueConflict(vhost, name, f"{refused}: {exc.reason}{advice}") from exc
+
+    async def _repair(self, vhost: str, name: str, reason: str) -> QueueOutcome:
+        await self._delete_if_idle(
+            vhost,
+            name,
+            f"queue {name!r} in vhost {vhost!r} exists with other arguments ({reason}) "
+            "and cannot be re-created safely",
+        )
         # An identical call repairing the same queue at the same moment may delete the
         # empty queue we just declared (its if-empty delete succeeds): declare again.
         for _ in range(3):
