@@ -288,7 +288,7 @@ def import_directory(
         state = build_state(settings)
         try:
             with Progress("import-directory", total=data.size) as progress:
-                return await run_import(state, data, progress.advance)
+                return await run_import(state.sessions, state.provisioner, data, progress.advance)
         finally:
             await state.management.aclose()
             await state.engine.dispose()
