@@ -143,7 +143,7 @@ class DeliveryDetail(Schema):
     @classmethod
     def from_row(cls, row: Row[Any]) -> DeliveryDetail:
         detail = cls.model_validate(row)
-        if detail.state is not DeliveryState.PENDING:
+        if detail.state != DeliveryState.PENDING:
             detail.next_attempt_at = None  # a settled copy is due never, whatever the row says
         return detail
 

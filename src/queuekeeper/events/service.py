@@ -244,7 +244,7 @@ async def wait_settled(
         async with sessions() as session:
             states = await repository.delivery_states(session, event_ids)
         pending = any(
-            state is DeliveryState.PENDING for rows in states.values() for *_, state in rows
+            state == DeliveryState.PENDING for rows in states.values() for *_, state in rows
         )
         remaining = deadline - loop.time()
         if not pending or remaining <= 0:

@@ -232,7 +232,7 @@ async def _reuse(
     session: AsyncSession, provisioner: Provisioner, user: User, subscription: EventSubscription
 ) -> bool:
     """Give an intact subscription the caller's current token as its password; False if broken."""
-    if subscription.broker_state is BrokerState.BROKEN:
+    if subscription.broker_state == BrokerState.BROKEN:
         return False
     vhost = topology.vhost_name(user.uuid)
     if not await provisioner.subscription_user_intact(vhost, subscription.uuid):
