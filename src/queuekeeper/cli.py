@@ -287,7 +287,7 @@ def import_directory(
     async def run() -> ImportReport:
         async with running(settings) as state:
             with Progress("import-directory", total=data.size) as progress:
-                return await run_import(state, data, progress.advance)
+                return await run_import(state.sessions, state.provisioner, data, progress.advance)
 
     try:
         report = asyncio.run(run())

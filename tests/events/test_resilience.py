@@ -18,8 +18,8 @@ from fastapi import FastAPI
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.config import Settings
+from queuekeeper.events.outbox import Claimed
 from queuekeeper.events.relay import Relay
-from queuekeeper.events.repository import Claimed
 from queuekeeper.observability.metrics import AMQP_RECONNECTS, DELIVERIES
 from queuekeeper.state import AppState
 from tests.events.support import (
