@@ -15,6 +15,7 @@ from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.common.openapi import install_openapi, operation_id
 from queuekeeper.common.prefix import PathPrefixMiddleware
+from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.deadletters import service as deadletters
@@ -24,6 +25,7 @@ from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
 from queuekeeper.events.endpoints import admin_router as outbox_router
 from queuekeeper.events.endpoints import internal_router as events_router
+from queuekeeper.events.intake import Intake
 from queuekeeper.events.relay import Relay
 from queuekeeper.health.endpoints import router as health_router
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
@@ -112,6 +114,7 @@ def build_state(settings: Settings) -> AppState:
     sessions = create_sessionmaker(engine)
     provisioner = Provisioner(management, settings)
     context = JobContext(settings, engine, sessions, management, provisioner)
+    signals = OutboxSignals()
     return AppState(
         settings=settings,
         engine=engine,
@@ -121,6 +124,8 @@ def build_state(settings: Settings) -> AppState:
         # Opens nothing until used; readiness probes the broker through it.
         publisher=AmqpPublisher(settings),
         jobs=JobRunner(context, JOBS),
+        intake=Intake(engine, settings, signals),
+        signals=signals,
     )
 
 
@@ -133,6 +138,7 @@ def start_relay(state: AppState) -> Relay:
     relay = Relay(settings, engine, state.publisher, state.provisioner, state.signals)
     relay.start()
     state.relay = relay
+    state.intake.relay = relay  # events accepted here go to it already claimed
     return relay
 
 
@@ -150,6 +156,7 @@ async def shutdown(state: AppState) -> None:
         state.scheduler = None
     await state.jobs.stop()  # runs started with `Prefer: respond-async`
     if state.relay is not None:
+        state.intake.relay = None
         await state.relay.stop()
         state.relay = None
     if state.relay_engine is not None:

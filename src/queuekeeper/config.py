@@ -177,6 +177,14 @@ class Settings(BaseSettings):
     events_batch_max: int = Field(
         default=1000, ge=1, description="Most events one POST /api/internal/events/batch/ takes."
     )
+    events_accept_queue: int = Field(
+        default=2000,
+        ge=1,
+        description="Most events waiting to be stored (accept requests queue while the "
+        "transaction before them commits, then share the next one); past it a request is "
+        "answered 503 with Retry-After at once instead of waiting seconds. At least "
+        "`events_batch_max`, or a full batch is refused whenever anything else waits.",
+    )
     events_wait_timeout: float = Field(
         default=10.0,
         gt=0,

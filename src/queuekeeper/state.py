@@ -22,6 +22,7 @@ from queuekeeper.jobs.runs import JobContext, JobRunner
 
 if TYPE_CHECKING:
     from queuekeeper.broker.publisher import AmqpPublisher
+    from queuekeeper.events.intake import Intake
     from queuekeeper.events.relay import Relay
     from queuekeeper.jobs.scheduler import JobScheduler
 
@@ -37,6 +38,8 @@ class AppState:
     publisher: AmqpPublisher
     # The job table's runner for the admin API and the CLI (app.py builds it).
     jobs: JobRunner
+    # Stores accepted events; requests arriving together share a transaction.
+    intake: Intake
     # Shared by the accept path, the relay and `?wait=true` waiters of this process.
     signals: OutboxSignals = field(default_factory=OutboxSignals)
     # Started by the lifespan when configured; None otherwise (and in tests without them).
@@ -81,6 +84,10 @@ async def get_signals(state: StateDep) -> OutboxSignals:
     return state.signals
 
 
+async def get_intake(state: StateDep) -> Intake:
+    return state.intake
+
+
 async def get_jobs(state: StateDep) -> JobRunner:
     return state.jobs
 
@@ -95,5 +102,6 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 ProvisionerDep = Annotated[Provisioner, Depends(get_provisioner)]
 ManagementDep = Annotated[ManagementClient, Depends(get_management)]
 SignalsDep = Annotated[OutboxSignals, Depends(get_signals)]
+IntakeDep = Annotated["Intake", Depends(get_intake)]
 JobsDep = Annotated[JobRunner, Depends(get_jobs)]
 JobContextDep = Annotated[JobContext, Depends(get_job_context)]

@@ -12,7 +12,7 @@ from queuekeeper.auth.repository import user_with_token
 from queuekeeper.auth.tokens import is_service_token
 from queuekeeper.exceptions import Forbidden, Unauthorized
 from queuekeeper.models import User
-from queuekeeper.state import SessionDep, SettingsDep
+from queuekeeper.state import SessionDep, SessionsDep, SettingsDep
 
 # Declared as an API key header so /docs offers an "Authorize" box; parsed by hand
 # because agents send `Token <t>` (Waldur's scheme) and the backend `Bearer <t>`.
@@ -55,12 +55,16 @@ async def current_user(
 
 
 async def service_caller(
-    header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
+    header: AuthorizationHeader, sessions: SessionsDep, settings: SettingsDep
 ) -> None:
     token = _credentials(header)
     if is_service_token(token, settings.service_tokens):
         return
-    if await user_with_token(session, token) is not None:
+    # Only a refused token needs the database (to say which refusal): the backend's calls,
+    # single events at its pace among them, cost no session.
+    async with sessions() as session:
+        agent = await user_with_token(session, token)
+    if agent is not None:
         raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
     raise Unauthorized("Invalid service token.", scheme="Bearer")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -18,9 +19,20 @@ class Signal:
     def __init__(self) -> None:
         self.generation = 0
         self._waiters: set[asyncio.Future[None]] = set()
+        self._listeners: list[Callable[[], None]] = []
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on every notification (for a waiter that also has other wake-ups)."""
+        self._listeners.append(callback)
+
+    def forget(self, callback: Callable[[], None]) -> None:
+        if callback in self._listeners:
+            self._listeners.remove(callback)
 
     def notify(self) -> None:
         self.generation += 1
+        for callback in self._listeners:
+            callback()
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)

@@ -17,7 +17,7 @@ from queuekeeper.events.schemas import (
     EventIn,
     OutboxStats,
 )
-from queuekeeper.state import SessionDep, SessionsDep, SettingsDep, SignalsDep
+from queuekeeper.state import IntakeDep, SessionDep, SessionsDep, SettingsDep, SignalsDep
 
 internal_router = APIRouter(
     prefix="/api/internal/events", tags=["internal"], dependencies=[ServiceCaller]
@@ -72,14 +72,14 @@ Wait = Annotated[
 async def publish_event(
     body: EventIn,
     response: Response,
-    session: SessionDep,
+    intake: IntakeDep,
     sessions: SessionsDep,
     signals: SignalsDep,
     settings: SettingsDep,
     wait: Wait = False,
 ) -> EventAccepted:
     (answer,) = await service.publish(
-        session, sessions, signals, settings, [body], batch=False, wait=wait
+        intake, sessions, signals, settings, [body], batch=False, wait=wait
     )
     if answer.duplicate or wait:
         response.status_code = status.HTTP_200_OK
@@ -101,14 +101,14 @@ async def publish_event(
 async def publish_batch(
     body: EventBatchIn,
     response: Response,
-    session: SessionDep,
+    intake: IntakeDep,
     sessions: SessionsDep,
     signals: SignalsDep,
     settings: SettingsDep,
     wait: Wait = False,
 ) -> EventBatchAccepted:
     answers = await service.publish(
-        session, sessions, signals, settings, body.events, batch=True, wait=wait
+        intake, sessions, signals, settings, body.events, batch=True, wait=wait
     )
     if wait:
         response.status_code = status.HTTP_200_OK

@@ -222,6 +222,33 @@ async def reschedule(
     )
 
 
+_RENEW = (
+    update(DELIVERIES)
+    .where(
+        DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
+        DELIVERIES.c.state == IS_PENDING,
+        DELIVERIES.c.claimed_by == bindparam("b_relay"),
+    )
+    .values(
+        claimed_until=bindparam("b_lease", type_=_WHEN),
+        next_attempt_at=bindparam("b_lease", type_=_WHEN),
+    )
+    .returning(DELIVERIES.c.id)
+)
+
+
+async def renew(
+    session: Executor, relay_id: str, ids: Collection[int], lease_until: datetime
+) -> set[int]:
+    """Extend `relay_id`'s lease on these copies; returns those still pending and its own."""
+    if not ids:
+        return set()
+    result = await session.execute(
+        _RENEW, {"b_ids": list(ids), "b_relay": relay_id, "b_lease": lease_until}
+    )
+    return set(result.scalars())
+
+
 async def existing_queues(session: Executor, queue_uuids: Collection[uuid.UUID]) -> set[uuid.UUID]:
     if not queue_uuids:
         return set()

@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Select, Table, and_, bindparam, or_, select
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from queuekeeper.common.schemas import as_uuid
 from queuekeeper.models import Base
@@ -117,7 +117,7 @@ _RECIPIENTS = _recipients_statement()
 
 
 async def find_recipients(
-    session: AsyncSession,
+    session: AsyncSession | AsyncConnection,
     offering_uuids: Collection[uuid.UUID],
     object_types: Collection[str],
     now: datetime,

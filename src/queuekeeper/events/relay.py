@@ -36,7 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
 from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing, Result
-from queuekeeper.common.signals import OutboxSignals
+from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
 from queuekeeper.events import outbox
 from queuekeeper.events.outbox import Claimed
@@ -111,10 +111,21 @@ class Relay:
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._max_age = timedelta(seconds=settings.delivery_max_age)
+        # Copies accepted by this process, committed already claimed for this relay.
+        self._handed: list[Claimed] = []
+        # Woken by handed copies and by copies written unclaimed (`signals.accepted`);
+        # only the latter, or the poll interval, make it look in the database.
+        self._wake = Signal()
+        self._claim_wanted = True
+        # The copies this relay holds (claimed or handed, not settled yet) and when their
+        # lease ends: renewed while they wait, so a busy process does not lose its claims
+        # to another relay and publish them twice.
+        self._held: dict[int, datetime] = {}
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         self._stopping.clear()
+        self.signals.accepted.listen(self._on_accepted)
         self._tasks = [
             asyncio.create_task(self._dispatch(), name="relay-dispatch"),
             asyncio.create_task(self._housekeeping(), name="relay-housekeeping"),
@@ -124,6 +135,7 @@ class Relay:
     async def stop(self, grace: float = STOP_GRACE) -> None:
         """Stop claiming; let batches in flight finish for up to `grace` seconds."""
         self.request_stop()
+        self.signals.accepted.forget(self._on_accepted)
         if not self._tasks:
             return
         _done, pending = await asyncio.wait(self._tasks, timeout=grace)
@@ -139,7 +151,26 @@ class Relay:
 
     def request_stop(self) -> None:
         self._stopping.set()
-        self.signals.accepted.notify()
+        self._wake.notify()
+
+    def _on_accepted(self) -> None:
+        self._claim_wanted = True
+        self._wake.notify()
+
+    # --- copies handed over by the accept path of this process ---------------------------
+    def takes_handoff(self, count: int) -> bool:
+        """Whether to write `count` more requests' copies claimed for this relay: not when
+        stopping, nor when a batch's worth already waits (they then go to the outbox
+        unclaimed, for whichever relay is free)."""
+        return not self._stopping.is_set() and len(self._handed) < self.settings.relay_batch_size
+
+    def hand_over(self, claimed: list[Claimed]) -> None:
+        """Publish these copies, committed already claimed by this relay."""
+        lease_until = utcnow() + timedelta(seconds=self.settings.relay_lease_seconds)
+        for item in claimed:
+            self._held[item.id] = lease_until
+        self._handed.extend(claimed)
+        self._wake.notify()
 
     # --- the loop -----------------------------------------------------------------------
     async def _dispatch(self) -> None:
@@ -175,29 +206,39 @@ class Relay:
             await slots.acquire()
             # Read before claiming: an event accepted during the claim then
             # cuts the pause short instead of waiting for the next poll.
-            seen = self.signals.accepted.generation
-            try:
-                claimed = [] if self._stopping.is_set() else await self.claim()
-            except Exception as exc:  # the database is down: keep the loop alive
-                slots.release()
-                log.error("relay_claim_failed", relay=self.id, error=repr(exc)[:500])
-                await self._pause(self.settings.relay_backoff_base, seen)
-                continue
-            if not claimed:
+            seen = self._wake.generation
+            batch, self._handed = (
+                self._handed[: self.settings.relay_batch_size],
+                self._handed[self.settings.relay_batch_size :],
+            )
+            if not batch and self._claim_wanted and not self._stopping.is_set():
+                self._claim_wanted = False
+                try:
+                    batch = await self.claim()
+                except Exception as exc:  # the database is down: keep the loop alive
+                    slots.release()
+                    self._claim_wanted = True
+                    log.error("relay_claim_failed", relay=self.id, error=repr(exc)[:500])
+                    await self._pause(self.settings.relay_backoff_base, seen)
+                    continue
+                # A full batch: more may be due at once.
+                self._claim_wanted = len(batch) >= self.settings.relay_batch_size
+            if not batch:
                 slots.release()
                 await self._pause(self.settings.relay_poll_interval, seen)
                 continue
-            task = asyncio.create_task(self._process_logged(claimed))
+            task = asyncio.create_task(self._process_logged(batch))
             in_flight.add(task)
             task.add_done_callback(finished)
-            if len(claimed) < self.settings.relay_batch_size:
-                # Nothing more was due: claim again only when told of new events
-                # (or at the next poll), not in an extra query that finds nothing.
+            if not self._handed and not self._claim_wanted:
                 await self._pause(self.settings.relay_poll_interval, seen)
 
     async def _pause(self, seconds: float, seen: int) -> None:
-        if not self._stopping.is_set():
-            await self.signals.accepted.wait(seconds, since=seen)
+        if self._stopping.is_set():
+            return
+        await self._wake.wait(seconds, since=seen)
+        if self._wake.generation == seen:  # the poll interval passed: look for due copies
+            self._claim_wanted = True
 
     async def _process_logged(self, claimed: list[Claimed]) -> None:
         try:
@@ -219,10 +260,19 @@ class Relay:
             claimed = await outbox.claim(
                 connection, self.id, now, lease_until, self.settings.relay_batch_size
             )
+        for item in claimed:
+            self._held[item.id] = lease_until
         return claimed
 
     async def process(self, claimed: list[Claimed]) -> None:
         """Publish a claimed batch and write back what became of each copy."""
+        try:
+            await self._process(claimed)
+        finally:
+            for item in claimed:  # settled, or left to its lease: no longer renewed
+                self._held.pop(item.id, None)
+
+    async def _process(self, claimed: list[Claimed]) -> None:
         now = utcnow()
         settlement = _Settlement()
         by_vhost: dict[str, list[Claimed]] = defaultdict(list)
@@ -357,6 +407,7 @@ class Relay:
             except TimeoutError:
                 pass
             try:
+                await self.renew_leases()
                 await self.refresh_gauges()
                 await self.publisher.close_idle()
                 if loop.time() - last_prune >= PRUNE_INTERVAL:
@@ -364,6 +415,23 @@ class Relay:
                     await self.prune()
             except Exception as exc:  # housekeeping never takes the relay down
                 log.warning("relay_housekeeping_failed", error=repr(exc)[:500])
+
+    async def renew_leases(self) -> int:
+        """Extend the lease of held copies whose lease is past its first third, so copies
+        that wait (a busy process, a slow broker) stay ours; a relay that dies stops
+        renewing and its copies fall due when the lease ends. Returns how many."""
+        now = utcnow()
+        lease = timedelta(seconds=self.settings.relay_lease_seconds)
+        due = [i for i, until in self._held.items() if until - now < lease * 2 / 3]
+        if not due:
+            return 0
+        lease_until = now + lease
+        async with self.engine.connect() as connection:
+            renewed = await outbox.renew(connection, self.id, due, lease_until)
+        for i in renewed:
+            if i in self._held:
+                self._held[i] = lease_until
+        return len(renewed)
 
     async def refresh_gauges(self) -> None:
         now = utcnow()

@@ -7,6 +7,7 @@ statements on the same tables are in `outbox.py`; who gets a copy, in `recipient
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ def is_postgres(executor: Executor) -> bool:
     return bind.dialect.name == "postgresql"
 
 
-async def insert_new_events(session: AsyncSession, rows: Sequence[dict[str, Any]]) -> set[str]:
+async def insert_new_events(session: Executor, rows: Sequence[dict[str, Any]]) -> set[str]:
     """Insert the events whose id is new; returns the ids this call inserted.
 
     ON CONFLICT DO NOTHING makes a concurrent repeat wait for the first insert and
@@ -42,23 +43,36 @@ async def insert_new_events(session: AsyncSession, rows: Sequence[dict[str, Any]
     return set(result.scalars())
 
 
-async def event_counts(
-    session: AsyncSession, event_ids: Collection[str]
-) -> dict[str, tuple[int, int]]:
+async def event_counts(session: Executor, event_ids: Collection[str]) -> dict[str, tuple[int, int]]:
     """(queued, skipped_unregistered) of events accepted before, by id."""
     if not event_ids:
         return {}
     rows = await session.execute(
-        select(Event.event_id, Event.queued, Event.skipped_unregistered).where(
-            Event.event_id.in_(event_ids)
+        select(EVENTS.c.event_id, EVENTS.c.queued, EVENTS.c.skipped_unregistered).where(
+            EVENTS.c.event_id.in_(event_ids)
         )
     )
     return {event_id: (queued, skipped) for event_id, queued, skipped in rows}
 
 
-async def insert_deliveries(session: AsyncSession, rows: Sequence[dict[str, Any]]) -> None:
-    if rows:
-        await session.execute(DELIVERIES.insert(), list(rows))
+_INSERT_DELIVERIES = DELIVERIES.insert()
+# RETURNING without asking for parameter order: SQLite would then insert row by row.
+_INSERT_DELIVERIES_RETURNING = DELIVERIES.insert().returning(
+    DELIVERIES.c.id, DELIVERIES.c.event_id, DELIVERIES.c.queue_uuid
+)
+
+
+async def insert_deliveries(
+    session: Executor, rows: Sequence[dict[str, Any]], *, ids: bool = False
+) -> dict[tuple[str, uuid.UUID], int]:
+    """Insert outbox copies; with `ids`, returns each one's id by (event_id, queue_uuid)."""
+    if not rows:
+        return {}
+    if not ids:
+        await session.execute(_INSERT_DELIVERIES, list(rows))
+        return {}
+    result = await session.execute(_INSERT_DELIVERIES_RETURNING, list(rows))
+    return {(event_id, queue_uuid): id_ for id_, event_id, queue_uuid in result}
 
 
 async def delivery_states(

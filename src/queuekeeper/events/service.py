@@ -1,49 +1,31 @@
-"""Accepting events: validate, find the recipients, write the event and its outbox rows.
+"""Accepting events: validate, store through the intake, and with `?wait=true` wait.
 
-Everything a request accepts is written in the one transaction that answers
-it (the transactional outbox); the relay publishes from there. Finding the
-recipients is one query for the whole request, whatever the batch holds.
+Everything a request accepts is written in the transaction that answers it (the
+transactional outbox; `intake.py` lets requests arriving together share one); the
+relay publishes from there. Finding the recipients is one query per transaction,
+whatever the batch holds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import structlog
 from pydantic import ValidationError
 from sqlalchemy import Row
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queuekeeper.common.schemas import as_uuid
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
 from queuekeeper.events import outbox, repository
+from queuekeeper.events.intake import Intake, field_name
 from queuekeeper.events.outbox import OutboxDepth
 from queuekeeper.events.payloads import PAYLOAD_MODELS
-from queuekeeper.events.recipients import Recipients, find_recipients
 from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest, NotFound
 from queuekeeper.models import DeliveryState, Event, utcnow
-from queuekeeper.observability.metrics import (
-    EVENTS_ACCEPTED,
-    EVENTS_DUPLICATE,
-    SKIPPED_UNREGISTERED,
-)
-
-log = structlog.get_logger(__name__)
-
-# A concurrent deletion of a recipient queue makes the insert fail its foreign key:
-# the recipients are looked up again, this many times at most.
-_ATTEMPTS = 3
-
-
-def _field(prefix: str, *parts: object) -> str:
-    return ".".join([prefix, *(str(part) for part in parts)] if prefix else map(str, parts))
 
 
 def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, Any]]:
@@ -55,7 +37,7 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
     errors: list[dict[str, str]] = []
     bodies: list[dict[str, Any]] = []
     for index, event in enumerate(events):
-        where = _field(prefix, index) if prefix else ""
+        where = field_name(prefix, index) if prefix else ""
         try:
             PAYLOAD_MODELS[event.object_type].model_validate(event.payload)
         except ValidationError as exc:
@@ -63,7 +45,7 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
                 loc = [str(part) for part in error["loc"]]
                 errors.append(
                     {
-                        "field": _field(where, "payload", *loc),
+                        "field": field_name(where, "payload", *loc),
                         "message": str(error["msg"]).removeprefix("Value error, "),
                     }
                 )
@@ -71,7 +53,7 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
         if sent_offering is not None and as_uuid(sent_offering) != event.offering_uuid:
             errors.append(
                 {
-                    "field": _field(where, "payload", "offering_uuid"),
+                    "field": field_name(where, "payload", "offering_uuid"),
                     "message": f"{sent_offering!r} differs from the event's offering_uuid "
                     f"{event.offering_uuid.hex}; leave it out or send the same offering",
                 }
@@ -80,7 +62,7 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
         if sent_type is not None and sent_type != event.object_type:
             errors.append(
                 {
-                    "field": _field(where, "payload", "object_type"),
+                    "field": field_name(where, "payload", "object_type"),
                     "message": f"{sent_type!r} differs from the event's object_type "
                     f"{event.object_type!r}; leave it out or send the same type",
                 }
@@ -98,130 +80,6 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
             extra={"errors": errors},
         )
     return bodies
-
-
-@dataclass
-class Accepted:
-    answers: list[EventAccepted]
-    new_deliveries: int
-
-
-async def accept(
-    session: AsyncSession, events: Sequence[EventIn], *, field_prefix: str
-) -> Accepted:
-    """Validate and store `events` in one transaction; one answer per event, in order."""
-    bodies = validate_payloads(events, field_prefix)
-    offerings = {event.offering_uuid for event in events}
-    for attempt in range(_ATTEMPTS):
-        try:
-            return await _store(session, events, bodies, offerings, field_prefix)
-        except IntegrityError:
-            await session.rollback()
-            if attempt + 1 == _ATTEMPTS:
-                raise
-            log.info("event_recipients_changed_retrying", attempt=attempt + 1)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-async def _store(
-    session: AsyncSession,
-    events: Sequence[EventIn],
-    bodies: list[dict[str, Any]],
-    offerings: set[uuid.UUID],
-    field_prefix: str,
-) -> Accepted:
-    now = utcnow()
-    recipient_index = await find_recipients(
-        session, offerings, {event.object_type for event in events}, now
-    )
-    for index, event in enumerate(events):
-        if event.offering_uuid not in recipient_index.known:
-            raise BadRequest(
-                f"Unknown offering {event.offering_uuid.hex}: the backend has not pushed it.",
-                field=_field(field_prefix, index, "offering_uuid")
-                if field_prefix
-                else "offering_uuid",
-            )
-
-    event_ids = [event.event_id or uuid.uuid4().hex for event in events]
-    first_of: dict[str, int] = {}
-    event_rows: list[dict[str, Any]] = []
-    recipients: dict[str, Recipients] = {}
-    for position, (event, event_id) in enumerate(zip(events, event_ids, strict=True)):
-        if event_id in first_of:  # repeated within this request: the first one counts
-            continue
-        first_of[event_id] = position
-        found = recipient_index.recipients(event.offering_uuid, event.object_type, event.user_uuids)
-        recipients[event_id] = found
-        event_rows.append(
-            {
-                "event_id": event_id,
-                "offering_uuid": event.offering_uuid,
-                "object_type": event.object_type,
-                "payload": bodies[position],
-                "user_uuids": [u.hex for u in event.user_uuids]
-                if event.user_uuids is not None
-                else None,
-                "queued": len(found.copies),
-                "skipped_unregistered": len(found.skipped),
-                "accepted": now,
-            }
-        )
-    inserted = await repository.insert_new_events(session, event_rows)
-    delivery_rows = [
-        {
-            "event_id": event_id,
-            "queue_uuid": copy.queue_uuid,
-            "queue_name": copy.queue_name,
-            "vhost": copy.vhost,
-            "state": DeliveryState.PENDING,
-            "attempts": 0,
-            "next_attempt_at": now,
-            "created": now,
-        }
-        for event_id in first_of
-        if event_id in inserted
-        for copy in recipients[event_id].copies
-    ]
-    await repository.insert_deliveries(session, delivery_rows)
-    earlier = await repository.event_counts(session, set(first_of) - inserted)
-    await session.commit()
-
-    answers = []
-    for position, (event, event_id) in enumerate(zip(events, event_ids, strict=True)):
-        new = event_id in inserted and first_of[event_id] == position
-        found = recipients[event_id]
-        if event_id in inserted:
-            queued, skipped = len(found.copies), len(found.skipped)
-        else:
-            queued, skipped = earlier.get(event_id, (0, 0))
-        answers.append(
-            EventAccepted(
-                event_id=event_id, queued=queued, skipped_unregistered=skipped, duplicate=not new
-            )
-        )
-        if new and found.skipped:
-            log.info(
-                "queue not registered for this offering and object type; skipping",
-                event_id=event_id,
-                offering_uuid=event.offering_uuid.hex,
-                object_type=event.object_type,
-                subscriptions=[s.hex for s in found.skipped],
-            )
-    new_count = sum(1 for answer in answers if not answer.duplicate)
-    EVENTS_ACCEPTED.inc(new_count)
-    EVENTS_DUPLICATE.inc(len(answers) - new_count)
-    SKIPPED_UNREGISTERED.inc(
-        sum(answer.skipped_unregistered for answer in answers if not answer.duplicate)
-    )
-    log.info(
-        "events_accepted",
-        events=len(answers),
-        new=new_count,
-        duplicates=len(answers) - new_count,
-        deliveries=len(delivery_rows),
-    )
-    return Accepted(answers=answers, new_deliveries=len(delivery_rows))
 
 
 async def wait_settled(
@@ -259,7 +117,7 @@ async def wait_settled(
 
 
 async def publish(
-    session: AsyncSession,
+    intake: Intake,
     sessions: async_sessionmaker[AsyncSession],
     signals: OutboxSignals,
     settings: Settings,
@@ -276,9 +134,8 @@ async def publish(
             f"{len(events)}. Split it into several requests.",
             field="events",
         )
-    accepted = await accept(session, events, field_prefix="events" if batch else "")
-    if accepted.new_deliveries:
-        signals.accepted.notify()
+    prefix = "events" if batch else ""
+    accepted = await intake.accept(events, validate_payloads(events, prefix), prefix)
     if wait:
         await wait_settled(
             sessions, accepted.answers, signals.settled, settings.events_wait_timeout

@@ -1,0 +1,148 @@
+"""Group commit, copies handed to the relay already claimed, lease renewal, load shedding."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import event, select
+
+from queuekeeper.broker.publisher import AmqpPublisher
+from queuekeeper.events import outbox
+from queuekeeper.events.relay import Relay
+from queuekeeper.models import Delivery, Event, utcnow
+from queuekeeper.state import AppState
+from tests.events.support import SERVICE, order_event, post_event, register, wait_settled
+from tests.helpers import Backend
+
+
+def _commits(app: FastAPI) -> list[int]:
+    """Counts the transactions the API's engine commits from now on."""
+    state: AppState = app.state.queuekeeper
+    commits = [0]
+
+    @event.listens_for(state.engine.sync_engine, "commit")
+    def _count(*_args: Any) -> None:
+        commits[0] += 1
+
+    return commits
+
+
+@pytest.mark.settings(relay_enabled=False)
+async def test_concurrent_single_events_share_transactions_and_each_is_answered_after_commit(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    commits = _commits(app)
+    responses = await asyncio.gather(
+        *(post_event(client, order_event(registered.offering)) for _ in range(30))
+    )
+    assert [r.status_code for r in responses] == [202] * 30
+    # Requests that arrived while a transaction ran went into the next one together.
+    assert commits[0] < 10, commits[0]
+    ids = {r.json()["event_id"] for r in responses}
+    async with app.state.queuekeeper.sessions() as session:
+        stored = set(await session.scalars(select(Event.event_id)))
+        copies = list(await session.scalars(select(Delivery.event_id)))
+    assert ids <= stored  # answered 202 means committed
+    assert sorted(copies) == sorted(ids)
+
+
+@pytest.mark.settings(relay_enabled=False)
+async def test_a_bad_request_in_a_shared_transaction_fails_alone(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    repeated = f"twice-{uuid.uuid4().hex}"
+    good, bad, first, second = await asyncio.gather(
+        post_event(client, order_event(registered.offering)),
+        post_event(client, order_event(uuid.uuid4())),
+        post_event(client, order_event(registered.offering, event_id=repeated)),
+        post_event(client, order_event(registered.offering, event_id=repeated)),
+    )
+    assert good.status_code == 202
+    assert bad.status_code == 400
+    assert bad.json()["errors"][0]["field"] == "offering_uuid"
+    # Two requests with one event_id in the same transaction: one is the event, one its repeat.
+    assert sorted([first.status_code, second.status_code]) == [200, 202]
+    assert {first.json()["queued"], second.json()["queued"]} == {1}
+
+
+@pytest.mark.settings(relay_poll_interval=60.0)
+async def test_the_relay_of_the_process_publishes_accepted_copies_without_a_claim(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    relay = app.state.queuekeeper.relay
+    assert relay is not None
+    claims = 0
+    real_claim = relay.claim
+
+    async def counting_claim() -> list[outbox.Claimed]:
+        nonlocal claims
+        claims += 1
+        return await real_claim()
+
+    relay.claim = counting_claim  # type: ignore[method-assign]
+    response = await post_event(client, order_event(registered.offering))
+    assert response.status_code == 202
+    detail = await wait_settled(client, response.json()["event_id"], timeout=5)
+    assert [d["state"] for d in detail["deliveries"]] == ["published"]
+    assert detail["deliveries"][0]["attempts"] == 1
+    assert claims == 0  # handed over in memory: no poll (60 s away) and no claim query
+
+
+@pytest.mark.settings(relay_enabled=False)
+async def test_a_busy_relay_renews_its_leases_so_no_other_relay_takes_its_copies(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    await post_event(client, order_event(registered.offering))
+    state: AppState = app.state.queuekeeper
+    settings = state.settings.model_copy(update={"relay_lease_seconds": 1.5})
+    relay = Relay(settings, state.engine, AmqpPublisher(settings), state.provisioner)
+    claimed = await relay.claim()  # held, not published: as if the process were busy
+    assert len(claimed) == 1
+    await asyncio.sleep(0.8)
+    assert await relay.renew_leases() == 1
+    await asyncio.sleep(0.9)  # the first lease has run out; the renewed one has not
+    async with state.engine.connect() as connection:
+        now = utcnow()
+        taken = await outbox.claim(connection, "other", now, now + timedelta(seconds=5), 10)
+        await connection.commit()
+    assert taken == []
+
+
+@pytest.mark.settings(relay_enabled=False, events_accept_queue=1)
+async def test_past_the_intake_queue_requests_are_refused_at_once_and_nothing_is_stored(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    responses = await asyncio.gather(
+        *(post_event(client, order_event(registered.offering)) for _ in range(20))
+    )
+    refused = [r for r in responses if r.status_code == 503]
+    accepted = [r for r in responses if r.status_code == 202]
+    assert refused
+    assert accepted
+    assert len(refused) + len(accepted) == 20
+    assert all(r.headers.get("Retry-After") for r in refused)
+    async with app.state.queuekeeper.sessions() as session:
+        stored = len(list(await session.scalars(select(Event.event_id))))
+    assert stored == len(accepted)
+
+
+async def test_wait_true_answers_a_copy_handed_to_the_relay_as_published(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    response = await post_event(client, order_event(registered.offering), wait=True)
+    assert response.status_code == 200
+    assert [d["state"] for d in response.json()["deliveries"]] == ["published"]
+    stats = (await client.get("/api/admin/outbox/", headers=SERVICE)).json()
+    assert stats["pending"] == 0
