@@ -407,6 +407,7 @@ async def run(settings: Settings, dsn: str) -> None:
         flush=True,
     )
     raw = 0.0
+    goals: dict[int, float] = {}
     try:
         await service.start()
         if "raw" in phases:
@@ -427,6 +428,8 @@ async def run(settings: Settings, dsn: str) -> None:
                 f"(service CPU {used:.0f} us per message)",
                 flush=True,
             )
+            if raw:
+                goals[fan_out] = mps / raw
         if "latency" in phases:
             lat = await profiler.record("latency", latency(service, dsn))
             used = lat["cpu"] * 1e3
@@ -443,6 +446,13 @@ async def run(settings: Settings, dsn: str) -> None:
         await remove_broker_objects(settings)
         await management.aclose()
     print(f"load average after: {_load()}")
+    if goals:
+        met = goals.get(1, 0) >= 0.85 and goals.get(10, 0) >= 0.75
+        print(
+            "GOAL 3 batches against raw pipelined confirms: "
+            + ", ".join(f"fan-out {fan} x{ratio:.2f}" for fan, ratio in sorted(goals.items()))
+            + f"; goal fan-out 1 >= 0.85, fan-out 10 >= 0.75: {'met' if met else 'NOT met'}"
+        )
 
 
 def main() -> None:

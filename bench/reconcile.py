@@ -202,24 +202,53 @@ async def populate_queues(
     await _gather_limited(4, [partial(declare, owner) for owner in plan])
 
 
-async def add_orphans(state: AppState, owners: list[uuid.UUID]) -> None:
+async def add_orphans(state: AppState, owners: list[uuid.UUID]) -> dict[str, list[str]]:
+    """ORPHANS_PER_VHOST unregistered queues in each owner's vhost; their names by vhost."""
+    made: dict[str, list[str]] = {}
+
     async def declare(owner: uuid.UUID) -> None:
         url = state.settings.amqp_url.rstrip("/") + "/" + quote(owner.hex, safe="")
+        names = [
+            topology.queue_name(uuid.uuid4(), uuid.uuid4(), "order")
+            for _ in range(ORPHANS_PER_VHOST)
+        ]
+        made[owner.hex] = names
         connection = await aio_pika.connect(url)
         async with connection:
             channel = await connection.channel()
             await asyncio.gather(
                 *(
                     channel.declare_queue(
-                        topology.queue_name(uuid.uuid4(), uuid.uuid4(), "order"),
-                        durable=True,
-                        arguments=state.provisioner.queue_arguments,
+                        name, durable=True, arguments=state.provisioner.queue_arguments
                     )
-                    for _ in range(ORPHANS_PER_VHOST)
+                    for name in names
                 )
             )
 
     await _gather_limited(4, [partial(declare, owner) for owner in owners])
+    return made
+
+
+async def raw_deletes(settings: Settings, orphans: dict[str, list[str]]) -> float:
+    """The same deletes a reconcile run issues, raw: vhost after vhost, each vhost's
+    orphans `reconcile_delete_concurrency` at a time."""
+    async with httpx.AsyncClient(
+        base_url=settings.management_url.rstrip("/") + "/api",
+        auth=(settings.management_user, settings.management_password),
+        timeout=60,
+    ) as http:
+
+        async def delete(vhost: str, name: str) -> None:
+            response = await http.delete(f"/queues/{quote(vhost, safe='')}/{quote(name)}")
+            response.raise_for_status()
+
+        started = time.perf_counter()
+        for vhost in sorted(orphans):
+            await _gather_limited(
+                settings.reconcile_delete_concurrency,
+                [partial(delete, vhost, name) for name in orphans[vhost]],
+            )
+        return time.perf_counter() - started
 
 
 async def raw_listing(settings: Settings, vhosts: list[str]) -> tuple[float, int]:
@@ -352,6 +381,7 @@ async def bench(settings: Settings) -> None:
         raw = statistics.median(raw_times)
         noop = sorted(noops, key=lambda run: run["seconds"])[len(noops) // 2]
         ratio = statistics.median(ratios)
+        raw_delete = await raw_deletes(settings, await add_orphans(state, owners))
         large_noop = await timed_run(state, counts, trace=True)
         await add_orphans(state, owners)
         full_traced = await timed_run(state, counts, trace=True)
@@ -372,6 +402,14 @@ async def bench(settings: Settings) -> None:
             f"range {min(ratios):.2f}-{max(ratios):.2f})  "
             f"db statements = {noop['statements']}  "
             f"management calls = {noop['management_calls']}"
+        )
+        baseline = raw_full + raw_delete
+        goal5 = full["seconds"] / baseline
+        print(
+            f"GOAL 5 full reconcile deleting {orphans:,} orphans: {full['seconds']:.2f} s against "
+            f"raw listing {raw_full:.2f} s + the same deletes raw, "
+            f"{settings.reconcile_delete_concurrency} at a time, {raw_delete:.2f} s: "
+            f"x{goal5:.2f}; goal <= 1.5: {'met' if goal5 <= 1.5 else 'NOT met'}"
         )
         print(
             "peak memory (tracemalloc: Python allocations of this process during the run):\n"

@@ -72,7 +72,7 @@ async def _run(base: str, settings: Settings) -> None:
     async with httpx.AsyncClient(base_url=settings.management_url + "/api", auth=auth) as raw:
         await raw.put(f"/vhosts/{vhost}", json={"tags": settings.instance_tag})
         try:
-            put_new, put_repeat, put_get = [], [], []
+            put_new, put_repeat, put_get, put_new_get = [], [], [], []
             for index in range(len(pairs)):
                 body = {"durable": True, "auto_delete": False, "arguments": arguments}
                 started = time.perf_counter()
@@ -87,6 +87,11 @@ async def _run(base: str, settings: Settings) -> None:
                 await raw.put(f"/queues/{vhost}/q{index}", json=body)
                 await raw.get(f"/queues/{vhost}/q{index}", params={"columns": "arguments"})
                 put_get.append(time.perf_counter() - started)
+            for index in range(len(pairs)):
+                started = time.perf_counter()
+                await raw.put(f"/queues/{vhost}/n{index}", json=body)
+                await raw.get(f"/queues/{vhost}/n{index}", params={"columns": "arguments"})
+                put_new_get.append(time.perf_counter() - started)
         finally:
             await raw.delete(f"/vhosts/{vhost}")
 
@@ -94,6 +99,7 @@ async def _run(base: str, settings: Settings) -> None:
         "raw PUT (new queue)": percentiles(put_new),
         "raw PUT (existing)": percentiles(put_repeat),
         "raw PUT + GET": percentiles(put_get),
+        "raw PUT (new) + GET": percentiles(put_new_get),
         "create_queue new (201)": percentiles(new),
         "create_queue repeat (200)": percentiles(repeat),
     }
@@ -103,6 +109,13 @@ async def _run(base: str, settings: Settings) -> None:
     repeat_ratio = rows["create_queue repeat (200)"]["p50"] / rows["raw PUT (existing)"]["p50"]
     print(f"  p50 ratio create_queue new / raw PUT new: x{new_ratio:.2f}")
     print(f"  p50 ratio create_queue repeat / raw PUT existing: x{repeat_ratio:.2f}")
+    goal_new = rows["create_queue new (201)"]["p50"] / rows["raw PUT (new) + GET"]["p50"]
+    goal_repeat = rows["create_queue repeat (200)"]["p50"] / rows["raw PUT + GET"]["p50"]
+    met = goal_new <= 2 and goal_repeat <= 2
+    print(
+        f"GOAL 4 create_queue p50: repeat / raw PUT + GET x{goal_repeat:.2f}, new / raw PUT "
+        f"(new) + GET x{goal_new:.2f}; goal <= 2 each: {'met' if met else 'NOT met'}"
+    )
 
 
 def main() -> None:

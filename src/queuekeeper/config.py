@@ -156,6 +156,13 @@ class Settings(BaseSettings):
         ge=0,
         description="Seconds between scheduled dead-letter redrives; 0 = only on demand.",
     )
+    reconcile_delete_concurrency: int = Field(
+        default=8,
+        ge=1,
+        description="Orphan queues a reconcile run deletes at the same time (the Management "
+        "API has no bulk delete; one at a time made a run deleting 1,000 orphans three times "
+        "as long as its listing).",
+    )
     reconcile_page_size: int = Field(
         default=500, ge=1, le=500, description="Queues per Management API page (broker max 500)."
     )
@@ -184,6 +191,13 @@ class Settings(BaseSettings):
         "transaction before them commits, then share the next one); past it a request is "
         "answered 503 with Retry-After at once instead of waiting seconds. At least "
         "`events_batch_max`, or a full batch is refused whenever anything else waits.",
+    )
+    events_accept_max_wait: float = Field(
+        default=0.5,
+        gt=0,
+        description="Seconds an accept request may wait to be stored; while the oldest waiting "
+        "request has waited longer (the process is starved of CPU, the database is slow), new "
+        "ones are answered 503 with Retry-After at once instead of queueing into seconds.",
     )
     events_wait_timeout: float = Field(
         default=10.0,

@@ -146,3 +146,18 @@ async def test_wait_true_answers_a_copy_handed_to_the_relay_as_published(
     assert [d["state"] for d in response.json()["deliveries"]] == ["published"]
     stats = (await client.get("/api/admin/outbox/", headers=SERVICE)).json()
     assert stats["pending"] == 0
+
+
+@pytest.mark.settings(relay_enabled=False, events_accept_max_wait=0.001)
+async def test_when_stored_events_lag_behind_new_requests_are_refused_at_once(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    responses = await asyncio.gather(
+        *(post_event(client, order_event(registered.offering)) for _ in range(40))
+    )
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused  # requests behind a transaction of more than a millisecond
+    assert all(r.headers.get("Retry-After") for r in refused)
+    assert "overloaded" in refused[0].json()["detail"]
+    assert {r.status_code for r in responses} == {202, 503}

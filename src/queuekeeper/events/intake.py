@@ -80,6 +80,7 @@ class _Request:
     bodies: list[dict[str, Any]]
     field_prefix: str
     future: asyncio.Future[Accepted]
+    since: float  # loop time it arrived
 
 
 @dataclass
@@ -105,14 +106,23 @@ class Intake:
         self, events: Sequence[EventIn], bodies: list[dict[str, Any]], field_prefix: str
     ) -> Accepted:
         """Store validated events (with their message bodies); returns once committed."""
+        loop = asyncio.get_running_loop()
         limit = self.settings.events_accept_queue
         if self._waiting and self._waiting_events + len(events) > limit:
             raise Unavailable(
                 f"More than {limit} events are waiting to be stored; nothing of this request "
                 "was stored. Retry."
             )
-        future: asyncio.Future[Accepted] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Request(events, bodies, field_prefix, future))
+        # The oldest waiting request says how far behind the service is: past the limit
+        # (a process starved of CPU, a slow database) refuse now rather than in seconds.
+        waited = loop.time() - self._waiting[0].since if self._waiting else 0.0
+        if waited > self.settings.events_accept_max_wait:
+            raise Unavailable(
+                f"Events wait {waited:.2f} s to be stored (the service is overloaded); nothing "
+                "of this request was stored. Retry."
+            )
+        future: asyncio.Future[Accepted] = loop.create_future()
+        self._waiting.append(_Request(events, bodies, field_prefix, future, loop.time()))
         self._waiting_events += len(events)
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush(), name="events-intake")

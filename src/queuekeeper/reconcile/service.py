@@ -13,6 +13,7 @@ until their row is committed. See docs/reconcile.md for the argument.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from functools import partial
 
@@ -162,6 +163,16 @@ async def delete_orphans(
     until its row is committed: once we hold it exclusively, every queue that
     exists has either its row committed (and we see it) or no create_queue behind it.
     """
+    # The Management API has no bulk delete: a few at a time, not one by one.
+    slots = asyncio.Semaphore(context.settings.reconcile_delete_concurrency)
+
+    async def delete(name: str) -> None:
+        async with slots, run.item(f"{vhost}/{name}"):
+            if await context.provisioner.delete_queue(vhost, name):
+                run.done(
+                    "orphans_deleted", "delete_queue", f"{vhost}/{name}", "orphan: no registration"
+                )
+
     for batch in chunked(names, DELETE_BATCH):
         async with run.item(f"{vhost} orphan queues"):
             if run.dry_run:
@@ -176,19 +187,14 @@ async def delete_orphans(
                 guard(session, vhost_key(vhost), exclusive=True),
             ):
                 registered = await repository.registered_names(session, vhost, batch)
+                orphans = []
                 for name in batch:
                     if name in registered:
                         run.find("orphans_registered_meanwhile")
-                        continue
-                    run.find("orphan_queues")
-                    async with run.item(f"{vhost}/{name}"):
-                        if await context.provisioner.delete_queue(vhost, name):
-                            run.done(
-                                "orphans_deleted",
-                                "delete_queue",
-                                f"{vhost}/{name}",
-                                "orphan: no registration",
-                            )
+                    else:
+                        run.find("orphan_queues")
+                        orphans.append(name)
+                await asyncio.gather(*(delete(name) for name in orphans))
                 await session.commit()
 
 
