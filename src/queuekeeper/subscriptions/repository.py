@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sqlalchemy import Select, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
-from queuekeeper.models import EventSubscription, EventSubscriptionQueue, OfferingAccess
+from queuekeeper.models import EventSubscription, EventSubscriptionQueue, Offering, OfferingAccess
 from queuekeeper.subscriptions.schemas import QueueFilter
 
 
@@ -127,6 +128,52 @@ async def insert_queue_if_absent(session: AsyncSession, queue: EventSubscription
     )
     inserted = await session.scalar(statement)
     return inserted is not None
+
+
+@dataclass(frozen=True)
+class QueueContext:
+    """What create_queue needs to know before it goes to the broker."""
+
+    offering_known: bool
+    has_access: bool
+    registered: EventSubscriptionQueue | None  # the queue's row, when it has one already
+
+
+async def queue_context(
+    session: AsyncSession,
+    owner_uuid: uuid.UUID,
+    subscription_uuid: uuid.UUID,
+    offering_uuid: uuid.UUID,
+    object_type: str,
+) -> QueueContext:
+    """The offering, the owner's access to it and the queue's row, in one query."""
+    row = (
+        await session.execute(
+            select(Offering.uuid, OfferingAccess.user_uuid, EventSubscriptionQueue)
+            .outerjoin(
+                OfferingAccess,
+                (OfferingAccess.offering_uuid == Offering.uuid)
+                & (OfferingAccess.user_uuid == owner_uuid),
+            )
+            .outerjoin(
+                EventSubscriptionQueue,
+                (EventSubscriptionQueue.offering_uuid == Offering.uuid)
+                & (EventSubscriptionQueue.subscription_uuid == subscription_uuid)
+                & (EventSubscriptionQueue.object_type == object_type),
+            )
+            .where(Offering.uuid == offering_uuid)
+        )
+    ).first()
+    if row is None:
+        return QueueContext(offering_known=False, has_access=False, registered=None)
+    return QueueContext(True, row[1] is not None, row[2])
+
+
+async def queue_exists(session: AsyncSession, queue_uuid: uuid.UUID) -> bool:
+    found = await session.scalar(
+        select(EventSubscriptionQueue.uuid).where(EventSubscriptionQueue.uuid == queue_uuid)
+    )
+    return found is not None
 
 
 async def find_queue(

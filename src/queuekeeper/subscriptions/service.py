@@ -26,7 +26,6 @@ from queuekeeper.models import (
     BrokerState,
     EventSubscription,
     EventSubscriptionQueue,
-    Offering,
     User,
     utcnow,
 )
@@ -246,18 +245,23 @@ async def _register_queue(
     body: QueueCreate,
 ) -> tuple[EventSubscriptionQueue, bool, QueueOutcome]:
     """Returns (queue, created row?, what the broker needed)."""
-    offering = await session.get(Offering, body.offering_uuid)
-    if offering is None:
+    offering_uuid = body.offering_uuid
+    known = await repository.queue_context(
+        session, owner.uuid, subscription.uuid, offering_uuid, body.object_type
+    )
+    if not known.offering_known:
         raise BadRequest(
-            f"Unknown offering {body.offering_uuid.hex}: the backend has not pushed it.",
+            f"Unknown offering {offering_uuid.hex}: the backend has not pushed it.",
             field="offering_uuid",
         )
-    if not await repository.has_access(session, owner.uuid, offering.uuid):
-        raise Forbidden(f"You have no access to offering {offering.uuid.hex}.")
+    if not known.has_access:
+        raise Forbidden(f"You have no access to offering {offering_uuid.hex}.")
     # End the read transaction: nothing should stay open while we wait on the broker.
     await session.commit()
+    if known.registered is not None:
+        return await _ensure_registered(session, provisioner, known.registered)
 
-    name = topology.queue_name(subscription.uuid, offering.uuid, body.object_type)
+    name = topology.queue_name(subscription.uuid, offering_uuid, body.object_type)
     vhost = topology.vhost_name(owner.uuid)
     # The broker queue exists before its row does. Reconcile deletes `subscription_*`
     # queues without a row, but only while holding this lock exclusively and
@@ -269,7 +273,7 @@ async def _register_queue(
         queue = EventSubscriptionQueue(
             uuid=uuid.uuid4(),
             subscription_uuid=subscription.uuid,
-            offering_uuid=offering.uuid,
+            offering_uuid=offering_uuid,
             object_type=body.object_type,
             queue_name=name,
             vhost=vhost,
@@ -279,10 +283,10 @@ async def _register_queue(
             # Access again, locked (FOR SHARE) until the commit: revoke_access locks the
             # grant before it lists the queues to delete, so either it sees this row or
             # this sees the grant gone.
-            if not await repository.has_access(session, owner.uuid, offering.uuid, lock=True):
+            if not await repository.has_access(session, owner.uuid, offering_uuid, lock=True):
                 await session.rollback()
                 await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
-                raise Forbidden(f"Your access to offering {offering.uuid.hex} was revoked.")
+                raise Forbidden(f"Your access to offering {offering_uuid.hex} was revoked.")
             inserted = await repository.insert_queue_if_absent(session, queue)
             await session.commit()
         except IntegrityError as exc:
@@ -294,7 +298,7 @@ async def _register_queue(
             ) from exc
     if not inserted:
         existing = await repository.find_queue(
-            session, subscription.uuid, offering.uuid, body.object_type
+            session, subscription.uuid, offering_uuid, body.object_type
         )
         if existing is None:  # deleted between our insert attempt and this read
             raise NotFound("The queue was deleted while it was being registered; call again.")
@@ -307,6 +311,33 @@ async def _register_queue(
         broker=outcome.value,
     )
     return queue, inserted, outcome
+
+
+async def _ensure_registered(
+    session: AsyncSession, provisioner: Provisioner, queue: EventSubscriptionQueue
+) -> tuple[EventSubscriptionQueue, bool, QueueOutcome]:
+    """A repeat call (an agent starting again): the row exists, so only the broker's queue
+    is ensured. No advisory lock: reconcile never deletes a queue whose row it can see.
+    A revoke or a delete that commits meanwhile removes the row and then the queue; if our
+    declare came after its delete, the row is gone when we look again and we remove it."""
+    outcome = await provisioner.ensure_queue(queue.vhost, queue.queue_name)
+    if not await repository.queue_exists(session, queue.uuid):
+        await session.rollback()
+        await best_effort(
+            "delete_queue",
+            provisioner.delete_queue(queue.vhost, queue.queue_name),
+            queue=queue.queue_name,
+        )
+        raise NotFound("The queue was deleted while it was being registered; call again.")
+    await session.commit()
+    log.info(
+        "queue_registered",
+        queue=queue.queue_name,
+        vhost=queue.vhost,
+        new_row=False,
+        broker=outcome.value,
+    )
+    return queue, False, outcome
 
 
 async def list_queues(
