@@ -97,7 +97,7 @@ def _state(settings: Settings, counts: Counts) -> AppState:
         provisioner=provisioner,
         publisher=AmqpPublisher(settings),  # opens nothing: a reconcile never publishes
         jobs=JobRunner(JobContext(settings, engine, sessions, management, provisioner), JOBS),
-        intake=Intake(engine, settings, OutboxSignals()),
+        intake=Intake(engine, sessions, settings, OutboxSignals()),
     )
 
 

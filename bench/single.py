@@ -92,6 +92,7 @@ class Step:
     sessions: int = 0
     duplicates: int = 0
     log_lines: float = 0.0
+    confirm_p99: float | None = None
 
     @property
     def held(self) -> bool:
@@ -108,6 +109,8 @@ class Step:
             text += f", refused {self.refused} (answered in p99 {self.refused_p99 * 1e3:.1f} ms)"
         if name == "queuekeeper":
             text += f", log lines/event {self.log_lines:.2f}"
+        if self.confirm_p99 is not None:
+            text += f", accept-to-confirm p99 {self.confirm_p99 * 1e3:.1f} ms"
         return text + ("  held" if self.held else "  NOT held")
 
 
@@ -174,6 +177,8 @@ class Pipeline:
     consumer: Consumer
     sessions: Callable[[], Awaitable[int]]
     log_lines: Callable[[], int] = lambda: 0
+    # The service's own accept-to-confirm times of a step's events (None for raw).
+    confirm_times: Callable[[str], Awaitable[list[float]]] | None = None
 
 
 async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
@@ -224,6 +229,8 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     step.p50, step.p99 = _pct(latencies, 50), _pct(latencies, 99)
     step.answer_p99 = _pct(answers, 99)
     step.refused, step.refused_p99 = len(refused), _pct(refused, 99) if refused else 0.0
+    if pipeline.confirm_times is not None:
+        step.confirm_p99 = _pct(await pipeline.confirm_times(prefix), 99)
     step.duplicates = pipeline.consumer.duplicates
     pipeline.consumer.duplicates = 0
     for task in tasks:
@@ -275,6 +282,22 @@ async def _sessions(dsn: str, database: str) -> int:
     finally:
         await connection.close()
     return int(value or 0)
+
+
+async def _confirm_times(dsn: str, prefix: str) -> list[float]:
+    """Accept-to-confirm as the service stamped it (the event's `accepted`, the copy's
+    `finished`): tells the relay's part from the consumer's."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(
+            "SELECT extract(epoch FROM d.finished - e.accepted) AS seconds "
+            "FROM deliveries d JOIN events e ON e.event_id = d.event_id "
+            "WHERE e.event_id LIKE $1 AND d.state = 'published'",
+            prefix + "%",
+        )
+    finally:
+        await connection.close()
+    return [float(row["seconds"]) for row in rows]
 
 
 async def run(settings: Settings, dsn: str, service_log: Path) -> None:
@@ -345,7 +368,15 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
             with service_log.open("rb") as handle:
                 return sum(1 for line in handle if b'"level":"info"' in line.replace(b" ", b""))
 
-        qk = Pipeline("queuekeeper", service.process.pid, send, consumer, sessions, log_lines)
+        qk = Pipeline(
+            "queuekeeper",
+            service.process.pid,
+            send,
+            consumer,
+            sessions,
+            log_lines,
+            lambda prefix: _confirm_times(dsn, prefix),
+        )
         await run_step(qk, 100, 2)  # warm-up: connections, prepared statements
         print("queuekeeper (POST /api/internal/events/, one process, relay in it):")
         profiler = Profiler(service)

@@ -124,7 +124,7 @@ def build_state(settings: Settings) -> AppState:
         # Opens nothing until used; readiness probes the broker through it.
         publisher=AmqpPublisher(settings),
         jobs=JobRunner(context, JOBS),
-        intake=Intake(engine, settings, signals),
+        intake=Intake(engine, sessions, settings, signals),
         signals=signals,
     )
 

@@ -17,7 +17,7 @@ from queuekeeper.events.schemas import (
     EventIn,
     OutboxStats,
 )
-from queuekeeper.state import IntakeDep, SessionDep, SessionsDep, SettingsDep, SignalsDep
+from queuekeeper.state import IntakeDep, SessionDep
 
 internal_router = APIRouter(
     prefix="/api/internal/events", tags=["internal"], dependencies=[ServiceCaller]
@@ -73,14 +73,9 @@ async def publish_event(
     body: EventIn,
     response: Response,
     intake: IntakeDep,
-    sessions: SessionsDep,
-    signals: SignalsDep,
-    settings: SettingsDep,
     wait: Wait = False,
 ) -> EventAccepted:
-    (answer,) = await service.publish(
-        intake, sessions, signals, settings, [body], batch=False, wait=wait
-    )
+    (answer,) = await service.publish(intake, [body], batch=False, wait=wait)
     if answer.duplicate or wait:
         response.status_code = status.HTTP_200_OK
     return answer
@@ -102,14 +97,9 @@ async def publish_batch(
     body: EventBatchIn,
     response: Response,
     intake: IntakeDep,
-    sessions: SessionsDep,
-    signals: SignalsDep,
-    settings: SettingsDep,
     wait: Wait = False,
 ) -> EventBatchAccepted:
-    answers = await service.publish(
-        intake, sessions, signals, settings, body.events, batch=True, wait=wait
-    )
+    answers = await service.publish(intake, body.events, batch=True, wait=wait)
     if wait:
         response.status_code = status.HTTP_200_OK
     return EventBatchAccepted(events=answers)

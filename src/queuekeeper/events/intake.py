@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import structlog
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
 
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
@@ -93,8 +93,15 @@ class _Group:
 
 
 class Intake:
-    def __init__(self, engine: AsyncEngine, settings: Settings, signals: OutboxSignals) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        sessions: async_sessionmaker[AsyncSession],
+        settings: Settings,
+        signals: OutboxSignals,
+    ) -> None:
         self.engine = engine
+        self.sessions = sessions  # for `?wait=true`, which reads the copies' states
         self.settings = settings
         self.signals = signals
         self.relay: Receiver | None = None  # set when this process starts its relay
