@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 import aio_pika
+import pytest
 from fastapi import FastAPI
 from prometheus_client import REGISTRY
 from sqlalchemy import delete, select
@@ -461,3 +462,37 @@ async def test_many_small_pages_join_exactly(
     assert {entry.state for entry in entries} == {"ok"}
     again = await jobs.run(Job.RECONCILE, Trigger.API)
     assert again.changed == {}
+
+
+@pytest.mark.settings(reconcile_delete_concurrency=3)
+async def test_orphans_are_deleted_a_few_at_a_time(
+    app: FastAPI, backend: Backend, operator: Operator, management: ManagementClient
+) -> None:
+    agent, subscription, _queue = await registered_queue(backend)
+    orphans = [
+        topology.queue_name(uuid.UUID(subscription["uuid"]), uuid.uuid4(), "resource")
+        for _ in range(9)
+    ]
+    for orphan in orphans:
+        await management.put_queue(agent.vhost, orphan, arguments=SPEC_ARGUMENTS)
+    provisioner = state_of(app).jobs.context.provisioner
+    real_delete = provisioner.delete_queue
+    running, most = 0, 0
+
+    async def delete_queue(vhost: str, name: str) -> bool:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            await asyncio.sleep(0.05)  # a slow broker: the deletes overlap if allowed to
+            return await real_delete(vhost, name)
+        finally:
+            running -= 1
+
+    provisioner.delete_queue = delete_queue  # type: ignore[method-assign]
+    run = await operator.reconcile()
+
+    assert run["changed"] == {"orphans_deleted": 9}
+    assert most == 3  # overlapping, but never more than reconcile_delete_concurrency
+    for orphan in orphans:
+        assert await management.get_queue(agent.vhost, orphan) is None
