@@ -280,6 +280,22 @@ class KeepAliveClient:
             writer.close()
 
 
+async def confirm_times(dsn: str, prefix: str) -> list[float]:
+    """Accept-to-confirm of the published copies of events whose id starts with `prefix`,
+    as the service stamped it (the event's `accepted`, the copy's `finished`)."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        rows = await connection.fetch(
+            "SELECT extract(epoch FROM d.finished - e.accepted) AS seconds "
+            "FROM deliveries d JOIN events e ON e.event_id = d.event_id "
+            "WHERE e.event_id LIKE $1 AND d.state = 'published'",
+            prefix + "%",
+        )
+    finally:
+        await connection.close()
+    return [float(row["seconds"]) for row in rows]
+
+
 async def latency(service: Service, dsn: str) -> dict[str, float]:
     """Single events at a steady LATENCY_RATE per second, fan-out 1."""
     offering = uuid.uuid4()
@@ -323,17 +339,7 @@ async def latency(service: Service, dsn: str) -> dict[str, float]:
     await client.close()
     await service.drained()
     cpu_per_event = (service.cpu_seconds() - cpu) / count
-    connection = await asyncpg.connect(dsn)
-    try:
-        rows = await connection.fetch(
-            "SELECT extract(epoch FROM d.finished - e.accepted) AS seconds "
-            "FROM deliveries d JOIN events e ON e.event_id = d.event_id "
-            "WHERE e.event_id LIKE $1 AND d.state = 'published'",
-            prefix + "%",
-        )
-    finally:
-        await connection.close()
-    confirm = sorted(float(row["seconds"]) for row in rows)
+    confirm = sorted(await confirm_times(dsn, prefix))
     round_trips.sort()
     return {
         "rate": count / sent_for,

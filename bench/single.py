@@ -44,7 +44,7 @@ import aio_pika
 import asyncpg
 
 from bench._support import bench_database, free_port, remove_broker_objects
-from bench.publish import TOKEN, KeepAliveClient, Profiler, Service, _payload
+from bench.publish import TOKEN, KeepAliveClient, Profiler, Service, _payload, confirm_times
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings
@@ -284,22 +284,6 @@ async def _sessions(dsn: str, database: str) -> int:
     return int(value or 0)
 
 
-async def _confirm_times(dsn: str, prefix: str) -> list[float]:
-    """Accept-to-confirm as the service stamped it (the event's `accepted`, the copy's
-    `finished`): tells the relay's part from the consumer's."""
-    connection = await asyncpg.connect(dsn)
-    try:
-        rows = await connection.fetch(
-            "SELECT extract(epoch FROM d.finished - e.accepted) AS seconds "
-            "FROM deliveries d JOIN events e ON e.event_id = d.event_id "
-            "WHERE e.event_id LIKE $1 AND d.state = 'published'",
-            prefix + "%",
-        )
-    finally:
-        await connection.close()
-    return [float(row["seconds"]) for row in rows]
-
-
 async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     database = dsn.rsplit("/", 1)[1]
     management = ManagementClient(settings)
@@ -375,7 +359,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
             consumer,
             sessions,
             log_lines,
-            lambda prefix: _confirm_times(dsn, prefix),
+            lambda prefix: confirm_times(dsn, prefix),
         )
         await run_step(qk, 100, 2)  # warm-up: connections, prepared statements
         print("queuekeeper (POST /api/internal/events/, one process, relay in it):")

@@ -160,7 +160,7 @@ async def test_wait_true_answers_a_copy_handed_to_the_relay_as_published(
 
 @pytest.mark.settings(relay_enabled=False, events_accept_max_wait=0.001)
 async def test_when_stored_events_lag_behind_new_requests_are_refused_at_once(
-    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+    client: httpx.AsyncClient, backend: Backend
 ) -> None:
     # Requests behind a transaction of more than a millisecond are refused.
     refused, _accepted = await _burst(client, backend, 40)
