@@ -165,3 +165,21 @@ async def test_when_stored_events_lag_behind_new_requests_are_refused_at_once(
     # Requests behind a transaction of more than a millisecond are refused.
     refused, _accepted = await _burst(client, backend, 40)
     assert "overloaded" in refused[0].json()["detail"]
+
+
+@pytest.mark.settings(relay_enabled=False)
+async def test_a_stopping_relay_gives_back_copies_handed_to_it_but_not_published(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    await post_event(client, order_event(registered.offering))
+    state: AppState = app.state.queuekeeper
+    relay = Relay(state.settings, state.engine, AmqpPublisher(state.settings), state.provisioner)
+    relay.hand_over(await relay.claim())  # claimed for it, as the intake writes them
+    await relay.stop()
+    async with state.engine.connect() as connection:
+        now = utcnow()
+        taken = await outbox.claim(connection, "next", now, now + timedelta(seconds=5), 10)
+        await connection.commit()
+    # Due at once for the next relay, not after the 30 s lease; not counted as an attempt.
+    assert [item.attempts for item in taken] == [1]

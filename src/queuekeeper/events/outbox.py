@@ -249,6 +249,29 @@ async def renew(
     return set(result.scalars())
 
 
+_RELEASE = (
+    update(DELIVERIES)
+    .where(
+        DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
+        DELIVERIES.c.state == IS_PENDING,
+        DELIVERIES.c.claimed_by == bindparam("b_relay"),
+    )
+    .values(
+        claimed_by=None,
+        claimed_until=None,
+        next_attempt_at=bindparam("b_now", type_=_WHEN),
+        # Not an attempt: nothing was published.
+        attempts=DELIVERIES.c.attempts - 1,
+    )
+)
+
+
+async def release(session: Executor, relay_id: str, ids: Collection[int], now: datetime) -> None:
+    """Give back `relay_id`'s claim on copies it never published: due again at once."""
+    if ids:
+        await session.execute(_RELEASE, {"b_ids": list(ids), "b_relay": relay_id, "b_now": now})
+
+
 async def existing_queues(session: Executor, queue_uuids: Collection[uuid.UUID]) -> set[uuid.UUID]:
     if not queue_uuids:
         return set()

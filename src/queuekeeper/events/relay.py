@@ -136,14 +136,31 @@ class Relay:
         """Stop claiming; let batches in flight finish for up to `grace` seconds."""
         self.request_stop()
         self.signals.accepted.forget(self._on_accepted)
-        if not self._tasks:
-            return
-        _done, pending = await asyncio.wait(self._tasks, timeout=grace)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        log.info("relay_stopped", relay=self.id, cut_short=len(pending))
+        pending: set[asyncio.Task[None]] = set()
+        if self._tasks:
+            _done, pending = await asyncio.wait(self._tasks, timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._tasks = []
+        released = await self._release_handed()
+        log.info("relay_stopped", relay=self.id, cut_short=len(pending), released=released)
+
+    async def _release_handed(self) -> int:
+        """Give back copies handed over but not started, so another relay publishes them
+        now rather than when their lease runs out (a restart would delay them by it)."""
+        handed, self._handed = self._handed, []
+        if not handed:
+            return 0
+        try:
+            async with self.engine.connect() as connection:
+                await outbox.release(connection, self.id, [item.id for item in handed], utcnow())
+        except Exception as exc:  # the lease gives them back anyway
+            log.warning("relay_release_failed", relay=self.id, error=repr(exc)[:500])
+            return 0
+        for item in handed:
+            self._held.pop(item.id, None)
+        return len(handed)
 
     async def wait_stopped(self) -> None:
         """Return once `request_stop` was called (by a signal handler, say)."""
