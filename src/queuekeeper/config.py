@@ -193,7 +193,7 @@ class Settings(BaseSettings):
         "`events_batch_max`, or a full batch is refused whenever anything else waits.",
     )
     events_accept_max_wait: float = Field(
-        default=0.5,
+        default=1.0,
         gt=0,
         description="Seconds an accept request may wait to be stored; while the oldest waiting "
         "request has waited longer (the process is starved of CPU, the database is slow), new "

@@ -59,7 +59,7 @@ class Receiver(Protocol):
 
     id: str
 
-    def takes_handoff(self, count: int) -> bool: ...
+    def takes_handoff(self) -> bool: ...
 
     def hand_over(self, claimed: list[Claimed]) -> None: ...
 
@@ -165,7 +165,7 @@ class Intake:
         for attempt in range(ATTEMPTS):
             now = utcnow()
             lease = None
-            if relay is not None and relay.takes_handoff(len(group)):
+            if relay is not None and relay.takes_handoff():
                 lease = (relay.id, now + timedelta(seconds=self.settings.relay_lease_seconds))
             try:
                 async with self.engine.begin() as connection:

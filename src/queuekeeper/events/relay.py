@@ -175,9 +175,9 @@ class Relay:
         self._wake.notify()
 
     # --- copies handed over by the accept path of this process ---------------------------
-    def takes_handoff(self, count: int) -> bool:
-        """Whether to write `count` more requests' copies claimed for this relay: not when
-        stopping, nor when a batch's worth already waits (they then go to the outbox
+    def takes_handoff(self) -> bool:
+        """Whether the next accepted copies are to be written claimed for this relay: not
+        when stopping, nor when a batch's worth already waits (they then go to the outbox
         unclaimed, for whichever relay is free)."""
         return not self._stopping.is_set() and len(self._handed) < self.settings.relay_batch_size
 
@@ -394,16 +394,18 @@ class Relay:
 
     async def _settle(self, settlement: _Settlement) -> None:
         now = utcnow()
+        rejected = sum(len(ids) for ids in settlement.rejected.values())
         async with self.engine.connect() as connection:
             await outbox.finish(connection, settlement.published, DeliveryState.PUBLISHED, now)
             for error, ids in settlement.rejected.items():
                 await outbox.finish(connection, ids, DeliveryState.REJECTED, now, error)
             await outbox.give_up(connection, settlement.given_up, now)
+            # Counted as soon as written (each statement commits on its own), before the
+            # connection's release lets a `?wait=true` waiter see the rows and answer.
+            DELIVERIES.labels(outcome="published").inc(len(settlement.published))
+            DELIVERIES.labels(outcome="rejected").inc(rejected)
+            DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
             await outbox.reschedule(connection, self.id, settlement.retries)
-        DELIVERIES.labels(outcome="published").inc(len(settlement.published))
-        rejected = sum(len(ids) for ids in settlement.rejected.values())
-        DELIVERIES.labels(outcome="rejected").inc(rejected)
-        DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
         if rejected or settlement.given_up:
             log.warning(
                 "deliveries_not_published",
