@@ -98,25 +98,38 @@ async def test_the_relay_of_the_process_publishes_accepted_copies_without_a_clai
     assert claims == 0  # handed over in memory: no poll (60 s away) and no claim query
 
 
+async def _relay_with_a_claim(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, **changes: Any
+) -> tuple[Relay, list[outbox.Claimed]]:
+    """A relay (not started) that claimed one accepted copy and holds it unpublished."""
+    registered = await register(backend)
+    await post_event(client, order_event(registered.offering))
+    state: AppState = app.state.queuekeeper
+    settings = state.settings.model_copy(update=changes)
+    relay = Relay(settings, state.engine, AmqpPublisher(settings), state.provisioner)
+    return relay, await relay.claim()
+
+
+async def _claimable(app: FastAPI) -> list[outbox.Claimed]:
+    """What another relay can claim right now."""
+    async with app.state.queuekeeper.engine.connect() as connection:
+        now = utcnow()
+        taken = await outbox.claim(connection, "other", now, now + timedelta(seconds=5), 10)
+        await connection.commit()
+    return taken
+
+
 @pytest.mark.settings(relay_enabled=False)
 async def test_a_busy_relay_renews_its_leases_so_no_other_relay_takes_its_copies(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
-    registered = await register(backend)
-    await post_event(client, order_event(registered.offering))
-    state: AppState = app.state.queuekeeper
-    settings = state.settings.model_copy(update={"relay_lease_seconds": 1.5})
-    relay = Relay(settings, state.engine, AmqpPublisher(settings), state.provisioner)
-    claimed = await relay.claim()  # held, not published: as if the process were busy
+    # Held, not published: as if the process were busy.
+    relay, claimed = await _relay_with_a_claim(app, client, backend, relay_lease_seconds=1.5)
     assert len(claimed) == 1
     await asyncio.sleep(0.8)
     assert await relay.renew_leases() == 1
     await asyncio.sleep(0.9)  # the first lease has run out; the renewed one has not
-    async with state.engine.connect() as connection:
-        now = utcnow()
-        taken = await outbox.claim(connection, "other", now, now + timedelta(seconds=5), 10)
-        await connection.commit()
-    assert taken == []
+    assert await _claimable(app) == []
 
 
 async def _burst(
@@ -172,15 +185,8 @@ async def test_when_stored_events_lag_behind_new_requests_are_refused_at_once(
 async def test_a_stopping_relay_gives_back_copies_handed_to_it_but_not_published(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
-    registered = await register(backend)
-    await post_event(client, order_event(registered.offering))
-    state: AppState = app.state.queuekeeper
-    relay = Relay(state.settings, state.engine, AmqpPublisher(state.settings), state.provisioner)
-    relay.hand_over(await relay.claim())  # claimed for it, as the intake writes them
+    relay, claimed = await _relay_with_a_claim(app, client, backend)
+    relay.hand_over(claimed)  # claimed for it, as the intake writes them
     await relay.stop()
-    async with state.engine.connect() as connection:
-        now = utcnow()
-        taken = await outbox.claim(connection, "next", now, now + timedelta(seconds=5), 10)
-        await connection.commit()
     # Due at once for the next relay, not after the 30 s lease; not counted as an attempt.
-    assert [item.attempts for item in taken] == [1]
+    assert [item.attempts for item in await _claimable(app)] == [1]

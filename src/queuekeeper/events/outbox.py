@@ -222,19 +222,16 @@ async def reschedule(
     )
 
 
-_RENEW = (
-    update(DELIVERIES)
-    .where(
-        DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
-        DELIVERIES.c.state == IS_PENDING,
-        DELIVERIES.c.claimed_by == bindparam("b_relay"),
-    )
-    .values(
-        claimed_until=bindparam("b_lease", type_=_WHEN),
-        next_attempt_at=bindparam("b_lease", type_=_WHEN),
-    )
-    .returning(DELIVERIES.c.id)
+# Copies `b_ids` still pending and still claimed by relay `b_relay` (nobody took them over).
+_HELD = update(DELIVERIES).where(
+    DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
+    DELIVERIES.c.state == IS_PENDING,
+    DELIVERIES.c.claimed_by == bindparam("b_relay"),
 )
+_RENEW = _HELD.values(
+    claimed_until=bindparam("b_lease", type_=_WHEN),
+    next_attempt_at=bindparam("b_lease", type_=_WHEN),
+).returning(DELIVERIES.c.id)
 
 
 async def renew(
@@ -249,20 +246,12 @@ async def renew(
     return set(result.scalars())
 
 
-_RELEASE = (
-    update(DELIVERIES)
-    .where(
-        DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
-        DELIVERIES.c.state == IS_PENDING,
-        DELIVERIES.c.claimed_by == bindparam("b_relay"),
-    )
-    .values(
-        claimed_by=None,
-        claimed_until=None,
-        next_attempt_at=bindparam("b_now", type_=_WHEN),
-        # Not an attempt: nothing was published.
-        attempts=DELIVERIES.c.attempts - 1,
-    )
+_RELEASE = _HELD.values(
+    claimed_by=None,
+    claimed_until=None,
+    next_attempt_at=bindparam("b_now", type_=_WHEN),
+    # Not an attempt: nothing was published.
+    attempts=DELIVERIES.c.attempts - 1,
 )
 
 
