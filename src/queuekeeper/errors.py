@@ -96,8 +96,7 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
             detail = (
                 f"No such endpoint: {path}. Paths end with a slash: did you mean {path}/ ?"
                 if not path.endswith("/")
-                else f"No such endpoint: {path}. Paths end with a slash, "
-                "e.g. /api/event-subscriptions/."
+                else f"No such endpoint: {path}. See /docs for the routes this server has."
             )
         return JSONResponse({"detail": detail}, exc.status_code, headers=exc.headers)
 

@@ -63,5 +63,16 @@ async def service_caller(header: AuthorizationHeader, session: SessionDep, state
     raise Unauthorized("Invalid service token.", scheme="Bearer")
 
 
+async def agent_or_service(
+    request: Request, header: AuthorizationHeader, session: SessionDep, state: StateDep
+) -> User | None:
+    """An agent (its user) or the backend/an operator (None) with a service token."""
+    if is_service_token(_credentials(header), state.settings.service_tokens):
+        return None
+    return await current_user(request, header, session, state)
+
+
 CurrentUser = Annotated[User, Depends(current_user)]
+# None for a service token: routes that show an agent its own things show an operator all.
+AgentOrService = Annotated[User | None, Depends(agent_or_service)]
 ServiceCaller = Depends(service_caller)

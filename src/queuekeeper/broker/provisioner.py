@@ -179,6 +179,58 @@ class Provisioner:
     async def delete_subscription_user(self, subscription_uuid: uuid.UUID) -> bool:
         return await self.management.delete_user(topology.subscription_user_name(subscription_uuid))
 
+    # --- consumer broker users (SPEC 9) ----------------------------------------------------
+    # The same shape as a subscription's user: password = the owner's API token (in
+    # RabbitMQ's hash format), tagged ours, and read on its own queue only.
+    async def ensure_consumer_user(
+        self, vhost: str, consumer_uuid: uuid.UUID, password_hash: str | None
+    ) -> None:
+        await self.set_consumer_password(consumer_uuid, password_hash)
+        await self.put_consumer_permissions(vhost, consumer_uuid)
+
+    async def put_consumer_permissions(self, vhost: str, consumer_uuid: uuid.UUID) -> None:
+        await self._put_reader_permissions(
+            vhost,
+            topology.consumer_user_name(consumer_uuid),
+            topology.consumer_permissions(consumer_uuid),
+        )
+
+    async def set_consumer_password(
+        self, consumer_uuid: uuid.UUID, password_hash: str | None
+    ) -> None:
+        await self._put_reader_user(topology.consumer_user_name(consumer_uuid), password_hash)
+
+    async def consumer_user_intact(self, vhost: str, consumer_uuid: uuid.UUID) -> bool:
+        return await self._user_intact(vhost, topology.consumer_user_name(consumer_uuid))
+
+    async def delete_consumer_user(self, consumer_uuid: uuid.UUID) -> bool:
+        return await self.management.delete_user(topology.consumer_user_name(consumer_uuid))
+
+    async def _put_reader_user(self, name: str, password_hash: str | None) -> None:
+        await self.management.put_user(
+            # An empty hash means "no password login": used when the owner has no token.
+            name,
+            password_hash=password_hash or "",
+            tags=[self.settings.instance_tag],
+        )
+
+    async def _put_reader_permissions(
+        self, vhost: str, name: str, permissions: topology.Permissions
+    ) -> None:
+        try:
+            await self.management.put_permissions(vhost, name, permissions)
+        except ManagementNotFound as exc:
+            if not exc.vhost_not_found:
+                raise
+            await self.ensure_vhost(vhost)
+            await self.management.put_permissions(vhost, name, permissions)
+
+    async def _user_intact(self, vhost: str, name: str) -> bool:
+        """The broker user exists and holds permissions in the vhost."""
+        if await self.management.get_user(name) is None:
+            return False
+        return await self.management.get_permissions(vhost, name) is not None
+
     # --- queues ------------------------------------------------------------------------
     async def ensure_queue(self, vhost: str, name: str) -> QueueOutcome:
         """Declare a subscription queue with exactly our arguments.
