@@ -191,7 +191,9 @@ async def _make_real(
                     "The identity, an offering or the consumer was deleted while the queue "
                     "was being registered; register again."
                 ) from exc
-            # A concurrent first registration of the same identity committed first.
+            # A concurrent first registration of the same identity committed first. End the
+            # read with a commit: the guard's rollback would expire what is returned.
+            await session.commit()
             return winner, False
         except BaseException:
             await session.rollback()

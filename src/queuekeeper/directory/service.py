@@ -6,6 +6,8 @@ Every call is idempotent, so the backend can simply retry after a 503.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -15,10 +17,11 @@ from queuekeeper.auth.tokens import token_digest
 from queuekeeper.broker.management import BrokerUnavailable, ManagementError
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.directory import repository
 from queuekeeper.directory.schemas import OfferingPut, UserPut
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
-from queuekeeper.models import Offering, OfferingAccess, User
+from queuekeeper.models import EventConsumer, EventSubscription, Offering, OfferingAccess, User
 from queuekeeper.subscriptions.service import (
     BrokerLeftovers,
     collect_leftovers,
@@ -87,26 +90,36 @@ async def put_user(
 
 
 async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner, user: User) -> int:
-    """Give every subscription's broker user the owner's current password; returns how many."""
-    stale = await repository.subscriptions_needing_password(
-        session, user.uuid, user.broker_password_hash
+    """Give the broker user of every subscription and consumer of the user the owner's
+    current password; returns how many."""
+    password_hash = user.broker_password_hash
+    subscriptions = await repository.subscriptions_needing_password(
+        session, user.uuid, password_hash
     )
-    for subscription in stale:
+    consumers = await consumers_repository.needing_password(session, user.uuid, password_hash)
+    changes: list[tuple[EventSubscription | EventConsumer, Callable[[], Awaitable[None]]]] = [
+        (s, partial(provisioner.set_subscription_password, s.uuid, password_hash))
+        for s in subscriptions
+    ] + [(c, partial(provisioner.set_consumer_password, c.uuid, password_hash)) for c in consumers]
+    for row, change in changes:
         try:
-            await provisioner.set_subscription_password(
-                subscription.uuid, user.broker_password_hash
-            )
+            await change()
         except (BrokerUnavailable, ManagementError) as exc:
             await session.commit()
             raise Unavailable(
                 "The user was saved, but RabbitMQ could not be given the new token as the "
                 f"broker password ({exc}); repeat the same PUT to finish."
             ) from exc
-        subscription.broker_password_hash = user.broker_password_hash
+        row.broker_password_hash = password_hash
     await session.commit()
-    if stale:
-        log.info("broker_passwords_updated", user=user.uuid.hex, subscriptions=len(stale))
-    return len(stale)
+    if changes:
+        log.info(
+            "broker_passwords_updated",
+            user=user.uuid.hex,
+            subscriptions=len(subscriptions),
+            consumers=len(consumers),
+        )
+    return len(changes)
 
 
 async def delete_user(
