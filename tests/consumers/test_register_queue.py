@@ -328,3 +328,13 @@ async def test_consumer_credentials_read_their_queue_and_nothing_else(
     assert await refused(f"/queue/{made_up}")  # creating one
     assert await management.get_queue(agent.vhost, made_up) is None
     assert not await refused(f"/amq/queue/{mine['queue_name']}")  # control: its own
+
+
+async def test_no_body_at_all_reads_as_an_empty_object(backend: Backend) -> None:
+    agent, offering = await backend.agent_with_offering()
+    identity = await new_identity(agent, offering)
+    response = await agent.client.post(
+        f"{IDENTITIES}{identity}/register_queue/", headers=agent.headers
+    )
+    assert response.status_code == 201, response.text
+    assert sorted(response.json()["observable_object_types"]) == CLIENT_812_ENUM

@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response, status
+from fastapi import APIRouter, Body, Depends, Request, Response, status
 
 from queuekeeper.auth.dependencies import AgentOrService, CurrentUser
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
@@ -77,7 +77,8 @@ async def register_queue(
     user: CurrentUser,
     session: SessionDep,
     provisioner: ProvisionerDep,
-    body: QueueRegistration | None = None,
+    # No body at all reads as `{}` (keep the filter), as Waldur's serializer does.
+    body: Annotated[QueueRegistration, Body(default_factory=QueueRegistration)],
 ) -> RegistrationOut:
     consumer, created = await service.register_queue(
         session, provisioner, user, _identity_uuid(identity_uuid), body

@@ -64,15 +64,16 @@ async def with_scopes(
 ) -> EventConsumer | None:
     """The owner's consumer (not an agent identity's) bound to exactly these offerings."""
     wanted = set(offerings)
+    bound = select(EventConsumerScope.consumer_uuid).where(
+        EventConsumerScope.offering_uuid.in_(wanted)
+    )
     candidates = await session.scalars(
         select(EventConsumer)
-        .join(EventConsumerScope, EventConsumerScope.consumer_uuid == EventConsumer.uuid)
         .where(
             EventConsumer.user_uuid == owner_uuid,
             EventConsumer.agent_identity_uuid.is_(None),
-            EventConsumerScope.offering_uuid.in_(wanted),
+            EventConsumer.uuid.in_(bound),
         )
-        .distinct()
         .order_by(EventConsumer.created, EventConsumer.uuid)
     )
     for consumer in candidates:

@@ -52,7 +52,7 @@ async def register_queue(
     provisioner: Provisioner,
     user: User,
     identity_uuid: uuid.UUID,
-    body: QueueRegistration | None,
+    body: QueueRegistration,
 ) -> tuple[EventConsumer, bool]:
     """waldur-site-agent 1.0.7's one set-up call: the identity's consumer; True when new."""
     found = await repository.identity_with_owner(session, identity_uuid)
@@ -71,7 +71,7 @@ async def register_queue(
     wanted = _Wanted(
         owner=user,
         offerings=[identity.offering_uuid],
-        object_types=body.object_types if body is not None else None,
+        object_types=body.object_types,
         identity_uuid=identity.uuid,
     )
     existing = await repository.of_identity(session, identity.uuid)
