@@ -131,6 +131,8 @@ async def delete_user(
     leftovers = await collect_leftovers(
         session, await repository.subscriptions_of_user(session, user_uuid)
     )
+    # Its consumers go by cascade; their queues and broker users are removed below.
+    leftovers.add_consumers(await consumers_repository.of_owner(session, user_uuid))
     leftovers.owner_uuids.add(user_uuid)
     await session.delete(user)
     await session.commit()
@@ -167,11 +169,24 @@ async def delete_offering(
     if offering is None:
         return
     queues = await repository.queues_of_offering(session, offering_uuid)
-    await session.delete(offering)  # grants and queue rows go by cascade
+    # Consumers bound to it alone go with it; others only lose it as a scope (cascade).
+    consumers = await consumers_repository.scoped_only_to(session, offering_uuid)
+    for consumer in consumers:
+        await session.delete(consumer)
+    # Before the offering: its deletion cascades to identities and so to these consumers.
+    await session.flush()
+    await session.delete(offering)  # grants, queue rows, identities go by cascade
     await session.commit()
-    log.info("offering_deleted", offering=offering_uuid.hex, queues=len(queues))
+    log.info(
+        "offering_deleted",
+        offering=offering_uuid.hex,
+        queues=len(queues),
+        consumers=len(consumers),
+    )
     await remove_leftovers(
-        session, provisioner, BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+        session,
+        provisioner,
+        BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues]).add_consumers(consumers),
     )
 
 
@@ -207,12 +222,25 @@ async def revoke_access(
     # FOR SHARE until it commits its row, so the list below includes that row.
     grant = await repository.get_grant(session, user_uuid, offering_uuid, lock=True)
     queues = await repository.queues_of_user_for_offering(session, user_uuid, offering_uuid)
+    # The user's consumers bound to this offering alone are deleted; those bound to others
+    # too only lose this scope. register_queue holds the grant FOR SHARE until it commits.
+    consumers = await consumers_repository.scoped_only_to(session, offering_uuid, user_uuid)
+    gone = {consumer.uuid for consumer in consumers}
+    scopes = await consumers_repository.scopes_of_owner_for(session, user_uuid, offering_uuid)
     if grant is not None:
         await session.delete(grant)
-    for queue in queues:
-        await session.delete(queue)
+    for row in [*queues, *consumers, *(s for s in scopes if s.consumer_uuid not in gone)]:
+        await session.delete(row)
     await session.commit()
-    log.info("access_revoked", user=user_uuid.hex, offering=offering_uuid.hex, queues=len(queues))
+    log.info(
+        "access_revoked",
+        user=user_uuid.hex,
+        offering=offering_uuid.hex,
+        queues=len(queues),
+        consumers=len(consumers),
+    )
     await remove_leftovers(
-        session, provisioner, BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+        session,
+        provisioner,
+        BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues]).add_consumers(consumers),
     )

@@ -19,6 +19,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.identities import repository
 from queuekeeper.identities.schemas import (
@@ -179,9 +180,11 @@ async def delete_identity(
     session: AsyncSession, provisioner: Provisioner, user: User, identity: AgentIdentity
 ) -> None:
     """Deletes the identity and the subscriptions registered through it, with their queues
-    and broker users: nothing else would ever clean them up."""
+    and broker users, and its consumer (which goes by cascade) with its queue and broker
+    user: nothing else would ever clean them up."""
     owned = await repository.subscriptions_of_identity(session, user.uuid, identity.uuid)
     leftovers = await subscriptions.collect_leftovers(session, owned)
+    leftovers.add_consumers(await consumers_repository.of_identities(session, [identity.uuid]))
     for subscription in owned:
         await session.delete(subscription)
     await session.delete(identity)
