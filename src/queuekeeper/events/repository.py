@@ -28,15 +28,18 @@ from sqlalchemy import (
     delete,
     exists,
     func,
+    literal,
     literal_column,
+    null,
     or_,
     select,
+    union_all,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from queuekeeper.models import Base, Event, EventSubscriptionQueue
+from queuekeeper.models import Base, Event, EventConsumer, EventSubscriptionQueue
 
 EVENTS: Table = Base.metadata.tables["events"]
 DELIVERIES: Table = Base.metadata.tables["deliveries"]
@@ -63,14 +66,26 @@ SUBSCRIPTIONS: Table = Base.metadata.tables["event_subscriptions"]
 QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
 
 
+CONSUMERS: Table = Base.metadata.tables["event_consumers"]
+SCOPES: Table = Base.metadata.tables["event_consumer_scopes"]
+SUBSCRIPTION = "subscription"
+CONSUMER = "consumer"
+
+
 @dataclass(frozen=True)
 class SubscriptionQueueRow:
-    """A subscription whose owner may receive events of `offering_uuid` now, with its queue
-    for one of the requested object types (None when it registered none)."""
+    """Someone whose owner may receive events of `offering_uuid` now.
 
-    subscription_uuid: uuid.UUID
+    `kind` SUBSCRIPTION: a subscription (`recipient_uuid`) with `filter` = its observable
+    objects, and its queue for one of the requested object types (queue fields None when
+    it registered none). `kind` CONSUMER: a consumer scoped to the offering, `filter` = its
+    object types (empty = all), `queue_name`/`vhost` its one queue, `queue_uuid` None.
+    """
+
+    kind: str
+    recipient_uuid: uuid.UUID
     owner_uuid: uuid.UUID
-    observable_objects: list[Any]
+    filter: list[Any]
     offering_uuid: uuid.UUID
     queue_uuid: uuid.UUID | None
     object_type: str | None
@@ -78,46 +93,72 @@ class SubscriptionQueueRow:
     vhost: str | None
 
 
+def _reachable_owner() -> ColumnElement[bool]:
+    """The grant's user is active and their token has not expired."""
+    return and_(
+        ACCESS.c.offering_uuid.in_(bindparam("access_offerings", expanding=True)),
+        USERS.c.is_active.is_(True),
+        or_(
+            USERS.c.token_expires_at.is_(None),
+            USERS.c.token_expires_at > bindparam("now", type_=USERS.c.token_expires_at.type),
+        ),
+    )
+
+
 def _recipients_statement() -> Select[Any]:
-    reachable = (
-        select(
-            ACCESS.c.offering_uuid,
-            SUBSCRIPTIONS.c.uuid.label("subscription_uuid"),
-            SUBSCRIPTIONS.c.user_uuid,
-            SUBSCRIPTIONS.c.observable_objects,
-            QUEUES.c.uuid.label("queue_uuid"),
-            QUEUES.c.object_type,
-            QUEUES.c.queue_name,
-            QUEUES.c.vhost,
-        )
-        .select_from(
-            ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
-            .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
-            .outerjoin(
-                QUEUES,
-                and_(
-                    QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
-                    QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
-                    QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
-                ),
-            )
-        )
-        .where(
-            ACCESS.c.offering_uuid.in_(bindparam("access_offerings", expanding=True)),
-            USERS.c.is_active.is_(True),
-            or_(
-                USERS.c.token_expires_at.is_(None),
-                USERS.c.token_expires_at > bindparam("now", type_=USERS.c.token_expires_at.type),
+    subscriptions = select(
+        literal(SUBSCRIPTION, String).label("kind"),
+        ACCESS.c.offering_uuid,
+        SUBSCRIPTIONS.c.uuid.label("recipient_uuid"),
+        SUBSCRIPTIONS.c.user_uuid,
+        SUBSCRIPTIONS.c.observable_objects.label("filter"),
+        QUEUES.c.uuid.label("queue_uuid"),
+        QUEUES.c.object_type,
+        QUEUES.c.queue_name,
+        QUEUES.c.vhost,
+    ).select_from(
+        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
+        .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
+        .outerjoin(
+            QUEUES,
+            and_(
+                QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
+                QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
+                QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
             ),
         )
-        .subquery("reachable")
     )
+    consumers = select(
+        literal(CONSUMER, String).label("kind"),
+        ACCESS.c.offering_uuid,
+        CONSUMERS.c.uuid.label("recipient_uuid"),
+        CONSUMERS.c.user_uuid,
+        CONSUMERS.c.object_types.label("filter"),
+        null().cast(QUEUES.c.uuid.type).label("queue_uuid"),
+        null().cast(QUEUES.c.object_type.type).label("object_type"),
+        CONSUMERS.c.queue_name,
+        CONSUMERS.c.vhost,
+    ).select_from(
+        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
+        .join(SCOPES, SCOPES.c.offering_uuid == ACCESS.c.offering_uuid)
+        .join(
+            CONSUMERS,
+            and_(
+                CONSUMERS.c.uuid == SCOPES.c.consumer_uuid,
+                CONSUMERS.c.user_uuid == ACCESS.c.user_uuid,
+            ),
+        )
+    )
+    reachable = union_all(
+        subscriptions.where(_reachable_owner()), consumers.where(_reachable_owner())
+    ).subquery("reachable")
     return (
         select(
             OFFERINGS.c.uuid,
-            reachable.c.subscription_uuid,
+            reachable.c.kind,
+            reachable.c.recipient_uuid,
             reachable.c.user_uuid,
-            reachable.c.observable_objects,
+            reachable.c.filter,
             reachable.c.queue_uuid,
             reachable.c.object_type,
             reachable.c.queue_name,
@@ -138,8 +179,9 @@ async def recipients_of(
     object_types: Collection[str],
     now: datetime,
 ) -> tuple[set[uuid.UUID], list[SubscriptionQueueRow]]:
-    """The known offerings among `offering_uuids`, and every subscription of an active
-    owner with access to one of them joined with its queues for the object types.
+    """The known offerings among `offering_uuids`, and every subscription (joined with its
+    queues for the object types) and every consumer of an active owner with access to one
+    of them.
 
     One query for a whole request, whatever its fan-out: the offerings left-joined
     with who may receive their events (an unknown offering yields no row at all).
@@ -156,21 +198,13 @@ async def recipients_of(
     )
     known: set[uuid.UUID] = set()
     rows: list[SubscriptionQueueRow] = []
-    for (
-        offering,
-        subscription,
-        owner,
-        observable,
-        queue,
-        object_type,
-        name,
-        vhost,
-    ) in result:
+    for offering, kind, recipient, *rest in result:
         known.add(offering)
-        if subscription is not None:
+        if recipient is not None:
+            owner, filter_, queue, object_type, name, vhost = rest
             rows.append(
                 SubscriptionQueueRow(
-                    subscription, owner, observable, offering, queue, object_type, name, vhost
+                    kind, recipient, owner, filter_, offering, queue, object_type, name, vhost
                 )
             )
     return known, rows
@@ -247,6 +281,7 @@ class Claimed:
     id: int
     event_id: str
     queue_uuid: uuid.UUID | None
+    consumer_uuid: uuid.UUID | None
     queue_name: str
     vhost: str
     attempts: int
@@ -262,6 +297,7 @@ _DELIVERY_COLUMNS = (
     DELIVERIES.c.id,
     DELIVERIES.c.event_id,
     DELIVERIES.c.queue_uuid,
+    DELIVERIES.c.consumer_uuid,
     DELIVERIES.c.queue_name,
     DELIVERIES.c.vhost,
     DELIVERIES.c.attempts,
@@ -427,11 +463,16 @@ async def reschedule(
     )
 
 
-async def existing_queues(session: Executor, queue_uuids: Collection[uuid.UUID]) -> set[uuid.UUID]:
-    if not queue_uuids:
+async def existing_targets(
+    session: Executor, target_uuids: Collection[uuid.UUID]
+) -> set[uuid.UUID]:
+    """Of these subscription queue and consumer uuids, the ones whose row still exists."""
+    if not target_uuids:
         return set()
     rows = await session.scalars(
-        select(EventSubscriptionQueue.uuid).where(EventSubscriptionQueue.uuid.in_(queue_uuids))
+        select(EventSubscriptionQueue.uuid)
+        .where(EventSubscriptionQueue.uuid.in_(target_uuids))
+        .union_all(select(EventConsumer.uuid).where(EventConsumer.uuid.in_(target_uuids)))
     )
     return set(rows)
 
@@ -453,6 +494,11 @@ async def outbox_stats(session: Executor, now: datetime) -> tuple[int, int, date
     if oldest is not None and oldest.tzinfo is None:
         oldest = oldest.replace(tzinfo=now.tzinfo)
     return int(row[0]), int(row[1]), oldest
+
+
+async def consumer_count(session: Executor) -> int:
+    """Consumers registered (the `queuekeeper_consumers` gauge)."""
+    return int(await session.scalar(select(func.count()).select_from(CONSUMERS)) or 0)
 
 
 async def prune_events(session: Executor, cutoff: datetime, limit: int = 1000) -> int:

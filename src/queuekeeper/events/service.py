@@ -27,6 +27,7 @@ from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
+    COPIES,
     EVENTS_ACCEPTED,
     EVENTS_DUPLICATE,
     SKIPPED_UNREGISTERED,
@@ -117,28 +118,64 @@ def _lists_type(observable_objects: list[Any], offering_uuid: uuid.UUID, object_
     return False
 
 
+@dataclass(frozen=True)
+class Copy:
+    """One outbox copy: to a subscription's queue (`queue_uuid`) or a consumer's."""
+
+    queue_uuid: uuid.UUID | None
+    consumer_uuid: uuid.UUID | None
+    queue_name: str
+    vhost: str
+
+    @property
+    def kind(self) -> str:
+        return "consumer" if self.consumer_uuid is not None else "legacy"
+
+
 @dataclass
 class _Recipients:
-    queues: list[tuple[uuid.UUID, str, str]]  # (queue uuid, name, vhost)
+    copies: list[Copy]
     skipped: list[uuid.UUID]  # subscriptions with no queue registered
 
 
+@dataclass(frozen=True)
+class _Consumer:
+    owner: uuid.UUID
+    object_types: frozenset[str]  # empty: every type
+    copy: Copy
+
+
 class RecipientIndex:
-    """Who receives what, from the one query's rows; the rest is done in memory."""
+    """Who receives what, from the one query's rows; the rest is done in memory.
+
+    A consumer receives an event of its offering when its filter holds the type. Its
+    owner's legacy queues get no copy of that event (SPEC 9, as Waldur does): an agent
+    upgraded from 1.0.5 to 1.0.7 must not fill the per-type queues it no longer reads,
+    and a user on both protocols gets each event once.
+    """
 
     def __init__(self, rows: Sequence[SubscriptionQueueRow]) -> None:
         self._subscriptions: dict[uuid.UUID, dict[uuid.UUID, tuple[uuid.UUID, list[Any]]]] = (
             defaultdict(dict)
         )
-        self._queues: dict[tuple[uuid.UUID, uuid.UUID, str], tuple[uuid.UUID, str, str]] = {}
+        self._queues: dict[tuple[uuid.UUID, uuid.UUID, str], Copy] = {}
+        self._consumers: dict[uuid.UUID, dict[uuid.UUID, _Consumer]] = defaultdict(dict)
         for row in rows:
-            self._subscriptions[row.offering_uuid][row.subscription_uuid] = (
+            if row.kind == repository.CONSUMER:
+                if row.queue_name and row.vhost:
+                    self._consumers[row.offering_uuid][row.recipient_uuid] = _Consumer(
+                        row.owner_uuid,
+                        frozenset(str(t) for t in row.filter or []),
+                        Copy(None, row.recipient_uuid, row.queue_name, row.vhost),
+                    )
+                continue
+            self._subscriptions[row.offering_uuid][row.recipient_uuid] = (
                 row.owner_uuid,
-                list(row.observable_objects or []),
+                list(row.filter or []),
             )
             if row.queue_uuid is not None and row.object_type and row.queue_name and row.vhost:
-                key = (row.subscription_uuid, row.offering_uuid, row.object_type)
-                self._queues[key] = (row.queue_uuid, row.queue_name, row.vhost)
+                key = (row.recipient_uuid, row.offering_uuid, row.object_type)
+                self._queues[key] = Copy(row.queue_uuid, None, row.queue_name, row.vhost)
         self._cache: dict[tuple[Any, ...], _Recipients] = {}
 
     def recipients(
@@ -149,13 +186,20 @@ class RecipientIndex:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        found = _Recipients(queues=[], skipped=[])
+        found = _Recipients(copies=[], skipped=[])
+        served: set[uuid.UUID] = set()  # owners a consumer of theirs receives this for
+        for consumer in self._consumers[offering_uuid].values():
+            if users is not None and consumer.owner not in users:
+                continue
+            if not consumer.object_types or object_type in consumer.object_types:
+                found.copies.append(consumer.copy)
+                served.add(consumer.owner)
         for subscription_uuid, (owner, observable) in self._subscriptions[offering_uuid].items():
-            if users is not None and owner not in users:
+            if (users is not None and owner not in users) or owner in served:
                 continue
             queue = self._queues.get((subscription_uuid, offering_uuid, object_type))
             if queue is not None:
-                found.queues.append(queue)
+                found.copies.append(queue)
             elif _lists_type(observable, offering_uuid, object_type):
                 found.skipped.append(subscription_uuid)
         self._cache[key] = found
@@ -225,7 +269,7 @@ async def _store(
                 "user_uuids": [u.hex for u in event.user_uuids]
                 if event.user_uuids is not None
                 else None,
-                "queued": len(found.queues),
+                "queued": len(found.copies),
                 "skipped_unregistered": len(found.skipped),
                 "accepted": now,
             }
@@ -234,9 +278,10 @@ async def _store(
     delivery_rows = [
         {
             "event_id": event_id,
-            "queue_uuid": queue_uuid,
-            "queue_name": name,
-            "vhost": vhost,
+            "queue_uuid": copy.queue_uuid,
+            "consumer_uuid": copy.consumer_uuid,
+            "queue_name": copy.queue_name,
+            "vhost": copy.vhost,
             "state": repository.PENDING,
             "attempts": 0,
             "next_attempt_at": now,
@@ -244,7 +289,7 @@ async def _store(
         }
         for event_id in first_of
         if event_id in inserted
-        for queue_uuid, name, vhost in recipients[event_id].queues
+        for copy in recipients[event_id].copies
     ]
     await repository.insert_deliveries(session, delivery_rows)
     earlier = await repository.event_counts(session, set(first_of) - inserted)
@@ -255,7 +300,7 @@ async def _store(
         new = event_id in inserted and first_of[event_id] == position
         found = recipients[event_id]
         if event_id in inserted:
-            queued, skipped = len(found.queues), len(found.skipped)
+            queued, skipped = len(found.copies), len(found.skipped)
         else:
             queued, skipped = earlier.get(event_id, (0, 0))
         answers.append(
@@ -271,6 +316,14 @@ async def _store(
                 object_type=event.object_type,
                 subscriptions=[s.hex for s in found.skipped],
             )
+    for kind in ("legacy", "consumer"):
+        COPIES.labels(kind=kind, stage="queued").inc(
+            sum(
+                1
+                for row in delivery_rows
+                if (row["consumer_uuid"] is not None) == (kind == "consumer")
+            )
+        )
     new_count = sum(1 for answer in answers if not answer.duplicate)
     EVENTS_ACCEPTED.inc(new_count)
     EVENTS_DUPLICATE.inc(len(answers) - new_count)
