@@ -34,14 +34,20 @@ class QueueStateOut(BaseModel):
     vhost: str
     state: str = Field(
         description="`ok`; `missing` (registered, not on the broker); `drifted` (present with "
-        "other arguments: see `differences`); `unregistered` (a `subscription_*` queue nothing "
-        "registered); `foreign_vhost` (its vhost is not tagged as this installation's)."
+        "other arguments: see `differences`); `unregistered` (a `subscription_*` or "
+        "`consumer_*` queue nothing registered); `foreign_vhost` (its vhost is not tagged as "
+        "this installation's)."
     )
     registered: bool
     uuid: HexUUID | None = Field(default=None, description="The registration, when there is one.")
     event_subscription_uuid: HexUUID | None = None
     offering_uuid: HexUUID | None = None
     object_type: str | None = None
+    consumer_uuid: HexUUID | None = Field(
+        default=None,
+        description="Set on a consumer's queue (`consumer_<hex>`, SPEC 9), which carries every "
+        "type its filter holds; `uuid` is then the consumer's too.",
+    )
     present: bool | None = Field(description="On the broker; null when its vhost is not ours.")
     arguments_ok: bool | None = Field(description="Null when not present.")
     differences: list[str] = Field(description="How the broker's queue differs from SPEC 3.")

@@ -30,11 +30,12 @@ from queuekeeper.observability.metrics import RECONCILE_ITEMS
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.access import (
     BrokerAccess,
+    check_consumer,
     check_service_permissions,
     check_subscription,
 )
 from queuekeeper.reconcile.listing import differences, vhost_queues
-from queuekeeper.reconcile.repository import SubscriptionAccess
+from queuekeeper.reconcile.repository import ConsumerAccess, SubscriptionAccess
 from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
@@ -78,6 +79,7 @@ async def reconcile(state: AppState, run: Run) -> None:
         for group in chunked(todo, VHOST_GROUP):
             owners = [owner for owner in map(repository.owner_of, group) if owner is not None]
             subscriptions = await repository.subscriptions_of_owners(reader, owners)
+            consumers = await repository.consumers_of_owners(reader, owners)
             for vhost in group:
                 owner = repository.owner_of(vhost)
                 await reconcile_vhost(
@@ -88,6 +90,7 @@ async def reconcile(state: AppState, run: Run) -> None:
                     vhost,
                     broker_vhosts.get(vhost),
                     subscriptions.get(owner, []) if owner else [],
+                    consumers.get(owner, []) if owner else [],
                 )
                 done += 1
                 run.report("vhosts", done, len(todo))
@@ -106,6 +109,7 @@ async def reconcile_vhost(
     vhost: str,
     info: dict[str, Any] | None,
     subscriptions: list[SubscriptionAccess],
+    consumers: list[ConsumerAccess],
 ) -> None:
     provisioner = state.provisioner
     if info is not None and not provisioner.owns(info):
@@ -133,6 +137,9 @@ async def reconcile_vhost(
     for subscription in subscriptions:
         async with run.item(f"broker user {subscription.uuid.hex}"):
             await check_subscription(state, run, access, vhost, subscription)
+    for consumer in consumers:
+        async with run.item(f"broker user {consumer.uuid.hex}"):
+            await check_consumer(state, run, access, vhost, consumer)
     async with run.item(f"{vhost} queues"):
         await reconcile_queues(state, run, reader, vhost)
 
@@ -150,7 +157,7 @@ async def reconcile_queues(state: AppState, run: Run, reader: AsyncSession, vhos
             if queue.row is None:
                 if queue.name == settings.dlq_name:
                     dead_letter_queue = queue.broker
-                elif queue.name.startswith(topology.SUBSCRIPTION_QUEUE_PREFIX):
+                elif topology.is_registered_kind(queue.name):  # subscription_* or consumer_*
                     orphans.append(queue.name)
                 # Any other queue is not queuekeeper's to judge.
             elif queue.broker is None:
@@ -173,10 +180,11 @@ async def reconcile_queues(state: AppState, run: Run, reader: AsyncSession, vhos
 async def delete_orphans(
     state: AppState, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
 ) -> None:
-    """Delete `subscription_*` queues nobody registered, re-checked under the vhost's lock.
+    """Delete `subscription_*` and `consumer_*` queues nobody registered, re-checked under
+    the vhost's lock.
 
-    A create_queue holds the same lock, shared, from before it declares its queue
-    until its row is committed: once we hold it exclusively, every queue that
+    A create_queue or register_queue holds the same lock, shared, from before it declares
+    its queue until its row is committed: once we hold it exclusively, every queue that
     exists has either its row committed (and we see it) or no create_queue behind it.
     """
     for batch in chunked(names, DELETE_BATCH):

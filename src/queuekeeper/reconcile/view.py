@@ -1,5 +1,6 @@
-"""The operator's view of the queues: every registered queue joined with the broker's view,
-plus the `subscription_*` queues nobody registered. Read-only; the same page-by-page
+"""The operator's view of the queues: every registered queue (subscriptions' and consumers')
+joined with the broker's view, plus the `subscription_*` and `consumer_*` queues nobody
+registered. Read-only; the same page-by-page
 join as reconcile, so memory holds one page whatever the size."""
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _hex(value: object) -> str | None:
 
 def _entry(state: AppState, vhost: str, queue: ListedQueue) -> QueueStateOut | None:
     row, broker = queue.row, queue.broker
-    if row is None and not queue.name.startswith(topology.SUBSCRIPTION_QUEUE_PREFIX):
+    if row is None and not topology.is_registered_kind(queue.name):
         return None  # the dead-letter queue (see /api/admin/dead-letters/) or not ours
     found = differences(state.provisioner.queue_arguments, broker) if broker else []
     if row is None:
@@ -67,6 +68,7 @@ def _entry(state: AppState, vhost: str, queue: ListedQueue) -> QueueStateOut | N
         event_subscription_uuid=row.subscription_uuid if row else None,
         offering_uuid=row.offering_uuid if row else None,
         object_type=row.object_type if row else None,
+        consumer_uuid=row.uuid if row and row.consumer else topology.consumer_of(queue.name),
         present=broker is not None,
         arguments_ok=(not found) if broker is not None else None,
         differences=found,
@@ -117,6 +119,7 @@ async def _foreign(reader: AsyncSession, page: int, vhost: str) -> AsyncIterator
                 event_subscription_uuid=row.subscription_uuid,
                 offering_uuid=row.offering_uuid,
                 object_type=row.object_type,
+                consumer_uuid=row.uuid if row.consumer else None,
                 present=None,
                 arguments_ok=None,
                 differences=[],
