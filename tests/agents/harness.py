@@ -21,6 +21,20 @@ from queuekeeper.config import Settings
 from tests.conftest import SERVICE_TOKEN
 
 RUNNER = Path(__file__).with_name("agent_runner.py")
+# What waldur-site-agent 1.0.7 asks register_queue for with every feature on, in its order
+# (site-agent-1.0.7-contract.md, section 1).
+AGENT_107_TYPES = [
+    "order",
+    "resource_api_key_rotation",
+    "user_role",
+    "resource",
+    "service_account",
+    "course_account",
+    "offering_user",
+    "offering_resources_sync",
+    "importable_resources",
+    "resource_periodic_limits",
+]
 
 
 def _hex() -> str:

@@ -21,6 +21,7 @@ import pytest
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from tests.agents.harness import (
+    AGENT_107_TYPES,
     RunningAgent,
     Server,
     agent_config,
@@ -32,19 +33,6 @@ from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Agent, Backend
 
 IDENTITIES = "/api/marketplace-site-agent-identities/"
-# What 1.0.7 asks for with every feature on, in its order (contract 1).
-ALL_TYPES = [
-    "order",
-    "resource_api_key_rotation",
-    "user_role",
-    "resource",
-    "service_account",
-    "course_account",
-    "offering_user",
-    "offering_resources_sync",
-    "importable_resources",
-    "resource_periodic_limits",
-]
 # With only an order backend configured.
 ORDER_TYPES = ["order", "resource_api_key_rotation"]
 INITIAL_PROCESSING = "--initial-processing"
@@ -151,7 +139,7 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
             first_rest = sum(server.log.seconds)
             (consumer,) = status["consumers"]
             assert consumer["connected"], first.log_tail()
-            assert consumer["observable_object_types"] == ALL_TYPES
+            assert consumer["observable_object_types"] == AGENT_107_TYPES
             assert consumer["vhost"] == agent.vhost
             queue = consumer["queue_name"]
             assert queue == f"consumer_{consumer['rmq_username']}"
@@ -161,8 +149,8 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
                 first_requests
             )
 
-            sent = await publish_every_type(http, offering, queue, ALL_TYPES)
-            received = await first.wait_received(len(ALL_TYPES))
+            sent = await publish_every_type(http, offering, queue, AGENT_107_TYPES)
+            received = await first.wait_received(len(AGENT_107_TYPES))
             assert_received_once_intact(received, sent, offering, queue, first.log_tail())
             before = await broker_snapshot(management, settings, agent.vhost)
             assert [name for name, _ in before["queues"]] == sorted([queue, "waldur.dlq.messages"])
@@ -187,8 +175,8 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
             assert await broker_snapshot(management, settings, agent.vhost) == before
             (early,) = await second.wait_received(1)
             assert json.loads(early["body"])["order_uuid"] == waiting["order_uuid"]
-            sent = await publish_every_type(http, offering, queue, ALL_TYPES)
-            received = (await second.wait_received(1 + len(ALL_TYPES)))[1:]
+            sent = await publish_every_type(http, offering, queue, AGENT_107_TYPES)
+            received = (await second.wait_received(1 + len(AGENT_107_TYPES)))[1:]
             assert_received_once_intact(received, sent, offering, queue, second.log_tail())
         finally:
             await second.stop()

@@ -16,6 +16,7 @@ from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.events.payloads import OBJECT_TYPES
 from queuekeeper.models import EventConsumer
+from tests.agents.harness import AGENT_107_TYPES
 from tests.helpers import Agent, Backend
 from tests.identities.test_identities import IDENTITIES, register
 from tests.stomp_client import StompConsumer
@@ -27,19 +28,6 @@ QUEUE_ARGUMENTS = {
     "x-dead-letter-exchange": "",
     "x-dead-letter-routing-key": "waldur.dlq.messages",
 }
-# What 1.0.7 sends with every feature on, in its order (contract 1).
-AGENT_107_TYPES = [
-    "order",
-    "resource_api_key_rotation",
-    "user_role",
-    "resource",
-    "service_account",
-    "course_account",
-    "offering_user",
-    "offering_resources_sync",
-    "importable_resources",
-    "resource_periodic_limits",
-]
 CLIENT_812_ENUM = sorted(
     [
         *AGENT_107_TYPES,

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from sqlalchemy import ColumnElement, exists, literal, null, or_, select, union_all, update
@@ -26,6 +26,9 @@ class QueueRow:
     offering_uuid: UUID | None
     object_type: str | None
     consumer: bool = False
+
+
+A = TypeVar("A", "ConsumerAccess", "SubscriptionAccess")
 
 
 @dataclass(frozen=True)
@@ -147,45 +150,33 @@ async def subscriptions_of_owners(
     session: AsyncSession, owners: Sequence[UUID]
 ) -> dict[UUID, list[SubscriptionAccess]]:
     """One query for a whole group of vhosts' owners."""
-    found: dict[UUID, list[SubscriptionAccess]] = {owner: [] for owner in owners}
-    if not owners:
-        return found
-    result = await session.execute(
-        select(
-            EventSubscription.uuid,
-            EventSubscription.broker_state,
-            EventSubscription.user_uuid,
-            User.broker_password_hash,
-        )
-        .join(User, User.uuid == EventSubscription.user_uuid)
-        .where(EventSubscription.user_uuid.in_(list(owners)))
-        .order_by(EventSubscription.user_uuid, EventSubscription.uuid)
-    )
-    for row in result.all():
-        found[row.user_uuid].append(SubscriptionAccess(*row))
-    return found
+    return await _access_of_owners(session, EventSubscription, SubscriptionAccess, owners)
 
 
 async def consumers_of_owners(
     session: AsyncSession, owners: Sequence[UUID]
 ) -> dict[UUID, list[ConsumerAccess]]:
     """One query for a whole group of vhosts' owners."""
-    found: dict[UUID, list[ConsumerAccess]] = {owner: [] for owner in owners}
+    return await _access_of_owners(session, EventConsumer, ConsumerAccess, owners)
+
+
+async def _access_of_owners(
+    session: AsyncSession,
+    model: type[EventSubscription] | type[EventConsumer],
+    record: type[A],
+    owners: Sequence[UUID],
+) -> dict[UUID, list[A]]:
+    found: dict[UUID, list[A]] = {owner: [] for owner in owners}
     if not owners:
         return found
     result = await session.execute(
-        select(
-            EventConsumer.uuid,
-            EventConsumer.broker_state,
-            EventConsumer.user_uuid,
-            User.broker_password_hash,
-        )
-        .join(User, User.uuid == EventConsumer.user_uuid)
-        .where(EventConsumer.user_uuid.in_(list(owners)))
-        .order_by(EventConsumer.user_uuid, EventConsumer.uuid)
+        select(model.uuid, model.broker_state, model.user_uuid, User.broker_password_hash)
+        .join(User, User.uuid == model.user_uuid)
+        .where(model.user_uuid.in_(list(owners)))
+        .order_by(model.user_uuid, model.uuid)
     )
     for row in result.all():
-        found[row.user_uuid].append(ConsumerAccess(*row))
+        found[row.user_uuid].append(record(*row))
     return found
 
 
