@@ -60,6 +60,8 @@ async def test_register_list_get_delete(
     listed = await client.get(CONSUMERS, headers=agent.headers)
     assert listed.status_code == 200
     assert listed.headers["X-Result-Count"] == "2"
+    counted = await client.head(CONSUMERS, headers=agent.headers)
+    assert (counted.status_code, counted.headers["X-Result-Count"]) == (200, "2")
     items = listed.json()
     assert all(set(item) >= EVENT_CONSUMER_KEYS for item in items)
     first_item = next(i for i in items if i["rmq_username"] == answer["rmq_username"])

@@ -147,6 +147,26 @@ async def list_event_consumers(
     return [ConsumerOut.from_row(row) for row in rows]
 
 
+@router.head(
+    "/api/event-consumers/",
+    summary="Count event consumers",
+    description="`X-Result-Count`: how many `GET /api/event-consumers/` would list (what "
+    "waldur-api-client's `event_consumers_count` reads).",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "No body; the count is in `X-Result-Count`.",
+            "headers": {"X-Result-Count": {"schema": {"type": "integer"}}},
+            "content": None,
+        },
+        **error_responses(401),
+    },
+)
+async def count_event_consumers(caller: AgentOrService, session: SessionDep) -> Response:
+    _rows, total = await service.list_consumers(session, caller, offset=0, limit=0)
+    return Response(status_code=status.HTTP_200_OK, headers={"X-Result-Count": str(total)})
+
+
 @router.get(
     "/api/event-consumers/{consumer_uuid}/",
     summary="Get an event consumer",
