@@ -133,37 +133,26 @@ class Provisioner:
         return deleted
 
     # --- subscription broker users ------------------------------------------------
+    # A subscription's and a consumer's broker users (below) are made the same way: the
+    # agent's STOMP login, password = the owner's API token, read on its own queues only.
     async def ensure_subscription_user(
         self, vhost: str, subscription_uuid: uuid.UUID, password_hash: str | None
     ) -> None:
-        """The agent's STOMP login: password = its API token, read on its own queues only."""
-        name = topology.subscription_user_name(subscription_uuid)
-        await self.management.put_user(
-            # An empty hash means "no password login": used when the owner has no token.
-            name,
-            password_hash=password_hash or "",
-            tags=[self.settings.instance_tag],
-        )
+        await self.set_subscription_password(subscription_uuid, password_hash)
         await self.put_subscription_permissions(vhost, subscription_uuid)
 
     async def put_subscription_permissions(self, vhost: str, subscription_uuid: uuid.UUID) -> None:
-        name = topology.subscription_user_name(subscription_uuid)
-        permissions = topology.subscription_permissions(subscription_uuid)
-        try:
-            await self.management.put_permissions(vhost, name, permissions)
-        except ManagementNotFound as exc:
-            if not exc.vhost_not_found:
-                raise
-            await self.ensure_vhost(vhost)
-            await self.management.put_permissions(vhost, name, permissions)
+        await self._put_reader_permissions(
+            vhost,
+            topology.subscription_user_name(subscription_uuid),
+            topology.subscription_permissions(subscription_uuid),
+        )
 
     async def set_subscription_password(
         self, subscription_uuid: uuid.UUID, password_hash: str | None
     ) -> None:
-        await self.management.put_user(
-            topology.subscription_user_name(subscription_uuid),
-            password_hash=password_hash or "",
-            tags=[self.settings.instance_tag],
+        await self._put_reader_user(
+            topology.subscription_user_name(subscription_uuid), password_hash
         )
 
     async def subscription_user_intact(self, vhost: str, subscription_uuid: uuid.UUID) -> bool:
@@ -171,17 +160,12 @@ class Provisioner:
 
         Without either the agent cannot log in or cannot read its queues.
         """
-        name = topology.subscription_user_name(subscription_uuid)
-        if await self.management.get_user(name) is None:
-            return False
-        return await self.management.get_permissions(vhost, name) is not None
+        return await self._user_intact(vhost, topology.subscription_user_name(subscription_uuid))
 
     async def delete_subscription_user(self, subscription_uuid: uuid.UUID) -> bool:
         return await self.management.delete_user(topology.subscription_user_name(subscription_uuid))
 
     # --- consumer broker users (SPEC 9) ----------------------------------------------------
-    # The same shape as a subscription's user: password = the owner's API token (in
-    # RabbitMQ's hash format), tagged ours, and read on its own queue only.
     async def ensure_consumer_user(
         self, vhost: str, consumer_uuid: uuid.UUID, password_hash: str | None
     ) -> None:
