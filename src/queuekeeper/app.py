@@ -18,6 +18,7 @@ from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.consumers.endpoints import router as consumers_router
 from queuekeeper.db import create_engine, create_sessionmaker
+from queuekeeper.deadletters import service as deadletters
 from queuekeeper.deadletters.endpoints import router as dead_letters_router
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
@@ -28,11 +29,15 @@ from queuekeeper.events.relay import Relay
 from queuekeeper.health.endpoints import router as health_router
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
+from queuekeeper.jobs.endpoints import router as runs_router
+from queuekeeper.jobs.runs import Job, JobContext, JobRunner, JobSpec, JobTable
 from queuekeeper.jobs.scheduler import JobScheduler
 from queuekeeper.observability.endpoints import MULTIPROC_ENV
 from queuekeeper.observability.endpoints import router as metrics_router
 from queuekeeper.observability.http import ObservabilityMiddleware
 from queuekeeper.observability.metrics import observe_management_call
+from queuekeeper.reconcile import service as reconcile
+from queuekeeper.reconcile import stale
 from queuekeeper.reconcile.endpoints import router as admin_router
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
@@ -79,25 +84,52 @@ may carry `X-Request-ID`; the response always does, and every log line of the re
 """
 
 
+# --- the job table: what the scheduler, the admin API and the CLI can run ----------------
+JOBS: JobTable = {
+    Job.RECONCILE: JobSpec(
+        Job.RECONCILE,
+        reconcile.reconcile,
+        interval=lambda settings: settings.reconcile_interval_seconds,
+        on_change=reconcile.count_change,
+    ),
+    Job.CLEANUP_STALE: JobSpec(
+        Job.CLEANUP_STALE,
+        stale.cleanup_stale,
+        interval=lambda settings: settings.stale_cleanup_interval_seconds,
+        on_change=reconcile.count_change,
+    ),
+    Job.REDRIVE: JobSpec(
+        Job.REDRIVE,
+        deadletters.redrive,
+        interval=lambda settings: settings.redrive_interval_seconds,
+        on_change=deadletters.count_change,
+    ),
+}
+
+
 def build_state(settings: Settings) -> AppState:
     engine = create_engine(settings)
     management = ManagementClient(settings, observer=observe_management_call)
+    sessions = create_sessionmaker(engine)
+    provisioner = Provisioner(management, settings)
+    context = JobContext(settings, engine, sessions, management, provisioner)
     return AppState(
         settings=settings,
         engine=engine,
-        sessions=create_sessionmaker(engine),
+        sessions=sessions,
         management=management,
-        provisioner=Provisioner(management, settings),
+        provisioner=provisioner,
+        # Opens nothing until used; readiness probes the broker through it.
+        publisher=AmqpPublisher(settings),
+        jobs=JobRunner(context, JOBS),
     )
 
 
 def start_relay(state: AppState) -> Relay:
-    """The outbox relay and its AMQP publisher, in this process (`queuekeeper relay` too)."""
+    """The outbox relay, in this process (`queuekeeper relay` too)."""
     settings = state.settings
-    state.publisher = AmqpPublisher(settings)
-    # Its own small pool without pre-ping: the relay retries a statement that fails on
-    # a dead connection anyway, and a ping per statement would triple its round trips.
-    engine = create_engine(settings, pre_ping=False, pool_size=settings.relay_concurrency + 2)
+    # Its own small pool: the relay's statements never wait behind the API's requests.
+    engine = create_engine(settings, pool_size=settings.relay_concurrency + 2)
     state.relay_engine = engine
     relay = Relay(settings, engine, state.publisher, state.provisioner, state.signals)
     relay.start()
@@ -105,16 +137,45 @@ def start_relay(state: AppState) -> Relay:
     return relay
 
 
-async def stop_relay(state: AppState) -> None:
+def start_scheduler(state: AppState) -> JobScheduler:
+    scheduler = JobScheduler(state.jobs.context, JOBS)
+    scheduler.start()
+    state.scheduler = scheduler
+    return scheduler
+
+
+async def shutdown(state: AppState) -> None:
+    """Stop what started, last started first: jobs, relay, then the connections they used."""
+    if state.scheduler is not None:
+        await state.scheduler.stop()
+        state.scheduler = None
+    await state.jobs.stop()  # runs started with `Prefer: respond-async`
     if state.relay is not None:
         await state.relay.stop()
         state.relay = None
-    if state.publisher is not None:
-        await state.publisher.close()
-        state.publisher = None
     if state.relay_engine is not None:
         await state.relay_engine.dispose()
         state.relay_engine = None
+    await state.publisher.close()
+    await state.management.aclose()
+    await state.engine.dispose()
+
+
+@asynccontextmanager
+async def running(
+    settings: Settings, *, relay: bool = False, scheduler: bool = False
+) -> AsyncIterator[AppState]:
+    """The one start-up and shutdown: `serve` (through the lifespan), `relay`, and the CLI's
+    job and import commands all run inside it."""
+    state = build_state(settings)
+    try:
+        if relay:
+            start_relay(state)
+        if scheduler:
+            start_scheduler(state)
+        yield state
+    finally:
+        await shutdown(state)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -122,26 +183,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = build_state(settings)
-        app.state.queuekeeper = state
-        if settings.relay_enabled:
-            start_relay(state)
-        if settings.scheduler_enabled:
-            state.scheduler = JobScheduler(state)
-            state.scheduler.start()
-        log.info("queuekeeper_started", instance=settings.instance_name, pid=os.getpid())
-        try:
+        async with running(
+            settings, relay=settings.relay_enabled, scheduler=settings.scheduler_enabled
+        ) as state:
+            app.state.queuekeeper = state
+            log.info("queuekeeper_started", instance=settings.instance_name, pid=os.getpid())
             yield
-        finally:
-            if state.scheduler is not None:
-                await state.scheduler.stop()
-            await stop_relay(state)
-            await state.management.aclose()
-            await state.engine.dispose()
-            if os.environ.get(MULTIPROC_ENV):
-                # Drops this worker's live gauges (pool size, outbox depth) from the totals.
-                multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
-            log.info("queuekeeper_stopped")
+        if os.environ.get(MULTIPROC_ENV):
+            # Drops this worker's live gauges (pool size, outbox depth) from the totals.
+            multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+        log.info("queuekeeper_stopped")
 
     app = FastAPI(
         title="queuekeeper",
@@ -166,6 +217,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(consumers_router)
     app.include_router(identities_admin_router)
     app.include_router(admin_router)
+    app.include_router(runs_router)
     app.include_router(dead_letters_router)
     app.include_router(health_router)
     app.include_router(metrics_router)

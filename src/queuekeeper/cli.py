@@ -274,7 +274,7 @@ def import_directory(
     """Import users, offerings and access grants from a JSON file (idempotent)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from queuekeeper.app import build_state
+    from queuekeeper.app import running
     from queuekeeper.common.progress import Progress
     from queuekeeper.directory.importer import ImportReport
     from queuekeeper.directory.importer import import_directory as run_import
@@ -285,13 +285,9 @@ def import_directory(
     data = _read_directory_file(file)
 
     async def run() -> ImportReport:
-        state = build_state(settings)
-        try:
+        async with running(settings) as state:
             with Progress("import-directory", total=data.size) as progress:
-                return await run_import(state, data, progress.advance)
-        finally:
-            await state.management.aclose()
-            await state.engine.dispose()
+                return await run_import(state.sessions, state.provisioner, data, progress.advance)
 
     try:
         report = asyncio.run(run())
@@ -313,19 +309,15 @@ EXIT_SKIPPED = 3
 def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
     import asyncio
 
-    from queuekeeper.app import build_state
+    from queuekeeper.app import running
     from queuekeeper.common.progress import Phases
     from queuekeeper.logging import configure_logging
 
     configure_logging(get_settings(), level="WARNING")  # each change is in the run record below
 
     async def main(on_progress: Phases) -> Any:
-        state = build_state(get_settings())
-        try:
-            return await start(state, on_progress)
-        finally:
-            await state.management.aclose()
-            await state.engine.dispose()
+        async with running(get_settings()) as state:
+            return await start(state.jobs, on_progress)
 
     with Phases() as on_progress:
         record = asyncio.run(main(on_progress))
@@ -358,12 +350,11 @@ def reconcile(
     ),
 ) -> None:
     """Bring the broker in line with the database now (what the scheduled job does)."""
-    from queuekeeper.jobs.runs import Trigger
-    from queuekeeper.reconcile.service import run_reconcile
+    from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
-        lambda state, progress: run_reconcile(
-            state, Trigger.CLI, dry_run=dry_run, progress=progress
+        lambda jobs, progress: jobs.run(
+            Job.RECONCILE, Trigger.CLI, dry_run=dry_run, progress=progress
         )
     )
 
@@ -373,12 +364,11 @@ def cleanup_stale(
     dry_run: bool = typer.Option(False, "--dry-run", help="Report what would go; remove nothing."),
 ) -> None:
     """Remove subscriptions of inactive users and expired tokens, with their broker objects."""
-    from queuekeeper.jobs.runs import Trigger
-    from queuekeeper.reconcile.stale import run_cleanup_stale
+    from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
-        lambda state, progress: run_cleanup_stale(
-            state, Trigger.CLI, dry_run=dry_run, progress=progress
+        lambda jobs, progress: jobs.run(
+            Job.CLEANUP_STALE, Trigger.CLI, dry_run=dry_run, progress=progress
         )
     )
 
@@ -388,11 +378,13 @@ def redrive_dead_letters(
     vhost: str | None = typer.Option(None, help="Only this vhost (an owner's uuid hex)."),
 ) -> None:
     """Move dead letters back to their queues; give up (and record) those too old or orphaned."""
-    from queuekeeper.deadletters.service import run_redrive
-    from queuekeeper.jobs.runs import Trigger
+    from queuekeeper.deadletters.service import redrive_body
+    from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
-        lambda state, progress: run_redrive(state, Trigger.CLI, vhost=vhost, progress=progress)
+        lambda jobs, progress: jobs.run(
+            Job.REDRIVE, Trigger.CLI, progress=progress, body=redrive_body(vhost)
+        )
     )
 
 
@@ -409,9 +401,10 @@ def queues(
     from rich.console import Console
     from rich.table import Table
 
-    from queuekeeper.app import build_state
+    from queuekeeper.app import running
     from queuekeeper.logging import configure_logging
-    from queuekeeper.reconcile.view import QueueFilter, QueueState, queue_states
+    from queuekeeper.reconcile.schemas import QueueState
+    from queuekeeper.reconcile.view import QueueFilter, queue_states
 
     configure_logging(get_settings(), level="WARNING")
     try:
@@ -430,10 +423,9 @@ def queues(
         return str(value)
 
     async def main() -> int:
-        state = build_state(get_settings())
         count = 0
-        try:
-            async for entry in queue_states(state, wanted):
+        async with running(get_settings()) as state:
+            async for entry in queue_states(state.jobs.context, wanted):
                 count += 1
                 arguments = cell(entry.arguments_ok)
                 if entry.differences:
@@ -448,9 +440,6 @@ def queues(
                     cell(entry.messages),
                     cell(entry.consumers),
                 )
-        finally:
-            await state.management.aclose()
-            await state.engine.dispose()
         return count
 
     from queuekeeper.broker.management import ManagementError
@@ -480,7 +469,7 @@ def relay() -> None:
     import asyncio
     import signal
 
-    from queuekeeper.app import build_state, start_relay, stop_relay
+    from queuekeeper.app import running
     from queuekeeper.logging import configure_logging
 
     settings = get_settings()
@@ -488,17 +477,13 @@ def relay() -> None:
     _freeze_startup_objects()
 
     async def run() -> None:
-        state = build_state(settings)
-        relay = start_relay(state)
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, relay.request_stop)
-        typer.echo(f"relay {relay.id} running; Ctrl-C stops it", err=True)
-        try:
+        async with running(settings, relay=True) as state:
+            relay = state.relay
+            assert relay is not None  # started by running(relay=True)
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, relay.request_stop)
+            typer.echo(f"relay {relay.id} running; Ctrl-C stops it", err=True)
             await relay.wait_stopped()
-        finally:
-            await stop_relay(state)
-            await state.management.aclose()
-            await state.engine.dispose()
 
     asyncio.run(run())

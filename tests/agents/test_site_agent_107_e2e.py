@@ -247,7 +247,7 @@ async def test_107_filter_keeps_other_types_off_and_a_user_on_both_protocols_get
             assert json.loads(received["body"])["order_uuid"] == order["order_uuid"]
             depth = await management.get_queue(agent.vhost, legacy, columns="name,messages")
             assert depth is not None
-            assert not depth.get("messages")
+            assert not depth.messages
         finally:
             await running.stop()
         # Nothing more arrived: the resource event never reached the queue.

@@ -47,11 +47,11 @@ async def test_reconcile_restores_a_consumers_queue_user_and_permissions(
     assert await management.get_queue(vhost, orphan) is None
     restored = await management.get_queue(vhost, queue)
     assert restored is not None
-    assert restored["arguments"] == QUEUE_ARGUMENTS
+    assert restored.arguments == QUEUE_ARGUMENTS
     assert await management.get_user(user) is not None
     permissions = await management.get_permissions(vhost, user)
     assert permissions is not None
-    assert permissions["read"] == f"^{queue}$"
+    assert permissions.read == f"^{queue}$"
 
     # Drift: wider permissions and a queue re-made with other arguments while empty.
     await management.put_permissions(vhost, user, topology.SERVICE_PERMISSIONS)
@@ -62,8 +62,8 @@ async def test_reconcile_restores_a_consumers_queue_user_and_permissions(
     assert run["changed"]["drift_repaired"] == 1
     permissions = await management.get_permissions(vhost, user)
     assert permissions is not None
-    assert (permissions["configure"], permissions["write"]) == ("^$", "^$")
-    assert (await management.get_queue(vhost, queue) or {})["arguments"] == QUEUE_ARGUMENTS
+    assert (permissions.configure, permissions.write) == ("^$", "^$")
+    assert getattr(await management.get_queue(vhost, queue), "arguments", None) == QUEUE_ARGUMENTS
 
     # A consumer-like broker user of ours that no consumer owns is removed.
     stray = uuid.uuid4()
@@ -92,7 +92,7 @@ async def test_consumer_registered_during_a_run_is_never_deleted(
     registering = asyncio.create_task(register_queue(agent, identity))
     await asyncio.wait_for(declared.wait(), 10)
     page = await management.list_queues_page(agent.vhost, page=1, page_size=100)
-    (name,) = [q["name"] for q in page["items"] if q["name"].startswith("consumer_")]
+    (name,) = [q.name for q in page.items if q.name.startswith("consumer_")]
 
     listed = signal_listing(state.management, agent.vhost, monkeypatch)
     reconciling = asyncio.create_task(operator.reconcile())

@@ -69,10 +69,10 @@ async def broker_view(management: ManagementClient, vhost: str, user: str) -> di
     permissions = await management.get_permissions(vhost, user)
     return {
         "queues": sorted(
-            (item["name"], tuple(sorted(item["arguments"].items()))) for item in queues["items"]
+            (item.name, tuple(sorted(item.arguments.items()))) for item in queues.items
         ),
-        "user": (found or {}).get("password_hash"),
-        "permissions": {k: (permissions or {}).get(k) for k in ("configure", "write", "read")},
+        "user": found.password_hash if found else None,
+        "permissions": permissions.permissions.as_body() if permissions else None,
     }
 
 
@@ -98,15 +98,15 @@ async def test_first_start_makes_the_queue_and_user_a_restart_changes_nothing(
     # The broker side is real before the answer: queue (arguments read back), user, rights.
     queue = await management.get_queue(agent.vhost, answer["queue_name"])
     assert queue is not None
-    assert queue["arguments"] == QUEUE_ARGUMENTS
-    assert queue["durable"] is True
-    assert queue["auto_delete"] is False
+    assert queue.arguments == QUEUE_ARGUMENTS
+    assert queue.durable is True
+    assert queue.auto_delete is False
     user = await management.get_user(answer["rmq_username"])
     assert user is not None
-    assert settings.instance_tag in str(user["tags"])
+    assert settings.instance_tag in user.tags
     permissions = await management.get_permissions(agent.vhost, answer["rmq_username"])
     assert permissions is not None
-    assert (permissions["configure"], permissions["write"], permissions["read"]) == (
+    assert (permissions.configure, permissions.write, permissions.read) == (
         "^$",
         "^$",
         f"^{answer['queue_name']}$",
@@ -145,7 +145,7 @@ async def test_the_password_is_the_callers_current_token_on_every_call(
     assert (await register_queue(agent, identity)).status_code == 200
     user = await management.get_user(name)
     assert user is not None
-    assert user["password_hash"] != ""
+    assert user.password_hash != ""
     consumer = StompConsumer(agent.vhost, name, agent.token)
     await asyncio.to_thread(consumer.connect)
     consumer.close()
@@ -153,7 +153,7 @@ async def test_the_password_is_the_callers_current_token_on_every_call(
     rotated = await backend.put_user(agent.uuid, token="rotated-token-" + uuid.uuid4().hex)
     after = await management.get_user(name)
     assert after is not None
-    assert after["password_hash"] != user["password_hash"]
+    assert after.password_hash != user.password_hash
     consumer = StompConsumer(agent.vhost, name, rotated.token)
     await asyncio.to_thread(consumer.connect)
     consumer.close()
@@ -279,14 +279,10 @@ async def test_concurrent_first_registrations_end_with_one_consumer(
     assert len({a.json()["queue_name"] for a in answers}) == 1
     assert await consumer_rows(settings) == 1
     queues = await management.list_queues_page(agent.vhost, page=1, page_size=100)
-    assert [q["name"] for q in queues["items"] if q["name"].startswith("consumer_")] == [
+    assert [q.name for q in queues.items if q.name.startswith("consumer_")] == [
         answers[0].json()["queue_name"]
     ]
-    ours = {
-        u["name"]
-        for u in await management.list_users()
-        if settings.instance_tag in str(u.get("tags"))
-    }
+    ours = {u.name for u in await management.list_users() if settings.instance_tag in u.tags}
     assert ours == {answers[0].json()["rmq_username"]}
 
 

@@ -16,7 +16,8 @@ from structlog.testing import capture_logs
 
 from queuekeeper.app import create_app
 from queuekeeper.config import Settings
-from tests.netproxy import closed_port, tcp_proxy
+from tests.brokers import BROKER
+from tests.proxy import closed_port, tcp_proxy
 
 
 @asynccontextmanager
@@ -81,10 +82,10 @@ async def test_closed_ports_make_readiness_503_naming_amqp_and_management(
 
 
 async def test_readiness_follows_a_broker_outage_and_its_end(settings: Settings) -> None:
-    with tcp_proxy("127.0.0.1", 5672) as amqp, tcp_proxy("127.0.0.1", 15672) as management:
+    with tcp_proxy() as amqp, tcp_proxy(BROKER.host, BROKER.management_port) as management:
         proxied = settings.model_copy(
             update={
-                "amqp_url": f"amqp://guest:guest@127.0.0.1:{amqp.port}/",
+                "amqp_url": amqp.amqp_url(),
                 "management_url": f"http://127.0.0.1:{management.port}",
             }
         )
@@ -190,33 +191,20 @@ async def test_management_that_hangs_is_not_ready_within_the_timeout(settings: S
     assert elapsed < 3
 
 
-class _Publisher:
-    """A publisher as the publishing layer provides it: readiness asks it, not the URL."""
+async def test_readiness_reuses_one_broker_connection_and_reconnects_after_a_cut(
+    settings: Settings,
+) -> None:
+    with tcp_proxy() as amqp:
+        proxied = settings.model_copy(update={"amqp_url": amqp.amqp_url()})
+        async with serving(proxied) as (http, _state):
+            for _ in range(5):
+                assert (await http.get("/readyz")).status_code == 200
+            # Five probes, one AMQP connection: the publisher's, kept open between probes.
+            assert amqp.accepted == 1
 
-    def __init__(self, error: Exception | None) -> None:
-        self.error = error
-        self.probed = 0
-
-    async def probe(self) -> None:
-        self.probed += 1
-        if self.error is not None:
-            raise self.error
-
-    async def close(self) -> None:
-        """The lifespan closes the publisher on shutdown."""
-
-
-async def test_a_publisher_with_a_probe_answers_for_amqp(settings: Settings) -> None:
-    # The URL points nowhere: only the publisher's own probe can make amqp healthy.
-    nowhere = settings.model_copy(
-        update={"amqp_url": f"amqp://guest:guest@127.0.0.1:{closed_port()}/"}
-    )
-    async with serving(nowhere) as (http, state):
-        assert (await http.get("/readyz")).status_code == 503
-        state.publisher = _Publisher(None)
-        assert (await http.get("/readyz")).status_code == 200
-        state.publisher = _Publisher(ConnectionError("pool for vhost x lost its connection"))
-        response = await http.get("/readyz")
-        assert response.status_code == 503
-        assert "pool for vhost x" in response.json()["checks"]["amqp"]["error"]
-        assert state.publisher.probed == 1
+            amqp.sever()  # the broker drops the connection; the port still answers
+            response = await http.get("/readyz")
+            if response.status_code == 503:  # the cut may be noticed by this probe...
+                response = await http.get("/readyz")
+            assert response.status_code == 200  # ...and the next one reconnects
+            assert amqp.accepted == 2

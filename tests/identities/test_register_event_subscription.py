@@ -16,6 +16,7 @@ from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.models import EventSubscription
+from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Agent, Backend
 from tests.identities.test_identities import IDENTITIES, register
@@ -59,7 +60,7 @@ async def register_subscription(
 
 async def broker_users(management: ManagementClient, settings: Settings) -> set[str]:
     users = await management.list_users()
-    return {user["name"] for user in users if settings.instance_tag in str(user.get("tags"))}
+    return {user.name for user in users if settings.instance_tag in user.tags}
 
 
 async def stomp_login_works(agent: Agent, subscription_uuid: str) -> bool:
@@ -110,7 +111,7 @@ async def test_restart_returns_the_same_subscription_and_creates_nothing(
     queues = await management.list_queues_page(
         agent.vhost, page=1, page_size=100, name_prefix="subscription_"
     )
-    assert [item["name"] for item in queues["items"]] == [queue.json()["queue_name"]]
+    assert [item.name for item in queues.items] == [queue.json()["queue_name"]]
 
 
 async def test_reuse_resets_the_broker_password_to_the_callers_token(
@@ -141,7 +142,9 @@ async def _delete_user(management: ManagementClient, agent: Agent, name: str) ->
 
 async def _delete_permissions(management: ManagementClient, agent: Agent, name: str) -> None:
     async with httpx.AsyncClient(auth=("guest", "guest")) as http:
-        response = await http.delete(f"http://127.0.0.1:15672/api/permissions/{agent.vhost}/{name}")
+        response = await http.delete(
+            f"{BROKER.management_url}/api/permissions/{agent.vhost}/{name}"
+        )
         assert response.status_code == 204
 
 

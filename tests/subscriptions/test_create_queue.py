@@ -14,6 +14,7 @@ import structlog
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
+from tests.brokers import BROKER
 from tests.helpers import Backend
 from tests.stomp_client import StompConsumer
 
@@ -28,7 +29,7 @@ EXPECTED_ARGUMENTS = {
 
 async def _declare_bare_queue(vhost: str, name: str, messages: int = 0) -> None:
     """What RabbitMQ does when an agent subscribes first: a queue without arguments."""
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.declare_queue(name, durable=True)
@@ -57,7 +58,7 @@ async def test_repeat_re_creates_a_queue_deleted_behind_our_back(
     assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 200
     info = await management.get_queue(agent.vhost, queue["queue_name"])
     assert info is not None
-    assert info["arguments"] == EXPECTED_ARGUMENTS
+    assert info.arguments == EXPECTED_ARGUMENTS
 
 
 async def test_concurrent_identical_calls_give_one_201_and_200s(
@@ -87,7 +88,7 @@ async def test_queue_auto_created_without_arguments_is_repaired(
     assert response.status_code == 201, response.text
     info = await management.get_queue(agent.vhost, name)
     assert info is not None
-    assert info["arguments"] == EXPECTED_ARGUMENTS
+    assert info.arguments == EXPECTED_ARGUMENTS
     repaired = [entry for entry in logs if entry["event"] == "queue_repaired"]
     assert repaired
     assert "inequivalent arg" in repaired[0]["reason"]
@@ -109,7 +110,7 @@ async def test_queue_with_other_arguments_and_messages_is_a_409(
     assert "Drain it" in body["action"]
     info = await management.get_queue(agent.vhost, name)
     assert info is not None
-    assert info["arguments"] == {}  # left alone: it holds messages
+    assert info.arguments == {}  # left alone: it holds messages
     listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
     assert listed.json() == []  # and no row
 
@@ -256,4 +257,4 @@ async def test_concurrent_calls_repairing_the_same_queue_all_succeed(
     ]
     info = await management.get_queue(agent.vhost, name)
     assert info is not None
-    assert info["arguments"] == EXPECTED_ARGUMENTS
+    assert info.arguments == EXPECTED_ARGUMENTS

@@ -21,6 +21,7 @@ retries it later, and the next use of the vhost opens a fresh connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import ssl
 import time
@@ -184,6 +185,8 @@ class AmqpPublisher:
         self._slots = asyncio.Semaphore(settings.amqp_pool_size)
         self._lost: set[str] = set()
         self._closed = False
+        self._probe: AbstractConnection | None = None
+        self._probe_lock = asyncio.Lock()
 
     def url(self, vhost: str) -> str:
         return vhost_url(self.settings.amqp_url, vhost)
@@ -309,8 +312,32 @@ class AmqpPublisher:
             await self._drop(entry)
         return len(idle)
 
+    async def probe(self) -> None:
+        """Readiness: a channel opened and closed on one long-lived connection to the URL's
+        own vhost, so a probe costs a round trip, not a TCP and AMQP handshake. Raises when
+        the broker cannot be reached; the next probe connects again."""
+        async with self._probe_lock:
+            probe = self._probe
+            if probe is None or probe.is_closed or not probe.connected.is_set():
+                self._probe = None
+                if probe is not None:
+                    with contextlib.suppress(Exception):
+                        await probe.close()
+                probe = self._probe = await aio_pika.connect(
+                    self.settings.amqp_url,
+                    timeout=self.settings.readiness_timeout,
+                    ssl_context=self._ssl,
+                    client_properties={"connection_name": "queuekeeper readiness"},
+                )
+        channel = await probe.channel(publisher_confirms=False)
+        await channel.close()
+
     async def close(self) -> None:
         self._closed = True
+        if self._probe is not None:
+            with contextlib.suppress(Exception):
+                await self._probe.close()
+            self._probe = None
         entries = list(self._pool.values())
         self._pool.clear()
         AMQP_POOL_SIZE.set(0)

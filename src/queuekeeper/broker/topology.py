@@ -19,6 +19,7 @@ CONSUMER_QUEUE_RE = re.compile(r"^consumer_(?P<consumer>[0-9a-f]{32})$")
 # Every queue name queuekeeper makes starts with one of these; reconcile and the admin view
 # judge only those (the dead-letter queue and anything else are not registrations).
 REGISTERED_QUEUE_PREFIXES = (SUBSCRIPTION_QUEUE_PREFIX, CONSUMER_QUEUE_PREFIX)
+_UUID_HEX = re.compile(r"^[0-9a-f]{32}$")
 # Permissions are regexes matched against the whole name, so anchor both ends.
 NOTHING = "^$"
 EVERYTHING = ".*"
@@ -32,6 +33,20 @@ def vhost_name(owner_uuid: uuid.UUID) -> str:
 def subscription_user_name(subscription_uuid: uuid.UUID) -> str:
     """The agent logs in to STOMP with `login = <subscription uuid hex>`."""
     return subscription_uuid.hex
+
+
+def uuid_of(name: str) -> uuid.UUID | None:
+    """The user of a vhost, or the subscription of a broker user; None when it names none."""
+    try:
+        return uuid.UUID(hex=name)
+    except ValueError:
+        return None
+
+
+def named_like_subscription_user(name: str) -> bool:
+    """Exactly our form, a subscription's or a consumer's (a user that lost its tag is still
+    recognised as ours by its name)."""
+    return _UUID_HEX.match(name) is not None
 
 
 def queue_name(subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_type: str) -> str:

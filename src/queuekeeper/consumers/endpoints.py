@@ -6,7 +6,6 @@ does not retry, so every refusal says exactly what to fix.
 
 from __future__ import annotations
 
-import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Depends, Request, Response, status
@@ -14,7 +13,6 @@ from fastapi import APIRouter, Body, Depends, Request, Response, status
 from queuekeeper.auth.dependencies import AgentOrService, CurrentUser
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
-from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.consumers import service
 from queuekeeper.consumers.schemas import (
     ConsumerOut,
@@ -22,7 +20,6 @@ from queuekeeper.consumers.schemas import (
     QueueRegistration,
     RegistrationOut,
 )
-from queuekeeper.exceptions import NotFound
 from queuekeeper.state import ProvisionerDep, SessionDep
 
 router = APIRouter(tags=["agents"])
@@ -36,13 +33,6 @@ _REGISTER_ERRORS = {
     503: "Broker or Management API unreachable; nothing was made. Retry after `Retry-After` "
     "seconds.",
 }
-
-
-def _identity_uuid(identity_uuid: str) -> uuid.UUID:
-    parsed = parse_path_uuid(identity_uuid)
-    if parsed is None:
-        raise NotFound(f"Agent identity {identity_uuid!r} not found (not a uuid).")
-    return parsed
 
 
 @router.post(
@@ -81,7 +71,7 @@ async def register_queue(
     body: Annotated[QueueRegistration, Body(default_factory=QueueRegistration)],
 ) -> RegistrationOut:
     consumer, created = await service.register_queue(
-        session, provisioner, user, _identity_uuid(identity_uuid), body
+        session, provisioner, user, identity_uuid, body
     )
     if not created:
         response.status_code = status.HTTP_200_OK
@@ -140,11 +130,9 @@ async def list_event_consumers(
     session: SessionDep,
     page: Annotated[Page, Depends(page_params)],
 ) -> list[ConsumerOut]:
-    rows, total = await service.list_consumers(
-        session, caller, offset=page.offset, limit=page.page_size
-    )
-    set_page_headers(request, response, page, total)
-    return [ConsumerOut.from_row(row) for row in rows]
+    paged = await service.list_consumers(session, caller, page)
+    set_page_headers(request, response, page, paged.total)
+    return [ConsumerOut.from_row(row) for row in paged.rows]
 
 
 @router.head(
@@ -163,7 +151,7 @@ async def list_event_consumers(
     },
 )
 async def count_event_consumers(caller: AgentOrService, session: SessionDep) -> Response:
-    _rows, total = await service.list_consumers(session, caller, offset=0, limit=0)
+    total = await service.count_consumers(session, caller)
     return Response(status_code=status.HTTP_200_OK, headers={"X-Result-Count": str(total)})
 
 
@@ -176,8 +164,7 @@ async def count_event_consumers(caller: AgentOrService, session: SessionDep) -> 
 async def get_event_consumer(
     consumer_uuid: str, caller: AgentOrService, session: SessionDep
 ) -> ConsumerOut:
-    consumer = await service.get_consumer(session, caller, parse_path_uuid(consumer_uuid))
-    return ConsumerOut.from_row(consumer)
+    return ConsumerOut.from_row(await service.get_consumer(session, caller, consumer_uuid))
 
 
 @router.delete(
@@ -191,5 +178,5 @@ async def get_event_consumer(
 async def delete_event_consumer(
     consumer_uuid: str, caller: AgentOrService, session: SessionDep, provisioner: ProvisionerDep
 ) -> Response:
-    await service.delete_consumer(session, provisioner, caller, parse_path_uuid(consumer_uuid))
+    await service.delete_consumer(session, provisioner, caller, consumer_uuid)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

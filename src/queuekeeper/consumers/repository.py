@@ -8,6 +8,7 @@ from collections.abc import Collection, Sequence
 from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper.common.pagination import Page, Paged, fetch_paged
 from queuekeeper.models import AgentIdentity, EventConsumer, EventConsumerScope, User
 
 
@@ -29,14 +30,16 @@ async def get(
 
 
 async def page(
-    session: AsyncSession, owner_uuid: uuid.UUID | None, offset: int, limit: int
-) -> tuple[list[EventConsumer], int]:
-    query = consumers(owner_uuid)
-    total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    rows = await session.scalars(
-        query.order_by(EventConsumer.created, EventConsumer.uuid).offset(offset).limit(limit)
+    session: AsyncSession, owner_uuid: uuid.UUID | None, page: Page
+) -> Paged[EventConsumer]:
+    return await fetch_paged(
+        session, consumers(owner_uuid), EventConsumer.created, EventConsumer.uuid, page=page
     )
-    return list(rows), int(total)
+
+
+async def count(session: AsyncSession, owner_uuid: uuid.UUID | None) -> int:
+    total = await session.scalar(select(func.count()).select_from(consumers(owner_uuid).subquery()))
+    return int(total or 0)
 
 
 async def identity_with_owner(

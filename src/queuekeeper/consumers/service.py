@@ -26,10 +26,19 @@ from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import Provisioner, QueueConflict, best_effort
 from queuekeeper.common import locks
+from queuekeeper.common.pagination import Page, Paged
+from queuekeeper.common.schemas import find_by_path_uuid, parse_path_uuid
 from queuekeeper.consumers import repository
 from queuekeeper.consumers.schemas import ConsumerRegistration, QueueRegistration
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
-from queuekeeper.models import EventConsumer, EventConsumerScope, Offering, User, utcnow
+from queuekeeper.models import (
+    BrokerState,
+    EventConsumer,
+    EventConsumerScope,
+    Offering,
+    User,
+    utcnow,
+)
 from queuekeeper.observability.metrics import CONSUMER_REGISTRATIONS
 from queuekeeper.subscriptions import repository as subscriptions_repository
 from queuekeeper.subscriptions.service import BrokerLeftovers, remove_leftovers
@@ -51,14 +60,19 @@ async def register_queue(
     session: AsyncSession,
     provisioner: Provisioner,
     user: User,
-    identity_uuid: uuid.UUID,
+    identity_uuid: str,
     body: QueueRegistration,
 ) -> tuple[EventConsumer, bool]:
-    """waldur-site-agent 1.0.7's one set-up call: the identity's consumer; True when new."""
-    found = await repository.identity_with_owner(session, identity_uuid)
+    """waldur-site-agent 1.0.7's one set-up call: the identity's consumer; True when new.
+
+    Any user's identity is looked up (not only the caller's), so that another user's is a
+    409 naming its owner rather than a 404.
+    """
+    parsed = parse_path_uuid(identity_uuid)
+    found = await repository.identity_with_owner(session, parsed) if parsed else None
     if found is None:
         raise NotFound(
-            f"Agent identity {identity_uuid.hex} not found (never registered, deleted, or its "
+            f"Agent identity {identity_uuid!r} not found (never registered, deleted, or its "
             "offering was deleted): register the identity again."
         )
     identity, owner = found
@@ -169,7 +183,7 @@ async def _make_real(
                     queue_name=queue_name,
                     vhost=vhost,
                     broker_password_hash=password_hash,
-                    broker_state="ok",
+                    broker_state=BrokerState.OK,
                     scopes=[EventConsumerScope(offering_uuid=o) for o in wanted.offerings],
                 )
                 session.add(consumer)
@@ -211,7 +225,7 @@ def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None)
         # The identity was moved to another offering (PUT): follow it, as Waldur does.
         consumer.scopes = [EventConsumerScope(offering_uuid=o) for o in wanted.offerings]
     consumer.broker_password_hash = password_hash
-    consumer.broker_state = "ok"
+    consumer.broker_state = BrokerState.OK
     consumer.modified = utcnow()
 
 
@@ -226,30 +240,29 @@ async def _unmake(provisioner: Provisioner, vhost: str, consumer_uuid: uuid.UUID
 
 # --- reading and deleting -------------------------------------------------------------------
 async def list_consumers(
-    session: AsyncSession, caller: User | None, *, offset: int, limit: int
-) -> tuple[list[EventConsumer], int]:
+    session: AsyncSession, caller: User | None, page: Page
+) -> Paged[EventConsumer]:
     """The caller's consumers; every consumer for a service token (`caller` None)."""
-    return await repository.page(session, caller.uuid if caller else None, offset, limit)
+    return await repository.page(session, caller.uuid if caller else None, page)
+
+
+async def count_consumers(session: AsyncSession, caller: User | None) -> int:
+    return await repository.count(session, caller.uuid if caller else None)
 
 
 async def get_consumer(
-    session: AsyncSession, caller: User | None, consumer_uuid: uuid.UUID | None
+    session: AsyncSession, caller: User | None, consumer_uuid: str
 ) -> EventConsumer:
-    consumer = (
-        await repository.get(session, consumer_uuid, caller.uuid if caller else None)
-        if consumer_uuid is not None
-        else None
+    """By its path uuid: the caller's (any, for a service token); NotFound otherwise."""
+    return await find_by_path_uuid(
+        consumer_uuid,
+        "Event consumer",
+        lambda parsed: repository.get(session, parsed, caller.uuid if caller else None),
     )
-    if consumer is None:
-        raise NotFound("Not one of your event consumers, or not a uuid.")
-    return consumer
 
 
 async def delete_consumer(
-    session: AsyncSession,
-    provisioner: Provisioner,
-    caller: User | None,
-    consumer_uuid: uuid.UUID | None,
+    session: AsyncSession, provisioner: Provisioner, caller: User | None, consumer_uuid: str
 ) -> None:
     consumer = await get_consumer(session, caller, consumer_uuid)
     await delete_consumers(session, provisioner, [consumer])

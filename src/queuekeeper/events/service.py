@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from pydantic import ValidationError
+from sqlalchemy import Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from queuekeeper.common.signals import Signal
-from queuekeeper.events import repository
+from queuekeeper.common.schemas import as_uuid
+from queuekeeper.common.signals import OutboxSignals, Signal
+from queuekeeper.config import Settings
+from queuekeeper.events import outbox, repository
+from queuekeeper.events.outbox import OutboxDepth
 from queuekeeper.events.payloads import PAYLOAD_MODELS
-from queuekeeper.events.repository import SubscriptionQueueRow
+from queuekeeper.events.recipients import Recipients, find_recipients
 from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
-from queuekeeper.exceptions import BadRequest
-from queuekeeper.models import utcnow
+from queuekeeper.exceptions import BadRequest, NotFound
+from queuekeeper.models import DeliveryState, Event, utcnow
 from queuekeeper.observability.metrics import (
     COPIES,
     EVENTS_ACCEPTED,
@@ -66,7 +69,7 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
                     }
                 )
         sent_offering = event.payload.get("offering_uuid")
-        if sent_offering is not None and _as_uuid(sent_offering) != event.offering_uuid:
+        if sent_offering is not None and as_uuid(sent_offering) != event.offering_uuid:
             errors.append(
                 {
                     "field": _field(where, "payload", "offering_uuid"),
@@ -96,114 +99,6 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
             extra={"errors": errors},
         )
     return bodies
-
-
-def _as_uuid(value: Any) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
-
-
-def _lists_type(observable_objects: list[Any], offering_uuid: uuid.UUID, object_type: str) -> bool:
-    """Whether a subscription asked for this type (an empty list asks for everything)."""
-    if not observable_objects:
-        return True
-    for item in observable_objects:
-        if not isinstance(item, dict) or item.get("object_type") != object_type:
-            continue
-        named = item.get("offering_uuid")
-        if named is None or _as_uuid(named) == offering_uuid:
-            return True
-    return False
-
-
-@dataclass(frozen=True)
-class Copy:
-    """One outbox copy: to a subscription's queue (`queue_uuid`) or a consumer's."""
-
-    queue_uuid: uuid.UUID | None
-    consumer_uuid: uuid.UUID | None
-    queue_name: str
-    vhost: str
-
-    @property
-    def kind(self) -> str:
-        return "consumer" if self.consumer_uuid is not None else "legacy"
-
-
-@dataclass
-class _Recipients:
-    copies: list[Copy]
-    skipped: list[uuid.UUID]  # subscriptions with no queue registered
-
-
-@dataclass(frozen=True)
-class _Consumer:
-    owner: uuid.UUID
-    object_types: frozenset[str]  # empty: every type
-    copy: Copy
-
-
-class RecipientIndex:
-    """Who receives what, from the one query's rows; the rest is done in memory.
-
-    A consumer receives an event of its offering when its filter holds the type. Its
-    owner's legacy queues get no copy of that event (SPEC 9, as Waldur does): an agent
-    upgraded from 1.0.5 to 1.0.7 must not fill the per-type queues it no longer reads,
-    and a user on both protocols gets each event once.
-    """
-
-    def __init__(self, rows: Sequence[SubscriptionQueueRow]) -> None:
-        self._subscriptions: dict[uuid.UUID, dict[uuid.UUID, tuple[uuid.UUID, list[Any]]]] = (
-            defaultdict(dict)
-        )
-        self._queues: dict[tuple[uuid.UUID, uuid.UUID, str], Copy] = {}
-        self._consumers: dict[uuid.UUID, dict[uuid.UUID, _Consumer]] = defaultdict(dict)
-        for row in rows:
-            if row.kind == repository.CONSUMER:
-                if row.queue_name and row.vhost:
-                    self._consumers[row.offering_uuid][row.recipient_uuid] = _Consumer(
-                        row.owner_uuid,
-                        frozenset(str(t) for t in row.filter or []),
-                        Copy(None, row.recipient_uuid, row.queue_name, row.vhost),
-                    )
-                continue
-            self._subscriptions[row.offering_uuid][row.recipient_uuid] = (
-                row.owner_uuid,
-                list(row.filter or []),
-            )
-            if row.queue_uuid is not None and row.object_type and row.queue_name and row.vhost:
-                key = (row.recipient_uuid, row.offering_uuid, row.object_type)
-                self._queues[key] = Copy(row.queue_uuid, None, row.queue_name, row.vhost)
-        self._cache: dict[tuple[Any, ...], _Recipients] = {}
-
-    def recipients(
-        self, offering_uuid: uuid.UUID, object_type: str, user_uuids: Sequence[uuid.UUID] | None
-    ) -> _Recipients:
-        users = frozenset(user_uuids) if user_uuids is not None else None
-        key = (offering_uuid, object_type, users)
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        found = _Recipients(copies=[], skipped=[])
-        served: set[uuid.UUID] = set()  # owners a consumer of theirs receives this for
-        for consumer in self._consumers[offering_uuid].values():
-            if users is not None and consumer.owner not in users:
-                continue
-            if not consumer.object_types or object_type in consumer.object_types:
-                found.copies.append(consumer.copy)
-                served.add(consumer.owner)
-        for subscription_uuid, (owner, observable) in self._subscriptions[offering_uuid].items():
-            if (users is not None and owner not in users) or owner in served:
-                continue
-            queue = self._queues.get((subscription_uuid, offering_uuid, object_type))
-            if queue is not None:
-                found.copies.append(queue)
-            elif _lists_type(observable, offering_uuid, object_type):
-                found.skipped.append(subscription_uuid)
-        self._cache[key] = found
-        return found
 
 
 @dataclass
@@ -237,23 +132,22 @@ async def _store(
     field_prefix: str,
 ) -> Accepted:
     now = utcnow()
-    known, reachable = await repository.recipients_of(
+    recipient_index = await find_recipients(
         session, offerings, {event.object_type for event in events}, now
     )
     for index, event in enumerate(events):
-        if event.offering_uuid not in known:
+        if event.offering_uuid not in recipient_index.known:
             raise BadRequest(
                 f"Unknown offering {event.offering_uuid.hex}: the backend has not pushed it.",
                 field=_field(field_prefix, index, "offering_uuid")
                 if field_prefix
                 else "offering_uuid",
             )
-    recipient_index = RecipientIndex(reachable)
 
     event_ids = [event.event_id or uuid.uuid4().hex for event in events]
     first_of: dict[str, int] = {}
     event_rows: list[dict[str, Any]] = []
-    recipients: dict[str, _Recipients] = {}
+    recipients: dict[str, Recipients] = {}
     for position, (event, event_id) in enumerate(zip(events, event_ids, strict=True)):
         if event_id in first_of:  # repeated within this request: the first one counts
             continue
@@ -282,7 +176,7 @@ async def _store(
             "consumer_uuid": copy.consumer_uuid,
             "queue_name": copy.queue_name,
             "vhost": copy.vhost,
-            "state": repository.PENDING,
+            "state": DeliveryState.PENDING,
             "attempts": 0,
             "next_attempt_at": now,
             "created": now,
@@ -316,14 +210,9 @@ async def _store(
                 object_type=event.object_type,
                 subscriptions=[s.hex for s in found.skipped],
             )
-    for kind in ("legacy", "consumer"):
-        COPIES.labels(kind=kind, stage="queued").inc(
-            sum(
-                1
-                for row in delivery_rows
-                if (row["consumer_uuid"] is not None) == (kind == "consumer")
-            )
-        )
+    to_consumers = sum(1 for row in delivery_rows if row["consumer_uuid"] is not None)
+    COPIES.labels(kind="consumer", stage="queued").inc(to_consumers)
+    COPIES.labels(kind="legacy", stage="queued").inc(len(delivery_rows) - to_consumers)
     new_count = sum(1 for answer in answers if not answer.duplicate)
     EVENTS_ACCEPTED.inc(new_count)
     EVENTS_DUPLICATE.inc(len(answers) - new_count)
@@ -359,7 +248,9 @@ async def wait_settled(
         seen = settled.generation
         async with sessions() as session:
             states = await repository.delivery_states(session, event_ids)
-        pending = any(state == repository.PENDING for rows in states.values() for *_, state in rows)
+        pending = any(
+            state == DeliveryState.PENDING for rows in states.values() for *_, state in rows
+        )
         remaining = deadline - loop.time()
         if not pending or remaining <= 0:
             break
@@ -367,6 +258,46 @@ async def wait_settled(
         interval = min(interval * 1.5, 0.25)
     for answer in answers:
         answer.deliveries = [
-            DeliveryOut(queue_name=name, vhost=vhost, state=state)  # type: ignore[arg-type]
+            DeliveryOut(queue_name=name, vhost=vhost, state=state)
             for name, vhost, state in states[answer.event_id]
         ]
+
+
+async def publish(
+    session: AsyncSession,
+    sessions: async_sessionmaker[AsyncSession],
+    signals: OutboxSignals,
+    settings: Settings,
+    events: Sequence[EventIn],
+    *,
+    batch: bool,
+    wait: bool,
+) -> list[EventAccepted]:
+    """Accept `events` (a single event, or a batch whose fields are named `events.<i>.…`),
+    wake the relays of this process, and with `wait` answer once every copy settled."""
+    if batch and len(events) > settings.events_batch_max:
+        raise BadRequest(
+            f"A batch holds at most {settings.events_batch_max} events; this one has "
+            f"{len(events)}. Split it into several requests.",
+            field="events",
+        )
+    accepted = await accept(session, events, field_prefix="events" if batch else "")
+    if accepted.new_deliveries:
+        signals.accepted.notify()
+    if wait:
+        await wait_settled(
+            sessions, accepted.answers, signals.settled, settings.events_wait_timeout
+        )
+    return accepted.answers
+
+
+async def event_record(session: AsyncSession, event_id: str) -> tuple[Event, Sequence[Row[Any]]]:
+    """An event and its copies, oldest first."""
+    event = await repository.get_event(session, event_id)
+    if event is None:
+        raise NotFound(f"Event {event_id!r} not found.")
+    return event, await repository.deliveries_of(session, event_id)
+
+
+async def outbox_depth(session: AsyncSession) -> OutboxDepth:
+    return await outbox.outbox_depth(session, utcnow())

@@ -9,13 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol, runtime_checkable
 
-import aio_pika
 import structlog
 from sqlalchemy import text
 
-from queuekeeper.broker.amqp import amqp_ssl_context
 from queuekeeper.common.redact import default_redactor
 from queuekeeper.health.schemas import CheckResult, Readiness
 from queuekeeper.state import AppState
@@ -25,36 +22,13 @@ log = structlog.get_logger(__name__)
 Check = Callable[[], Awaitable[None]]
 
 
-@runtime_checkable
-class AmqpProbe(Protocol):
-    """What a publisher offers so readiness can reuse its connections.
-
-    When `AppState.publisher` has this method, the AMQP check calls it instead of
-    opening a connection of its own. It raises when the broker cannot be reached.
-    """
-
-    async def probe(self) -> None: ...
-
-
 async def check_database(state: AppState) -> None:
     async with state.engine.connect() as connection:
         await connection.execute(text("SELECT 1"))
 
 
 async def check_amqp(state: AppState) -> None:
-    if isinstance(state.publisher, AmqpProbe):
-        await state.publisher.probe()
-        return
-    # Opens (and closes) a connection to the vhost in the URL: proves the broker
-    # answers and accepts queuekeeper's credentials.
-    settings = state.settings
-    connection = await aio_pika.connect(
-        settings.amqp_url,
-        timeout=settings.readiness_timeout,
-        ssl_context=amqp_ssl_context(settings),
-        client_properties={"connection_name": "queuekeeper readiness"},
-    )
-    await connection.close()
+    await state.publisher.probe()
 
 
 async def check_management(state: AppState) -> None:

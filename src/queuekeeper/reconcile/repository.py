@@ -1,4 +1,6 @@
-"""Queries for reconcile and stale cleanup: a few per vhost or per page, never one per queue."""
+"""Queries for reconcile and stale cleanup: a few per vhost or per page, never one per queue.
+
+The caller commits."""
 
 from __future__ import annotations
 
@@ -12,7 +14,14 @@ from uuid import UUID
 from sqlalchemy import ColumnElement, exists, literal, null, or_, select, union_all, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from queuekeeper.models import EventConsumer, EventSubscription, EventSubscriptionQueue, User
+from queuekeeper.broker import topology
+from queuekeeper.models import (
+    BrokerState,
+    EventConsumer,
+    EventSubscription,
+    EventSubscriptionQueue,
+    User,
+)
 
 
 @dataclass(frozen=True)
@@ -64,13 +73,6 @@ async def reader(engine: AsyncEngine) -> AsyncIterator[AsyncSession]:
             yield session
 
 
-def owner_of(vhost: str) -> UUID | None:
-    try:
-        return UUID(hex=vhost)
-    except ValueError:
-        return None
-
-
 async def subscribed_vhosts(session: AsyncSession) -> set[str]:
     """The vhosts that should exist: one per user with a subscription or a consumer."""
     rows = await session.scalars(
@@ -80,10 +82,10 @@ async def subscribed_vhosts(session: AsyncSession) -> set[str]:
 
 
 async def rows_in_range(
-    session: AsyncSession, vhost: str, after: str | None, upto: str | None, limit: int
+    session: AsyncSession, vhost: str, after: str | None, limit: int
 ) -> list[QueueRow]:
-    """Registered queues of `vhost` (subscriptions' and consumers') with
-    `after < name <= upto`, in name order."""
+    """Registered queues of `vhost` (subscriptions' and consumers') with names after
+    `after`, in name order."""
     registered = union_all(
         select(
             EventSubscriptionQueue.queue_name.label("name"),
@@ -108,8 +110,6 @@ async def rows_in_range(
     query = select(registered)
     if after is not None:
         query = query.where(name > after)
-    if upto is not None:
-        query = query.where(name <= upto)
     result = await session.execute(query.order_by(name).limit(limit))
     return [QueueRow(*row) for row in result.all()]
 
@@ -140,7 +140,7 @@ async def vhost_in_use(session: AsyncSession, vhost: str) -> bool:
         exists().where(EventSubscriptionQueue.vhost == vhost),
         exists().where(EventConsumer.vhost == vhost),
     ]
-    owner = owner_of(vhost)
+    owner = topology.uuid_of(vhost)
     if owner is not None:
         conditions.append(exists().where(EventSubscription.user_uuid == owner))
     return bool(await session.scalar(select(or_(*conditions))))
@@ -186,9 +186,8 @@ async def set_consumer_password_hash(
     await session.execute(
         update(EventConsumer)
         .where(EventConsumer.uuid == consumer_uuid)
-        .values(broker_password_hash=password_hash, broker_state="ok")
+        .values(broker_password_hash=password_hash, broker_state=BrokerState.OK)
     )
-    await session.commit()
 
 
 async def owner_password_hash(session: AsyncSession, owner_uuid: UUID) -> str | None:
@@ -212,12 +211,11 @@ async def set_subscription_broker_state(
     await session.execute(
         update(EventSubscription).where(EventSubscription.uuid == subscription_uuid).values(values)
     )
-    await session.commit()
 
 
 async def existing_subscription_users(session: AsyncSession, names: Sequence[str]) -> set[str]:
     """Of these broker user names, the ones that belong to a subscription or consumer row."""
-    uuids = [owner for owner in (owner_of(name) for name in names) if owner is not None]
+    uuids = [owner for owner in (topology.uuid_of(name) for name in names) if owner is not None]
     if not uuids:
         return set()
     rows = await session.scalars(

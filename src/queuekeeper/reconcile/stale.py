@@ -15,54 +15,41 @@ from collections.abc import Awaitable, Callable
 
 from queuekeeper.broker import topology
 from queuekeeper.consumers import repository as consumers_repository
-from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, run_job
-from queuekeeper.models import JobRun, utcnow
+from queuekeeper.jobs.runs import JobContext, Run
+from queuekeeper.models import utcnow
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.access import BrokerAccess
-from queuekeeper.reconcile.service import count_change, remove_orphan_users, remove_unused_vhost
-from queuekeeper.state import AppState
+from queuekeeper.reconcile.service import remove_orphan_users, remove_unused_vhost
 
 
-async def run_cleanup_stale(
-    state: AppState, trigger: Trigger, *, dry_run: bool = False, progress: Progress | None = None
-) -> JobRun:
-    return await run_job(
-        state,
-        Job.CLEANUP_STALE,
-        trigger,
-        lambda run: cleanup_stale(state, run),
-        dry_run=dry_run,
-        progress=progress,
-        on_change=count_change,
-    )
-
-
-async def cleanup_stale(state: AppState, run: Run) -> None:
+async def cleanup_stale(context: JobContext, run: Run) -> None:
     now = utcnow()
-    async with state.sessions() as session:
+    async with context.sessions() as session:
         owners = await repository.stale_owners(session, now)
     run.find("stale_users", len(owners))
     for done, (owner, reason) in enumerate(owners, 1):
         async with run.item(f"user {owner.hex}"):
-            await remove_subscriptions_of(state, run, owner, reason)
+            await remove_subscriptions_of(context, run, owner, reason)
         run.report("stale users", done, len(owners))
 
     # Leftovers of deleted users (and of any removal whose broker clean-up failed).
-    management, provisioner = state.management, state.provisioner
+    management, provisioner = context.management, context.provisioner
     owned = set(await provisioner.owned_vhosts())
-    async with repository.reader(state.engine) as reader:
+    async with repository.reader(context.engine) as reader:
         expected = await repository.subscribed_vhosts(reader)
         for vhost in sorted(owned - expected):
             run.find("vhosts_unused")
             async with run.item(vhost):
-                await remove_unused_vhost(state, run, reader, vhost)
-        access = await BrokerAccess.load(management, state.settings.instance_tag, set())
-        await remove_orphan_users(state, run, reader, access.ours())
+                await remove_unused_vhost(context, run, reader, vhost)
+        access = await BrokerAccess.load(management, provisioner, set())
+        await remove_orphan_users(context, run, reader, access.ours())
 
 
-async def remove_subscriptions_of(state: AppState, run: Run, owner: uuid.UUID, reason: str) -> None:
+async def remove_subscriptions_of(
+    context: JobContext, run: Run, owner: uuid.UUID, reason: str
+) -> None:
     vhost = topology.vhost_name(owner)
-    async with state.sessions() as session:
+    async with context.sessions() as session:
         # Checked again with the user's row locked: a token pushed since the query wins.
         if not await repository.lock_if_still_stale(session, owner, utcnow()):
             run.find("no_longer_stale")
@@ -98,20 +85,20 @@ async def remove_subscriptions_of(state: AppState, run: Run, owner: uuid.UUID, r
 
     # The rows are gone: now the broker, item by item (a failure is left to the next run).
     users: list[tuple[uuid.UUID, Callable[[uuid.UUID], Awaitable[bool]]]] = [
-        (s.uuid, state.provisioner.delete_subscription_user) for s in subscriptions
+        (s.uuid, context.provisioner.delete_subscription_user) for s in subscriptions
     ]
-    users += [(c.uuid, state.provisioner.delete_consumer_user) for c in consumers]
+    users += [(c.uuid, context.provisioner.delete_consumer_user) for c in consumers]
     for row_uuid, delete_user in users:
         async with run.item(f"broker user {row_uuid.hex}"):
             if await delete_user(row_uuid):
                 run.done("users_deleted", "delete_user", f"broker user {row_uuid.hex}", reason)
-    async with run.item(vhost), repository.reader(state.engine) as reader:
-        await remove_unused_vhost(state, run, reader, vhost)
-        if await state.management.get_vhost(vhost) is None:
+    async with run.item(vhost), repository.reader(context.engine) as reader:
+        await remove_unused_vhost(context, run, reader, vhost)
+        if await context.management.get_vhost(vhost) is None:
             return  # its queues went with it
         # The owner registered again meanwhile: the vhost stays, the old queues go.
         names = [queue.queue_name for queue in queues] + [c.queue_name for c in consumers]
         for name in names:
             async with run.item(f"{vhost}/{name}"):
-                if await state.provisioner.delete_queue(vhost, name):
+                if await context.provisioner.delete_queue(vhost, name):
                     run.done("queues_deleted", "delete_queue", f"{vhost}/{name}", reason)

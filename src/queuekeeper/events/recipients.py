@@ -1,0 +1,284 @@
+"""Where an event goes: the one query for a request's recipients and the decision per event.
+
+An event of (offering, object type) gets one outbox copy per registered queue for
+that pair whose subscription's owner is active, has an unexpired token and has
+access to the offering, narrowed to the event's `user_uuids` when it names any.
+A subscription that would receive the type (it lists it, or lists nothing) but
+registered no queue for it is counted as skipped. Everything is read in one
+statement per request, whatever the batch or the fan-out; the rest is done in memory.
+
+A consumer (SPEC 9) of an active owner with access, scoped to the offering, gets one
+copy when its filter holds the type (an empty filter holds every type); its owner's
+legacy queues then get none of that event (as Waldur does), so an agent upgraded from
+1.0.5 to 1.0.7 does not fill the per-type queues it no longer reads, and a user on both
+protocols gets each event once. Consumers come from the same statement (a UNION ALL).
+
+A new kind of recipient is one more source of `Copy` in `RecipientIndex`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    String,
+    Table,
+    and_,
+    bindparam,
+    literal,
+    null,
+    or_,
+    select,
+    union_all,
+)
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from queuekeeper.common.schemas import as_uuid
+from queuekeeper.models import Base
+
+OFFERINGS: Table = Base.metadata.tables["offerings"]
+ACCESS: Table = Base.metadata.tables["offering_access"]
+USERS: Table = Base.metadata.tables["users"]
+SUBSCRIPTIONS: Table = Base.metadata.tables["event_subscriptions"]
+QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
+CONSUMERS: Table = Base.metadata.tables["event_consumers"]
+SCOPES: Table = Base.metadata.tables["event_consumer_scopes"]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One outbox copy of an event: a subscription's queue (`queue_uuid`) or a consumer's
+    (`consumer_uuid`)."""
+
+    queue_uuid: uuid.UUID | None
+    consumer_uuid: uuid.UUID | None
+    queue_name: str
+    vhost: str
+
+
+@dataclass
+class Recipients:
+    copies: list[Copy] = field(default_factory=list)
+    skipped: list[uuid.UUID] = field(default_factory=list)  # subscriptions without a queue
+
+
+SUBSCRIPTION = "subscription"
+CONSUMER = "consumer"
+
+
+@dataclass(frozen=True)
+class _Row:
+    """Someone whose owner may receive events of `offering_uuid` now.
+
+    `kind` SUBSCRIPTION: a subscription (`recipient_uuid`) with `filter` = its observable
+    objects, and its queue for one of the requested object types (queue fields None when
+    it registered none). `kind` CONSUMER: a consumer scoped to the offering, `filter` = its
+    object types (empty = all), `queue_name`/`vhost` its one queue, `queue_uuid` None.
+    """
+
+    kind: str
+    recipient_uuid: uuid.UUID
+    owner_uuid: uuid.UUID
+    filter: list[Any]
+    offering_uuid: uuid.UUID
+    queue_uuid: uuid.UUID | None
+    object_type: str | None
+    queue_name: str | None
+    vhost: str | None
+
+
+def _reachable_owner() -> ColumnElement[bool]:
+    """The grant's user is active and their token has not expired."""
+    return and_(
+        ACCESS.c.offering_uuid.in_(bindparam("access_offerings", expanding=True)),
+        USERS.c.is_active.is_(True),
+        or_(
+            USERS.c.token_expires_at.is_(None),
+            USERS.c.token_expires_at > bindparam("now", type_=USERS.c.token_expires_at.type),
+        ),
+    )
+
+
+def _recipients_statement() -> Select[Any]:
+    subscriptions = select(
+        literal(SUBSCRIPTION, String).label("kind"),
+        ACCESS.c.offering_uuid,
+        SUBSCRIPTIONS.c.uuid.label("recipient_uuid"),
+        SUBSCRIPTIONS.c.user_uuid,
+        SUBSCRIPTIONS.c.observable_objects.label("filter"),
+        QUEUES.c.uuid.label("queue_uuid"),
+        QUEUES.c.object_type,
+        QUEUES.c.queue_name,
+        QUEUES.c.vhost,
+    ).select_from(
+        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
+        .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
+        .outerjoin(
+            QUEUES,
+            and_(
+                QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
+                QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
+                QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
+            ),
+        )
+    )
+    consumers = select(
+        literal(CONSUMER, String).label("kind"),
+        ACCESS.c.offering_uuid,
+        CONSUMERS.c.uuid.label("recipient_uuid"),
+        CONSUMERS.c.user_uuid,
+        CONSUMERS.c.object_types.label("filter"),
+        null().cast(QUEUES.c.uuid.type).label("queue_uuid"),
+        null().cast(QUEUES.c.object_type.type).label("object_type"),
+        CONSUMERS.c.queue_name,
+        CONSUMERS.c.vhost,
+    ).select_from(
+        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
+        .join(SCOPES, SCOPES.c.offering_uuid == ACCESS.c.offering_uuid)
+        .join(
+            CONSUMERS,
+            and_(
+                CONSUMERS.c.uuid == SCOPES.c.consumer_uuid,
+                CONSUMERS.c.user_uuid == ACCESS.c.user_uuid,
+            ),
+        )
+    )
+    reachable = union_all(
+        subscriptions.where(_reachable_owner()), consumers.where(_reachable_owner())
+    ).subquery("reachable")
+    return (
+        select(
+            OFFERINGS.c.uuid,
+            reachable.c.kind,
+            reachable.c.recipient_uuid,
+            reachable.c.user_uuid,
+            reachable.c.filter,
+            reachable.c.queue_uuid,
+            reachable.c.object_type,
+            reachable.c.queue_name,
+            reachable.c.vhost,
+        )
+        .select_from(OFFERINGS.outerjoin(reachable, reachable.c.offering_uuid == OFFERINGS.c.uuid))
+        .where(OFFERINGS.c.uuid.in_(bindparam("offerings", expanding=True)))
+    )
+
+
+# Built once: constructing this join per request cost more than running it.
+_RECIPIENTS = _recipients_statement()
+
+
+async def find_recipients(
+    session: AsyncSession,
+    offering_uuids: Collection[uuid.UUID],
+    object_types: Collection[str],
+    now: datetime,
+) -> RecipientIndex:
+    """Who may receive events of these offerings and types: one query for a whole request.
+
+    The offerings left-joined with who may receive their events (subscriptions with
+    their queues, and consumers), so an unknown offering yields no row at all
+    (`RecipientIndex.known` tells them apart).
+    """
+    offerings = list(offering_uuids)
+    result = await session.execute(
+        _RECIPIENTS,
+        {
+            "offerings": offerings,
+            "access_offerings": offerings,
+            "object_types": list(object_types),
+            "now": now,
+        },
+    )
+    known: set[uuid.UUID] = set()
+    rows: list[_Row] = []
+    for offering, kind, recipient, *rest in result:
+        known.add(offering)
+        if recipient is not None:
+            owner, filter_, queue, object_type, name, vhost = rest
+            rows.append(
+                _Row(kind, recipient, owner, filter_, offering, queue, object_type, name, vhost)
+            )
+    return RecipientIndex(known, rows)
+
+
+def _lists_type(observable_objects: list[Any], offering_uuid: uuid.UUID, object_type: str) -> bool:
+    """Whether a subscription asked for this type (an empty list asks for everything)."""
+    if not observable_objects:
+        return True
+    for item in observable_objects:
+        if not isinstance(item, dict) or item.get("object_type") != object_type:
+            continue
+        named = item.get("offering_uuid")
+        if named is None or as_uuid(named) == offering_uuid:
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class _Consumer:
+    owner: uuid.UUID
+    object_types: frozenset[str]  # empty: every type
+    copy: Copy
+
+
+class RecipientIndex:
+    """The recipients of every event of one request, decided from the query's rows."""
+
+    def __init__(self, known: set[uuid.UUID], rows: Sequence[_Row]) -> None:
+        self.known = known  # the offerings among those asked for that exist
+        self._subscriptions: dict[uuid.UUID, dict[uuid.UUID, tuple[uuid.UUID, list[Any]]]] = (
+            defaultdict(dict)
+        )
+        self._queues: dict[tuple[uuid.UUID, uuid.UUID, str], Copy] = {}
+        self._consumers: dict[uuid.UUID, dict[uuid.UUID, _Consumer]] = defaultdict(dict)
+        for row in rows:
+            if row.kind == CONSUMER:
+                if row.queue_name and row.vhost:
+                    self._consumers[row.offering_uuid][row.recipient_uuid] = _Consumer(
+                        row.owner_uuid,
+                        frozenset(str(t) for t in row.filter or []),
+                        Copy(None, row.recipient_uuid, row.queue_name, row.vhost),
+                    )
+                continue
+            self._subscriptions[row.offering_uuid][row.recipient_uuid] = (
+                row.owner_uuid,
+                list(row.filter or []),
+            )
+            if row.queue_uuid is not None and row.object_type and row.queue_name and row.vhost:
+                key = (row.recipient_uuid, row.offering_uuid, row.object_type)
+                self._queues[key] = Copy(row.queue_uuid, None, row.queue_name, row.vhost)
+        self._cache: dict[tuple[Any, ...], Recipients] = {}
+
+    def recipients(
+        self, offering_uuid: uuid.UUID, object_type: str, user_uuids: Sequence[uuid.UUID] | None
+    ) -> Recipients:
+        users = frozenset(user_uuids) if user_uuids is not None else None
+        key = (offering_uuid, object_type, users)
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        found = Recipients()
+        served: set[uuid.UUID] = set()  # owners a consumer of theirs receives this for
+        for consumer in self._consumers[offering_uuid].values():
+            if users is not None and consumer.owner not in users:
+                continue
+            if not consumer.object_types or object_type in consumer.object_types:
+                found.copies.append(consumer.copy)
+                served.add(consumer.owner)
+        for subscription_uuid, (owner, observable) in self._subscriptions[offering_uuid].items():
+            if (users is not None and owner not in users) or owner in served:
+                continue
+            queue = self._queues.get((subscription_uuid, offering_uuid, object_type))
+            if queue is not None:
+                found.copies.append(queue)
+            elif _lists_type(observable, offering_uuid, object_type):
+                found.skipped.append(subscription_uuid)
+        self._cache[key] = found
+        return found
