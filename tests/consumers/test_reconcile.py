@@ -145,3 +145,30 @@ async def test_the_admin_queue_view_lists_consumer_queues(
     assert mine["arguments_ok"] is True
     stray = by_name[orphan]
     assert (stray["state"], stray["registered"]) == ("unregistered", False)
+
+
+async def test_the_identities_overview_shows_each_consumer_with_its_queue(
+    backend: Backend, operator: Operator, management: ManagementClient
+) -> None:
+    agent, answer = await consumer_of(backend)
+    (listed,) = await operator.get("/api/admin/agent-identities/", user_uuid=agent.uuid.hex)
+    assert listed["subscriptions"] == []
+    consumer = listed["consumer"]
+    assert consumer["queue_name"] == answer["queue_name"]
+    assert consumer["rmq_username"] == answer["rmq_username"]
+    assert (consumer["present"], consumer["arguments_ok"], consumer["differences"]) == (
+        True,
+        True,
+        [],
+    )
+    assert consumer["consumers"] == 0  # nobody reads it yet
+    # Drifted on the broker: the overview says how.
+    await management.delete_queue(agent.vhost, answer["queue_name"])
+    await management.put_queue(agent.vhost, answer["queue_name"], arguments={"x-max-length": 5})
+    (listed,) = await operator.get("/api/admin/agent-identities/", user_uuid=agent.uuid.hex)
+    assert listed["consumer"]["arguments_ok"] is False
+    assert any("x-max-length" in d for d in listed["consumer"]["differences"])
+    (quiet,) = await operator.get(
+        "/api/admin/agent-identities/", user_uuid=agent.uuid.hex, broker="false"
+    )
+    assert (quiet["consumer"]["present"], quiet["consumer"]["messages"]) == (None, None)
