@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 from sqlalchemy import event
 
 from queuekeeper.broker.publisher import AmqpPublisher
@@ -174,3 +175,29 @@ async def test_recipients_stay_three_statements_with_consumers(
     assert [a["queued"] for a in answers[:11]] == [5] * 10 + [0]
     assert [a["queued"] for a in answers[11:]] == [1] * 11
     assert many == few == 3, [s[:120] for s in statements]
+
+
+async def test_metrics_count_consumers_and_copies_by_kind(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    registrations = ("queuekeeper_consumer_registrations_total",)
+    created_before = sample(*registrations, route="register_queue", outcome="created")
+    agent, offering = await backend.agent_with_offering()
+    await consumer_for(agent, offering)
+    await register(backend, offering=offering)  # a legacy queue of another user
+    assert sample(*registrations, route="register_queue", outcome="created") == created_before + 1
+
+    copies = "queuekeeper_copies_total"
+    before = {
+        (kind, stage): sample(copies, kind=kind, stage=stage)
+        for kind in ("legacy", "consumer")
+        for stage in ("queued", "published")
+    }
+    answer = await post_event(client, order_event(offering), wait=True)
+    assert answer.json()["queued"] == 2
+    for kind in ("legacy", "consumer"):
+        for stage in ("queued", "published"):
+            assert sample(copies, kind=kind, stage=stage) == before[(kind, stage)] + 1
