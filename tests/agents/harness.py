@@ -18,6 +18,7 @@ import yaml
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
+from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 
 RUNNER = Path(__file__).with_name("agent_runner.py")
@@ -136,8 +137,8 @@ def agent_config(
         "waldur_offering_uuid": offering_uuid,
         "backend_type": "none",
         "stomp_enabled": True,
-        "stomp_ws_host": "127.0.0.1",
-        "stomp_ws_port": 15674,
+        "stomp_ws_host": BROKER.host,
+        "stomp_ws_port": BROKER.web_stomp_port,
         "stomp_ws_path": "/ws",
         "websocket_use_tls": False,
         "verify_ssl": False,
