@@ -119,6 +119,14 @@ class RequestLog:
     def agent_requests(self) -> list[tuple[str, str, int]]:
         return [entry for entry in self.entries if "/internal/" not in entry[1]]
 
+    def timed_agent_requests(self) -> list[tuple[str, str, int, float]]:
+        """(method, path, status, seconds queuekeeper took to answer) of the agent's requests."""
+        return [
+            (*entry, seconds)
+            for entry, seconds in zip(self.entries, self.seconds, strict=True)
+            if "/internal/" not in entry[1]
+        ]
+
 
 @dataclass
 class Server:

@@ -135,7 +135,7 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
         server.log.clear()
         first, status = await started(site_agent_107_python, config, tmp_path, "first")
         try:
-            first_requests = server.log.agent_requests()
+            first_requests = server.log.timed_agent_requests()
             first_rest = sum(server.log.seconds)
             (consumer,) = status["consumers"]
             assert consumer["connected"], first.log_tail()
@@ -144,10 +144,9 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
             queue = consumer["queue_name"]
             assert queue == f"consumer_{consumer['rmq_username']}"
             identity = consumer["agent_identity_uuid"]
-            assert first_requests[-6:] == expected_sequence(True, identity), first_requests
-            assert all(request[1] == "/api/version/" for request in first_requests[:-6]), (
-                first_requests
-            )
+            sequence = [request[:3] for request in first_requests]
+            assert sequence[-6:] == expected_sequence(True, identity), sequence
+            assert all(request[1] == "/api/version/" for request in sequence[:-6]), sequence
 
             sent = await publish_every_type(http, offering, queue, AGENT_107_TYPES)
             received = await first.wait_received(len(AGENT_107_TYPES))
@@ -168,10 +167,11 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
         server.log.clear()
         second, status = await started(site_agent_107_python, config, tmp_path, "second")
         try:
-            second_requests = server.log.agent_requests()
+            second_requests = server.log.timed_agent_requests()
             second_rest = sum(server.log.seconds)
             assert status["consumers"] == [consumer]
-            assert second_requests[-6:] == expected_sequence(False, identity), second_requests
+            sequence = [request[:3] for request in second_requests]
+            assert sequence[-6:] == expected_sequence(False, identity), sequence
             assert await broker_snapshot(management, settings, agent.vhost) == before
             (early,) = await second.wait_received(1)
             assert json.loads(early["body"])["order_uuid"] == waiting["order_uuid"]
@@ -183,14 +183,19 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
         assert second.process.returncode == 0, second.log_tail()
         print(  # the figures quoted in docs/agents.md (run with -s to see them)
             f"\nsite-agent 1.0.7 start-up, 10 types: first start "
-            f"{first.status['setup_seconds']:.2f} s (queuekeeper {first_rest:.2f} s of it, "
-            f"{len(first_requests)} requests: {first_requests}; "
-            f"+{first.status['import_seconds']:.2f} s imports), restart "
-            f"{second.status['setup_seconds']:.2f} s (queuekeeper {second_rest:.2f} s, "
-            f"{len(second_requests)} requests: {second_requests}; "
-            f"+{second.status['import_seconds']:.2f} s)",
+            f"{first.status['setup_seconds']:.2f} s (queuekeeper {first_rest:.2f} s of it; "
+            f"+{first.status['import_seconds']:.2f} s imports):\n{_timed(first_requests)}\n"
+            f"restart {second.status['setup_seconds']:.2f} s (queuekeeper {second_rest:.2f} s; "
+            f"+{second.status['import_seconds']:.2f} s):\n{_timed(second_requests)}",
             file=sys.stderr,
         )
+
+
+def _timed(requests: list[tuple[str, str, int, float]]) -> str:
+    return "\n".join(
+        f"  {method} {path} -> {status} in {seconds * 1000:.0f} ms"
+        for method, path, status, seconds in requests
+    )
 
 
 async def legacy_order_queue(http: httpx.AsyncClient, agent: Agent, offering: uuid.UUID) -> str:
