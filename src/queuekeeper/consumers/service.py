@@ -66,7 +66,7 @@ async def register_queue(
     """waldur-site-agent 1.0.7's one set-up call: the identity's consumer; True when new.
 
     Any user's identity is looked up (not only the caller's), so that another user's is a
-    409 naming its owner rather than a 404.
+    Conflict naming its owner rather than NotFound (Waldur answers the same).
     """
     parsed = parse_path_uuid(identity_uuid)
     found = await repository.identity_with_owner(session, parsed) if parsed else None
