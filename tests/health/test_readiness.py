@@ -190,33 +190,55 @@ async def test_management_that_hangs_is_not_ready_within_the_timeout(settings: S
     assert elapsed < 3
 
 
-class _Publisher:
-    """A publisher as the publishing layer provides it: readiness asks it, not the URL."""
+async def test_readiness_names_each_node_and_stays_ready_while_one_answers(
+    settings: Settings,
+) -> None:
+    dead_amqp, dead_management = closed_port(), closed_port()
+    with tcp_proxy("127.0.0.1", 5672) as amqp:
+        clustered = settings.model_copy(
+            update={
+                "amqp_url": f"amqp://guest:guest@127.0.0.1:{dead_amqp}/,"
+                f"amqp://guest:guest@127.0.0.1:{amqp.port}/",
+                "management_url": f"http://127.0.0.1:{dead_management},{settings.management_url}",
+            }
+        )
+        async with serving(clustered) as (http, _state):
+            with capture_logs() as logs:
+                for _ in range(2):
+                    response = await http.get("/readyz")
+                    assert response.status_code == 200, response.text
+                body = response.json()
+                assert body["detail"] == (
+                    f"Ready; not answering: amqp 127.0.0.1:{dead_amqp}, "
+                    f"management 127.0.0.1:{dead_management}."
+                )
+                amqp_nodes = body["checks"]["amqp"]["nodes"]
+                assert {label: node["ok"] for label, node in amqp_nodes.items()} == {
+                    f"127.0.0.1:{dead_amqp}": False,
+                    f"127.0.0.1:{amqp.port}": True,
+                }
+                assert "Connect call failed" in amqp_nodes[f"127.0.0.1:{dead_amqp}"]["error"]
+                management_nodes = body["checks"]["management"]["nodes"]
+                assert management_nodes[f"127.0.0.1:{dead_management}"]["ok"] is False
+                assert management_nodes["127.0.0.1:15672"]["ok"] is True
 
-    def __init__(self, error: Exception | None) -> None:
-        self.error = error
-        self.probed = 0
+                # The last node goes too: not ready, and the error names every node.
+                amqp.stop()
+                response = await http.get("/readyz")
+                assert response.status_code == 503
+                assert _down(response) == {"amqp"}
+                error = response.json()["checks"]["amqp"]["error"]
+                assert f"127.0.0.1:{dead_amqp}" in error
+                assert f"127.0.0.1:{amqp.port}" in error
+                amqp.start()
+                assert (await http.get("/readyz")).status_code == 200
 
-    async def probe(self) -> None:
-        self.probed += 1
-        if self.error is not None:
-            raise self.error
-
-    async def close(self) -> None:
-        """The lifespan closes the publisher on shutdown."""
-
-
-async def test_a_publisher_with_a_probe_answers_for_amqp(settings: Settings) -> None:
-    # The URL points nowhere: only the publisher's own probe can make amqp healthy.
-    nowhere = settings.model_copy(
-        update={"amqp_url": f"amqp://guest:guest@127.0.0.1:{closed_port()}/"}
-    )
-    async with serving(nowhere) as (http, state):
-        assert (await http.get("/readyz")).status_code == 503
-        state.publisher = _Publisher(None)
-        assert (await http.get("/readyz")).status_code == 200
-        state.publisher = _Publisher(ConnectionError("pool for vhost x lost its connection"))
-        response = await http.get("/readyz")
-        assert response.status_code == 503
-        assert "pool for vhost x" in response.json()["checks"]["amqp"]["error"]
-        assert state.publisher.probed == 1
+    changes = ("broker_nodes_not_answering", "not_ready")
+    events = [(entry["event"], entry.get("nodes") or entry.get("down")) for entry in logs]
+    assert [event for event in events if event[0] in changes] == [
+        (
+            "broker_nodes_not_answering",
+            [f"amqp 127.0.0.1:{dead_amqp}", f"management 127.0.0.1:{dead_management}"],
+        ),
+        ("not_ready", ["amqp"]),
+    ]

@@ -79,7 +79,7 @@ class ManagementClient:
         # retries=1 re-tries only a failed *connect*: nothing was sent, so it is safe for any call.
         transport = transport or httpx.AsyncHTTPTransport(retries=1, verify=_ssl_context(settings))
         self._client = httpx.AsyncClient(
-            base_url=settings.management_url.rstrip("/") + "/api",
+            base_url=settings.management_urls[0] + "/api",
             auth=(settings.management_user, settings.management_password),
             timeout=httpx.Timeout(settings.management_timeout),
             transport=transport,
@@ -180,6 +180,13 @@ class ManagementClient:
     async def overview(self) -> dict[str, Any]:
         body = await self._get_or_none("/overview", "overview", columns="rabbitmq_version")
         return body or {}
+
+    async def node_overview(self, node_url: str) -> None:
+        """Ask that one node, not the cluster: readiness reports each node by itself."""
+        response = await self._client.get(
+            f"{node_url.rstrip('/')}/api/overview", params={"columns": "rabbitmq_version"}
+        )
+        self._check(response, "/overview")
 
     # --- vhosts ---------------------------------------------------------------------------
     async def get_vhost(self, name: str) -> dict[str, Any] | None:

@@ -103,11 +103,12 @@ class Provisioner:
         return created
 
     def service_users(self) -> list[str]:
-        """The Management API user and the AMQP user (they may differ) both need full rights."""
+        """The Management API user and the AMQP users (they may differ) all need full rights."""
         users = {self.settings.management_user}
-        amqp_user = urlsplit(self.settings.amqp_url).username
-        if amqp_user:
-            users.add(unquote(amqp_user))
+        for url in self.settings.amqp_urls:
+            amqp_user = urlsplit(url).username
+            if amqp_user:
+                users.add(unquote(amqp_user))
         return sorted(users)
 
     async def ensure_dead_letter_queue(self, vhost: str) -> None:

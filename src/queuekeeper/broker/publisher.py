@@ -35,7 +35,16 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 from aio_pika.exceptions import DeliveryError, PublishError
 
-from queuekeeper.broker.amqp import amqp_ssl_context, vhost_url
+from queuekeeper.broker.amqp import (
+    CONNECT_ERRORS,
+    amqp_nodes,
+    amqp_ssl_context,
+    connect_vhost,
+    describe,
+    vhost_refused,
+    vhost_url,
+)
+from queuekeeper.broker.nodes import NodeList, node_label
 from queuekeeper.config import Settings
 from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS, CONFIRM_LATENCY
 
@@ -81,6 +90,7 @@ class _VhostConnection:
     def __init__(self, vhost: str) -> None:
         self.vhost = vhost
         self.connection: AbstractConnection | None = None
+        self.node: str | None = None  # the node URL it is connected to
         self.channels: list[_Channel] = []
         self.by_key: dict[str, _Channel] = {}
         self.users = 0
@@ -99,13 +109,13 @@ class _VhostConnection:
         )
 
     async def connect(
-        self, url: str, connect_timeout: float, ssl_context: ssl.SSLContext | None
+        self, nodes: NodeList, connect_timeout: float, ssl_context: ssl.SSLContext | None
     ) -> None:
         async with self.lock:
             if self.connection is not None:
                 return
-            self.connection = await aio_pika.connect(
-                url, timeout=connect_timeout, ssl_context=ssl_context
+            self.connection, self.node = await connect_vhost(
+                nodes, self.vhost, connect_timeout=connect_timeout, ssl_context=ssl_context
             )
 
     async def channel_for(self, routing_key: str, message_id: str) -> _Channel:
@@ -160,25 +170,13 @@ class _VhostConnection:
                 log.debug("amqp_close_failed", vhost=self.vhost, error=repr(exc))
 
 
-def _vhost_refused(exc: BaseException) -> bool:
-    """The broker closed the connection at `connection.open`: the vhost is missing or we
-    have no permissions in it (RabbitMQ answers 530 NOT_ALLOWED; aiormq reports the Close
-    frame it got instead of OpenOk)."""
-    if isinstance(exc, aiormq.exceptions.ConnectionNotAllowed):
-        return True
-    return isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.OpenOk" in str(exc)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:500]
-
-
 class AmqpPublisher:
     """Publishes to per-vhost connections; at most `amqp_pool_size` are open at once."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._ssl = amqp_ssl_context(settings)
+        self.nodes = amqp_nodes(settings)
         self._pool: OrderedDict[str, _VhostConnection] = OrderedDict()
         # Bounds the connections in use at once, so making room always finds an idle one.
         self._slots = asyncio.Semaphore(settings.amqp_pool_size)
@@ -186,7 +184,8 @@ class AmqpPublisher:
         self._closed = False
 
     def url(self, vhost: str) -> str:
-        return vhost_url(self.settings.amqp_url, vhost)
+        """The URL `vhost` is opened with on the first configured node."""
+        return vhost_url(self.nodes.urls[0], vhost)
 
     @property
     def open_connections(self) -> int:
@@ -199,20 +198,20 @@ class AmqpPublisher:
         try:
             async with self._use(vhost) as entry:
                 results = await asyncio.gather(*(self._publish_one(entry, item) for item in items))
-        except (aiormq.exceptions.AMQPError, RuntimeError, OSError, TimeoutError) as exc:
-            if _vhost_refused(exc):
-                return [Result(Outcome.VHOST_REFUSED, _describe(exc))] * len(items)
-            log.warning("amqp_connect_failed", vhost=vhost, error=_describe(exc))
-            return [Result(Outcome.UNREACHABLE, _describe(exc))] * len(items)
+        except CONNECT_ERRORS as exc:
+            if vhost_refused(exc):
+                return [Result(Outcome.VHOST_REFUSED, describe(exc))] * len(items)
+            log.warning("amqp_connect_failed", vhost=vhost, error=describe(exc))
+            return [Result(Outcome.UNREACHABLE, describe(exc))] * len(items)
         return list(results)
 
     async def _publish_one(self, entry: _VhostConnection, item: Outgoing) -> Result:
         message_id = item.message.message_id or ""
         try:
             channel = await entry.channel_for(item.routing_key, message_id)
-        except (aiormq.exceptions.AMQPError, RuntimeError, OSError, TimeoutError) as exc:
+        except CONNECT_ERRORS as exc:
             # RuntimeError: aio-pika's "connection closed" (ChannelInvalidStateError included)
-            return Result(Outcome.UNREACHABLE, _describe(exc))
+            return Result(Outcome.UNREACHABLE, describe(exc))
         started = time.perf_counter()
         try:
             await channel.exchange.publish(
@@ -236,7 +235,7 @@ class AmqpPublisher:
                 f"no confirm within {self.settings.publish_timeout:g} s",
             )
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
-            return Result(Outcome.UNREACHABLE, _describe(exc))
+            return Result(Outcome.UNREACHABLE, describe(exc))
         finally:
             await entry.release(channel, message_id)
         CONFIRM_LATENCY.observe(time.perf_counter() - started)
@@ -252,6 +251,9 @@ class AmqpPublisher:
                 self._lost.add(vhost)
                 await self._drop(entry)
                 entry = None
+            elif entry is not None and entry.users == 0 and self._moved_back(entry):
+                await self._drop(entry)
+                entry = None
             if entry is None:
                 await self._make_room()
                 entry = _VhostConnection(vhost)
@@ -261,9 +263,7 @@ class AmqpPublisher:
             entry.users += 1
             try:
                 if entry.connection is None:
-                    await entry.connect(
-                        self.url(vhost), self.settings.amqp_connect_timeout, self._ssl
-                    )
+                    await entry.connect(self.nodes, self.settings.amqp_connect_timeout, self._ssl)
                     if vhost in self._lost:
                         self._lost.discard(vhost)
                         AMQP_RECONNECTS.inc()
@@ -280,6 +280,18 @@ class AmqpPublisher:
             if entry.broken:
                 self._lost.add(vhost)
                 await self._drop(entry)
+
+    def _moved_back(self, entry: _VhostConnection) -> bool:
+        """An idle connection that failed over, once a node listed before its own answers
+        again: closed, so the next use reconnects there (back to the configured spread)."""
+        node = entry.node
+        if node is None or len(self.nodes) == 1:
+            return False
+        preferred = self.nodes.preferred()
+        if preferred == node or self.nodes.urls.index(preferred) > self.nodes.urls.index(node):
+            return False
+        log.info("amqp_moving_back", vhost=entry.vhost, node=node_label(preferred))
+        return True
 
     async def _drop(self, entry: _VhostConnection) -> None:
         if self._pool.get(entry.vhost) is entry:

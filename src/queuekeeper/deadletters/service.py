@@ -32,7 +32,7 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishError
 
-from queuekeeper.broker.amqp import amqp_ssl_context, vhost_url
+from queuekeeper.broker.amqp import amqp_nodes, amqp_ssl_context, connect_vhost
 from queuekeeper.deadletters import repository
 from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, describe, run_job
 from queuekeeper.models import GivenUpDeadLetter, JobRun, utcnow
@@ -100,11 +100,13 @@ async def redrive(state: AppState, run: Run, only: str | None = None) -> None:
             run.fail(only, "no such vhost of this installation")
             return
         vhosts = [only]
+    nodes = amqp_nodes(state.settings)
     for done, vhost in enumerate(vhosts, 1):
         async with run.item(vhost):
-            connection = await aio_pika.connect(
-                vhost_url(state.settings.amqp_url, vhost),
-                timeout=state.settings.management_timeout,
+            connection, _node = await connect_vhost(
+                nodes,
+                vhost,
+                connect_timeout=state.settings.management_timeout,
                 ssl_context=amqp_ssl_context(state.settings),
             )
             async with connection:

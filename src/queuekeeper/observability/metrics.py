@@ -70,6 +70,12 @@ AMQP_POOL_SIZE = Gauge(
     multiprocess_mode="livesum",
 )
 AMQP_RECONNECTS = Counter("queuekeeper_amqp_reconnects_total", "AMQP connections re-opened.")
+BROKER_NODE_FAILURES = Counter(
+    "queuekeeper_broker_node_failures_total",
+    "Attempts on one broker node (of several configured) that failed and went to the next: "
+    "kind amqp or management, node host:port.",
+    ["kind", "node"],
+)
 
 # --- Management API ----------------------------------------------------------------------
 MANAGEMENT_CALLS = Counter(
