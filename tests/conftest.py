@@ -28,6 +28,7 @@ from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.logging import QueuekeeperHandler
 from queuekeeper.models import Base
+from tests.brokers import BROKER, BrokerAddresses
 from tests.helpers import Backend, Operator
 
 PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -73,15 +74,27 @@ def database_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(database_url: str) -> Settings:
-    return Settings(
-        database_url=database_url,
-        instance_name=f"qkt-{uuid.uuid4().hex[:10]}",
-        service_tokens=[SERVICE_TOKEN, SERVICE_TOKEN_OLD],
-        public_url="http://testserver",
-        management_timeout=5.0,
-        retry_after_seconds=7,
-    )
+def broker() -> BrokerAddresses:
+    """The RabbitMQ the suite runs against (tests/brokers.py)."""
+    return BROKER
+
+
+@pytest.fixture
+def settings(database_url: str, request: pytest.FixtureRequest) -> Settings:
+    """A test's settings; `@pytest.mark.settings(relay_enabled=False, ...)` on a test, a
+    class or a module (`pytestmark`) changes fields, in any test package."""
+    marker = request.node.get_closest_marker("settings")
+    fields: dict[str, Any] = {
+        "amqp_url": BROKER.amqp_url(),
+        "management_url": BROKER.management_url,
+        "database_url": database_url,
+        "instance_name": f"qkt-{uuid.uuid4().hex[:10]}",
+        "service_tokens": [SERVICE_TOKEN, SERVICE_TOKEN_OLD],
+        "public_url": "http://testserver",
+        "management_timeout": 5.0,
+        "retry_after_seconds": 7,
+    }
+    return Settings(**{**fields, **(marker.kwargs if marker else {})})
 
 
 async def _empty_database(settings: Settings) -> None:

@@ -9,7 +9,9 @@ from typing import Any
 
 import stomp
 
-WEB_STOMP = ("127.0.0.1", 15674)
+from tests.brokers import BROKER
+
+WEB_STOMP = BROKER.web_stomp
 
 
 @dataclass

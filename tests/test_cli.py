@@ -21,7 +21,8 @@ from queuekeeper.cli import app
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.models import Offering, OfferingAccess, User
-from tests.netproxy import closed_port
+from tests.brokers import BROKER
+from tests.proxy import closed_port
 
 
 @pytest.fixture
@@ -251,7 +252,7 @@ def test_import_directory_reads_stdin(
 async def _can_login(vhost: str, login: str, password: str) -> bool:
     try:
         connection = await aio_pika.connect(
-            f"amqp://{login}:{password}@127.0.0.1:5672/{vhost}", timeout=5
+            BROKER.amqp_url(vhost, user=login, password=password), timeout=5
         )
     except Exception:
         return False

@@ -87,16 +87,16 @@ def build_state(settings: Settings) -> AppState:
         sessions=create_sessionmaker(engine),
         management=management,
         provisioner=Provisioner(management, settings),
+        # Opens nothing until used; readiness probes the broker through it.
+        publisher=AmqpPublisher(settings),
     )
 
 
 def start_relay(state: AppState) -> Relay:
-    """The outbox relay and its AMQP publisher, in this process (`queuekeeper relay` too)."""
+    """The outbox relay, in this process (`queuekeeper relay` too)."""
     settings = state.settings
-    state.publisher = AmqpPublisher(settings)
-    # Its own small pool without pre-ping: the relay retries a statement that fails on
-    # a dead connection anyway, and a ping per statement would triple its round trips.
-    engine = create_engine(settings, pre_ping=False, pool_size=settings.relay_concurrency + 2)
+    # Its own small pool: the relay's statements never wait behind the API's requests.
+    engine = create_engine(settings, pool_size=settings.relay_concurrency + 2)
     state.relay_engine = engine
     relay = Relay(settings, engine, state.publisher, state.provisioner, state.signals)
     relay.start()
@@ -104,16 +104,44 @@ def start_relay(state: AppState) -> Relay:
     return relay
 
 
-async def stop_relay(state: AppState) -> None:
+def start_scheduler(state: AppState) -> JobScheduler:
+    scheduler = JobScheduler(state)
+    scheduler.start()
+    state.scheduler = scheduler
+    return scheduler
+
+
+async def shutdown(state: AppState) -> None:
+    """Stop what started, last started first: jobs, relay, then the connections they used."""
+    if state.scheduler is not None:
+        await state.scheduler.stop()
+        state.scheduler = None
     if state.relay is not None:
         await state.relay.stop()
         state.relay = None
-    if state.publisher is not None:
-        await state.publisher.close()
-        state.publisher = None
     if state.relay_engine is not None:
         await state.relay_engine.dispose()
         state.relay_engine = None
+    await state.publisher.close()
+    await state.management.aclose()
+    await state.engine.dispose()
+
+
+@asynccontextmanager
+async def running(
+    settings: Settings, *, relay: bool = False, scheduler: bool = False
+) -> AsyncIterator[AppState]:
+    """The one start-up and shutdown: `serve` (through the lifespan), `relay`, and the CLI's
+    job and import commands all run inside it."""
+    state = build_state(settings)
+    try:
+        if relay:
+            start_relay(state)
+        if scheduler:
+            start_scheduler(state)
+        yield state
+    finally:
+        await shutdown(state)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -121,26 +149,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = build_state(settings)
-        app.state.queuekeeper = state
-        if settings.relay_enabled:
-            start_relay(state)
-        if settings.scheduler_enabled:
-            state.scheduler = JobScheduler(state)
-            state.scheduler.start()
-        log.info("queuekeeper_started", instance=settings.instance_name, pid=os.getpid())
-        try:
+        async with running(
+            settings, relay=settings.relay_enabled, scheduler=settings.scheduler_enabled
+        ) as state:
+            app.state.queuekeeper = state
+            log.info("queuekeeper_started", instance=settings.instance_name, pid=os.getpid())
             yield
-        finally:
-            if state.scheduler is not None:
-                await state.scheduler.stop()
-            await stop_relay(state)
-            await state.management.aclose()
-            await state.engine.dispose()
-            if os.environ.get(MULTIPROC_ENV):
-                # Drops this worker's live gauges (pool size, outbox depth) from the totals.
-                multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
-            log.info("queuekeeper_stopped")
+        if os.environ.get(MULTIPROC_ENV):
+            # Drops this worker's live gauges (pool size, outbox depth) from the totals.
+            multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
+        log.info("queuekeeper_stopped")
 
     app = FastAPI(
         title="queuekeeper",

@@ -274,7 +274,7 @@ def import_directory(
     """Import users, offerings and access grants from a JSON file (idempotent)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from queuekeeper.app import build_state
+    from queuekeeper.app import running
     from queuekeeper.common.progress import Progress
     from queuekeeper.directory.importer import ImportReport
     from queuekeeper.directory.importer import import_directory as run_import
@@ -285,13 +285,9 @@ def import_directory(
     data = _read_directory_file(file)
 
     async def run() -> ImportReport:
-        state = build_state(settings)
-        try:
+        async with running(settings) as state:
             with Progress("import-directory", total=data.size) as progress:
                 return await run_import(state, data, progress.advance)
-        finally:
-            await state.management.aclose()
-            await state.engine.dispose()
 
     try:
         report = asyncio.run(run())
@@ -313,19 +309,15 @@ EXIT_SKIPPED = 3
 def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
     import asyncio
 
-    from queuekeeper.app import build_state
+    from queuekeeper.app import running
     from queuekeeper.common.progress import Phases
     from queuekeeper.logging import configure_logging
 
     configure_logging(get_settings(), level="WARNING")  # each change is in the run record below
 
     async def main(on_progress: Phases) -> Any:
-        state = build_state(get_settings())
-        try:
+        async with running(get_settings()) as state:
             return await start(state, on_progress)
-        finally:
-            await state.management.aclose()
-            await state.engine.dispose()
 
     with Phases() as on_progress:
         record = asyncio.run(main(on_progress))
@@ -409,7 +401,7 @@ def queues(
     from rich.console import Console
     from rich.table import Table
 
-    from queuekeeper.app import build_state
+    from queuekeeper.app import running
     from queuekeeper.logging import configure_logging
     from queuekeeper.reconcile.view import QueueFilter, QueueState, queue_states
 
@@ -430,9 +422,8 @@ def queues(
         return str(value)
 
     async def main() -> int:
-        state = build_state(get_settings())
         count = 0
-        try:
+        async with running(get_settings()) as state:
             async for entry in queue_states(state, wanted):
                 count += 1
                 arguments = cell(entry.arguments_ok)
@@ -448,9 +439,6 @@ def queues(
                     cell(entry.messages),
                     cell(entry.consumers),
                 )
-        finally:
-            await state.management.aclose()
-            await state.engine.dispose()
         return count
 
     from queuekeeper.broker.management import ManagementError
@@ -480,7 +468,7 @@ def relay() -> None:
     import asyncio
     import signal
 
-    from queuekeeper.app import build_state, start_relay, stop_relay
+    from queuekeeper.app import running
     from queuekeeper.logging import configure_logging
 
     settings = get_settings()
@@ -488,17 +476,13 @@ def relay() -> None:
     _freeze_startup_objects()
 
     async def run() -> None:
-        state = build_state(settings)
-        relay = start_relay(state)
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, relay.request_stop)
-        typer.echo(f"relay {relay.id} running; Ctrl-C stops it", err=True)
-        try:
+        async with running(settings, relay=True) as state:
+            relay = state.relay
+            assert relay is not None  # started by running(relay=True)
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, relay.request_stop)
+            typer.echo(f"relay {relay.id} running; Ctrl-C stops it", err=True)
             await relay.wait_stopped()
-        finally:
-            await stop_relay(state)
-            await state.management.aclose()
-            await state.engine.dispose()
 
     asyncio.run(run())

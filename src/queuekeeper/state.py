@@ -32,10 +32,11 @@ class AppState:
     sessions: async_sessionmaker[AsyncSession]
     management: ManagementClient
     provisioner: Provisioner
+    # Opens connections only when used; readiness probes the broker through it.
+    publisher: AmqpPublisher
     # Shared by the accept path, the relay and `?wait=true` waiters of this process.
     signals: OutboxSignals = field(default_factory=OutboxSignals)
     # Started by the lifespan when configured; None otherwise (and in tests without them).
-    publisher: AmqpPublisher | None = None
     relay: Relay | None = None
     relay_engine: AsyncEngine | None = None
     scheduler: JobScheduler | None = None

@@ -31,6 +31,7 @@ from queuekeeper.app import create_app
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from tests.agents.site_agent_venv import ensure_site_agent_venv
+from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Backend
 
@@ -480,7 +481,7 @@ async def test_an_upper_case_offering_uuid_is_flagged_and_its_agent_receives_not
             # NOT_FOUND and reconnects in a loop, so the event stays in the queue.
             await asyncio.sleep(2)
             assert running.received() == []
-            connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{agent.vhost}")
+            connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
             async with connection:
                 channel = await connection.channel()
                 declared = await channel.declare_queue(queue, passive=True)

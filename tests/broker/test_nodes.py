@@ -18,7 +18,7 @@ from queuekeeper.broker.nodes import NodeList
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing
 from queuekeeper.config import Settings
-from tests.proxy import TcpProxy
+from tests.proxy import TcpProxy, free_port
 
 QUEUE = "subscription_nodes_test"
 
@@ -102,8 +102,8 @@ def _one(message_id: str) -> list[Outgoing]:
 async def test_publisher_skips_a_closed_node_and_comes_back_to_it(
     settings: Settings, provisioner: Provisioner
 ) -> None:
-    first, second = TcpProxy(), TcpProxy()
-    await second.open()  # `first` is closed: its port refuses connections
+    first, second = TcpProxy(port=free_port()), TcpProxy()
+    second.start()  # `first` is not started: its port refuses connections
     publisher = AmqpPublisher(
         settings.model_copy(
             update={
@@ -119,7 +119,7 @@ async def test_publisher_skips_a_closed_node_and_comes_back_to_it(
         assert (first.accepted, second.accepted) == (0, 1)
 
         # The first node returns. Once its rest is over, a new connection goes to it...
-        await first.open()
+        first.start()
         time.sleep(0.4)
         results = await publisher.publish(vhosts[1], _one("first-back"))
         assert results[0].outcome is Outcome.CONFIRMED
@@ -130,16 +130,16 @@ async def test_publisher_skips_a_closed_node_and_comes_back_to_it(
         assert (first.accepted, second.accepted) == (2, 1)
     finally:
         await publisher.close()
-        await first.close()
-        await second.close()
+        first.close()
+        second.close()
 
 
 async def test_a_node_that_never_answers_costs_one_connect_timeout_not_one_per_call(
     settings: Settings, provisioner: Provisioner
 ) -> None:
     hang, real = TcpProxy(blackhole=True), TcpProxy()
-    await hang.open()
-    await real.open()
+    hang.start()
+    real.start()
     publisher = AmqpPublisher(
         settings.model_copy(
             update={
@@ -162,14 +162,14 @@ async def test_a_node_that_never_answers_costs_one_connect_timeout_not_one_per_c
         assert (hang.accepted, real.accepted) == (1, 3)
     finally:
         await publisher.close()
-        await hang.close()
-        await real.close()
+        hang.close()
+        real.close()
 
 
 async def test_every_node_down_is_unreachable_and_the_publisher_recovers(
     settings: Settings, provisioner: Provisioner
 ) -> None:
-    first, second = TcpProxy(), TcpProxy()
+    first, second = TcpProxy(port=free_port()), TcpProxy(port=free_port())
     publisher = AmqpPublisher(
         settings.model_copy(update={"amqp_url": f"{first.amqp_url()},{second.amqp_url()}"})
     )
@@ -177,11 +177,11 @@ async def test_every_node_down_is_unreachable_and_the_publisher_recovers(
     try:
         results = await publisher.publish(vhost, _one("all-down"))
         assert results[0].outcome is Outcome.UNREACHABLE
-        await second.open()
+        second.start()
         results = await publisher.publish(vhost, _one("one-back"))
         assert results[0].outcome is Outcome.CONFIRMED
         assert second.accepted == 1
     finally:
         await publisher.close()
-        await first.close()
-        await second.close()
+        first.close()
+        second.close()

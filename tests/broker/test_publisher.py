@@ -134,7 +134,7 @@ async def test_the_pool_is_bounded_and_closes_the_least_recently_used(
 async def test_a_lost_connection_is_reopened(settings: Settings, provisioner: Provisioner) -> None:
     vhost = await _vhost_with_queue(provisioner)
     proxy = TcpProxy()
-    await proxy.open()
+    proxy.start()
     publisher = AmqpPublisher(settings.model_copy(update={"amqp_url": proxy.amqp_url()}))
     try:
         first = await publisher.publish(vhost, [Outgoing(QUEUE, _message("before"))])
@@ -155,7 +155,7 @@ async def test_a_lost_connection_is_reopened(settings: Settings, provisioner: Pr
         assert proxy.accepted == 2
     finally:
         await publisher.close()
-        await proxy.close()
+        proxy.close()
 
 
 async def test_confirms_are_awaited_together_not_one_round_trip_each(
@@ -165,7 +165,7 @@ async def test_confirms_are_awaited_together_not_one_round_trip_each(
     round trip at a time would take at least 5 s."""
     vhost = await _vhost_with_queue(provisioner)
     proxy = TcpProxy(delay=0.05)
-    await proxy.open()
+    proxy.start()
     publisher = AmqpPublisher(settings.model_copy(update={"amqp_url": proxy.amqp_url()}))
     try:
         await publisher.publish(vhost, [Outgoing(QUEUE, _message("warm-up"))])
@@ -176,7 +176,7 @@ async def test_confirms_are_awaited_together_not_one_round_trip_each(
         elapsed = time.perf_counter() - started
     finally:
         await publisher.close()
-        await proxy.close()
+        proxy.close()
     assert {r.outcome for r in results} == {Outcome.CONFIRMED}
     assert elapsed < 1.5, elapsed
 

@@ -13,6 +13,7 @@ import pytest
 from aio_pika.exceptions import DeliveryError
 
 from queuekeeper.config import Settings
+from tests.brokers import BROKER
 from tests.helpers import Agent, Backend, Operator
 from tests.stomp_client import StompConsumer
 
@@ -27,7 +28,7 @@ def settings(settings: Settings) -> Settings:
 
 async def publish(vhost: str, queue: str, message: aio_pika.Message) -> bool:
     """True when the broker confirmed it, False when it refused it (queue full)."""
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         try:
@@ -38,7 +39,7 @@ async def publish(vhost: str, queue: str, message: aio_pika.Message) -> bool:
 
 
 async def depth(vhost: str, queue: str) -> int:
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
     async with connection:
         channel = await connection.channel()
         declared = await channel.declare_queue(queue, passive=True)
@@ -183,7 +184,7 @@ async def test_queue_without_room_keeps_its_dead_letters(
     # Both wait in the dead-letter queue, in their order, for the next redrive.
     assert await depth(agent.vhost, DLQ) == 2
     assert await depth(agent.vhost, queue) == 2
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{agent.vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
     async with connection:
         channel = await connection.channel()
         dlq = await channel.get_queue(DLQ, ensure=False)

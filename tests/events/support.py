@@ -11,11 +11,11 @@ import aio_pika
 import httpx
 from aio_pika.abc import AbstractIncomingMessage
 
+from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Agent, Backend
 
 SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
-AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 
 
 @dataclass
@@ -107,7 +107,7 @@ async def wait_settled(
 
 async def queue_depth(vhost: str, queue: str) -> int:
     """Exact ready-message count (a passive declare; the Management API's figure lags)."""
-    connection = await aio_pika.connect(f"{AMQP}{vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
     async with connection:
         channel = await connection.channel()
         declared = await channel.declare_queue(queue, passive=True)
@@ -117,7 +117,7 @@ async def queue_depth(vhost: str, queue: str) -> int:
 async def drain(vhost: str, queue: str) -> list[AbstractIncomingMessage]:
     """Take every message off a queue (basic.get until empty), acknowledging each."""
     taken: list[AbstractIncomingMessage] = []
-    connection = await aio_pika.connect(f"{AMQP}{vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
     async with connection:
         channel = await connection.channel()
         declared = await channel.declare_queue(queue, passive=True)

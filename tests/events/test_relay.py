@@ -194,7 +194,7 @@ async def test_a_stopping_relay_cuts_a_hanging_batch_short_and_leaves_it_to_the_
 ) -> None:
     registered = await register(backend)
     hang = TcpProxy(blackhole=True)  # the broker accepts the connection and never answers
-    await hang.open()
+    hang.start()
     relay, publisher = _relay(app, amqp_url=hang.amqp_url(), amqp_connect_timeout=30.0)
     try:
         relay.start()
@@ -210,6 +210,6 @@ async def test_a_stopping_relay_cuts_a_hanging_batch_short_and_leaves_it_to_the_
         assert time.perf_counter() - started < 2
     finally:
         await publisher.close()
-        await hang.close()
+        hang.close()
     copy = (await event_detail(client, event_id))["deliveries"][0]
     assert (copy["state"], copy["claimed_by"]) == ("pending", relay.id)

@@ -51,7 +51,7 @@ async def test_events_accepted_during_a_broker_outage_are_all_delivered_once_it_
     client: httpx.AsyncClient, backend: Backend
 ) -> None:
     proxy = TcpProxy(port=OUTAGE_PORT)
-    await proxy.open()
+    proxy.start()
     try:
         registered = await register(backend)
         response = await post_event(
@@ -60,7 +60,7 @@ async def test_events_accepted_during_a_broker_outage_are_all_delivered_once_it_
         assert response.json()["deliveries"][0]["state"] == "published"
         reconnects_before = AMQP_RECONNECTS._value.get()
 
-        await proxy.close()  # the AMQP port is down; the open connection is cut
+        proxy.stop()  # the AMQP port is down; the open connection is cut
         ids = [f"outage-{n}" for n in range(20)]
         for event_id in ids[:10]:
             response = await post_event(client, order_event(registered.offering, event_id=event_id))
@@ -80,7 +80,7 @@ async def test_events_accepted_during_a_broker_outage_are_all_delivered_once_it_
         assert copy["attempts"] >= 1
         assert copy["last_error"]
 
-        await proxy.open()
+        proxy.start()
         await _all_settled(client, ids, timeout=20)
         states = {(await event_detail(client, i))["deliveries"][0]["state"] for i in ids}
         assert states == {"published"}
@@ -88,7 +88,7 @@ async def test_events_accepted_during_a_broker_outage_are_all_delivered_once_it_
         assert sorted(received) == sorted(["before", *ids])  # each exactly once
         assert AMQP_RECONNECTS._value.get() > reconnects_before
     finally:
-        await proxy.close()
+        proxy.close()
 
 
 BLACKHOLE_PORT = free_port()
@@ -106,7 +106,7 @@ async def test_copies_claimed_by_a_relay_that_dies_are_delivered_by_another(
     # A `queuekeeper relay` process whose broker hangs: it claims, publishes into the void
     # and is killed (SIGKILL: no clean-up) before any confirm.
     hang = TcpProxy(port=BLACKHOLE_PORT, blackhole=True)
-    await hang.open()
+    hang.start()
     env = {
         **os.environ,
         "QUEUEKEEPER_DATABASE_URL": settings.database_url,
@@ -129,7 +129,7 @@ async def test_copies_claimed_by_a_relay_that_dies_are_delivered_by_another(
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=10)
-        await hang.close()
+        hang.close()
     for event_id in ids:
         copy = (await event_detail(client, event_id))["deliveries"][0]
         assert (copy["state"], copy["claimed_by"]) == ("pending", dead_relay)

@@ -16,7 +16,8 @@ from structlog.testing import capture_logs
 
 from queuekeeper.app import create_app
 from queuekeeper.config import Settings
-from tests.netproxy import closed_port, tcp_proxy
+from tests.brokers import BROKER
+from tests.proxy import closed_port, tcp_proxy
 
 
 @asynccontextmanager
@@ -81,10 +82,10 @@ async def test_closed_ports_make_readiness_503_naming_amqp_and_management(
 
 
 async def test_readiness_follows_a_broker_outage_and_its_end(settings: Settings) -> None:
-    with tcp_proxy("127.0.0.1", 5672) as amqp, tcp_proxy("127.0.0.1", 15672) as management:
+    with tcp_proxy() as amqp, tcp_proxy(BROKER.host, BROKER.management_port) as management:
         proxied = settings.model_copy(
             update={
-                "amqp_url": f"amqp://guest:guest@127.0.0.1:{amqp.port}/",
+                "amqp_url": amqp.amqp_url(),
                 "management_url": f"http://127.0.0.1:{management.port}",
             }
         )
@@ -194,11 +195,10 @@ async def test_readiness_names_each_node_and_stays_ready_while_one_answers(
     settings: Settings,
 ) -> None:
     dead_amqp, dead_management = closed_port(), closed_port()
-    with tcp_proxy("127.0.0.1", 5672) as amqp:
+    with tcp_proxy() as amqp:
         clustered = settings.model_copy(
             update={
-                "amqp_url": f"amqp://guest:guest@127.0.0.1:{dead_amqp}/,"
-                f"amqp://guest:guest@127.0.0.1:{amqp.port}/",
+                "amqp_url": f"amqp://guest:guest@127.0.0.1:{dead_amqp}/,{amqp.amqp_url()}",
                 "management_url": f"http://127.0.0.1:{dead_management},{settings.management_url}",
             }
         )
@@ -220,7 +220,7 @@ async def test_readiness_names_each_node_and_stays_ready_while_one_answers(
                 assert "Connect call failed" in amqp_nodes[f"127.0.0.1:{dead_amqp}"]["error"]
                 management_nodes = body["checks"]["management"]["nodes"]
                 assert management_nodes[f"127.0.0.1:{dead_management}"]["ok"] is False
-                assert management_nodes["127.0.0.1:15672"]["ok"] is True
+                assert management_nodes[f"{BROKER.host}:{BROKER.management_port}"]["ok"] is True
 
                 # The last node goes too: not ready, and the error names every node.
                 amqp.stop()
@@ -242,3 +242,22 @@ async def test_readiness_names_each_node_and_stays_ready_while_one_answers(
         ),
         ("not_ready", ["amqp"]),
     ]
+
+
+async def test_readiness_reuses_one_broker_connection_and_reconnects_after_a_cut(
+    settings: Settings,
+) -> None:
+    with tcp_proxy() as amqp:
+        proxied = settings.model_copy(update={"amqp_url": amqp.amqp_url()})
+        async with serving(proxied) as (http, _state):
+            for _ in range(5):
+                assert (await http.get("/readyz")).status_code == 200
+            # Five probes, one AMQP connection: the publisher's, kept open between probes.
+            assert amqp.accepted == 1
+
+            amqp.sever()  # the broker drops the connection; the port still answers
+            response = await http.get("/readyz")
+            if response.status_code == 503:  # the cut may be noticed by this probe...
+                response = await http.get("/readyz")
+            assert response.status_code == 200  # ...and the next one reconnects
+            assert amqp.accepted == 2

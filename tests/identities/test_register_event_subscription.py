@@ -16,6 +16,7 @@ from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.models import EventSubscription
+from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Agent, Backend
 from tests.identities.test_identities import IDENTITIES, register
@@ -141,7 +142,9 @@ async def _delete_user(management: ManagementClient, agent: Agent, name: str) ->
 
 async def _delete_permissions(management: ManagementClient, agent: Agent, name: str) -> None:
     async with httpx.AsyncClient(auth=("guest", "guest")) as http:
-        response = await http.delete(f"http://127.0.0.1:15672/api/permissions/{agent.vhost}/{name}")
+        response = await http.delete(
+            f"{BROKER.management_url}/api/permissions/{agent.vhost}/{name}"
+        )
         assert response.status_code == 204
 
 

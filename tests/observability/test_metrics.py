@@ -13,9 +13,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from queuekeeper.app import create_app
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
+from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Backend
-from tests.netproxy import TcpProxy
+from tests.proxy import TcpProxy
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -114,7 +115,7 @@ async def test_create_queue_outcomes_are_counted(
     # The same race with a message in the queue: not repairable without losing it.
     stuck = f"subscription_{subscription['uuid']}_offering_{offering.hex}_user_role"
     await management.put_queue(agent.vhost, stuck, arguments={})
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{agent.vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
     async with connection:
         channel = await connection.channel()
         await channel.default_exchange.publish(aio_pika.Message(b"{}"), routing_key=stuck)

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from queuekeeper.cli import app as cli_app
 from queuekeeper.config import Settings
-from tests.netproxy import closed_port
+from tests.proxy import closed_port
 
 QUEUEKEEPER = str(Path(sys.executable).parent / "queuekeeper")
 

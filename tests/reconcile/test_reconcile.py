@@ -21,6 +21,7 @@ from queuekeeper.models import EventSubscription
 from queuekeeper.reconcile.service import run_reconcile
 from queuekeeper.reconcile.view import QueueFilter, queue_states
 from queuekeeper.state import AppState
+from tests.brokers import BROKER
 from tests.helpers import Agent, Backend, Operator
 from tests.stomp_client import StompConsumer
 
@@ -57,7 +58,7 @@ def actions(run: dict[str, Any], action: str) -> list[str]:
 
 
 async def publish(vhost: str, queue: str, body: bytes = b"{}") -> None:
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.default_exchange.publish(aio_pika.Message(body), routing_key=queue)
@@ -188,7 +189,7 @@ async def test_drifted_queue_holding_messages_reported_not_touched(
     info = await management.get_queue(agent.vhost, name, columns="arguments,messages_ready")
     assert info is not None
     assert info["arguments"] == {"x-max-length": 5}
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{agent.vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
     async with connection:
         channel = await connection.channel()
         declared = await channel.declare_queue(name, passive=True)
@@ -202,7 +203,7 @@ async def test_drifted_queue_with_a_consumer_reported_not_touched(
     name = queue["queue_name"]
     await management.delete_queue(agent.vhost, name)
     await management.put_queue(agent.vhost, name, arguments={})
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{agent.vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
     async with connection:
         channel = await connection.channel()
         consumer_queue = await channel.get_queue(name, ensure=False)

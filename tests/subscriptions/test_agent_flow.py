@@ -12,12 +12,13 @@ import httpx
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
+from tests.brokers import BROKER
 from tests.helpers import Backend
 from tests.stomp_client import StompConsumer
 
 
 async def _publish(vhost: str, queue: str, body: dict[str, object]) -> None:
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.default_exchange.publish(

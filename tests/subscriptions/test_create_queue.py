@@ -14,6 +14,7 @@ import structlog
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
+from tests.brokers import BROKER
 from tests.helpers import Backend
 from tests.stomp_client import StompConsumer
 
@@ -28,7 +29,7 @@ EXPECTED_ARGUMENTS = {
 
 async def _declare_bare_queue(vhost: str, name: str, messages: int = 0) -> None:
     """What RabbitMQ does when an agent subscribes first: a queue without arguments."""
-    connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
     async with connection:
         channel = await connection.channel(publisher_confirms=True)
         await channel.declare_queue(name, durable=True)

@@ -21,10 +21,11 @@ retries it later, and the next use of the vhost opens a fresh connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import ssl
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -182,6 +183,9 @@ class AmqpPublisher:
         self._slots = asyncio.Semaphore(settings.amqp_pool_size)
         self._lost: set[str] = set()
         self._closed = False
+        self._probes: dict[str, AbstractConnection] = {}  # node URL -> its probe connection
+        # One lock per node: a node that hangs must not hold up the probes of the others.
+        self._probe_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def url(self, vhost: str) -> str:
         """The URL `vhost` is opened with on the first configured node."""
@@ -321,8 +325,34 @@ class AmqpPublisher:
             await self._drop(entry)
         return len(idle)
 
+    async def probe(self, node: str | None = None) -> None:
+        """Readiness: a channel opened and closed on one long-lived connection to the node
+        URL's own vhost (the first node by default), so a probe costs a round trip, not a
+        TCP and AMQP handshake. Raises when the node cannot be reached; the next probe
+        connects again."""
+        node = node or self.nodes.urls[0]
+        async with self._probe_locks[node]:
+            probe = self._probes.get(node)
+            if probe is None or probe.is_closed or not probe.connected.is_set():
+                self._probes.pop(node, None)
+                if probe is not None:
+                    with contextlib.suppress(Exception):
+                        await probe.close()
+                probe = self._probes[node] = await aio_pika.connect(
+                    node,
+                    timeout=self.settings.readiness_timeout,
+                    ssl_context=self._ssl,
+                    client_properties={"connection_name": "queuekeeper readiness"},
+                )
+        channel = await probe.channel(publisher_confirms=False)
+        await channel.close()
+
     async def close(self) -> None:
         self._closed = True
+        probes, self._probes = list(self._probes.values()), {}
+        for probe in probes:
+            with contextlib.suppress(Exception):
+                await probe.close()
         entries = list(self._pool.values())
         self._pool.clear()
         AMQP_POOL_SIZE.set(0)

@@ -13,11 +13,9 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
-import aio_pika
 import structlog
 from sqlalchemy import text
 
-from queuekeeper.broker.amqp import amqp_ssl_context
 from queuekeeper.broker.nodes import node_label
 from queuekeeper.common.redact import default_redactor
 from queuekeeper.health.schemas import CheckResult, NodeResult, Readiness
@@ -35,15 +33,7 @@ async def check_database(state: AppState) -> None:
 
 
 async def check_amqp_node(state: AppState, url: str) -> None:
-    """Opens (and closes) a connection to the vhost in the node's URL: proves the node
-    answers and accepts queuekeeper's credentials."""
-    connection = await aio_pika.connect(
-        url,
-        timeout=state.settings.readiness_timeout,
-        ssl_context=amqp_ssl_context(state.settings),
-        client_properties={"connection_name": "queuekeeper readiness"},
-    )
-    await connection.close()
+    await state.publisher.probe(url)
 
 
 async def check_management_node(state: AppState, url: str) -> None:
