@@ -115,6 +115,7 @@ class Tally:
     never_accepted: int = 0
     rejected_4xx: list[str] = field(default_factory=list)
     http_retries: int = 0
+    slow_accepts: list[str] = field(default_factory=list)
     received: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     consumer_reconnects: int = 0
     registration_statuses: list[int] = field(default_factory=list)
@@ -327,19 +328,31 @@ class Scenario:
         self.tally.sent_at[event_id] = first
         deadline = first + 60
         k = n
+        errors: list[str] = []
         while time.monotonic() < deadline:
             replica = self.replicas[k % 3]
             k += 1
+            attempt = time.monotonic()
             try:
                 response = await http.post(
                     f"{replica.url}/api/internal/events/", json=body, headers=self.auth
                 )
-            except httpx.HTTPError:
+            except httpx.HTTPError as exc:
                 self.tally.http_retries += 1
+                errors.append(
+                    f"replica {replica.index}: {type(exc).__name__} after "
+                    f"{time.monotonic() - attempt:.1f} s"
+                )
                 continue
             if response.status_code in (200, 202):
                 self.tally.accepted[event_id] = first
-                self.tally.accept_seconds.append(time.monotonic() - first)
+                took = time.monotonic() - first
+                self.tally.accept_seconds.append(took)
+                if took > 2 and len(self.tally.slow_accepts) < 20:
+                    self.tally.slow_accepts.append(
+                        f"at {first - self.t0:.1f} s took {took:.1f} s: "
+                        + ("; ".join(errors) or f"replica {replica.index} answered slowly")
+                    )
                 return
             if response.status_code < 500:
                 self.tally.rejected_4xx.append(f"{response.status_code} {response.text[:200]}")
@@ -465,6 +478,12 @@ class Scenario:
             "rejected_4xx": tally.rejected_4xx[:5],
             "http_retries_to_another_replica": tally.http_retries,
             "worst_accept_seconds": round(max(tally.accept_seconds, default=0), 2),
+            "accept_p99_seconds": round(
+                sorted(tally.accept_seconds)[int(len(tally.accept_seconds) * 0.99) - 1], 3
+            )
+            if tally.accept_seconds
+            else None,
+            "slow_accepts": tally.slow_accepts,
             "events_consumed": len(consumed),
             "lost": len(accepted) - len(consumed),
             "deliveries_consumed": deliveries,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 
-from sqlalchemy import Select, select, update
+from sqlalchemy import Select, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
@@ -44,6 +45,15 @@ async def close_interrupted(session: AsyncSession, job: str) -> None:
         )
     )
     await session.commit()
+
+
+async def last_started(session: AsyncSession, job: str, trigger: str) -> datetime | None:
+    """When the latest run of `job` by `trigger` that did something (not skipped) began."""
+    return await session.scalar(
+        select(func.max(JobRun.started)).where(
+            JobRun.job == job, JobRun.trigger == trigger, JobRun.status != "skipped"
+        )
+    )
 
 
 def runs_query(job: str | None = None, status: str | None = None) -> Select[JobRun]:

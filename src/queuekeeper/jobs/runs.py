@@ -14,7 +14,9 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import structlog
@@ -192,6 +194,11 @@ class Run:
 
 JobBody = Callable[[Run], Awaitable[None]]
 
+# Set by the scheduler around a scheduled run: the job's interval in seconds. Every replica's
+# scheduler fires each interval; under the job's lock, a scheduled run that finds one begun
+# less than 90 % of an interval ago does nothing, so the job runs once per interval overall.
+SCHEDULED_EVERY: ContextVar[float | None] = ContextVar("scheduled_every", default=None)
+
 
 async def run_job(
     state: AppState,
@@ -208,6 +215,29 @@ async def run_job(
     started = utcnow()
     clock = time.perf_counter()
     async with job_lock(state.engine, job.value) as acquired:
+        if acquired and trigger is Trigger.SCHEDULE:
+            every = SCHEDULED_EVERY.get()
+            async with state.sessions() as session:
+                last = await repository.last_started(session, job.value, trigger.value)
+            if every and last is not None and started - last < timedelta(seconds=every * 0.9):
+                # Another replica's scheduler ran it within this interval: one run per
+                # interval across replicas, not one per replica. Not recorded (it is the
+                # normal case with replicas); counted and logged.
+                JOB_RUNS.labels(job=job.value, status="not_due").inc()
+                log.info("job_not_due", job=job.value, last_started=last.isoformat())
+                return JobRun(
+                    uuid=uuid.uuid4(),
+                    job=job.value,
+                    trigger=trigger.value,
+                    dry_run=dry_run,
+                    started=started,
+                    finished=utcnow(),
+                    status=RunStatus.SKIPPED.value,
+                    found={},
+                    changed={},
+                    actions=[],
+                    failures=[],
+                )
         if not acquired:
             record = JobRun(
                 uuid=uuid.uuid4(),

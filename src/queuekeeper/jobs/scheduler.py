@@ -3,7 +3,8 @@
 Each job's first run comes one interval after start-up, never at start-up, so a
 fleet restarting together does not reconcile all at once (jitter spreads the
 rest). `coalesce` and `max_instances=1` keep one run per job in this process;
-the advisory lock in `run_job` keeps one across replicas.
+the advisory lock in `run_job` keeps one at a time across replicas, and the last run's
+start time (read under that lock) keeps one per interval.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import structlog
 from apscheduler.schedulers.asyncio import AsyncIOScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from queuekeeper.jobs.runs import Job, Trigger
+from queuekeeper.jobs.runs import SCHEDULED_EVERY, Job, Trigger
 from queuekeeper.models import JobRun
 from queuekeeper.state import AppState
 
@@ -90,6 +91,7 @@ class JobScheduler:
         task = asyncio.current_task()
         if task is not None:
             self._running.add(task)
+        token = SCHEDULED_EVERY.set(intervals(self.state)[job])
         try:
             await self._starters[job](self.state, Trigger.SCHEDULE)
         except asyncio.CancelledError:
@@ -97,5 +99,6 @@ class JobScheduler:
         except Exception:  # the run records its own failure; never kill the scheduler
             log.exception("scheduled_job_error", job=job.value)
         finally:
+            SCHEDULED_EVERY.reset(token)
             if task is not None:
                 self._running.discard(task)
