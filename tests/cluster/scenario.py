@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,40 @@ PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1
 SERVICE_TOKEN = "cluster-scenario-" + secrets.token_hex(8)
 RECONCILE_INTERVAL = 20
 STALE_INTERVAL = 30
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process so far (None when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError, TypeError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pid: int | None) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, TypeError):
+        return None
+    return None
+
+
+def machine_load() -> str:
+    """The 1-minute load average and how much of the time runnable tasks waited for a CPU:
+    the machine is shared, and the figures mean little without it."""
+    with open("/proc/loadavg") as loadavg:
+        load = loadavg.read().split()[0]
+    try:
+        with open("/proc/pressure/cpu") as pressure:
+            waiting = pressure.readline().split()[2].split("=")[1]
+    except (OSError, IndexError):
+        waiting = "?"
+    return f"load {load}, cpu pressure some avg60 {waiting} %"
 
 
 def rotated(k: int) -> list[int]:
@@ -101,6 +135,7 @@ class AgentQueue:
     offering: uuid.UUID
     subscription: str = ""
     queue_name: str = ""
+    home: str = ""  # the node holding the queue (quorum: its leader) when the stream began
 
     @property
     def vhost(self) -> str:
@@ -115,9 +150,10 @@ class Tally:
     never_accepted: int = 0
     rejected_4xx: list[str] = field(default_factory=list)
     http_retries: int = 0
-    slow_accepts: list[str] = field(default_factory=list)
+    slow_accepts: list[tuple[float, str]] = field(default_factory=list)
     received: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     consumer_reconnects: int = 0
+    consumer_errors: Counter[str] = field(default_factory=Counter)
     registration_statuses: list[int] = field(default_factory=list)
 
 
@@ -149,6 +185,7 @@ class Scenario:
         self.events: list[tuple[float, str]] = []  # (seconds into the stream, what happened)
         self.auth = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
         self.t0 = 0.0
+        self.while_down: dict[str, str] = {}
 
     # --- set-up ----------------------------------------------------------------------------
     @property
@@ -304,8 +341,8 @@ class Scenario:
                         break
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(gone.wait(), 0.5)
-            except Exception:  # any failure: reconnect to the next node
-                pass
+            except Exception as exc:  # any failure: reconnect to the next node
+                self.tally.consumer_errors[f"qkc{node}: {type(exc).__name__}: {exc}"[:160]] += 1
             finally:
                 if connection is not None:
                     with contextlib.suppress(Exception):
@@ -348,10 +385,13 @@ class Scenario:
                 self.tally.accepted[event_id] = first
                 took = time.monotonic() - first
                 self.tally.accept_seconds.append(took)
-                if took > 2 and len(self.tally.slow_accepts) < 20:
+                if took > 2:
                     self.tally.slow_accepts.append(
-                        f"at {first - self.t0:.1f} s took {took:.1f} s: "
-                        + ("; ".join(errors) or f"replica {replica.index} answered slowly")
+                        (
+                            took,
+                            f"at {first - self.t0:.1f} s took {took:.1f} s: "
+                            + ("; ".join(errors) or f"replica {replica.index} answered slowly"),
+                        )
                     )
                 return
             if response.status_code < 500:
@@ -402,6 +442,7 @@ class Scenario:
         replica.start()
         note(f"replica {replica.index} started again (pid {replica.process.pid})")  # type: ignore[union-attr]
         await at(0.6)
+        self.while_down = await self.queue_stats()
         note(f"starting broker node qkc{self.kill_node}")
         plan["node_restart_seconds"] = await asyncio.to_thread(self.cluster.restart, self.kill_node)
         note(f"broker node qkc{self.kill_node} back (took {plan['node_restart_seconds']} s)")
@@ -420,19 +461,114 @@ class Scenario:
                 for n, agent in enumerate(self.agents)
             ]
             await asyncio.sleep(2)
+            await self.find_homes(http)
+            before = self.sample()
+            load_before = machine_load()
+            driver_cpu = time.process_time()
             self.t0 = time.monotonic()
             _, plan = await asyncio.gather(self.stream(http), self.faults())
             stream_end = time.monotonic()
+            usage = self.usage(before, self.sample(), stream_end - self.t0)
+            usage["driver"] = {
+                "cpu_percent": round(
+                    100 * (time.process_time() - driver_cpu) / (stream_end - self.t0), 1
+                )
+            }
             drained = await self._drain(120)
             stop.set()
             await asyncio.gather(*consumers)
             readyz = (await http.get(f"{self.replicas[0].url}/readyz")).json()
         figures = self.figures(plan, stream_end, drained)
+        figures["resources_during_stream"] = usage
+        figures["machine"] = {"load_before": load_before, "load_after": machine_load()}
         figures["jobs"] = await self.job_figures()
         figures["deliveries"] = await self.delivery_figures()
         figures["readyz_after"] = readyz["detail"]
         figures["scenario_seconds"] = round(time.monotonic() - started, 1)
         return figures
+
+    async def queue_stats(self) -> dict[str, str]:
+        """Each queue as the broker sees it (ready, unacked, consumers, online members)."""
+        stats: dict[str, str] = {}
+        async with httpx.AsyncClient(auth=("guest", "guest"), timeout=10) as http:
+            for n, agent in enumerate(self.agents):
+                url = (
+                    f"{self.cluster.management_url(1)}/api/queues/{agent.vhost}/{agent.queue_name}"
+                )
+                try:
+                    info = (await http.get(url)).json()
+                except (httpx.HTTPError, ValueError) as exc:
+                    stats[str(n)] = repr(exc)[:100]
+                    continue
+                stats[str(n)] = (
+                    f"ready {info.get('messages_ready')}, unacked "
+                    f"{info.get('messages_unacknowledged')}, consumers {info.get('consumers')}, "
+                    f"leader {str(info.get('leader') or info.get('node'))[:4]}, online "
+                    f"{[str(m)[:4] for m in info.get('online') or []]}"
+                )
+        return stats
+
+    async def find_homes(self, http: httpx.AsyncClient) -> None:
+        for agent in self.agents:
+            response = await http.get(
+                f"{self.cluster.management_url(1)}/api/queues/{agent.vhost}/{agent.queue_name}",
+                params={"columns": "name,node,leader"},
+                auth=("guest", "guest"),
+            )
+            info = response.json() if response.is_success else {}
+            agent.home = str(info.get("leader") or info.get("node") or "?").split("@")[0]
+
+    def per_queue(self, consumed: set[str], stream_end: float) -> list[dict[str, Any]]:
+        """Each queue's worst consumption gap during the stream and worst latency, next to
+        the node that held it and the node its consumer connected to first."""
+        tally = self.tally
+        by_agent: dict[int, list[str]] = defaultdict(list)
+        for event_id in consumed:
+            by_agent[int(event_id.rsplit("-", 1)[1]) % len(self.agents)].append(event_id)
+        rows = []
+        for n, agent in enumerate(self.agents):
+            ids = by_agent[n]
+            arrivals = sorted(
+                t for e in ids for t in tally.received[e] if self.t0 + 1 < t < stream_end
+            )
+            gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+            latencies = [min(tally.received[e]) - tally.accepted[e] for e in ids]
+            rows.append(
+                {
+                    "queue": n,
+                    "home": agent.home,
+                    "consumer_first_node": f"qkc{rotated(n)[0]}",
+                    "worst_gap_s": round(max(gaps, default=0), 1),
+                    "worst_gap_at_s": round(arrivals[gaps.index(max(gaps))] - self.t0, 1)
+                    if gaps
+                    else None,
+                    "worst_latency_s": round(max(latencies, default=0), 1),
+                }
+            )
+        return rows
+
+    def sample(self) -> dict[str, tuple[int | None, float | None]]:
+        pids: dict[str, int | None] = {f"qkc{i}": self.cluster.pid(i) for i in NODES}
+        for replica in self.replicas:
+            pids[f"replica{replica.index}"] = replica.process.pid if replica.process else None
+        return {name: (pid, cpu_seconds(pid)) for name, pid in pids.items()}
+
+    @staticmethod
+    def usage(
+        before: dict[str, tuple[int | None, float | None]],
+        after: dict[str, tuple[int | None, float | None]],
+        seconds: float,
+    ) -> dict[str, Any]:
+        """CPU (% of one core) over the stream of each process that lived through it (a
+        killed one restarted with fresh counters), and its memory at the end."""
+        result: dict[str, Any] = {}
+        for name, (pid, cpu) in after.items():
+            old_pid, old_cpu = before.get(name, (None, None))
+            percent = None
+            if pid == old_pid and cpu is not None and old_cpu is not None:
+                percent = round(100 * (cpu - old_cpu) / seconds, 1)
+            result[name] = {"cpu_percent": percent, "rss_mib": rss_mib(pid)}
+        return result
 
     async def _drain(self, seconds: float) -> float:
         started = time.monotonic()
@@ -483,7 +619,7 @@ class Scenario:
             )
             if tally.accept_seconds
             else None,
-            "slow_accepts": tally.slow_accepts,
+            "slowest_accepts": [text for _, text in sorted(tally.slow_accepts)[-8:]],
             "events_consumed": len(consumed),
             "lost": len(accepted) - len(consumed),
             "deliveries_consumed": deliveries,
@@ -497,6 +633,7 @@ class Scenario:
             "worst_latency_after_node_kill_s": window(node_kill, node_kill + 10),
             "drained_after_stream_s": drained,
             "consumer_reconnects": tally.consumer_reconnects,
+            "consumer_errors": dict(tally.consumer_errors.most_common(8)),
             "registration_statuses": dict(
                 sorted(
                     (status, tally.registration_statuses.count(status))
@@ -504,6 +641,8 @@ class Scenario:
                 )
             ),
             "timeline": self.events,
+            "per_queue": self.per_queue(consumed, stream_end),
+            "queues_while_node_down": self.while_down,
             **plan,
         }
 
@@ -553,6 +692,46 @@ class Scenario:
                 for vhost in vhosts:
                     if f"queuekeeper:{self.tag}" in str(vhost.get("tags")):
                         await http.delete(f"/vhosts/{vhost['name']}")
+
+
+async def queue_cost(cluster: Cluster, queue_type: str, count: int = 300) -> dict[str, Any]:
+    """Memory the three nodes take per queue of this type (the arguments queuekeeper
+    declares), for the per-cluster extrapolation in docs/scaling.md."""
+    from queuekeeper.broker import topology
+    from queuekeeper.config import Settings
+
+    arguments = topology.queue_arguments(Settings(queue_type=queue_type))  # type: ignore[arg-type]
+    vhost = f"qkc-cost-{queue_type}-{secrets.token_hex(3)}"
+    pids = [cluster.pid(i) for i in NODES]
+    async with httpx.AsyncClient(
+        base_url=cluster.management_url(1) + "/api", auth=("guest", "guest"), timeout=60
+    ) as http:
+        (await http.put(f"/vhosts/{vhost}")).raise_for_status()
+        await asyncio.sleep(2)
+        before = sum(rss_mib(pid) or 0 for pid in pids)
+        limit = asyncio.Semaphore(8)
+
+        async def declare(n: int) -> None:
+            async with limit:
+                response = await http.put(
+                    f"/queues/{vhost}/cost_{n}",
+                    json={"durable": True, "auto_delete": False, "arguments": arguments},
+                )
+                response.raise_for_status()
+
+        started = time.monotonic()
+        await asyncio.gather(*(declare(n) for n in range(count)))
+        declare_seconds = time.monotonic() - started
+        await asyncio.sleep(3)
+        after = sum(rss_mib(pid) or 0 for pid in pids)
+        await http.delete(f"/vhosts/{vhost}")
+    return {
+        "queues": count,
+        "declare_seconds": round(declare_seconds, 1),
+        "cluster_rss_mib_before": round(before, 1),
+        "cluster_rss_mib_after": round(after, 1),
+        "kib_per_queue_cluster_wide": round((after - before) * 1024 / count, 1),
+    }
 
 
 async def run_scenario(cluster: Cluster, queue_type: str, **options: Any) -> dict[str, Any]:

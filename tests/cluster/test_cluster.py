@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.harness import Cluster
-from tests.cluster.scenario import RECONCILE_INTERVAL, STALE_INTERVAL, run_scenario
+from tests.cluster.scenario import RECONCILE_INTERVAL, STALE_INTERVAL, queue_cost, run_scenario
 
 RATE = float(os.environ.get("QK_CLUSTER_RATE", "200"))
 SECONDS = float(os.environ.get("QK_CLUSTER_SECONDS", "75"))
@@ -65,6 +65,8 @@ async def test_quorum_queues_lose_nothing_when_a_node_and_a_replica_die(
     )
     _figures["quorum"] = figures
     _common_checks(figures)
+    figures["queue_cost"] = await queue_cost(cluster, "quorum")
+    print(json.dumps(figures["queue_cost"]))
 
 
 async def test_classic_queues_with_mandatory_lose_nothing_but_stall(cluster: Cluster) -> None:
@@ -76,3 +78,5 @@ async def test_classic_queues_with_mandatory_lose_nothing_but_stall(cluster: Clu
     )
     _figures["classic"] = figures
     _common_checks(figures)
+    figures["queue_cost"] = await queue_cost(cluster, "classic")
+    print(json.dumps(figures["queue_cost"]))
