@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 QUEUEKEEPER = ROOT / ".venv" / "bin" / "queuekeeper"
 PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 SERVICE_TOKEN = "cluster-scenario-" + secrets.token_hex(8)
+# Generous: on this shared machine a connection can take seconds while a node is down.
+CONSUMER_CONNECT_TIMEOUT = 15
 RECONCILE_INTERVAL = 20
 STALE_INTERVAL = 30
 
@@ -291,6 +293,11 @@ class Scenario:
             agent.subscription = response.json()["uuid"]
             path = f"/api/event-subscriptions/{agent.subscription}/create_queue/"
             body = {"offering_uuid": agent.offering.hex, "object_type": "order"}
+            # Declared first through the agent's own replica, whose first Management node
+            # is node n % 3 + 1: queues (classic homes, quorum leaders) spread over all
+            # three nodes. Then the same call on all three at once: all converge.
+            first = await http.post(home + path, json=body, headers=headers)
+            self.tally.registration_statuses.append(first.status_code)
             answers = await asyncio.gather(
                 *(http.post(r.url + path, json=body, headers=headers) for r in self.replicas)
             )
@@ -320,7 +327,7 @@ class Scenario:
             try:
                 connection = await aio_pika.connect(
                     self.cluster.amqp_url(node, agent.subscription, agent.token, agent.vhost),
-                    timeout=5,
+                    timeout=CONSUMER_CONNECT_TIMEOUT,
                 )
                 connection.close_callbacks.add(lambda *_, gone=gone: gone.set())
                 channel = await connection.channel()
@@ -441,11 +448,15 @@ class Scenario:
         await at(0.55)
         replica.start()
         note(f"replica {replica.index} started again (pid {replica.process.pid})")  # type: ignore[union-attr]
+        await at(0.5)
+        # The Management API is slow to answer while a node is down: never let it hold up
+        # the plan.
+        snapshot = asyncio.create_task(self.queue_stats())
         await at(0.6)
-        self.while_down = await self.queue_stats()
         note(f"starting broker node qkc{self.kill_node}")
         plan["node_restart_seconds"] = await asyncio.to_thread(self.cluster.restart, self.kill_node)
         note(f"broker node qkc{self.kill_node} back (took {plan['node_restart_seconds']} s)")
+        self.while_down = await snapshot
         return plan
 
     # --- the run ----------------------------------------------------------------------------
@@ -490,22 +501,29 @@ class Scenario:
     async def queue_stats(self) -> dict[str, str]:
         """Each queue as the broker sees it (ready, unacked, consumers, online members)."""
         stats: dict[str, str] = {}
+        base = self.cluster.management_url(1)
         async with httpx.AsyncClient(auth=("guest", "guest"), timeout=10) as http:
-            for n, agent in enumerate(self.agents):
-                url = (
-                    f"{self.cluster.management_url(1)}/api/queues/{agent.vhost}/{agent.queue_name}"
-                )
-                try:
-                    info = (await http.get(url)).json()
-                except (httpx.HTTPError, ValueError) as exc:
-                    stats[str(n)] = repr(exc)[:100]
-                    continue
-                stats[str(n)] = (
-                    f"ready {info.get('messages_ready')}, unacked "
-                    f"{info.get('messages_unacknowledged')}, consumers {info.get('consumers')}, "
-                    f"leader {str(info.get('leader') or info.get('node'))[:4]}, online "
-                    f"{[str(m)[:4] for m in info.get('online') or []]}"
-                )
+            answers = await asyncio.gather(
+                *(
+                    http.get(f"{base}/api/queues/{agent.vhost}/{agent.queue_name}")
+                    for agent in self.agents
+                ),
+                return_exceptions=True,
+            )
+        for n, answer in enumerate(answers):
+            try:
+                if isinstance(answer, BaseException):
+                    raise answer
+                info = answer.json()
+            except (httpx.HTTPError, ValueError) as exc:
+                stats[str(n)] = repr(exc)[:100]
+                continue
+            stats[str(n)] = (
+                f"ready {info.get('messages_ready')}, unacked "
+                f"{info.get('messages_unacknowledged')}, consumers {info.get('consumers')}, "
+                f"leader {str(info.get('leader') or info.get('node'))[:4]}, online "
+                f"{[str(m)[:4] for m in info.get('online') or []]}"
+            )
         return stats
 
     async def find_homes(self, http: httpx.AsyncClient) -> None:
