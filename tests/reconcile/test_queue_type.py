@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from queuekeeper.broker.management import ManagementClient
+from tests.events.support import drain
 from tests.helpers import Backend, Operator
 from tests.reconcile.test_reconcile import SPEC_ARGUMENTS, publish, registered_queue
 
@@ -50,7 +52,7 @@ async def test_an_empty_classic_queue_becomes_quorum(
     for queue_name in (name, "waldur.dlq.messages"):
         info = await management.get_queue(agent.vhost, queue_name, columns="name,type")
         assert info is not None
-        assert info["type"] == "quorum", queue_name
+        assert info.type == "quorum", queue_name
     assert (await operator.reconcile())["changed"] == {}
 
 
@@ -71,4 +73,42 @@ async def test_a_classic_queue_holding_messages_is_reported_and_kept(
     assert "not empty" in failure["reason"].lower()
     info = await management.get_queue(agent.vhost, name, columns="name,type,messages_ready")
     assert info is not None
-    assert info["type"] == "classic"
+    assert info.type == "classic"
+
+
+async def test_an_agent_registering_a_busy_queue_of_the_other_type_is_answered_200(
+    backend: Backend, management: ManagementClient
+) -> None:
+    """Mid-migration an agent restarts while its classic queue still holds events: it must
+    start (200, never 409) and drain them; the queue converts at a later registration."""
+    agent, subscription, queue = await registered_queue(backend)
+    name = queue["queue_name"]
+    await _as_classic(management, agent.vhost, name, SPEC_ARGUMENTS)
+    await publish(agent.vhost, name, b'{"keep": "me"}')
+
+    with capture_logs() as logs:
+        response = await agent.create_queue(subscription["uuid"], queue["offering_uuid"])
+    assert response.status_code == 200, response.text
+    assert [entry["event"] for entry in logs if entry["event"] == "queue_type_drift_kept"]
+    info = await management.get_queue(agent.vhost, name, columns="name,type,messages")
+    assert info is not None
+    assert info.type == "classic"
+
+    # Drained, the next registration converts it.
+    await drain(agent.vhost, name)
+    response = await agent.create_queue(subscription["uuid"], queue["offering_uuid"])
+    assert response.status_code == 200, response.text
+    info = await management.get_queue(agent.vhost, name, columns="name,type")
+    assert info is not None
+    assert info.type == "quorum"
+
+
+async def test_a_busy_queue_with_other_arguments_besides_its_type_is_still_a_409(
+    backend: Backend, management: ManagementClient
+) -> None:
+    agent, subscription, queue = await registered_queue(backend)
+    name = queue["queue_name"]
+    await _as_classic(management, agent.vhost, name, {**SPEC_ARGUMENTS, "x-max-length": 5})
+    await publish(agent.vhost, name, b'{"keep": "me"}')
+    response = await agent.create_queue(subscription["uuid"], queue["offering_uuid"])
+    assert response.status_code == 409, response.text

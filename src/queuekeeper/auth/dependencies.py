@@ -7,12 +7,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader
-from sqlalchemy import select
 
-from queuekeeper.auth.tokens import is_service_token, token_digest
+from queuekeeper.auth.repository import user_with_token
+from queuekeeper.auth.tokens import is_service_token
 from queuekeeper.exceptions import Forbidden, Unauthorized
 from queuekeeper.models import User
-from queuekeeper.state import SessionDep, StateDep
+from queuekeeper.state import SessionDep, SettingsDep
 
 # Declared as an API key header so /docs offers an "Authorize" box; parsed by hand
 # because agents send `Token <t>` (Waldur's scheme) and the backend `Bearer <t>`.
@@ -38,12 +38,12 @@ def _credentials(header: str | None) -> str:
 
 
 async def current_user(
-    request: Request, header: AuthorizationHeader, session: SessionDep, state: StateDep
+    request: Request, header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
 ) -> User:
     token = _credentials(header)
-    user = await session.scalar(select(User).where(User.token_hash == token_digest(token)))
+    user = await user_with_token(session, token)
     if user is None:
-        if is_service_token(token, state.settings.service_tokens):
+        if is_service_token(token, settings.service_tokens):
             raise Forbidden("A service token cannot act as an agent; use an agent's API token.")
         raise Unauthorized("Invalid token.")
     if not user.is_active:
@@ -54,11 +54,13 @@ async def current_user(
     return user
 
 
-async def service_caller(header: AuthorizationHeader, session: SessionDep, state: StateDep) -> None:
+async def service_caller(
+    header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
+) -> None:
     token = _credentials(header)
-    if is_service_token(token, state.settings.service_tokens):
+    if is_service_token(token, settings.service_tokens):
         return
-    if await session.scalar(select(User.uuid).where(User.token_hash == token_digest(token))):
+    if await user_with_token(session, token) is not None:
         raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
     raise Unauthorized("Invalid service token.", scheme="Bearer")
 

@@ -26,7 +26,8 @@ HTTP_LATENCY = Histogram(
 # --- registration ------------------------------------------------------------------------
 CREATE_QUEUE = Counter(
     "queuekeeper_create_queue_total",
-    "create_queue calls by outcome: created, existing, repaired, conflict, broker_unavailable.",
+    "create_queue calls by outcome: created, existing, repaired, kept (a busy queue of the "
+    "other type, kept until it can be converted), conflict, broker_unavailable.",
     ["outcome"],
 )
 
