@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import respx
@@ -12,6 +13,7 @@ from structlog.testing import capture_logs
 from queuekeeper.broker.management import BrokerUnavailable, ManagementClient
 from queuekeeper.config import Settings
 from tests.brokers import BROKER
+from tests.helpers import Backend
 from tests.proxy import TcpProxy, closed_port, free_port
 
 
@@ -94,3 +96,31 @@ async def test_every_node_down_is_unavailable(settings: Settings) -> None:
             await client.list_vhosts()
     finally:
         await client.aclose()
+
+
+async def test_registration_with_every_node_down_is_a_503_and_events_wait(
+    settings: Settings, make_client: Any
+) -> None:
+    """All Management and AMQP nodes down: registration answers 503 with Retry-After and
+    stores nothing; events are still accepted and wait in the outbox."""
+    dead_mgmt = f"http://127.0.0.1:{closed_port()},http://127.0.0.1:{closed_port()}"
+    dead_amqp = ",".join(f"amqp://guest:guest@127.0.0.1:{closed_port()}/" for _ in range(2))
+    http = await make_client(management_url=dead_mgmt, amqp_url=dead_amqp)
+    backend = Backend(http, settings.service_tokens[0])
+    agent, offering = await backend.agent_with_offering()
+    response = await http.post(
+        "/api/event-subscriptions/", json={"observable_objects": []}, headers=agent.headers
+    )
+    assert response.status_code == 503, response.text
+    assert response.headers["Retry-After"] == str(settings.retry_after_seconds)
+    assert (await http.get("/api/event-subscriptions/", headers=agent.headers)).json() == []
+    accepted = await http.post(
+        "/api/internal/events/",
+        json={
+            "offering_uuid": offering.hex,
+            "object_type": "order",
+            "payload": {"order_uuid": offering.hex},
+        },
+        headers=backend.headers,
+    )
+    assert accepted.status_code == 202, accepted.text
