@@ -95,6 +95,11 @@ async def _vhost(provisioner: Provisioner) -> str:
     return vhost
 
 
+def _publisher(settings: Settings, *nodes: TcpProxy, **changes: object) -> AmqpPublisher:
+    urls = ",".join(node.amqp_url() for node in nodes)
+    return AmqpPublisher(settings.model_copy(update={"amqp_url": urls, **changes}))
+
+
 def _one(message_id: str) -> list[Outgoing]:
     return [Outgoing(QUEUE, aio_pika.Message(b"{}", message_id=message_id, delivery_mode=2))]
 
@@ -104,14 +109,7 @@ async def test_publisher_skips_a_closed_node_and_comes_back_to_it(
 ) -> None:
     first, second = TcpProxy(port=free_port()), TcpProxy()
     second.start()  # `first` is not started: its port refuses connections
-    publisher = AmqpPublisher(
-        settings.model_copy(
-            update={
-                "amqp_url": f"{first.amqp_url()},{second.amqp_url()}",
-                "broker_node_retry_seconds": 0.3,
-            }
-        )
-    )
+    publisher = _publisher(settings, first, second, broker_node_retry_seconds=0.3)
     vhosts = [await _vhost(provisioner) for _ in range(2)]
     try:
         results = await publisher.publish(vhosts[0], _one("while-first-down"))
@@ -140,14 +138,7 @@ async def test_a_node_that_never_answers_costs_one_connect_timeout_not_one_per_c
     hang, real = TcpProxy(blackhole=True), TcpProxy()
     hang.start()
     real.start()
-    publisher = AmqpPublisher(
-        settings.model_copy(
-            update={
-                "amqp_url": f"{hang.amqp_url()},{real.amqp_url()}",
-                "amqp_connect_timeout": 0.5,
-            }
-        )
-    )
+    publisher = _publisher(settings, hang, real, amqp_connect_timeout=0.5)
     vhosts = [await _vhost(provisioner) for _ in range(3)]
     try:
         started = time.perf_counter()
@@ -170,9 +161,7 @@ async def test_every_node_down_is_unreachable_and_the_publisher_recovers(
     settings: Settings, provisioner: Provisioner
 ) -> None:
     first, second = TcpProxy(port=free_port()), TcpProxy(port=free_port())
-    publisher = AmqpPublisher(
-        settings.model_copy(update={"amqp_url": f"{first.amqp_url()},{second.amqp_url()}"})
-    )
+    publisher = _publisher(settings, first, second)
     vhost = await _vhost(provisioner)
     try:
         results = await publisher.publish(vhost, _one("all-down"))

@@ -261,16 +261,20 @@ async def run_job(
     began = utcnow()
     clock = time.perf_counter()
     async with job_lock(context.engine, name.value) as acquired:
-        if (
+        # Every replica's scheduler fires each interval: the first to get the lock runs, the
+        # others find its start and do nothing ("not due"). Not recorded (the normal case
+        # with replicas, twice per interval with three); counted and logged.
+        not_due = (
             acquired
             and trigger is Trigger.SCHEDULE
             and await _ran_this_interval(context, job, began)
-        ):
-            # Every replica's scheduler fires each interval: the first to get the lock runs,
-            # the others find its start and do nothing. Not recorded (the normal case with
-            # replicas, twice per interval with three); counted and logged.
-            JOB_RUNS.labels(job=name.value, status="not_due").inc()
-            log.info("job_not_due", job=name.value)
+        )
+        if not acquired or not_due:
+            held = {
+                "item": name.value,
+                "reason": "another run of this job is in progress (on this or another "
+                "replica); this one did nothing",
+            }
             record = JobRun(
                 uuid=uuid.uuid4(),
                 job=name.value,
@@ -282,36 +286,17 @@ async def run_job(
                 found={},
                 changed={},
                 actions=[],
-                failures=[],
+                failures=[] if not_due else [held],
             )
-            if started is not None:
-                started(record)
-            return record
-        if not acquired:
-            record = JobRun(
-                uuid=uuid.uuid4(),
-                job=name.value,
-                trigger=trigger.value,
-                dry_run=dry_run,
-                started=began,
-                finished=utcnow(),
-                status=RunStatus.SKIPPED.value,
-                found={},
-                changed={},
-                actions=[],
-                failures=[
-                    {
-                        "item": name.value,
-                        "reason": "another run of this job is in progress (on this or another "
-                        "replica); this one did nothing",
-                    }
-                ],
-            )
-            async with context.sessions() as session:
-                repository.insert_run(session, record)
-                await session.commit()
-            JOB_RUNS.labels(job=name.value, status=RunStatus.SKIPPED.value).inc()
-            log.info("job_skipped", job=name.value, trigger=trigger.value)
+            if not_due:
+                JOB_RUNS.labels(job=name.value, status="not_due").inc()
+                log.info("job_not_due", job=name.value)
+            else:
+                async with context.sessions() as session:
+                    repository.insert_run(session, record)
+                    await session.commit()
+                JOB_RUNS.labels(job=name.value, status=RunStatus.SKIPPED.value).inc()
+                log.info("job_skipped", job=name.value, trigger=trigger.value)
             if started is not None:
                 started(record)
             return record
