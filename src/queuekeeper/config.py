@@ -111,7 +111,7 @@ class Settings(BaseSettings):
         "loss). Quorum queues and their dead-letter queue get `x-queue-type: quorum`, "
         "`x-overflow: reject-publish` and `x-dead-letter-strategy: at-least-once` instead of "
         "`queue_overflow`; a full queue's nack is retried with backoff. Changing it on a "
-        "running installation: see docs/operations.md (type migration).",
+        'running installation: docs/operations.md, "Moving from classic to quorum queues".',
     )
     queue_message_ttl_ms: int = Field(
         default=3_600_000, ge=0, description="`x-message-ttl` of every registered queue."

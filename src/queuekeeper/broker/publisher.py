@@ -15,7 +15,8 @@ order they were published.
 
 Reconnects are our own, not aio-pika's robust connection: a publish that fails
 because the connection dropped is reported as `UNREACHABLE`, the outbox relay
-retries it later, and the next use of the vhost opens a fresh connection.
+retries it later, and the next use of the vhost opens a fresh connection, on the
+first node of the configured list that answers (`broker/nodes.py`).
 """
 
 from __future__ import annotations
