@@ -12,6 +12,7 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import event
 
+from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.events.relay import Relay
 from tests.consumers.test_register_queue import new_identity, register_queue
@@ -201,3 +202,18 @@ async def test_metrics_count_consumers_and_copies_by_kind(
     for kind in ("legacy", "consumer"):
         for stage in ("queued", "published"):
             assert sample(copies, kind=kind, stage=stage) == before[(kind, stage)] + 1
+
+
+@pytest.mark.settings(queue_type="quorum")
+async def test_a_consumer_queue_follows_the_queue_type(
+    client: httpx.AsyncClient, backend: Backend, management: ManagementClient
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    queue = await consumer_for(agent, offering)
+    info = await management.get_queue(agent.vhost, queue, columns="name,type,arguments")
+    assert info is not None
+    assert info.type == "quorum"
+    assert info.arguments["x-overflow"] == "reject-publish"
+    answer = await post_event(client, order_event(offering), wait=True)
+    assert [d["state"] for d in answer.json()["deliveries"]] == ["published"]
+    assert len(await drain(agent.vhost, queue)) == 1
