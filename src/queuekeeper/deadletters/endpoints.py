@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends
 
 from queuekeeper.auth.dependencies import ServiceCaller
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params
+from queuekeeper.common.params import VhostQuery
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
 from queuekeeper.deadletters.service import dead_letter_counts, run_redrive
@@ -19,8 +20,6 @@ from queuekeeper.reconcile.endpoints import ADMIN_ERRORS, RUN_ERRORS, answer_run
 from queuekeeper.state import SessionDep, StateDep
 
 router = APIRouter(prefix="/api/admin/dead-letters", tags=["admin"], dependencies=[ServiceCaller])
-
-VHOST = Query(description="Only this vhost (the owner's uuid hex).")
 
 
 @router.get(
@@ -38,7 +37,7 @@ async def dead_letters(
     state: StateDep,
     session: SessionDep,
     page: Annotated[Page, Depends(page_params)],
-    vhost: Annotated[str | None, VHOST] = None,
+    vhost: VhostQuery = None,
 ) -> DeadLettersOut:
     queues = [DeadLetterQueueOut(**entry) for entry in await dead_letter_counts(state, vhost)]
     total, given_up = await repository.list_given_up(
@@ -64,7 +63,7 @@ async def dead_letters(
         **error_responses(404, descriptions={404: "`vhost` is not one of this installation's."}),
     },
 )
-async def redrive_now(state: StateDep, vhost: Annotated[str | None, VHOST] = None) -> RunOut:
+async def redrive_now(state: StateDep, vhost: VhostQuery = None) -> RunOut:
     if vhost is not None:
         info = await state.management.get_vhost(vhost)
         if info is None or not state.provisioner.owns(info):
