@@ -46,7 +46,7 @@ test-sqlite: install services tools
 ## make test-image: build the container image with podman/buildah and run it against the
 ## local PostgreSQL and RabbitMQ (once; tests/ops/test_image.py)
 test-image: install services tools
-	$(BIN)/pytest -q -m container tests/ops/test_image.py
+	$(BIN)/pytest -q -s -m container tests/ops/test_image.py
 
 ## make test: install, make sure PostgreSQL and RabbitMQ are up, lint, type-check, run the suite
 ## on PostgreSQL and again on SQLite, then build and run the container image.

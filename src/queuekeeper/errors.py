@@ -234,7 +234,7 @@ def classify_database_error(exc: BaseException) -> DatabaseProblem:
         if isinstance(sqlstate, str) and len(sqlstate) == 5:
             if sqlstate[:2] == "22":
                 return DatabaseProblem.BAD_VALUE
-            if sqlstate[:2] == "23":
+            if sqlstate[:2] in ("23", "40"):  # a constraint; a deadlock or serialization
                 return DatabaseProblem.CONFLICT
             if sqlstate[:2] in _UNREACHABLE_CLASSES:
                 return DatabaseProblem.UNREACHABLE

@@ -172,6 +172,7 @@ def _wrapped(orig: BaseException, *, invalidated: bool = False) -> DBAPIError:
         (_wrapped(_Driver("22021")), DatabaseProblem.BAD_VALUE),  # NUL byte
         (_wrapped(_Driver("22P02")), DatabaseProblem.BAD_VALUE),  # NaN in json
         (_wrapped(_Driver("23505")), DatabaseProblem.CONFLICT),
+        (_wrapped(_Driver("40P01")), DatabaseProblem.CONFLICT),  # deadlock: retry
         (_wrapped(_Driver("08006")), DatabaseProblem.UNREACHABLE),
         (_wrapped(_Driver("57P01")), DatabaseProblem.UNREACHABLE),  # admin shutdown
         (_wrapped(_Driver("53300")), DatabaseProblem.UNREACHABLE),  # too many connections
