@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import Request
 
-from queuekeeper.errors import BadRequest
+from queuekeeper.exceptions import BadRequest
 
 NUL = "\x00"
 # What a JSON body must contain for the walk below to find anything.
