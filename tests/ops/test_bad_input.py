@@ -17,7 +17,7 @@ from queuekeeper.common.pagination import MAX_PAGE
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
 from tests.helpers import Backend
-from tests.netproxy import closed_port
+from tests.proxy import closed_port
 
 HUGE = "11945584113270350860971166138368"
 LISTS = [
