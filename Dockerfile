@@ -7,24 +7,38 @@
 #   docker build -t queuekeeper .
 #   docker run --env-file .env queuekeeper queuekeeper migrate
 #   docker run --env-file .env -p 8000:8000 queuekeeper
+#
+# Offline (no registry, no PyPI), as tests/ops/test_image.py builds it: any Debian-like
+# base with python3 and python3-venv, dependencies from wheels put in deploy/wheelhouse/:
+#
+#   docker build --build-arg BASE_IMAGE=localhost/debian-python:bookworm \
+#     --build-arg BUILD_PACKAGES= \
+#     --build-arg PIP_INSTALL_OPTIONS="--no-index --find-links /build/wheelhouse" .
 
-ARG PYTHON_VERSION=3.11
+ARG BASE_IMAGE=python:3.11-slim
 
-FROM python:${PYTHON_VERSION}-slim AS build
-# hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && rm -rf /var/lib/apt/lists/*
+FROM ${BASE_IMAGE} AS build
+# Compilers for a dependency without a wheel; empty when every wheel is at hand.
+ARG BUILD_PACKAGES="gcc libc6-dev"
+ARG PIP_INSTALL_OPTIONS=""
+# hadolint ignore=DL3008,SC2086
+RUN if [ -n "$BUILD_PACKAGES" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends $BUILD_PACKAGES \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN python -m venv /opt/queuekeeper
+RUN python3 -m venv /opt/queuekeeper
 WORKDIR /build
 COPY pyproject.toml README.md ./
 COPY src ./src
 COPY migrations ./migrations
-RUN /opt/queuekeeper/bin/pip install .
+COPY deploy/wheelhouse ./wheelhouse
+# hadolint ignore=SC2086
+RUN /opt/queuekeeper/bin/pip install $PIP_INSTALL_OPTIONS .
 
-FROM python:${PYTHON_VERSION}-slim AS runtime
+FROM ${BASE_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="queuekeeper" \
       org.opencontainers.image.description="Owns the RabbitMQ queues through which a backend sends events to site agents."
 RUN groupadd --system --gid 10001 queuekeeper \

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint typecheck services test-postgres test-sqlite bench docs clean
+.PHONY: install run test lint typecheck services tools test-postgres test-sqlite test-image test-cluster bench docs clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { \
@@ -16,13 +16,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## make run: install, migrate, and serve on the embedded default (SQLite file, local RabbitMQ)
+## make run: install, make sure the local RabbitMQ is up (management, STOMP, web-STOMP), migrate,
+## and serve on the embedded default (SQLite file, local RabbitMQ)
 run: install
+	@MAKE_TARGET=run bash scripts/ensure-services.sh rabbitmq
 	$(BIN)/queuekeeper migrate
 	$(BIN)/queuekeeper serve
 
 services:
-	bash scripts/ensure-services.sh
+	MAKE_TARGET=test bash scripts/ensure-services.sh
+
+## tools for the operations tests: podman, buildah, runc, debootstrap, chromium, promtool
+tools:
+	bash scripts/ensure-tools.sh
 
 lint: install
 	$(BIN)/ruff check src tests migrations bench
@@ -31,15 +37,27 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
-test-postgres: install services
-	$(BIN)/pytest -q
+test-postgres: install services tools
+	$(BIN)/pytest -q -m "not container"
 
-test-sqlite: install services
-	QK_TEST_DB=sqlite $(BIN)/pytest -q
+test-sqlite: install services tools
+	QK_TEST_DB=sqlite $(BIN)/pytest -q -m "not container"
+
+## make test-image: build the container image with podman/buildah and run it against the
+## local PostgreSQL and RabbitMQ (once; tests/ops/test_image.py)
+test-image: install services tools
+	$(BIN)/pytest -q -s -m container tests/ops/test_image.py
 
 ## make test: install, make sure PostgreSQL and RabbitMQ are up, lint, type-check, run the suite
-## on PostgreSQL and again on SQLite.
-test: install services lint typecheck test-postgres test-sqlite
+## on PostgreSQL and again on SQLite, then build and run the container image.
+test: install services tools lint typecheck test-postgres test-sqlite test-image
+
+## make test-cluster: not part of `make test`. Builds a 3-node RabbitMQ cluster on loopback
+## beside the main broker (ports 57xx/157xx; needs root and the rabbitmq-server package), runs
+## three replicas on PostgreSQL with quorum, then classic, queues while a node and a replica
+## are killed; about 10 minutes. Figures: cluster-figures.json.
+test-cluster: install services
+	QK_CLUSTER=1 $(BIN)/pytest -q -s -p no:cacheprovider tests/cluster
 
 bench: install services
 	$(BIN)/python -m bench

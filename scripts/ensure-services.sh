@@ -2,17 +2,36 @@
 # Makes sure PostgreSQL and RabbitMQ (with the management, STOMP and web-STOMP
 # plugins) answer on loopback. Starts them when installed but down; installs
 # them with apt on Debian when missing and running as root. Idempotent.
+#
+#   ensure-services.sh            both (make test)
+#   ensure-services.sh rabbitmq   RabbitMQ only (make run on its SQLite default; PostgreSQL
+#                                 too when QUEUEKEEPER_DATABASE_URL points at a local one)
+#
+# When something cannot be done from here (not root), it stops with one line saying
+# exactly what to run.
 set -euo pipefail
 
 log() { printf 'ensure-services: %s\n' "$*" >&2; }
+# One line, the exact command, and stop.
+stop_with() { printf 'ensure-services: %s\n' "$*" >&2; exit 1; }
+as_root() { if [ "$(id -u)" = 0 ]; then printf '%s' "$*"; else printf 'sudo %s' "$*"; fi; }
+
+want_postgresql=1
+want_rabbitmq=1
+if [ "${1:-}" = rabbitmq ]; then
+  want_postgresql=0
+  case "${QUEUEKEEPER_DATABASE_URL:-}" in
+    postgres*://*@127.0.0.1[:/]*|postgres*://*@localhost[:/]*) want_postgresql=1 ;;
+  esac
+fi
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-wait_port() { # port seconds name
+wait_port() { # port seconds
   for _ in $(seq 1 "$2"); do port_open "$1" && return 0; sleep 1; done
-  log "$3 did not open port $1 within $2 s"; return 1
+  return 1
 }
 apt_install() {
   if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-    log "cannot install $*: not root on a Debian machine; install them and re-run"; exit 1
+    stop_with "$* is not installed; run: sudo apt-get install -y $* && make ${MAKE_TARGET:-run}"
   fi
   log "installing $* with apt"
   export DEBIAN_FRONTEND=noninteractive
@@ -21,12 +40,13 @@ apt_install() {
 }
 
 # --- PostgreSQL -----------------------------------------------------------------
-if ! port_open 5432; then
+if [ "$want_postgresql" = 1 ] && ! port_open 5432; then
   if ! ls /etc/postgresql/*/main >/dev/null 2>&1; then apt_install postgresql; fi
   version=$(ls /etc/postgresql | sort -V | tail -n 1)
   log "starting PostgreSQL $version"
   pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
-  wait_port 5432 60 PostgreSQL
+  wait_port 5432 60 || stop_with "PostgreSQL is down; run: $(as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start)"
+
   # A fresh Debian cluster only trusts local socket peers: allow loopback as the tests expect.
   if ! psql -h 127.0.0.1 -U postgres -c 'select 1' >/dev/null 2>&1; then
     hba=/etc/postgresql/$version/main/pg_hba.conf
@@ -37,21 +57,30 @@ if ! port_open 5432; then
 fi
 
 # --- RabbitMQ -----------------------------------------------------------------------
-if ! command -v rabbitmq-server >/dev/null && ! [ -x /usr/sbin/rabbitmq-server ]; then
-  apt_install rabbitmq-server
+PLUGINS="rabbitmq_management rabbitmq_stomp rabbitmq_web_stomp"
+plugins_up() { port_open 15672 && port_open 15674 && port_open 61613; }
+if [ "$want_rabbitmq" = 1 ] && ! { port_open 5672 && plugins_up; }; then
+  if ! command -v rabbitmq-server >/dev/null && ! [ -x /usr/sbin/rabbitmq-server ]; then
+    apt_install rabbitmq-server
+  fi
+  if ! port_open 5672; then
+    log "starting RabbitMQ"
+    rabbitmq-server -detached 2>/dev/null || true
+    wait_port 5672 120 || stop_with "RabbitMQ is down; run: $(as_root rabbitmq-server -detached)"
+  fi
+  # Wait until the node itself answers: the AMQP port opens before plugins can be enabled.
+  for _ in $(seq 1 60); do rabbitmqctl -q status >/dev/null 2>&1 && break; sleep 1; done
+  if ! plugins_up; then
+    log "enabling $PLUGINS"
+    # shellcheck disable=SC2086
+    rabbitmq-plugins enable $PLUGINS >/dev/null 2>&1 \
+      || stop_with "RabbitMQ lacks its plugins; run: $(as_root rabbitmq-plugins enable $PLUGINS)"
+  fi
+  for port in 15672 15674 61613; do
+    wait_port "$port" 60 || stop_with "RabbitMQ's plugins do not answer on port $port; run: $(as_root rabbitmq-plugins enable $PLUGINS) and check $(as_root rabbitmqctl status)"
+  done
 fi
-if ! port_open 5672; then
-  log "starting RabbitMQ"
-  rabbitmq-server -detached
-  wait_port 5672 120 RabbitMQ
-fi
-# Wait until the node itself answers: the AMQP port opens before plugins can be enabled.
-for _ in $(seq 1 60); do rabbitmqctl -q status >/dev/null 2>&1 && break; sleep 1; done
-if ! port_open 15672 || ! port_open 15674 || ! port_open 61613; then
-  log "enabling rabbitmq_management rabbitmq_stomp rabbitmq_web_stomp"
-  rabbitmq-plugins enable rabbitmq_management rabbitmq_stomp rabbitmq_web_stomp >/dev/null
-fi
-wait_port 15672 60 "RabbitMQ management"
-wait_port 15674 60 "RabbitMQ web-STOMP"
-wait_port 61613 60 "RabbitMQ STOMP"
-log "PostgreSQL and RabbitMQ are up (management, STOMP, web-STOMP enabled)"
+services=()
+[ "$want_postgresql" = 1 ] && services+=(PostgreSQL)
+[ "$want_rabbitmq" = 1 ] && services+=("RabbitMQ (management, STOMP, web-STOMP)")
+log "up: ${services[*]}"

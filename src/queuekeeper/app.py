@@ -7,16 +7,19 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import structlog
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from prometheus_client import multiprocess
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher
+from queuekeeper.common.docs import install_docs
+from queuekeeper.common.input_guard import reject_unstorable_input
 from queuekeeper.common.openapi import install_openapi, operation_id
 from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings, get_settings
+from queuekeeper.consumers.endpoints import router as consumers_router
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.deadletters import service as deadletters
 from queuekeeper.deadletters.endpoints import router as dead_letters_router
@@ -209,9 +212,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Agents do not follow redirects: never answer a missing slash with a 307.
         redirect_slashes=False,
         generate_unique_id_function=operation_id,
+        # Served from the package (common/docs.py), not from a CDN.
+        docs_url=None,
+        redoc_url=None,
+        # A NUL character or NaN/Infinity is a 400 naming the field, before any endpoint.
+        dependencies=[Depends(reject_unstorable_input)],
     )
     install_error_handlers(app, settings)
     install_openapi(app)
+    install_docs(app)
     app.add_middleware(ObservabilityMiddleware)
     if settings.root_path:
         # Added last, so outermost: everything inside sees the canonical path.
@@ -220,6 +229,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(users_router)
     app.include_router(directory_router)
     app.include_router(identities_router)
+    app.include_router(consumers_router)
     app.include_router(identities_admin_router)
     app.include_router(admin_router)
     app.include_router(runs_router)

@@ -1,12 +1,15 @@
 """Errors the API answers with, and the handlers that turn them into JSON.
 
 Every body has `detail` in words a person can act on; validation errors also
-list each offending field. Nothing reaches a 500: a dependency that is down is
-a 503 with `Retry-After`.
+list each offending field. A dependency that is really down (the database or
+RabbitMQ unreachable) is a 503 with `Retry-After`; a value the database cannot take
+is a 400, never a 503 (`classify_database_error`).
 """
 
 from __future__ import annotations
 
+import enum
+import sqlite3
 from typing import Any
 
 import structlog
@@ -146,11 +149,108 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
             headers=retry_after,
         )
 
-    async def _database_down(_request: Request, exc: Exception) -> JSONResponse:
-        log.error("database_unavailable", error=str(exc)[:500])
-        return JSONResponse(
-            {"detail": "The database is unavailable; retry later."}, 503, headers=retry_after
-        )
+    async def _database_error(request: Request, exc: Exception) -> JSONResponse:
+        kind = classify_database_error(exc)
+        if kind is DatabaseProblem.BAD_VALUE:
+            log.info("database_refused_value", error=str(exc).splitlines()[0][:300])
+            fields = _suspect_parameters(request)
+            detail = (
+                "A value in the request cannot be stored or compared by the database "
+                "(a number out of range, a NUL character, NaN or Infinity)"
+            )
+            body: dict[str, Any] = {"detail": detail + "."}
+            if fields:
+                body["detail"] = f"{detail}: {', '.join(fields)}."
+                body["errors"] = [{"field": field, "message": detail} for field in fields]
+            return JSONResponse(body, 400)
+        if kind is DatabaseProblem.CONFLICT:
+            log.warning("database_conflict", error=str(exc).splitlines()[0][:300])
+            return JSONResponse(
+                {"detail": "The change conflicts with a concurrent one; retry the request."}, 409
+            )
+        if kind is DatabaseProblem.UNREACHABLE:
+            log.error("database_unavailable", error=str(exc)[:500])
+            return JSONResponse(
+                {"detail": "The database is unavailable; retry later."}, 503, headers=retry_after
+            )
+        log.exception("database_error", exc_info=exc)
+        return JSONResponse({"detail": "Internal error (database); it was logged."}, 500)
 
-    for exc_type in (OperationalError, DBAPIError, PoolTimeout, ConnectionError, OSError):
-        app.add_exception_handler(exc_type, _database_down)
+    for exc_type in (DBAPIError, PoolTimeout, OSError, OverflowError):
+        app.add_exception_handler(exc_type, _database_error)
+
+
+class DatabaseProblem(enum.Enum):
+    UNREACHABLE = "unreachable"  # 503 with Retry-After: retrying later can succeed
+    BAD_VALUE = "bad_value"  # 400: the same request will always fail
+    CONFLICT = "conflict"  # 409: a constraint, e.g. a concurrent insert of the same key
+    OTHER = "other"  # 500: a bug (a wrong statement); logged with its traceback
+
+
+# PostgreSQL SQLSTATE classes: 08 connection exception, 53 insufficient resources,
+# 57 operator intervention (shutdown, cannot connect now), 58 system error (I/O).
+_UNREACHABLE_CLASSES = frozenset({"08", "53", "57", "58"})
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in chain and len(chain) < 8:
+        chain.append(current)
+        current = getattr(current, "orig", None) or current.__cause__ or current.__context__
+    return chain
+
+
+def classify_database_error(exc: BaseException) -> DatabaseProblem:
+    """Whether a database error means "down, retry later" or "this value cannot be stored".
+
+    A connection that is refused, closed, timed out or invalidated, a full pool and a
+    server shutting down are UNREACHABLE. A value the database refuses (SQLSTATE class 22:
+    an integer beyond int64, a NUL character in text, NaN in JSON; the driver's own
+    "invalid input for query argument"; SQLite's integer overflow) is BAD_VALUE.
+    """
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return DatabaseProblem.UNREACHABLE
+    for cause in _causes(exc):
+        if isinstance(cause, PoolTimeout | OSError):
+            return DatabaseProblem.UNREACHABLE
+        sqlstate = getattr(cause, "sqlstate", None)
+        if isinstance(sqlstate, str) and len(sqlstate) == 5:
+            if sqlstate[:2] == "22":
+                return DatabaseProblem.BAD_VALUE
+            if sqlstate[:2] in ("23", "40"):  # a constraint; a deadlock or serialization
+                return DatabaseProblem.CONFLICT
+            if sqlstate[:2] in _UNREACHABLE_CLASSES:
+                return DatabaseProblem.UNREACHABLE
+        if isinstance(cause, OverflowError | sqlite3.DataError):
+            return DatabaseProblem.BAD_VALUE
+        if isinstance(cause, sqlite3.IntegrityError):
+            return DatabaseProblem.CONFLICT
+        if isinstance(cause, sqlite3.OperationalError):
+            # locked, unable to open the file, disk I/O error, read-only file system
+            return DatabaseProblem.UNREACHABLE
+        if type(cause).__name__ in _DRIVER_CONNECTION_ERRORS:
+            return DatabaseProblem.UNREACHABLE
+    if isinstance(exc, OperationalError):
+        return DatabaseProblem.UNREACHABLE
+    return DatabaseProblem.OTHER
+
+
+# asyncpg's client-side errors for a connection that went away carry no SQLSTATE.
+_DRIVER_CONNECTION_ERRORS = frozenset(
+    {"ConnectionDoesNotExistError", "ConnectionFailureError", "InterfaceError"}
+)
+
+_INT64_MAX = 2**63 - 1
+_NOT_FINITE = frozenset({"nan", "inf", "-inf", "infinity", "-infinity"})
+
+
+def _suspect_parameters(request: Request) -> list[str]:
+    """Query parameters that hold a value a database refuses (the body was consumed)."""
+    suspects = []
+    for name, value in request.query_params.multi_items():
+        text = value.strip()
+        too_big = text.lstrip("+-").isdigit() and abs(int(text)) > _INT64_MAX
+        if too_big or "\x00" in value or text.lower() in _NOT_FINITE:
+            suspects.append(name)
+    return sorted(set(suspects))

@@ -13,6 +13,12 @@ SUBSCRIPTION_QUEUE_PREFIX = "subscription_"
 QUEUE_NAME_RE = re.compile(
     r"^subscription_(?P<subscription>[0-9a-f]{32})_offering_(?P<offering>[0-9a-f]{32})_(?P<object_type>[a-z_]+)$"
 )
+# SPEC 9: one queue per consumer, named by the server (the agent takes it verbatim).
+CONSUMER_QUEUE_PREFIX = "consumer_"
+CONSUMER_QUEUE_RE = re.compile(r"^consumer_(?P<consumer>[0-9a-f]{32})$")
+# Every queue name queuekeeper makes starts with one of these; reconcile and the admin view
+# judge only those (the dead-letter queue and anything else are not registrations).
+REGISTERED_QUEUE_PREFIXES = (SUBSCRIPTION_QUEUE_PREFIX, CONSUMER_QUEUE_PREFIX)
 _UUID_HEX = re.compile(r"^[0-9a-f]{32}$")
 # Permissions are regexes matched against the whole name, so anchor both ends.
 NOTHING = "^$"
@@ -38,13 +44,9 @@ def uuid_of(name: str) -> uuid.UUID | None:
 
 
 def named_like_subscription_user(name: str) -> bool:
-    """Exactly our form (a user that lost its tag is still recognised as ours by its name)."""
+    """Exactly our form, a subscription's or a consumer's (a user that lost its tag is still
+    recognised as ours by its name)."""
     return _UUID_HEX.match(name) is not None
-
-
-def is_subscription_queue(name: str) -> bool:
-    """Named like a subscription's queue: queuekeeper's to judge (any other queue is not)."""
-    return name.startswith(SUBSCRIPTION_QUEUE_PREFIX)
 
 
 def queue_name(subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_type: str) -> str:
@@ -57,6 +59,27 @@ def queue_name(subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_ty
 
 def subscription_queue_pattern(subscription_uuid: uuid.UUID) -> str:
     return f"^{SUBSCRIPTION_QUEUE_PREFIX}{subscription_uuid.hex}_.*$"
+
+
+def consumer_queue_name(consumer_uuid: uuid.UUID) -> str:
+    """`consumer_<uuid hex>`, as Waldur Mastermind names it (its tooling parses that form)."""
+    return f"{CONSUMER_QUEUE_PREFIX}{consumer_uuid.hex}"
+
+
+def consumer_user_name(consumer_uuid: uuid.UUID) -> str:
+    """The 1.0.7 agent logs in with `login = rmq_username`, which is this."""
+    return consumer_uuid.hex
+
+
+def consumer_of(queue_name: str) -> uuid.UUID | None:
+    """The consumer a `consumer_<hex>` queue belongs to; None for any other name."""
+    match = CONSUMER_QUEUE_RE.match(queue_name)
+    return uuid.UUID(hex=match["consumer"]) if match else None
+
+
+def is_registered_kind(queue_name: str) -> bool:
+    """Named like a queue queuekeeper registers (a subscription's or a consumer's)."""
+    return queue_name.startswith(REGISTERED_QUEUE_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -80,31 +103,79 @@ def subscription_permissions(subscription_uuid: uuid.UUID) -> Permissions:
     )
 
 
+def consumer_permissions(consumer_uuid: uuid.UUID) -> Permissions:
+    """Read its one queue, nothing else (Waldur grants `.*` on all three; SPEC 9 does not)."""
+    return Permissions(
+        configure=NOTHING,
+        write=NOTHING,
+        read=f"^{re.escape(consumer_queue_name(consumer_uuid))}$",
+    )
+
+
 SERVICE_PERMISSIONS = Permissions(configure=EVERYTHING, write=EVERYTHING, read=EVERYTHING)
 
 
+QUEUE_TYPE = "x-queue-type"
+CLASSIC = "classic"
+QUORUM = "quorum"
+
+
 def queue_arguments(settings: Settings) -> dict[str, Any]:
-    return {
+    """Every registered queue's arguments (both kinds: subscription and consumer queues)."""
+    arguments: dict[str, Any] = {
         "x-message-ttl": settings.queue_message_ttl_ms,
         "x-max-length": settings.queue_max_length,
         "x-overflow": settings.queue_overflow,
         "x-dead-letter-exchange": settings.dead_letter_exchange,
         "x-dead-letter-routing-key": settings.dlq_name,
     }
+    if settings.queue_type == QUORUM:
+        # RabbitMQ 3.10 accepts `reject-publish-dlx` on a quorum queue (201) and silently
+        # behaves as `drop-head`, dead-lettering the *oldest* event. So a full quorum queue
+        # nacks the publisher instead (the relay retries), and TTL expiry is dead-lettered
+        # at-least-once, which RabbitMQ allows only together with `reject-publish`.
+        arguments.update(
+            {
+                QUEUE_TYPE: QUORUM,
+                "x-overflow": "reject-publish",
+                "x-dead-letter-strategy": "at-least-once",
+            }
+        )
+    return arguments
 
 
 def dead_letter_queue_arguments(settings: Settings) -> dict[str, Any]:
-    return {
+    """The dead-letter queue is of the same type as the queues whose dead letters it keeps:
+    on a quorum installation it must survive a node loss too."""
+    arguments: dict[str, Any] = {
         "x-max-length": settings.dlq_max_length,
         "x-message-ttl": settings.dlq_message_ttl_ms,
         "x-overflow": settings.dlq_overflow,
     }
+    if settings.queue_type == QUORUM:
+        arguments[QUEUE_TYPE] = QUORUM
+    return arguments
+
+
+def queue_type(arguments: dict[str, Any]) -> str:
+    """A queue declared without `x-queue-type` is classic."""
+    return str(arguments.get(QUEUE_TYPE) or CLASSIC)
 
 
 def argument_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """Human-readable differences; empty when the broker holds exactly what we asked for."""
+    """Human-readable differences; empty when the broker holds exactly what we asked for.
+
+    The type comes first and in words: it is the one difference that cannot be changed in
+    place (the queue must be re-created, so only when it is empty and unconsumed).
+    """
     differences = []
-    for key in sorted(set(expected) | set(actual)):
+    want_type, have_type = queue_type(expected), queue_type(actual)
+    if want_type != have_type:
+        differences.append(
+            f"queue type: expected {want_type}, broker has {have_type} "
+            "(cannot change in place: re-created only when empty and unconsumed)"
+        )
+    for key in sorted((set(expected) | set(actual)) - {QUEUE_TYPE}):
         want, have = expected.get(key, "<absent>"), actual.get(key, "<absent>")
         if want != have:
             differences.append(f"{key}: expected {want!r}, broker has {have!r}")

@@ -22,6 +22,12 @@ class Page(BaseModel):
         return (self.page - 1) * self.page_size
 
 
+# Bounds keep every offset within the databases' 64-bit integers (a page number past them
+# used to reach the database and fail there): 2**31 pages of 1000 is 2**41 rows.
+MAX_PAGE = 2**31
+MAX_PAGE_SIZE = 1000
+
+
 @dataclass(frozen=True)
 class Paged(Generic[T]):
     """One page of a list, and how many items the whole list has."""
@@ -31,8 +37,8 @@ class Paged(Generic[T]):
 
 
 def page_params(
-    page: Annotated[int, Query(ge=1, description="Page number, from 1.")] = 1,
-    page_size: Annotated[int, Query(ge=1, le=1000, description="Items per page.")] = 100,
+    page: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Page number, from 1.")] = 1,
+    page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE, description="Items per page.")] = 100,
 ) -> Page:
     return Page(page=page, page_size=page_size)
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 
 from queuekeeper.auth.dependencies import ServiceCaller
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params
+from queuekeeper.common.params import VhostQuery
 from queuekeeper.deadletters import service
 from queuekeeper.deadletters.schemas import DeadLettersOut
 from queuekeeper.jobs.endpoints import (
@@ -22,8 +23,6 @@ from queuekeeper.jobs.schemas import RunOut
 from queuekeeper.state import JobsDep, ProvisionerDep, SessionDep, SettingsDep
 
 router = APIRouter(prefix="/api/admin/dead-letters", tags=["admin"], dependencies=[ServiceCaller])
-
-VHOST = Query(description="Only this vhost (the owner's uuid hex).")
 
 
 @router.get(
@@ -42,7 +41,7 @@ async def dead_letters(
     provisioner: ProvisionerDep,
     settings: SettingsDep,
     page: Annotated[Page, Depends(page_params)],
-    vhost: Annotated[str | None, VHOST] = None,
+    vhost: VhostQuery = None,
 ) -> DeadLettersOut:
     return await service.dead_letters(
         session, provisioner, settings, vhost=vhost, offset=page.offset, limit=page.page_size
@@ -67,7 +66,7 @@ async def redrive_now(
     response: Response,
     jobs: JobsDep,
     background: RespondAsync,
-    vhost: Annotated[str | None, VHOST] = None,
+    vhost: VhostQuery = None,
 ) -> RunOut:
     record = await service.redrive_now(jobs, vhost, background=background)
     return run_answer(request, response, record, background)

@@ -6,6 +6,8 @@ Every call is idempotent, so the backend can simply retry after a 503.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -16,10 +18,11 @@ from queuekeeper.broker.management import BrokerUnavailable, ManagementError
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.common.schemas import parse_path_uuid
+from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.directory import repository
 from queuekeeper.directory.schemas import OfferingPut, UserPut
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
-from queuekeeper.models import Offering, OfferingAccess, User
+from queuekeeper.models import EventConsumer, EventSubscription, Offering, OfferingAccess, User
 from queuekeeper.subscriptions.service import (
     BrokerLeftovers,
     collect_leftovers,
@@ -88,26 +91,36 @@ async def put_user(
 
 
 async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner, user: User) -> int:
-    """Give every subscription's broker user the owner's current password; returns how many."""
-    stale = await repository.subscriptions_needing_password(
-        session, user.uuid, user.broker_password_hash
+    """Give the broker user of every subscription and consumer of the user the owner's
+    current password; returns how many."""
+    password_hash = user.broker_password_hash
+    subscriptions = await repository.subscriptions_needing_password(
+        session, user.uuid, password_hash
     )
-    for subscription in stale:
+    consumers = await consumers_repository.needing_password(session, user.uuid, password_hash)
+    changes: list[tuple[EventSubscription | EventConsumer, Callable[[], Awaitable[None]]]] = [
+        (s, partial(provisioner.set_subscription_password, s.uuid, password_hash))
+        for s in subscriptions
+    ] + [(c, partial(provisioner.set_consumer_password, c.uuid, password_hash)) for c in consumers]
+    for row, change in changes:
         try:
-            await provisioner.set_subscription_password(
-                subscription.uuid, user.broker_password_hash
-            )
+            await change()
         except (BrokerUnavailable, ManagementError) as exc:
             await session.commit()
             raise Unavailable(
                 "The user was saved, but RabbitMQ could not be given the new token as the "
                 f"broker password ({exc}); repeat the same PUT to finish."
             ) from exc
-        subscription.broker_password_hash = user.broker_password_hash
+        row.broker_password_hash = password_hash
     await session.commit()
-    if stale:
-        log.info("broker_passwords_updated", user=user.uuid.hex, subscriptions=len(stale))
-    return len(stale)
+    if changes:
+        log.info(
+            "broker_passwords_updated",
+            user=user.uuid.hex,
+            subscriptions=len(subscriptions),
+            consumers=len(consumers),
+        )
+    return len(changes)
 
 
 async def delete_user(
@@ -119,6 +132,8 @@ async def delete_user(
     leftovers = await collect_leftovers(
         session, await repository.subscriptions_of_user(session, user_uuid)
     )
+    # Its consumers go by cascade; their queues and broker users are removed below.
+    leftovers.add_consumers(await consumers_repository.of_owner(session, user_uuid))
     leftovers.owner_uuids.add(user_uuid)
     await session.delete(user)
     await session.commit()
@@ -162,11 +177,24 @@ async def delete_offering(
     if offering is None:
         return
     queues = await repository.queues_of_offering(session, offering_uuid)
-    await session.delete(offering)  # grants and queue rows go by cascade
+    # Consumers bound to it alone go with it; others only lose it as a scope (cascade).
+    consumers = await consumers_repository.scoped_only_to(session, offering_uuid)
+    for consumer in consumers:
+        await session.delete(consumer)
+    # Before the offering: its deletion cascades to identities and so to these consumers.
+    await session.flush()
+    await session.delete(offering)  # grants, queue rows, identities go by cascade
     await session.commit()
-    log.info("offering_deleted", offering=offering_uuid.hex, queues=len(queues))
+    log.info(
+        "offering_deleted",
+        offering=offering_uuid.hex,
+        queues=len(queues),
+        consumers=len(consumers),
+    )
     await remove_leftovers(
-        session, provisioner, BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+        session,
+        provisioner,
+        BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues]).add_consumers(consumers),
     )
 
 
@@ -202,12 +230,25 @@ async def revoke_access(
     # FOR SHARE until it commits its row, so the list below includes that row.
     grant = await repository.get_grant(session, user_uuid, offering_uuid, lock=True)
     queues = await repository.queues_of_user_for_offering(session, user_uuid, offering_uuid)
+    # The user's consumers bound to this offering alone are deleted; those bound to others
+    # too only lose this scope. register_queue holds the grant FOR SHARE until it commits.
+    consumers = await consumers_repository.scoped_only_to(session, offering_uuid, user_uuid)
+    gone = {consumer.uuid for consumer in consumers}
+    scopes = await consumers_repository.scopes_of_owner_for(session, user_uuid, offering_uuid)
     if grant is not None:
         await session.delete(grant)
-    for queue in queues:
-        await session.delete(queue)
+    for row in [*queues, *consumers, *(s for s in scopes if s.consumer_uuid not in gone)]:
+        await session.delete(row)
     await session.commit()
-    log.info("access_revoked", user=user_uuid.hex, offering=offering_uuid.hex, queues=len(queues))
+    log.info(
+        "access_revoked",
+        user=user_uuid.hex,
+        offering=offering_uuid.hex,
+        queues=len(queues),
+        consumers=len(consumers),
+    )
     await remove_leftovers(
-        session, provisioner, BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+        session,
+        provisioner,
+        BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues]).add_consumers(consumers),
     )

@@ -42,6 +42,7 @@ from queuekeeper.events.schemas import EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest, DomainError, Unavailable
 from queuekeeper.models import DeliveryState, utcnow
 from queuekeeper.observability.metrics import (
+    COPIES,
     EVENTS_ACCEPTED,
     EVENTS_DUPLICATE,
     SKIPPED_UNREGISTERED,
@@ -247,6 +248,7 @@ async def _store(
             {
                 "event_id": event_id,
                 "queue_uuid": copy.queue_uuid,
+                "consumer_uuid": copy.consumer_uuid,
                 "queue_name": copy.queue_name,
                 "vhost": copy.vhost,
                 "state": DeliveryState.PENDING,
@@ -262,13 +264,15 @@ async def _store(
         ids=lease is not None,
     )
     stored.deliveries = len(copies)
+    to_consumers = sum(1 for _, copy in copies if copy.consumer_uuid is not None)
     if lease:
         events_by_id = {row["event_id"]: row for row in event_rows}
         stored.handed = [
             Claimed(
-                id=delivery_ids[(event_id, copy.queue_uuid)],
+                id=delivery_ids[(event_id, copy.queue_uuid or copy.consumer_uuid)],
                 event_id=event_id,
                 queue_uuid=copy.queue_uuid,
+                consumer_uuid=copy.consumer_uuid,
                 queue_name=copy.queue_name,
                 vhost=copy.vhost,
                 attempts=1,
@@ -321,6 +325,8 @@ async def _store(
             if e in inserted and first_of[e][0] == r
         )
         stored.results[slot] = Accepted(answers, own)
+    COPIES.labels(kind="consumer", stage="queued").inc(to_consumers)
+    COPIES.labels(kind="legacy", stage="queued").inc(len(copies) - to_consumers)
     log.debug(
         "events_accepted",
         requests=len(group),

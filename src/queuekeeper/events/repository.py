@@ -58,21 +58,25 @@ async def event_counts(session: Executor, event_ids: Collection[str]) -> dict[st
 _INSERT_DELIVERIES = DELIVERIES.insert()
 # RETURNING without asking for parameter order: SQLite would then insert row by row.
 _INSERT_DELIVERIES_RETURNING = DELIVERIES.insert().returning(
-    DELIVERIES.c.id, DELIVERIES.c.event_id, DELIVERIES.c.queue_uuid
+    DELIVERIES.c.id, DELIVERIES.c.event_id, DELIVERIES.c.queue_uuid, DELIVERIES.c.consumer_uuid
 )
 
 
 async def insert_deliveries(
     session: Executor, rows: Sequence[dict[str, Any]], *, ids: bool = False
-) -> dict[tuple[str, uuid.UUID], int]:
-    """Insert outbox copies; with `ids`, returns each one's id by (event_id, queue_uuid)."""
+) -> dict[tuple[str, uuid.UUID | None], int]:
+    """Insert outbox copies; with `ids`, returns each one's id by (event_id, target), the
+    target being the copy's subscription queue or its consumer (each copy has one)."""
     if not rows:
         return {}
     if not ids:
         await session.execute(_INSERT_DELIVERIES, list(rows))
         return {}
     result = await session.execute(_INSERT_DELIVERIES_RETURNING, list(rows))
-    return {(event_id, queue_uuid): id_ for id_, event_id, queue_uuid in result}
+    return {
+        (event_id, queue_uuid or consumer_uuid): id_
+        for id_, event_id, queue_uuid, consumer_uuid in result
+    }
 
 
 async def delivery_states(

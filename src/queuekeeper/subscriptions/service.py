@@ -24,6 +24,7 @@ from queuekeeper.common.schemas import find_by_path_uuid
 from queuekeeper.exceptions import BadRequest, Forbidden, NotFound
 from queuekeeper.models import (
     BrokerState,
+    EventConsumer,
     EventSubscription,
     EventSubscriptionQueue,
     User,
@@ -43,6 +44,14 @@ class BrokerLeftovers:
     queues: list[tuple[str, str]] = field(default_factory=list)  # (vhost, queue name)
     subscription_uuids: list[uuid.UUID] = field(default_factory=list)
     owner_uuids: set[uuid.UUID] = field(default_factory=set)
+    # Consumers (SPEC 9) leave a broker user each; their queues are in `queues`.
+    consumer_uuids: list[uuid.UUID] = field(default_factory=list)
+
+    def add_consumers(self, consumers: Sequence[EventConsumer]) -> BrokerLeftovers:
+        self.queues.extend((consumer.vhost, consumer.queue_name) for consumer in consumers)
+        self.consumer_uuids.extend(consumer.uuid for consumer in consumers)
+        self.owner_uuids.update(consumer.user_uuid for consumer in consumers)
+        return self
 
     @classmethod
     def of(
@@ -73,13 +82,20 @@ async def remove_leftovers(
             provisioner.delete_subscription_user(subscription_uuid),
             subscription=subscription_uuid.hex,
         )
+    for consumer_uuid in leftovers.consumer_uuids:
+        await best_effort(
+            "delete_user",
+            provisioner.delete_consumer_user(consumer_uuid),
+            consumer=consumer_uuid.hex,
+        )
     emptied = set()
     for owner_uuid in leftovers.owner_uuids:
         vhost = topology.vhost_name(owner_uuid)
-        # create_subscription holds this lock shared until its row is committed: counted
-        # under it exclusively, no subscription means nobody is about to use the vhost.
+        # create_subscription and register_queue hold this lock shared until their row is
+        # committed: counted under it exclusively, no subscription and no consumer means
+        # nobody is about to use the vhost.
         async with locks.guard(session, locks.vhost_key(vhost), exclusive=True):
-            if await repository.count_subscriptions(session, owner_uuid) == 0:
+            if not await repository.owner_uses_vhost(session, owner_uuid):
                 emptied.add(vhost)
                 await best_effort("delete_vhost", provisioner.delete_vhost(vhost), vhost=vhost)
             # Commit (nothing to write) to release the lock: a rollback would expire
@@ -98,8 +114,9 @@ async def delete_unregistered_queues(
 ) -> None:
     """Delete broker queues whose rows were deleted, unless registered again meanwhile.
 
-    create_queue holds the vhost lock shared from its broker declare to its commit,
-    so under the lock held exclusively a name without a row stays without one.
+    create_queue and register_queue hold the vhost lock shared from their broker declare
+    to their commit, so under the lock held exclusively a name without a row stays
+    without one.
     """
     async with locks.guard(session, locks.vhost_key(vhost), exclusive=True):
         registered = await repository.registered_queue_names(session, vhost, names)
@@ -230,8 +247,8 @@ async def create_queue(
     except ManagementError:
         CREATE_QUEUE.labels(outcome="broker_unavailable").inc()
         raise
-    if outcome is QueueOutcome.REPAIRED:
-        CREATE_QUEUE.labels(outcome="repaired").inc()
+    if outcome in (QueueOutcome.REPAIRED, QueueOutcome.KEPT):
+        CREATE_QUEUE.labels(outcome=outcome.value).inc()
     else:
         CREATE_QUEUE.labels(outcome="created" if inserted else "existing").inc()
     return queue, inserted
@@ -268,7 +285,8 @@ async def _register_queue(
     # re-checking the rows; holding it shared from before the declare until the
     # commit makes sure it never sees this queue without seeing its row.
     async with locks.guard(session, locks.vhost_key(vhost), exclusive=False):
-        outcome = await provisioner.ensure_queue(vhost, name)
+        # An agent must start even while its queue waits to change type (a migration).
+        outcome = await provisioner.ensure_queue(vhost, name, keep_other_type=True)
 
         queue = EventSubscriptionQueue(
             uuid=uuid.uuid4(),
@@ -320,7 +338,8 @@ async def _ensure_registered(
     is ensured. No advisory lock: reconcile never deletes a queue whose row it can see.
     A revoke or a delete that commits meanwhile removes the row and then the queue; if our
     declare came after its delete, the row is gone when we look again and we remove it."""
-    outcome = await provisioner.ensure_queue(queue.vhost, queue.queue_name)
+    # As for a new row: an agent must start even while its queue waits to change type.
+    outcome = await provisioner.ensure_queue(queue.vhost, queue.queue_name, keep_other_type=True)
     if not await repository.queue_exists(session, queue.uuid):
         await session.rollback()
         await best_effort(

@@ -1,0 +1,81 @@
+"""`make run` by itself: it makes sure the local RabbitMQ is up with its plugins
+(scripts/ensure-services.sh rabbitmq), migrates the SQLite default and serves."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from queuekeeper.config import Settings
+from tests.conftest import _remove_broker_objects
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.mark.timeout(180)
+async def test_make_run_serves_with_its_services_up(tmp_path: Path) -> None:
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    port = free_port()
+    instance = f"qkr-{uuid.uuid4().hex[:10]}"
+    env = {
+        **os.environ,
+        "QUEUEKEEPER_DATABASE_URL": f"sqlite:///{tmp_path / 'run.db'}",
+        "QUEUEKEEPER_PORT": str(port),
+        "QUEUEKEEPER_INSTANCE_NAME": instance,
+        "QUEUEKEEPER_SCHEDULER_ENABLED": "false",
+        "QUEUEKEEPER_LOG_FORMAT": "json",
+    }
+    output = tmp_path / "make-run.log"
+    with output.open("w") as log:
+        process = subprocess.Popen(
+            ["make", "--no-print-directory", "run"],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        ready = None
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            while time.monotonic() < deadline and process.poll() is None:
+                try:
+                    response = await http.get("/readyz")
+                    if response.status_code == 200:
+                        ready = response
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.5)
+            assert ready is not None, output.read_text()[-5000:]
+            assert (await http.get("/docs")).status_code == 200
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        await _remove_broker_objects(Settings(instance_name=instance))
+    text = output.read_text()
+    assert "ensure-services: up: RabbitMQ (management, STOMP, web-STOMP)" in text
+    assert (tmp_path / "run.db").exists()
