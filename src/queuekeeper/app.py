@@ -9,7 +9,9 @@ from contextlib import asynccontextmanager
 import structlog
 from fastapi import FastAPI
 from prometheus_client import multiprocess
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
+from queuekeeper.auth.guard import RequestGuard
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher
@@ -172,7 +174,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     install_error_handlers(app, settings)
     install_openapi(app)
+    # Added first, so innermost of these: the request is logged with its id and real peer.
+    app.add_middleware(RequestGuard, settings=settings)
     app.add_middleware(ObservabilityMiddleware)
+    # X-Forwarded-For only from the proxies the operator lists; otherwise the real peer.
+    app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     if settings.root_path:
         # Added last, so outermost: everything inside sees the canonical path.
         app.add_middleware(PathPrefixMiddleware, prefix=settings.root_path)

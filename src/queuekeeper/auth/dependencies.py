@@ -8,11 +8,13 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.auth.tokens import is_service_token, token_digest
+from queuekeeper.config import Settings
 from queuekeeper.exceptions import Forbidden, Unauthorized
 from queuekeeper.models import User
-from queuekeeper.state import SessionDep, StateDep
+from queuekeeper.state import SessionDep, SettingsDep
 
 # Declared as an API key header so /docs offers an "Authorize" box; parsed by hand
 # because agents send `Token <t>` (Waldur's scheme) and the backend `Bearer <t>`.
@@ -24,7 +26,7 @@ authorization_header = APIKeyHeader(
 AuthorizationHeader = Annotated[str | None, Depends(authorization_header)]
 
 
-def _credentials(header: str | None) -> str:
+def credentials(header: str | None) -> str:
     if not header:
         raise Unauthorized(
             "Authentication credentials were not provided: send `Authorization: Token <token>`."
@@ -37,30 +39,43 @@ def _credentials(header: str | None) -> str:
     return token.strip()
 
 
-async def current_user(
-    request: Request, header: AuthorizationHeader, session: SessionDep, state: StateDep
-) -> User:
-    token = _credentials(header)
+async def authenticate_agent(session: AsyncSession, token: str, settings: Settings) -> User:
+    """The active user whose unexpired API token this is; else Unauthorized (Forbidden for a
+    service token)."""
     user = await session.scalar(select(User).where(User.token_hash == token_digest(token)))
     if user is None:
-        if is_service_token(token, state.settings.service_tokens):
+        if is_service_token(token, settings.service_tokens):
             raise Forbidden("A service token cannot act as an agent; use an agent's API token.")
         raise Unauthorized("Invalid token.")
     if not user.is_active:
         raise Unauthorized("User is inactive.")
     if user.token_expires_at is not None and user.token_expires_at <= datetime.now(UTC):
         raise Unauthorized("Token has expired.")
-    request.state.user_uuid = user.uuid
     return user
 
 
-async def service_caller(header: AuthorizationHeader, session: SessionDep, state: StateDep) -> None:
-    token = _credentials(header)
-    if is_service_token(token, state.settings.service_tokens):
+async def authenticate_service(session: AsyncSession, token: str, settings: Settings) -> None:
+    """A configured service token passes; an agent's token is Forbidden, anything else
+    Unauthorized."""
+    if is_service_token(token, settings.service_tokens):
         return
     if await session.scalar(select(User.uuid).where(User.token_hash == token_digest(token))):
         raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
     raise Unauthorized("Invalid service token.", scheme="Bearer")
+
+
+async def current_user(
+    request: Request, header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
+) -> User:
+    user = await authenticate_agent(session, credentials(header), settings)
+    request.state.user_uuid = user.uuid
+    return user
+
+
+async def service_caller(
+    header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
+) -> None:
+    await authenticate_service(session, credentials(header), settings)
 
 
 CurrentUser = Annotated[User, Depends(current_user)]

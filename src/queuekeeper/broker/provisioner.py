@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -99,6 +100,7 @@ class Provisioner:
             raise ForeignVhost(vhost, _tags(info.get("tags")))
         for user in self.service_users():
             await self.management.put_permissions(vhost, user, topology.SERVICE_PERMISSIONS)
+        await self.ensure_vhost_limits(vhost, known_empty=created)
         await self.ensure_dead_letter_queue(vhost)
         return created
 
@@ -144,6 +146,7 @@ class Provisioner:
             password_hash=password_hash or "",
             tags=[self.settings.instance_tag],
         )
+        await self.ensure_user_limits(name, known_empty=True)
         await self.put_subscription_permissions(vhost, subscription_uuid)
 
     async def put_subscription_permissions(self, vhost: str, subscription_uuid: uuid.UUID) -> None:
@@ -178,6 +181,49 @@ class Provisioner:
 
     async def delete_subscription_user(self, subscription_uuid: uuid.UUID) -> bool:
         return await self.management.delete_user(topology.subscription_user_name(subscription_uuid))
+
+    # --- broker limits (quotas the broker itself enforces) ----------------------------
+    async def ensure_vhost_limits(self, vhost: str, *, known_empty: bool = False) -> list[str]:
+        """Give the vhost our `max-connections`/`max-queues`; returns what had drifted.
+
+        `known_empty` (a vhost or user just created) skips reading them back first.
+        """
+        expected = topology.vhost_limits(self.settings)
+        current = {} if known_empty else await self.management.get_vhost_limits(vhost)
+        drifted = topology.limit_differences(expected, current)
+        for name, value in expected.items():
+            if current.get(name) != value:
+                await self.management.put_vhost_limit(vhost, name, value)
+        if drifted and not known_empty:
+            log.warning("vhost_limits_restored", vhost=vhost, drifted=drifted)
+        return [] if known_empty else drifted
+
+    async def ensure_user_limits(self, user: str, *, known_empty: bool = False) -> list[str]:
+        """Give an agent broker user our connection and channel limits; returns the drift."""
+        expected = topology.user_limits(self.settings)
+        current = {} if known_empty else await self.management.get_user_limits(user)
+        drifted = topology.limit_differences(expected, current)
+        for name, value in expected.items():
+            if current.get(name) != value:
+                await self.management.put_user_limit(user, name, value)
+        if drifted and not known_empty:
+            log.warning("user_limits_restored", user=user, drifted=drifted)
+        return [] if known_empty else drifted
+
+    # --- revocation ------------------------------------------------------------------
+    async def close_connections(self, usernames: Iterable[str]) -> int:
+        """Close every open broker connection of these broker users (subscriptions' and,
+        through the same call, unified consumers'); returns how many calls succeeded.
+
+        Best effort per user: a failure is logged and the rest still go.
+        """
+        closed = 0
+        for name in usernames:
+            if await best_effort(
+                "close_connections", self.management.close_user_connections(name), user=name
+            ):
+                closed += 1
+        return closed
 
     # --- queues ------------------------------------------------------------------------
     async def ensure_queue(self, vhost: str, name: str) -> QueueOutcome:
