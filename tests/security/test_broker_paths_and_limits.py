@@ -1,0 +1,64 @@
+"""RabbitMQ's own limits on what queuekeeper creates (point 3), and no caller's value reaching
+another Management API path (point 5)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from queuekeeper.broker.management import ManagementClient, UnsafeName
+from queuekeeper.config import Settings
+from tests.conftest import SERVICE_TOKEN
+from tests.helpers import Backend
+
+SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
+
+
+@pytest.mark.settings(
+    broker_vhost_max_connections=321,
+    broker_vhost_max_queues=432,
+    broker_user_max_connections=7,
+    broker_user_max_channels=9,
+)
+async def test_vhost_and_agent_user_carry_the_configured_broker_limits(
+    backend: Backend, management: ManagementClient
+) -> None:
+    agent = await backend.put_user()
+    subscription = await agent.create_subscription()
+    assert await management.get_vhost_limits(agent.vhost) == {
+        "max-connections": 321,
+        "max-queues": 432,
+    }
+    assert await management.get_user_limits(subscription["uuid"].replace("-", "")) == {
+        "max-connections": 7,
+        "max-channels": 9,
+    }
+
+
+async def test_dot_segments_never_reach_the_management_api(settings: Settings) -> None:
+    calls: list[str] = []
+    client = ManagementClient(settings, observer=lambda kind, status, seconds: calls.append(kind))
+    try:
+        for name in ("..", ".", ""):
+            with pytest.raises(UnsafeName):
+                await client.get_vhost(name)
+            with pytest.raises(UnsafeName):
+                await client.close_user_connections(name)
+        assert calls == []
+        # Everything else is one encoded segment: `/` and `%` cannot climb out of it.
+        assert await client.get_vhost("../api/users") is None
+        assert await client.get_vhost("%2E%2E") is None
+        assert calls == ["vhost", "vhost"]
+    finally:
+        await client.aclose()
+
+
+async def test_redrive_of_a_dot_dot_vhost_is_refused_naming_it(
+    client: httpx.AsyncClient,
+) -> None:
+    for vhost in ("..", "."):
+        response = await client.post(
+            "/api/admin/dead-letters/redrive/", params={"vhost": vhost}, headers=SERVICE
+        )
+        assert response.status_code == 400, response.text
+        assert "vhost" in response.text
