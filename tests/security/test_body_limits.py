@@ -21,7 +21,7 @@ SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
 
 
 class Body:
-    """A body of `chunks` × 64 KiB that counts how many chunks were pulled from it."""
+    """A body of `chunks` x 64 KiB that counts how many chunks were pulled from it."""
 
     def __init__(self, chunks: int) -> None:
         self.chunks = chunks
@@ -122,7 +122,7 @@ async def test_batch_body_is_bounded_by_batch_maximum_times_event_maximum(
     client: httpx.AsyncClient, backend: Backend
 ) -> None:
     offering = await backend.put_offering()
-    # 10 × (1 KiB + 4 KiB) = 50 KiB; 200 events of ~300 bytes fit the bytes but not the count.
+    # 10 x (1 KiB + 4 KiB) = 50 KiB: 11 small events fit the bytes but not the count.
     small = [
         {"offering_uuid": offering.hex, "object_type": "order", "payload": {"n": i}}
         for i in range(11)
