@@ -170,12 +170,6 @@ class Settings(BaseSettings):
         description="RabbitMQ `max-channels` of every agent broker user, over all its "
         "connections; restored by reconcile.",
     )
-    short_token_length: int = Field(
-        default=32,
-        ge=0,
-        description="A token pushed by the backend shorter than this is accepted but logged as "
-        "a warning: it is also the broker password (docs/operations.md, Security). 0: never.",
-    )
 
     # --- queue arguments (SPEC 3) -------------------------------------------------------
     queue_message_ttl_ms: int = Field(

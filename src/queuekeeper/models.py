@@ -89,6 +89,14 @@ class User(Base):
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
+    def can_log_in(self, now: datetime) -> bool:
+        return self.is_active and (self.token_expires_at is None or self.token_expires_at > now)
+
+    def broker_login_hash(self, now: datetime) -> str | None:
+        """The password its broker users should have now: none while the user is inactive
+        or its token expired (so no broker login works), its token's otherwise."""
+        return self.broker_password_hash if self.can_log_in(now) else None
+
 
 class Offering(Base):
     __tablename__ = "offerings"

@@ -9,16 +9,17 @@ import uuid
 
 import structlog
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queuekeeper.auth.tokens import token_digest
+from queuekeeper.broker import topology
 from queuekeeper.broker.management import BrokerUnavailable, ManagementError
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.directory import repository
 from queuekeeper.directory.schemas import OfferingPut, UserPut
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
-from queuekeeper.models import Offering, OfferingAccess, User
+from queuekeeper.models import EventSubscription, Offering, OfferingAccess, User, utcnow
 from queuekeeper.subscriptions.service import (
     BrokerLeftovers,
     collect_leftovers,
@@ -26,6 +27,10 @@ from queuekeeper.subscriptions.service import (
 )
 
 log = structlog.get_logger(__name__)
+
+# The API token is also the agents' broker password (SPEC 3), guessable over STOMP at the
+# broker's pace: shorter tokens are logged (docs/operations.md, Security).
+RECOMMENDED_TOKEN_LENGTH = 32
 
 
 def _apply_user(user: User, body: UserPut) -> bool:
@@ -42,6 +47,14 @@ def _apply_user(user: User, body: UserPut) -> bool:
         user.token_expires_at = body.token_expires_at
     if "token" not in sent:
         return False
+    if body.token and len(body.token) < RECOMMENDED_TOKEN_LENGTH:
+        # Accepted (the backend chooses tokens) but said: it is also the broker password.
+        log.warning(
+            "short_token",
+            user=str(user.uuid),
+            length=len(body.token),
+            recommended=RECOMMENDED_TOKEN_LENGTH,
+        )
     digest = token_digest(body.token) if body.token else None
     if digest == user.token_hash:
         return False
@@ -87,26 +100,65 @@ async def put_user(
 
 
 async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner, user: User) -> int:
-    """Give every subscription's broker user the owner's current password; returns how many."""
-    stale = await repository.subscriptions_needing_password(
-        session, user.uuid, user.broker_password_hash
-    )
-    for subscription in stale:
-        try:
-            await provisioner.set_subscription_password(
-                subscription.uuid, user.broker_password_hash
-            )
-        except (BrokerUnavailable, ManagementError) as exc:
-            await session.commit()
-            raise Unavailable(
-                "The user was saved, but RabbitMQ could not be given the new token as the "
-                f"broker password ({exc}); repeat the same PUT to finish."
-            ) from exc
-        subscription.broker_password_hash = user.broker_password_hash
+    """Give every subscription's broker user the password the owner should have now (its
+    token's, or none while inactive or expired), then close their open connections, so a
+    changed, removed or expired token stops working on the broker at once; returns how
+    many broker users changed.
+    """
+    wanted = user.broker_login_hash(utcnow())
+    stale = await repository.subscriptions_needing_password(session, user.uuid, wanted)
+    # No transaction stays open across the broker calls.
     await session.commit()
+    done: list[EventSubscription] = []
+    try:
+        for subscription in stale:
+            await provisioner.set_subscription_password(subscription.uuid, wanted)
+            done.append(subscription)
+    except (BrokerUnavailable, ManagementError) as exc:
+        raise Unavailable(
+            "The user was saved, but RabbitMQ could not be given the new token as the "
+            f"broker password ({exc}); repeat the same PUT to finish."
+        ) from exc
+    finally:
+        for subscription in done:
+            subscription.broker_password_hash = wanted
+        await session.commit()
+        # Sessions opened with the old password keep working until closed: close them,
+        # also when only some passwords could be changed.
+        await provisioner.close_connections(
+            topology.subscription_user_name(subscription.uuid) for subscription in done
+        )
     if stale:
-        log.info("broker_passwords_updated", user=user.uuid.hex, subscriptions=len(stale))
+        log.info(
+            "broker_passwords_updated",
+            user=user.uuid.hex,
+            subscriptions=len(stale),
+            login=wanted is not None,
+        )
     return len(stale)
+
+
+async def revoke_expired_logins(
+    sessions: async_sessionmaker[AsyncSession], provisioner: Provisioner
+) -> list[uuid.UUID]:
+    """Take the broker logins of users whose token has expired (or who were deactivated)
+    since the last look; returns their uuids. The scheduled `revoke_expired` job calls this
+    every `token_expiry_interval_seconds`, so an expiry reaches the broker within seconds
+    rather than at the next stale cleanup."""
+    async with sessions() as session:
+        users = await repository.users_with_revoked_logins(session, utcnow())
+        await session.commit()
+        for user in users:
+            await sync_broker_passwords(session, provisioner, user)
+            log.info("broker_logins_revoked", user=user.uuid.hex, reason=_revoked_because(user))
+    return [user.uuid for user in users]
+
+
+def _revoked_because(user: User) -> str:
+    if not user.is_active:
+        return "user is inactive"
+    expires = user.token_expires_at
+    return f"token expired at {expires.isoformat() if expires else '?'}"
 
 
 async def delete_user(
@@ -202,4 +254,9 @@ async def revoke_access(
     log.info("access_revoked", user=user_uuid.hex, offering=offering_uuid.hex, queues=len(queues))
     await remove_leftovers(
         session, provisioner, BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+    )
+    # A consumer of a deleted queue is cancelled by the broker; closing the logins that
+    # read the offering's queues also ends anything else they held open for it.
+    await provisioner.close_connections(
+        sorted({topology.subscription_user_name(q.subscription_uuid) for q in queues})
     )
