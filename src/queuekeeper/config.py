@@ -134,11 +134,6 @@ class Settings(BaseSettings):
         ge=1,
         description="Unified event consumers (SPEC 9) one user may hold; one more is a 409.",
     )
-    max_observable_objects: int = Field(
-        default=100,
-        ge=1,
-        description="Entries of one subscription's `observable_objects`; more is a 400.",
-    )
     registration_rate_limit: str = Field(
         default="20/second;600/minute",
         description="Per API token, on the registration routes (create a subscription, "
