@@ -359,16 +359,35 @@ class ManagementClient:
             "PUT", f"/user-limits/{_q(user)}/{_q(name)}", "user_limit", json={"value": value}
         )
 
+    async def list_vhost_limits(self) -> dict[str, dict[str, int]]:
+        """Every vhost's limits, in one call: {vhost: {limit: value}} (vhosts with none absent)."""
+        return await self._all_limits("/vhost-limits", "vhost_limit", "vhost")
+
+    async def list_user_limits(self) -> dict[str, dict[str, int]]:
+        """Every user's limits, in one call: {user: {limit: value}} (users with none absent)."""
+        return await self._all_limits("/user-limits", "user_limit", "user")
+
     async def _limits(self, path: str, kind: str) -> dict[str, int]:
-        """The broker answers `[{"vhost"|"user": name, "value": {limit: n}}]`, or `[]`."""
         try:
             response = await self._request("GET", path, kind)
         except ManagementNotFound:
             return {}
-        body = self._json(response, path)
-        limits: dict[str, int] = {}
-        for entry in body if isinstance(body, list) else []:
-            value = entry.get("value") if isinstance(entry, dict) else None
-            if isinstance(value, dict):
-                limits.update({str(k): int(v) for k, v in value.items()})
-        return limits
+        merged: dict[str, int] = {}
+        for limits in _parse_limits(self._json(response, path), None).values():
+            merged.update(limits)
+        return merged
+
+    async def _all_limits(self, path: str, kind: str, key: str) -> dict[str, dict[str, int]]:
+        response = await self._request("GET", path, kind)
+        return _parse_limits(self._json(response, path), key)
+
+
+def _parse_limits(body: Any, key: str | None) -> dict[str, dict[str, int]]:
+    """The broker answers `[{"vhost"|"user": name, "value": {limit: n}}, ...]`."""
+    found: dict[str, dict[str, int]] = {}
+    for entry in body if isinstance(body, list) else []:
+        value = entry.get("value") if isinstance(entry, dict) else None
+        if isinstance(value, dict):
+            name = str(entry.get(key, "")) if key else ""
+            found.setdefault(name, {}).update({str(k): int(v) for k, v in value.items()})
+    return found

@@ -100,7 +100,7 @@ class Provisioner:
             raise ForeignVhost(vhost, _tags(info.get("tags")))
         for user in self.service_users():
             await self.management.put_permissions(vhost, user, topology.SERVICE_PERMISSIONS)
-        await self.ensure_vhost_limits(vhost, known_empty=created)
+        await self.ensure_vhost_limits(vhost, read_first=not created)
         await self.ensure_dead_letter_queue(vhost)
         return created
 
@@ -146,7 +146,7 @@ class Provisioner:
             password_hash=password_hash or "",
             tags=[self.settings.instance_tag],
         )
-        await self.ensure_user_limits(name, known_empty=True)
+        await self.ensure_user_limits(name, read_first=False)
         await self.put_subscription_permissions(vhost, subscription_uuid)
 
     async def put_subscription_permissions(self, vhost: str, subscription_uuid: uuid.UUID) -> None:
@@ -183,32 +183,49 @@ class Provisioner:
         return await self.management.delete_user(topology.subscription_user_name(subscription_uuid))
 
     # --- broker limits (quotas the broker itself enforces) ----------------------------
-    async def ensure_vhost_limits(self, vhost: str, *, known_empty: bool = False) -> list[str]:
-        """Give the vhost our `max-connections`/`max-queues`; returns what had drifted.
+    async def ensure_vhost_limits(self, vhost: str, *, read_first: bool = True) -> None:
+        """Give the vhost our `max-connections`/`max-queues`.
 
-        `known_empty` (a vhost or user just created) skips reading them back first.
+        Without `read_first` (a vhost just created, or drift already known) each is set
+        without reading the current ones back.
         """
         expected = topology.vhost_limits(self.settings)
-        current = {} if known_empty else await self.management.get_vhost_limits(vhost)
-        drifted = topology.limit_differences(expected, current)
+        current = await self.management.get_vhost_limits(vhost) if read_first else {}
         for name, value in expected.items():
             if current.get(name) != value:
                 await self.management.put_vhost_limit(vhost, name, value)
-        if drifted and not known_empty:
-            log.warning("vhost_limits_restored", vhost=vhost, drifted=drifted)
-        return [] if known_empty else drifted
 
-    async def ensure_user_limits(self, user: str, *, known_empty: bool = False) -> list[str]:
-        """Give an agent broker user our connection and channel limits; returns the drift."""
+    async def ensure_user_limits(self, user: str, *, read_first: bool = True) -> None:
+        """Give an agent broker user our connection and channel limits (as above)."""
         expected = topology.user_limits(self.settings)
-        current = {} if known_empty else await self.management.get_user_limits(user)
-        drifted = topology.limit_differences(expected, current)
+        current = await self.management.get_user_limits(user) if read_first else {}
         for name, value in expected.items():
             if current.get(name) != value:
                 await self.management.put_user_limit(user, name, value)
-        if drifted and not known_empty:
-            log.warning("user_limits_restored", user=user, drifted=drifted)
-        return [] if known_empty else drifted
+
+    async def limit_drift(
+        self, vhosts: Iterable[str], users: Iterable[str]
+    ) -> list[tuple[str, str, list[str]]]:
+        """(kind, name, differences) for each of these vhosts and agent broker users whose
+        broker limits are not ours; two Management API calls for all of them."""
+        drift: list[tuple[str, str, list[str]]] = []
+        for kind, names, current, expected in (
+            ("vhost", vhosts, await self.management.list_vhost_limits(), topology.vhost_limits),
+            ("user", users, await self.management.list_user_limits(), topology.user_limits),
+        ):
+            for name in names:
+                differences = topology.limit_differences(
+                    expected(self.settings), current.get(name, {})
+                )
+                if differences:
+                    drift.append((kind, name, differences))
+        return drift
+
+    async def restore_limits(self, kind: str, name: str) -> None:
+        if kind == "vhost":
+            await self.ensure_vhost_limits(name, read_first=False)
+        else:
+            await self.ensure_user_limits(name, read_first=False)
 
     # --- revocation ------------------------------------------------------------------
     async def close_connections(self, usernames: Iterable[str]) -> int:
