@@ -20,6 +20,7 @@ import enum
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from queuekeeper.auth.dependencies import authenticate_agent, authenticate_service, credentials
@@ -98,6 +99,11 @@ def _content_length(headers: Headers) -> int | None:
         return None  # the server refuses it before we are called
 
 
+def _routed(scope: Scope) -> bool:
+    routes = scope["app"].router.routes
+    return any(route.matches(scope)[0] is Match.FULL for route in routes)
+
+
 class RequestGuard:
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
@@ -106,6 +112,10 @@ class RequestGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if not _routed(scope):
+            # No such route: the router's 404 (or 405) reads no body, and says what to send.
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
