@@ -117,6 +117,10 @@ async def test_removed_token_deactivation_or_past_expiry_leave_no_working_login(
     assert response.status_code == 200, response.text
     await _cut_off(consumer)
     assert await _login_refused(registered, agent.token)
+    # Reconcile does not give the login back.
+    reconcile = await client.post("/api/admin/reconcile/", headers=SERVICE)
+    assert reconcile.status_code == 200, reconcile.text
+    assert await _login_refused(registered, agent.token)
     if "is_active" in change:
         # Reactivated: the same token logs in again.
         response = await client.put(

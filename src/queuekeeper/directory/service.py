@@ -6,6 +6,8 @@ Every call is idempotent, so the backend can simply retry after a 503.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -100,42 +102,47 @@ async def put_user(
 
 
 async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner, user: User) -> int:
-    """Give every subscription's broker user the password the owner should have now (its
-    token's, or none while inactive or expired), then close their open connections, so a
-    changed, removed or expired token stops working on the broker at once; returns how
-    many broker users changed.
+    """Give every broker user of the user the password it should have now (its token's, or
+    none while inactive or expired), then close their open connections, so a changed,
+    removed or expired token stops working on the broker at once; returns how many changed.
     """
     wanted = user.broker_login_hash(utcnow())
-    stale = await repository.subscriptions_needing_password(session, user.uuid, wanted)
+    subscriptions = await repository.subscriptions_needing_password(session, user.uuid, wanted)
+    # (row, broker user, change): unified consumers (SPEC 9) join this list the same way.
+    changes: list[tuple[EventSubscription, str, Callable[[], Awaitable[None]]]] = [
+        (
+            subscription,
+            topology.subscription_user_name(subscription.uuid),
+            partial(provisioner.set_subscription_password, subscription.uuid, wanted),
+        )
+        for subscription in subscriptions
+    ]
     # No transaction stays open across the broker calls.
     await session.commit()
-    done: list[EventSubscription] = []
+    done: list[str] = []
     try:
-        for subscription in stale:
-            await provisioner.set_subscription_password(subscription.uuid, wanted)
-            done.append(subscription)
+        for row, broker_user, change in changes:
+            await change()
+            row.broker_password_hash = wanted
+            done.append(broker_user)
     except (BrokerUnavailable, ManagementError) as exc:
         raise Unavailable(
             "The user was saved, but RabbitMQ could not be given the new token as the "
             f"broker password ({exc}); repeat the same PUT to finish."
         ) from exc
     finally:
-        for subscription in done:
-            subscription.broker_password_hash = wanted
         await session.commit()
-        # Sessions opened with the old password keep working until closed: close them,
+        # Connections opened with the old password keep working until closed: close them,
         # also when only some passwords could be changed.
-        await provisioner.close_connections(
-            topology.subscription_user_name(subscription.uuid) for subscription in done
-        )
-    if stale:
+        await provisioner.close_connections(done)
+    if changes:
         log.info(
             "broker_passwords_updated",
             user=user.uuid.hex,
-            subscriptions=len(stale),
+            subscriptions=len(subscriptions),
             login=wanted is not None,
         )
-    return len(stale)
+    return len(changes)
 
 
 async def revoke_expired_logins(
