@@ -38,15 +38,17 @@ import httpx
 from sqlalchemy import event
 
 from bench._support import bench_database
+from queuekeeper.app import JOBS
 from queuekeeper.auth.tokens import token_digest
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.events.payloads import OBJECT_TYPES
-from queuekeeper.jobs.runs import Trigger
+from queuekeeper.jobs.runs import Job, JobContext, JobRunner, Trigger
 from queuekeeper.logging import configure_logging
 from queuekeeper.models import (
     EventSubscription,
@@ -56,7 +58,6 @@ from queuekeeper.models import (
     User,
 )
 from queuekeeper.reconcile.listing import RECONCILE_COLUMNS
-from queuekeeper.reconcile.service import run_reconcile
 from queuekeeper.state import AppState
 
 VHOSTS = 100
@@ -84,12 +85,16 @@ def _state(settings: Settings, counts: Counts) -> AppState:
         counts.management[kind] += 1
 
     management = ManagementClient(settings, observer=observe)
+    sessions = create_sessionmaker(engine)
+    provisioner = Provisioner(management, settings)
     return AppState(
         settings=settings,
         engine=engine,
-        sessions=create_sessionmaker(engine),
+        sessions=sessions,
         management=management,
-        provisioner=Provisioner(management, settings),
+        provisioner=provisioner,
+        publisher=AmqpPublisher(settings),  # opens nothing: a reconcile never publishes
+        jobs=JobRunner(JobContext(settings, engine, sessions, management, provisioner), JOBS),
     )
 
 
@@ -252,7 +257,7 @@ async def timed_run(state: AppState, counts: Counts, *, trace: bool = False) -> 
     if trace:
         tracemalloc.start()
     started = time.perf_counter()
-    record = await run_reconcile(state, Trigger.CLI)
+    record = await state.jobs.run(Job.RECONCILE, Trigger.CLI)
     seconds = time.perf_counter() - started
     peak = 0
     if trace:

@@ -19,6 +19,7 @@ from queuekeeper.common.openapi import install_openapi, operation_id
 from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
+from queuekeeper.deadletters import service as deadletters
 from queuekeeper.deadletters.endpoints import router as dead_letters_router
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
@@ -29,11 +30,15 @@ from queuekeeper.events.relay import Relay
 from queuekeeper.health.endpoints import router as health_router
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
+from queuekeeper.jobs.endpoints import router as runs_router
+from queuekeeper.jobs.runs import Job, JobContext, JobRunner, JobSpec, JobTable
 from queuekeeper.jobs.scheduler import JobScheduler
 from queuekeeper.observability.endpoints import MULTIPROC_ENV
 from queuekeeper.observability.endpoints import router as metrics_router
 from queuekeeper.observability.http import ObservabilityMiddleware
 from queuekeeper.observability.metrics import observe_management_call
+from queuekeeper.reconcile import service as reconcile
+from queuekeeper.reconcile import stale
 from queuekeeper.reconcile.endpoints import router as admin_router
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
@@ -80,17 +85,44 @@ may carry `X-Request-ID`; the response always does, and every log line of the re
 """
 
 
+# --- the job table: what the scheduler, the admin API and the CLI can run ----------------
+JOBS: JobTable = {
+    Job.RECONCILE: JobSpec(
+        Job.RECONCILE,
+        reconcile.reconcile,
+        interval=lambda settings: settings.reconcile_interval_seconds,
+        on_change=reconcile.count_change,
+    ),
+    Job.CLEANUP_STALE: JobSpec(
+        Job.CLEANUP_STALE,
+        stale.cleanup_stale,
+        interval=lambda settings: settings.stale_cleanup_interval_seconds,
+        on_change=reconcile.count_change,
+    ),
+    Job.REDRIVE: JobSpec(
+        Job.REDRIVE,
+        deadletters.redrive,
+        interval=lambda settings: settings.redrive_interval_seconds,
+        on_change=deadletters.count_change,
+    ),
+}
+
+
 def build_state(settings: Settings) -> AppState:
     engine = create_engine(settings)
     management = ManagementClient(settings, observer=observe_management_call)
+    sessions = create_sessionmaker(engine)
+    provisioner = Provisioner(management, settings)
+    context = JobContext(settings, engine, sessions, management, provisioner)
     return AppState(
         settings=settings,
         engine=engine,
-        sessions=create_sessionmaker(engine),
+        sessions=sessions,
         management=management,
-        provisioner=Provisioner(management, settings),
+        provisioner=provisioner,
         # Opens nothing until used; readiness probes the broker through it.
         publisher=AmqpPublisher(settings),
+        jobs=JobRunner(context, JOBS),
     )
 
 
@@ -107,7 +139,7 @@ def start_relay(state: AppState) -> Relay:
 
 
 def start_scheduler(state: AppState) -> JobScheduler:
-    scheduler = JobScheduler(state)
+    scheduler = JobScheduler(state.jobs.context, JOBS)
     scheduler.start()
     state.scheduler = scheduler
     return scheduler
@@ -118,6 +150,7 @@ async def shutdown(state: AppState) -> None:
     if state.scheduler is not None:
         await state.scheduler.stop()
         state.scheduler = None
+    await state.jobs.stop()  # runs started with `Prefer: respond-async`
     if state.relay is not None:
         await state.relay.stop()
         state.relay = None
@@ -188,6 +221,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(identities_router)
     app.include_router(identities_admin_router)
     app.include_router(admin_router)
+    app.include_router(runs_router)
     app.include_router(dead_letters_router)
     app.include_router(health_router)
     app.include_router(metrics_router)

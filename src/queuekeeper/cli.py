@@ -289,7 +289,7 @@ def import_directory(
     async def run() -> ImportReport:
         async with running(settings) as state:
             with Progress("import-directory", total=data.size) as progress:
-                return await run_import(state, data, progress.advance)
+                return await run_import(state.sessions, state.provisioner, data, progress.advance)
 
     try:
         report = asyncio.run(run())
@@ -319,7 +319,7 @@ def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
 
     async def main(on_progress: Phases) -> Any:
         async with running(get_settings()) as state:
-            return await start(state, on_progress)
+            return await start(state.jobs, on_progress)
 
     with Phases() as on_progress:
         record = asyncio.run(main(on_progress))
@@ -352,12 +352,11 @@ def reconcile(
     ),
 ) -> None:
     """Bring the broker in line with the database now (what the scheduled job does)."""
-    from queuekeeper.jobs.runs import Trigger
-    from queuekeeper.reconcile.service import run_reconcile
+    from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
-        lambda state, progress: run_reconcile(
-            state, Trigger.CLI, dry_run=dry_run, progress=progress
+        lambda jobs, progress: jobs.run(
+            Job.RECONCILE, Trigger.CLI, dry_run=dry_run, progress=progress
         )
     )
 
@@ -367,12 +366,11 @@ def cleanup_stale(
     dry_run: bool = typer.Option(False, "--dry-run", help="Report what would go; remove nothing."),
 ) -> None:
     """Remove subscriptions of inactive users and expired tokens, with their broker objects."""
-    from queuekeeper.jobs.runs import Trigger
-    from queuekeeper.reconcile.stale import run_cleanup_stale
+    from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
-        lambda state, progress: run_cleanup_stale(
-            state, Trigger.CLI, dry_run=dry_run, progress=progress
+        lambda jobs, progress: jobs.run(
+            Job.CLEANUP_STALE, Trigger.CLI, dry_run=dry_run, progress=progress
         )
     )
 
@@ -382,11 +380,13 @@ def redrive_dead_letters(
     vhost: str | None = typer.Option(None, help="Only this vhost (an owner's uuid hex)."),
 ) -> None:
     """Move dead letters back to their queues; give up (and record) those too old or orphaned."""
-    from queuekeeper.deadletters.service import run_redrive
-    from queuekeeper.jobs.runs import Trigger
+    from queuekeeper.deadletters.service import redrive_body
+    from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
-        lambda state, progress: run_redrive(state, Trigger.CLI, vhost=vhost, progress=progress)
+        lambda jobs, progress: jobs.run(
+            Job.REDRIVE, Trigger.CLI, progress=progress, body=redrive_body(vhost)
+        )
     )
 
 
@@ -405,7 +405,8 @@ def queues(
 
     from queuekeeper.app import running
     from queuekeeper.logging import configure_logging
-    from queuekeeper.reconcile.view import QueueFilter, QueueState, queue_states
+    from queuekeeper.reconcile.schemas import QueueState
+    from queuekeeper.reconcile.view import QueueFilter, queue_states
 
     configure_logging(get_settings(), level="WARNING")
     try:
@@ -426,7 +427,7 @@ def queues(
     async def main() -> int:
         count = 0
         async with running(get_settings()) as state:
-            async for entry in queue_states(state, wanted):
+            async for entry in queue_states(state.jobs.context, wanted):
                 count += 1
                 arguments = cell(entry.arguments_ok)
                 if entry.differences:

@@ -124,12 +124,12 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404 and detail == "Not Found":
             path = request.url.path
-            # No redirect (agents do not follow them): say what to send instead.
+            # No redirect (agents do not follow them): say what to send instead, and
+            # suggest a slash only to a path that lacks one.
             detail = (
                 f"No such endpoint: {path}. Paths end with a slash: did you mean {path}/ ?"
                 if not path.endswith("/")
-                else f"No such endpoint: {path}. Paths end with a slash, "
-                "e.g. /api/event-subscriptions/."
+                else f"No such endpoint: {path}."
             )
         return JSONResponse({"detail": detail}, exc.status_code, headers=exc.headers)
 

@@ -8,6 +8,7 @@ will orphan *before* deleting, and remove those from the broker afterwards.
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 from uuid import UUID, uuid4
 
@@ -41,6 +42,40 @@ NAMING_CONVENTION = {
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class BrokerState(StrEnum):
+    """Whether a subscription's broker user is as queuekeeper made it."""
+
+    OK = "ok"
+    BROKEN = "broken"  # its broker user could not be restored
+
+
+class DeliveryState(StrEnum):
+    """What became of one outbox copy; every state but `pending` is final."""
+
+    PENDING = "pending"
+    PUBLISHED = "published"  # confirmed by the broker
+    REJECTED = "rejected"  # queue full: nacked and dead-lettered
+    GIVEN_UP = "given_up"  # queue gone or too old; the reason is in last_error
+
+
+class StateColumn(TypeDecorator[StrEnum]):
+    """A state enum stored as its plain string value (VARCHAR, no database enum type), so
+    adding a state needs no migration; reads hand back the enum member."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, enum: type[StrEnum], length: int = 16) -> None:
+        super().__init__(length)
+        self.enum = enum
+
+    def process_bind_param(self, value: StrEnum | str | None, dialect: Dialect) -> str | None:
+        return None if value is None else self.enum(value).value
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> StrEnum | None:
+        return None if value is None else self.enum(value)
 
 
 class AwareDateTime(TypeDecorator[datetime]):
@@ -172,8 +207,9 @@ class EventSubscription(Base):
     # The password hash last written to this subscription's broker user; when it
     # differs from the owner's current hash the broker user needs updating.
     broker_password_hash: Mapped[str | None] = mapped_column(String(128))
-    # "ok", or "broken" when its broker user could not be restored.
-    broker_state: Mapped[str] = mapped_column(String(16), default="ok")
+    broker_state: Mapped[BrokerState] = mapped_column(
+        StateColumn(BrokerState), default=BrokerState.OK
+    )
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -237,8 +273,9 @@ class Delivery(Base):
     )
     queue_name: Mapped[str] = mapped_column(String(255))
     vhost: Mapped[str] = mapped_column(String(64))
-    # pending | published | rejected | given_up
-    state: Mapped[str] = mapped_column(String(16), default="pending")
+    state: Mapped[DeliveryState] = mapped_column(
+        StateColumn(DeliveryState), default=DeliveryState.PENDING
+    )
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
     claimed_by: Mapped[str | None] = mapped_column(String(64))

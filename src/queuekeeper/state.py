@@ -18,6 +18,7 @@ from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
+from queuekeeper.jobs.runs import JobContext, JobRunner
 
 if TYPE_CHECKING:
     from queuekeeper.broker.publisher import AmqpPublisher
@@ -34,6 +35,8 @@ class AppState:
     provisioner: Provisioner
     # Opens connections only when used; readiness probes the broker through it.
     publisher: AmqpPublisher
+    # The job table's runner for the admin API and the CLI (app.py builds it).
+    jobs: JobRunner
     # Shared by the accept path, the relay and `?wait=true` waiters of this process.
     signals: OutboxSignals = field(default_factory=OutboxSignals)
     # Started by the lifespan when configured; None otherwise (and in tests without them).
@@ -78,9 +81,19 @@ async def get_signals(state: StateDep) -> OutboxSignals:
     return state.signals
 
 
+async def get_jobs(state: StateDep) -> JobRunner:
+    return state.jobs
+
+
+async def get_job_context(state: StateDep) -> JobContext:
+    return state.jobs.context
+
+
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
 SessionsDep = Annotated[async_sessionmaker[AsyncSession], Depends(get_sessions)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ProvisionerDep = Annotated[Provisioner, Depends(get_provisioner)]
 ManagementDep = Annotated[ManagementClient, Depends(get_management)]
 SignalsDep = Annotated[OutboxSignals, Depends(get_signals)]
+JobsDep = Annotated[JobRunner, Depends(get_jobs)]
+JobContextDep = Annotated[JobContext, Depends(get_job_context)]

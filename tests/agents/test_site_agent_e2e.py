@@ -309,20 +309,16 @@ async def broker_snapshot(
 ) -> dict[str, Any]:
     page = await management.list_queues_page(vhost, page=1, page_size=500)
     users = sorted(
-        user["name"]
-        for user in await management.list_users()
-        if settings.instance_tag in str(user.get("tags"))
+        user.name for user in await management.list_users() if settings.instance_tag in user.tags
     )
     permissions = {
         user: await management.get_permissions(vhost, user) for user in users if len(user) == 32
     }
     vhosts = sorted(
-        item["name"]
-        for item in await management.list_vhosts()
-        if settings.instance_tag in str(item.get("tags"))
+        item.name for item in await management.list_vhosts() if settings.instance_tag in item.tags
     )
     return {
-        "queues": sorted((item["name"], json.dumps(item["arguments"])) for item in page["items"]),
+        "queues": sorted((item.name, json.dumps(item.arguments)) for item in page.items),
         "users": users,
         "permissions": permissions,
         "vhosts": vhosts,

@@ -11,6 +11,10 @@ from queuekeeper.broker.management import (
     ManagementBadRequest,
     ManagementClient,
     ManagementNotFound,
+    Permission,
+    QueueInfo,
+    UserInfo,
+    VhostInfo,
 )
 from queuekeeper.config import Settings
 
@@ -73,7 +77,7 @@ async def test_one_retry_on_5xx_then_success(fake: ManagementClient) -> None:
         route = respx.get(f"{BASE}/vhosts/v").mock(
             side_effect=[httpx.Response(503, text="busy"), httpx.Response(200, json={"name": "v"})]
         )
-        assert await fake.get_vhost("v") == {"name": "v"}
+        assert await fake.get_vhost("v") == VhostInfo("v")
         assert route.call_count == 2
 
 
@@ -96,8 +100,51 @@ async def test_names_are_url_encoded(fake: ManagementClient) -> None:
         route = respx.get(f"{BASE}/queues/%2F/a%2Fb%20c").mock(
             return_value=httpx.Response(200, json={"name": "a/b c"})
         )
-        assert await fake.get_queue("/", "a/b c") == {"name": "a/b c"}
+        assert await fake.get_queue("/", "a/b c") == QueueInfo("a/b c", "/")
         assert route.called
+
+
+async def test_answers_are_parsed_into_typed_records(fake: ManagementClient) -> None:
+    """Tags come as a list (3.10+) or a comma-separated string (older brokers); statistics
+    the broker has not computed yet are None, not 0."""
+    with respx.mock:
+        respx.get(f"{BASE}/vhosts").mock(
+            return_value=httpx.Response(
+                200, json=[{"name": "a", "tags": ["x", "y"]}, {"name": "b", "tags": "x,z"}, 7]
+            )
+        )
+        respx.get(f"{BASE}/users").mock(
+            return_value=httpx.Response(200, json=[{"name": "u", "tags": "", "password_hash": "h"}])
+        )
+        respx.get(f"{BASE}/permissions").mock(
+            return_value=httpx.Response(
+                200,
+                json=[{"user": "u", "vhost": "a", "configure": "^$", "write": "^$", "read": ".*"}],
+            )
+        )
+        respx.get(f"{BASE}/queues/a").mock(
+            return_value=httpx.Response(
+                200,
+                json={
+                    "items": [
+                        {"name": "q", "arguments": {"x-max-length": 5}, "messages": 3},
+                        {"name": "r", "durable": True, "auto_delete": False, "type": "classic"},
+                    ],
+                    "page_count": 2,
+                },
+            )
+        )
+        assert await fake.list_vhosts() == [VhostInfo("a", ("x", "y")), VhostInfo("b", ("x", "z"))]
+        assert await fake.list_users() == [UserInfo("u", (), "h")]
+        [permission] = await fake.list_permissions()
+        assert permission == Permission("u", "a", "^$", "^$", ".*")
+        page = await fake.list_queues_page("a", page=1, page_size=2)
+    assert page.page_count == 2
+    assert page.items == [
+        QueueInfo("q", "a", arguments={"x-max-length": 5}, messages=3),
+        QueueInfo("r", "a", durable=True, auto_delete=False, type="classic"),
+    ]
+    assert page.items[1].messages is None
 
 
 async def test_real_broker_round_trip(settings: Settings) -> None:
@@ -107,6 +154,11 @@ async def test_real_broker_round_trip(settings: Settings) -> None:
         await client.put_vhost(vhost, description="test", tags=[settings.instance_tag])
         assert await client.put_queue(vhost, "q", arguments={"x-max-length": 5}) is True
         assert await client.put_queue(vhost, "q", arguments={"x-max-length": 5}) is False
+        info = await client.get_queue(vhost, "q")
+        assert info is not None
+        assert (info.name, info.vhost, info.arguments) == ("q", vhost, {"x-max-length": 5})
+        assert (info.durable, info.auto_delete) == (True, False)
+        assert VhostInfo(vhost, (settings.instance_tag,)) in await client.list_vhosts()
         with pytest.raises(ManagementBadRequest) as raised:
             await client.put_queue(vhost, "q", arguments={"x-max-length": 6})
         assert raised.value.inequivalent

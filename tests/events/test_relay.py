@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from sqlalchemy import update
 
 from queuekeeper.broker.publisher import AmqpPublisher
-from queuekeeper.events import repository
+from queuekeeper.events import outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, Event, utcnow
 from queuekeeper.observability.metrics import OUTBOX_OLDEST_AGE, OUTBOX_PENDING
@@ -50,18 +50,18 @@ async def test_a_claim_is_exclusive_until_its_lease_runs_out(
     sessions = app.state.queuekeeper.sessions
     now = utcnow()
     async with sessions() as session:
-        first = await repository.claim(session, "relay-a", now, now + timedelta(seconds=0.4), 10)
+        first = await outbox.claim(session, "relay-a", now, now + timedelta(seconds=0.4), 10)
         await session.commit()
     assert len(first) == 3
     assert {c.attempts for c in first} == {1}
     assert first == sorted(first, key=lambda c: c.id)
     async with sessions() as session:
-        assert await repository.claim(session, "relay-b", utcnow(), utcnow(), 10) == []
+        assert await outbox.claim(session, "relay-b", utcnow(), utcnow(), 10) == []
         await session.commit()
     await asyncio.sleep(0.45)
     async with sessions() as session:
         now = utcnow()
-        taken = await repository.claim(session, "relay-b", now, now + timedelta(seconds=5), 10)
+        taken = await outbox.claim(session, "relay-b", now, now + timedelta(seconds=5), 10)
         await session.commit()
     assert sorted(c.id for c in taken) == sorted(c.id for c in first)
     assert {c.attempts for c in taken} == {2}
@@ -123,7 +123,7 @@ async def test_outbox_depth_is_readable_and_exported(
     sessions = app.state.queuekeeper.sessions
     async with sessions() as session:
         now = utcnow()
-        await repository.claim(session, "relay-x", now, now + timedelta(seconds=30), 1)
+        await outbox.claim(session, "relay-x", now, now + timedelta(seconds=30), 1)
         await session.commit()
     stats = (await client.get("/api/admin/outbox/", headers=SERVICE)).json()
     assert (stats["pending"], stats["claimed"]) == (3, 1)

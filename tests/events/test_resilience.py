@@ -18,8 +18,8 @@ from fastapi import FastAPI
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.config import Settings
+from queuekeeper.events.outbox import Claimed
 from queuekeeper.events.relay import Relay
-from queuekeeper.events.repository import Claimed
 from queuekeeper.observability.metrics import AMQP_RECONNECTS, DELIVERIES
 from queuekeeper.state import AppState
 from tests.events.support import (
@@ -169,7 +169,7 @@ async def test_a_queue_deleted_behind_our_back_is_declared_again_and_the_event_d
     assert copy["attempts"] == 2
     info = await management.get_queue(registered.vhost, registered.queue_name)
     assert info is not None
-    assert info["arguments"]["x-overflow"] == "reject-publish-dlx"
+    assert info.arguments["x-overflow"] == "reject-publish-dlx"
     received = [m.message_id for m in await drain(registered.vhost, registered.queue_name)]
     assert received == ["reborn"]
 

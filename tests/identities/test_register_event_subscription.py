@@ -60,7 +60,7 @@ async def register_subscription(
 
 async def broker_users(management: ManagementClient, settings: Settings) -> set[str]:
     users = await management.list_users()
-    return {user["name"] for user in users if settings.instance_tag in str(user.get("tags"))}
+    return {user.name for user in users if settings.instance_tag in user.tags}
 
 
 async def stomp_login_works(agent: Agent, subscription_uuid: str) -> bool:
@@ -111,7 +111,7 @@ async def test_restart_returns_the_same_subscription_and_creates_nothing(
     queues = await management.list_queues_page(
         agent.vhost, page=1, page_size=100, name_prefix="subscription_"
     )
-    assert [item["name"] for item in queues["items"]] == [queue.json()["queue_name"]]
+    assert [item.name for item in queues.items] == [queue.json()["queue_name"]]
 
 
 async def test_reuse_resets_the_broker_password_to_the_callers_token(

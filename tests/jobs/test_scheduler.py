@@ -11,9 +11,15 @@ from sqlalchemy import select
 
 from queuekeeper.app import create_app
 from queuekeeper.config import Settings
-from queuekeeper.jobs.runs import Job, Trigger, run_job
+from queuekeeper.jobs.runs import Job, JobContext, JobSpec, Run, Trigger, run_job
+from queuekeeper.jobs.scheduler import JobScheduler
 from queuekeeper.models import JobRun, utcnow
 from queuekeeper.state import AppState
+
+
+def scheduled(state: AppState) -> JobScheduler:
+    assert state.scheduler is not None
+    return state.scheduler
 
 
 async def test_scheduler_fires_reconcile_and_records_the_run(
@@ -25,9 +31,9 @@ async def test_scheduler_fires_reconcile_and_records_the_run(
     app = create_app(fast)
     async with LifespanManager(app):
         state: AppState = app.state.queuekeeper
-        jobs = {job.id for job in state.scheduler.scheduler.get_jobs()}
+        jobs = {job.name for job in scheduled(state).jobs()}
         # Redrive is on demand unless an interval is configured.
-        assert jobs == {"reconcile", "cleanup_stale"}
+        assert jobs == {Job.RECONCILE, Job.CLEANUP_STALE}
         deadline = time.monotonic() + 10
         while True:
             async with state.sessions() as session:
@@ -46,8 +52,9 @@ async def test_first_run_waits_one_interval(settings: Settings, clean_state: Non
     app = create_app(settings)  # the defaults: hours
     async with LifespanManager(app):
         state: AppState = app.state.queuekeeper
-        next_runs = {job.id: job.next_run_time for job in state.scheduler.scheduler.get_jobs()}
-    soonest = min(next_runs.values())
+        next_runs = [job.next_run for job in scheduled(state).jobs()]
+    assert None not in next_runs
+    soonest = min(run for run in next_runs if run is not None)
     assert (soonest - utcnow()).total_seconds() > 5 * 3600
 
 
@@ -62,8 +69,8 @@ async def test_scheduled_redrive_when_an_interval_is_set(
 ) -> None:
     app = create_app(settings.model_copy(update={"redrive_interval_seconds": 600}))
     async with LifespanManager(app):
-        jobs = {job.id for job in app.state.queuekeeper.scheduler.scheduler.get_jobs()}
-    assert "redrive_dead_letters" in jobs
+        jobs = {job.name: job.interval_seconds for job in scheduled(app.state.queuekeeper).jobs()}
+    assert jobs[Job.REDRIVE] == 600
 
 
 async def test_run_interrupted_by_shutdown_is_recorded_as_failed(
@@ -72,13 +79,14 @@ async def test_run_interrupted_by_shutdown_is_recorded_as_failed(
     app = create_app(settings.model_copy(update={"scheduler_enabled": False}))
     started = asyncio.Event()
 
-    async def endless(run: object) -> None:
+    async def endless(context: JobContext, run: Run) -> None:
         started.set()
         await asyncio.sleep(3600)
 
     async with LifespanManager(app):
         state: AppState = app.state.queuekeeper
-        task = asyncio.create_task(run_job(state, Job.RECONCILE, Trigger.SCHEDULE, endless))
+        spec = JobSpec(Job.RECONCILE, endless)
+        task = asyncio.create_task(run_job(state.jobs.context, spec, Trigger.SCHEDULE))
         await asyncio.wait_for(started.wait(), 5)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -100,10 +108,10 @@ async def test_record_left_running_by_a_dead_process_is_closed_by_the_next_run(
             session.add(orphaned)
             await session.commit()
 
-        async def nothing(run: object) -> None:
+        async def nothing(context: JobContext, run: Run) -> None:
             return None
 
-        await run_job(state, Job.RECONCILE, Trigger.API, nothing)
+        await run_job(state.jobs.context, JobSpec(Job.RECONCILE, nothing), Trigger.API)
         async with state.sessions() as session:
             stored = await session.get(JobRun, orphaned.uuid)
     assert stored is not None

@@ -13,7 +13,7 @@ import respx
 from fastapi import FastAPI
 
 from queuekeeper.broker import topology
-from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.management import ManagementClient, QueuePage
 from queuekeeper.common.locks import job_lock
 from queuekeeper.state import AppState
 from tests.helpers import Backend, Operator
@@ -48,7 +48,7 @@ def signal_listing(
     original = management.list_queues_page
     listed = asyncio.Event()
 
-    async def watched(listed_vhost: str, **kwargs: Any) -> dict[str, Any]:
+    async def watched(listed_vhost: str, **kwargs: Any) -> QueuePage:
         result = await original(listed_vhost, **kwargs)
         if listed_vhost == vhost:
             listed.set()

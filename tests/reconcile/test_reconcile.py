@@ -12,13 +12,13 @@ from fastapi import FastAPI
 from prometheus_client import REGISTRY
 from sqlalchemy import delete, select
 
+from queuekeeper.app import JOBS
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.config import Settings
-from queuekeeper.jobs.runs import Trigger
+from queuekeeper.jobs.runs import Job, JobRunner, Trigger
 from queuekeeper.models import EventSubscription
-from queuekeeper.reconcile.service import run_reconcile
 from queuekeeper.reconcile.view import QueueFilter, queue_states
 from queuekeeper.state import AppState
 from tests.brokers import BROKER
@@ -147,8 +147,8 @@ async def test_missing_queue_recreated_with_spec_arguments(
     assert run["found"]["queues_missing"] == 1
     info = await management.get_queue(agent.vhost, queue["queue_name"])
     assert info is not None
-    assert info["arguments"] == SPEC_ARGUMENTS
-    assert info["durable"] is True
+    assert info.arguments == SPEC_ARGUMENTS
+    assert info.durable is True
 
 
 async def test_drifted_empty_queue_repaired(
@@ -166,7 +166,7 @@ async def test_drifted_empty_queue_repaired(
     assert "x-max-length: expected 10000, broker has 5" in repair["detail"]
     info = await management.get_queue(agent.vhost, queue["queue_name"])
     assert info is not None
-    assert info["arguments"] == SPEC_ARGUMENTS
+    assert info.arguments == SPEC_ARGUMENTS
 
 
 async def test_drifted_queue_holding_messages_reported_not_touched(
@@ -188,7 +188,7 @@ async def test_drifted_queue_holding_messages_reported_not_touched(
     assert "not empty" in failure["reason"].lower()  # the broker's own reason
     info = await management.get_queue(agent.vhost, name, columns="arguments,messages_ready")
     assert info is not None
-    assert info["arguments"] == {"x-max-length": 5}
+    assert info.arguments == {"x-max-length": 5}
     connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
     async with connection:
         channel = await connection.channel()
@@ -221,7 +221,7 @@ async def test_drifted_queue_with_a_consumer_reported_not_touched(
         assert "in use" in failure["reason"].lower()
         info = await management.get_queue(agent.vhost, name)
         assert info is not None
-        assert info["arguments"] == {}
+        assert info.arguments == {}
 
 
 async def test_deleted_broker_user_restored_and_agent_can_log_in(
@@ -235,8 +235,8 @@ async def test_deleted_broker_user_restored_and_agent_can_log_in(
     assert run["changed"] == {"users_restored": 1}, run
     permissions = await management.get_permissions(agent.vhost, subscription["uuid"])
     assert permissions is not None
-    assert permissions["read"] == f"^subscription_{subscription['uuid']}_.*$"
-    assert (permissions["configure"], permissions["write"]) == ("^$", "^$")
+    assert permissions.read == f"^subscription_{subscription['uuid']}_.*$"
+    assert (permissions.configure, permissions.write) == ("^$", "^$")
     # The agent logs in with its unchanged token and consumes again.
     consumer = StompConsumer(agent.vhost, subscription["uuid"], agent.token)
     await asyncio.to_thread(consumer.connect)
@@ -270,7 +270,7 @@ async def test_changed_password_and_permissions_restored(
     consumer.close()
     permissions = await management.get_permissions(agent.vhost, subscription["uuid"])
     assert permissions is not None
-    assert permissions["configure"] == "^$"
+    assert permissions.configure == "^$"
 
 
 async def test_user_without_token_cannot_be_restored_marks_subscription_broken(
@@ -347,10 +347,10 @@ async def test_vhost_setup_ensured(
     assert run["changed"] == {"dead_letter_queues_ensured": 1, "permissions_restored": 1}, run
     dlq = await management.get_queue(agent.vhost, "waldur.dlq.messages")
     assert dlq is not None
-    assert dlq["arguments"]["x-overflow"] == "drop-head"
+    assert dlq.arguments["x-overflow"] == "drop-head"
     permissions = await management.get_permissions(agent.vhost, "guest")
     assert permissions is not None
-    assert permissions["configure"] == ".*"
+    assert permissions.configure == ".*"
 
 
 async def test_missing_vhost_recreated_with_its_queues_and_users(
@@ -400,7 +400,7 @@ async def test_dry_run_reports_everything_and_changes_nothing(
     assert await management.get_queue(agent.vhost, queue["queue_name"]) is None
     info = await management.get_queue(other.vhost, drifted["queue_name"])
     assert info is not None
-    assert info["arguments"] == {}
+    assert info.arguments == {}
     assert await management.get_user(subscription["uuid"]) is None
     # The dry run is on record, as such.
     runs = await operator.get("/api/admin/reconcile-runs/")
@@ -429,9 +429,11 @@ async def test_many_small_pages_join_exactly(
     app: FastAPI, backend: Backend, management: ManagementClient
 ) -> None:
     """Pages of two queues: every queue is seen once, across page and chunk boundaries."""
-    state = dataclasses.replace(
-        state_of(app), settings=state_of(app).settings.model_copy(update={"reconcile_page_size": 2})
+    context = state_of(app).jobs.context
+    context = dataclasses.replace(
+        context, settings=context.settings.model_copy(update={"reconcile_page_size": 2})
     )
+    jobs = JobRunner(context, JOBS)
     agent, offering = await backend.agent_with_offering()
     names = []
     for _ in range(2):
@@ -449,13 +451,13 @@ async def test_many_small_pages_join_exactly(
     for missing in (names[0], names[3], names[5]):  # first, middle and last by name
         await management.delete_queue(agent.vhost, missing)
 
-    record = await run_reconcile(state, Trigger.API)
+    record = await jobs.run(Job.RECONCILE, Trigger.API)
 
     assert record.status == "succeeded", record.failures
     assert record.changed == {"orphans_deleted": 3, "queues_recreated": 3}
     assert record.found["queues"] == 3
-    entries = [entry async for entry in queue_states(state, QueueFilter(vhost=agent.vhost))]
+    entries = [entry async for entry in queue_states(context, QueueFilter(vhost=agent.vhost))]
     assert [entry.queue_name for entry in entries] == names
     assert {entry.state for entry in entries} == {"ok"}
-    again = await run_reconcile(state, Trigger.API)
+    again = await jobs.run(Job.RECONCILE, Trigger.API)
     assert again.changed == {}

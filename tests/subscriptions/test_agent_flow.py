@@ -48,28 +48,28 @@ async def test_agent_registers_and_receives_over_web_stomp(
     # The broker holds exactly the SPEC 3 arguments, durable, in a vhost tagged as ours.
     info = await management.get_queue(agent.vhost, expected_name)
     assert info is not None
-    assert info["arguments"] == {
+    assert info.arguments == {
         "x-message-ttl": 3_600_000,
         "x-max-length": 10_000,
         "x-overflow": "reject-publish-dlx",
         "x-dead-letter-exchange": "",
         "x-dead-letter-routing-key": "waldur.dlq.messages",
     }
-    assert info["durable"] is True
+    assert info.durable is True
     vhost = await management.get_vhost(agent.vhost)
     assert vhost is not None
-    assert settings.instance_tag in vhost["tags"]
+    assert settings.instance_tag in vhost.tags
     dlq = await management.get_queue(agent.vhost, "waldur.dlq.messages")
     assert dlq is not None
-    assert dlq["arguments"] == {
+    assert dlq.arguments == {
         "x-max-length": 100_000,
         "x-message-ttl": 7 * 24 * 3_600_000,
         "x-overflow": "drop-head",
     }
     permissions = await management.get_permissions(agent.vhost, subscription["uuid"])
     assert permissions is not None
-    assert (permissions["configure"], permissions["write"]) == ("^$", "^$")
-    assert permissions["read"] == f"^subscription_{subscription['uuid']}_.*$"
+    assert (permissions.configure, permissions.write) == ("^$", "^$")
+    assert permissions.read == f"^subscription_{subscription['uuid']}_.*$"
 
     consumer = StompConsumer(agent.vhost, subscription["uuid"], agent.token)
     await asyncio.to_thread(consumer.connect)

@@ -58,7 +58,7 @@ async def test_repeat_re_creates_a_queue_deleted_behind_our_back(
     assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 200
     info = await management.get_queue(agent.vhost, queue["queue_name"])
     assert info is not None
-    assert info["arguments"] == EXPECTED_ARGUMENTS
+    assert info.arguments == EXPECTED_ARGUMENTS
 
 
 async def test_concurrent_identical_calls_give_one_201_and_200s(
@@ -88,7 +88,7 @@ async def test_queue_auto_created_without_arguments_is_repaired(
     assert response.status_code == 201, response.text
     info = await management.get_queue(agent.vhost, name)
     assert info is not None
-    assert info["arguments"] == EXPECTED_ARGUMENTS
+    assert info.arguments == EXPECTED_ARGUMENTS
     repaired = [entry for entry in logs if entry["event"] == "queue_repaired"]
     assert repaired
     assert "inequivalent arg" in repaired[0]["reason"]
@@ -110,7 +110,7 @@ async def test_queue_with_other_arguments_and_messages_is_a_409(
     assert "Drain it" in body["action"]
     info = await management.get_queue(agent.vhost, name)
     assert info is not None
-    assert info["arguments"] == {}  # left alone: it holds messages
+    assert info.arguments == {}  # left alone: it holds messages
     listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
     assert listed.json() == []  # and no row
 
@@ -257,4 +257,4 @@ async def test_concurrent_calls_repairing_the_same_queue_all_succeed(
     ]
     info = await management.get_queue(agent.vhost, name)
     assert info is not None
-    assert info["arguments"] == EXPECTED_ARGUMENTS
+    assert info.arguments == EXPECTED_ARGUMENTS

@@ -58,6 +58,17 @@ async def test_only_your_own_subscriptions_and_queues(
     assert (await client.get("/api/event-subscription-queues/", headers=agent.headers)).json() == []
 
 
+async def test_an_unknown_action_with_its_slash_is_not_told_to_add_one(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    agent = await backend.put_user()
+    subscription = await agent.create_subscription()
+    path = f"/api/event-subscriptions/{subscription['uuid']}/register_queue/"
+    response = await client.post(path, json={}, headers=agent.headers)
+    assert response.status_code == 404
+    assert response.json() == {"detail": f"No such endpoint: {path}."}
+
+
 async def test_queue_filters_and_pagination(client: httpx.AsyncClient, backend: Backend) -> None:
     agent, offering = await backend.agent_with_offering()
     second = await backend.put_offering()
@@ -151,6 +162,6 @@ async def test_a_vhost_not_tagged_as_ours_is_never_used(
         assert "not tagged" in response.json()["detail"]
         vhost = await management.get_vhost(agent.vhost)
         assert vhost is not None
-        assert vhost["tags"] == ["other:app"]
+        assert vhost.tags == ("other:app",)
     finally:
         await management.delete_vhost(agent.vhost)

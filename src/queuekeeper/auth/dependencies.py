@@ -7,10 +7,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader
-from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from queuekeeper.auth.tokens import is_service_token, token_digest
+from queuekeeper.auth.repository import user_with_token
+from queuekeeper.auth.tokens import is_service_token
 from queuekeeper.config import Settings
 from queuekeeper.exceptions import Forbidden, Unauthorized
 from queuekeeper.models import User
@@ -42,7 +42,7 @@ def credentials(header: str | None) -> str:
 async def authenticate_agent(session: AsyncSession, token: str, settings: Settings) -> User:
     """The active user whose unexpired API token this is; else Unauthorized (Forbidden for a
     service token)."""
-    user = await session.scalar(select(User).where(User.token_hash == token_digest(token)))
+    user = await user_with_token(session, token)
     if user is None:
         if is_service_token(token, settings.service_tokens):
             raise Forbidden("A service token cannot act as an agent; use an agent's API token.")
@@ -59,7 +59,7 @@ async def authenticate_service(session: AsyncSession, token: str, settings: Sett
     Unauthorized."""
     if is_service_token(token, settings.service_tokens):
         return
-    if await session.scalar(select(User.uuid).where(User.token_hash == token_digest(token))):
+    if await user_with_token(session, token) is not None:
         raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
     raise Unauthorized("Invalid service token.", scheme="Bearer")
 

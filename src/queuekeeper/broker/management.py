@@ -10,6 +10,7 @@ import asyncio
 import ssl
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -24,6 +25,114 @@ log = structlog.get_logger(__name__)
 
 # Called after every call with (endpoint kind, status or "error", seconds); metrics hook in here.
 CallObserver = Callable[[str, str, float], None]
+
+
+def parse_tags(value: Any) -> tuple[str, ...]:
+    """The broker answers tags as a list (3.10) or a comma-separated string (older)."""
+    if isinstance(value, str):
+        return tuple(tag for tag in value.split(",") if tag)
+    return tuple(str(tag) for tag in value or [])
+
+
+def _count(value: Any) -> int | None:
+    """A statistic; None when the broker has not computed it (yet)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class QueueInfo:
+    """A queue as the Management API describes it; absent columns are None."""
+
+    name: str
+    vhost: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    durable: bool | None = None
+    auto_delete: bool | None = None
+    type: str | None = None
+    messages: int | None = None
+    messages_ready: int | None = None
+    messages_unacknowledged: int | None = None
+    consumers: int | None = None
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], vhost: str) -> QueueInfo:
+        arguments = body.get("arguments")
+        durable, auto_delete = body.get("durable"), body.get("auto_delete")
+        return cls(
+            name=str(body.get("name") or ""),
+            vhost=str(body.get("vhost") or vhost),
+            arguments=dict(arguments) if isinstance(arguments, dict) else {},
+            durable=durable if isinstance(durable, bool) else None,
+            auto_delete=auto_delete if isinstance(auto_delete, bool) else None,
+            type=str(body["type"]) if body.get("type") is not None else None,
+            messages=_count(body.get("messages")),
+            messages_ready=_count(body.get("messages_ready")),
+            messages_unacknowledged=_count(body.get("messages_unacknowledged")),
+            consumers=_count(body.get("consumers")),
+        )
+
+
+@dataclass(frozen=True)
+class QueuePage:
+    """One page of a vhost's queues; `page_count` as the broker counted at that moment."""
+
+    items: list[QueueInfo]
+    page: int
+    page_count: int
+
+
+@dataclass(frozen=True)
+class VhostInfo:
+    name: str
+    tags: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> VhostInfo:
+        return cls(name=str(body.get("name") or ""), tags=parse_tags(body.get("tags")))
+
+
+@dataclass(frozen=True)
+class UserInfo:
+    name: str
+    tags: tuple[str, ...] = ()
+    password_hash: str = ""
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> UserInfo:
+        return cls(
+            name=str(body.get("name") or ""),
+            tags=parse_tags(body.get("tags")),
+            password_hash=str(body.get("password_hash") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class Permission:
+    """A user's rights in a vhost."""
+
+    user: str
+    vhost: str
+    configure: str
+    write: str
+    read: str
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> Permission:
+        return cls(
+            user=str(body.get("user") or ""),
+            vhost=str(body.get("vhost") or ""),
+            configure=str(body.get("configure")),
+            write=str(body.get("write")),
+            read=str(body.get("read")),
+        )
+
+    @property
+    def permissions(self) -> Permissions:
+        return Permissions(configure=self.configure, write=self.write, read=self.read)
+
+
+def _dicts(body: Any) -> list[dict[str, Any]]:
+    return [item for item in body if isinstance(item, dict)] if isinstance(body, list) else []
 
 
 class ManagementError(Exception):
@@ -190,13 +299,13 @@ class ManagementClient:
         return body or {}
 
     # --- vhosts ---------------------------------------------------------------------------
-    async def get_vhost(self, name: str) -> dict[str, Any] | None:
-        return await self._get_or_none(f"/vhosts/{_q(name)}", "vhost")
+    async def get_vhost(self, name: str) -> VhostInfo | None:
+        body = await self._get_or_none(f"/vhosts/{_q(name)}", "vhost")
+        return VhostInfo.parse(body) if body is not None else None
 
-    async def list_vhosts(self) -> list[dict[str, Any]]:
+    async def list_vhosts(self) -> list[VhostInfo]:
         response = await self._request("GET", "/vhosts", "vhost", params={"columns": "name,tags"})
-        body = self._json(response, "/vhosts")
-        return list(body) if isinstance(body, list) else []
+        return [VhostInfo.parse(item) for item in _dicts(self._json(response, "/vhosts"))]
 
     async def put_vhost(self, name: str, *, description: str, tags: list[str]) -> None:
         await self._request(
@@ -210,17 +319,17 @@ class ManagementClient:
         return await self._delete(f"/vhosts/{_q(name)}", "vhost")
 
     # --- users and permissions ------------------------------------------------------
-    async def get_user(self, name: str) -> dict[str, Any] | None:
-        return await self._get_or_none(f"/users/{_q(name)}", "user")
+    async def get_user(self, name: str) -> UserInfo | None:
+        body = await self._get_or_none(f"/users/{_q(name)}", "user")
+        return UserInfo.parse(body) if body is not None else None
 
-    async def list_users(self, columns: str = "name,tags") -> list[dict[str, Any]]:
+    async def list_users(self, columns: str = "name,tags") -> list[UserInfo]:
         # RabbitMQ 3.10 answers 500 when a user is deleted while it builds this
         # list (measured: 13 of 300 listings during concurrent deletes), so retry harder.
         response = await self._request(
             "GET", "/users", "user", params={"columns": columns}, attempts=6
         )
-        body = self._json(response, "/users")
-        return list(body) if isinstance(body, list) else []
+        return [UserInfo.parse(item) for item in _dicts(self._json(response, "/users"))]
 
     async def put_user(self, name: str, *, password_hash: str, tags: list[str]) -> None:
         await self._request(
@@ -237,10 +346,11 @@ class ManagementClient:
     async def delete_user(self, name: str) -> bool:
         return await self._delete(f"/users/{_q(name)}", "user")
 
-    async def get_permissions(self, vhost: str, user: str) -> dict[str, Any] | None:
-        return await self._get_or_none(f"/permissions/{_q(vhost)}/{_q(user)}", "permission")
+    async def get_permissions(self, vhost: str, user: str) -> Permission | None:
+        body = await self._get_or_none(f"/permissions/{_q(vhost)}/{_q(user)}", "permission")
+        return Permission.parse(body) if body is not None else None
 
-    async def list_permissions(self) -> list[dict[str, Any]]:
+    async def list_permissions(self) -> list[Permission]:
         """Every (user, vhost) permission on the broker, in one call."""
         response = await self._request(
             "GET",
@@ -248,8 +358,7 @@ class ManagementClient:
             "permission",
             params={"columns": "user,vhost,configure,write,read"},
         )
-        body = self._json(response, "/permissions")
-        return list(body) if isinstance(body, list) else []
+        return [Permission.parse(item) for item in _dicts(self._json(response, "/permissions"))]
 
     async def put_permissions(self, vhost: str, user: str, permissions: Permissions) -> None:
         await self._request(
@@ -272,8 +381,9 @@ class ManagementClient:
 
     async def get_queue(
         self, vhost: str, name: str, columns: str = "name,durable,auto_delete,arguments"
-    ) -> dict[str, Any] | None:
-        return await self._get_or_none(f"/queues/{_q(vhost)}/{_q(name)}", "queue", columns=columns)
+    ) -> QueueInfo | None:
+        body = await self._get_or_none(f"/queues/{_q(vhost)}/{_q(name)}", "queue", columns=columns)
+        return QueueInfo.parse(body, vhost) if body is not None else None
 
     async def delete_queue(
         self, vhost: str, name: str, *, if_empty: bool = False, if_unused: bool = False
@@ -300,7 +410,7 @@ class ManagementClient:
         name_prefix: str | None = None,
         sort: str | None = None,
         disable_stats: bool = False,
-    ) -> dict[str, Any]:
+    ) -> QueuePage:
         """One page of a vhost's queues.
 
         A page past the end (the vhost shrank between two calls) comes back empty
@@ -325,15 +435,20 @@ class ManagementClient:
         try:
             response = await self._request("GET", path, "queue_list", params=params)
         except ManagementNotFound:
-            return {"items": [], "page": page, "page_count": 0}
+            return QueuePage([], page, 0)
         except ManagementBadRequest as exc:
             if "out of range" not in exc.reason.lower():
                 raise
-            return {"items": [], "page": page, "page_count": page - 1}
+            return QueuePage([], page, page - 1)
         body = self._json(response, path)
         if not isinstance(body, dict):
             raise BrokerUnavailable(f"Management API sent an unexpected body for {path}", path=path)
-        return body
+        items = [
+            QueueInfo.parse(item, vhost)
+            for item in _dicts(body.get("items"))
+            if isinstance(item.get("name"), str)
+        ]
+        return QueuePage(items, page, int(body.get("page_count") or 0))
 
     # --- connections and limits (revocation, quotas) --------------------------------------
     async def close_user_connections(self, user: str) -> bool:

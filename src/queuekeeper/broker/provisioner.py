@@ -20,6 +20,9 @@ from queuekeeper.broker.management import (
     ManagementBadRequest,
     ManagementClient,
     ManagementNotFound,
+    QueueInfo,
+    UserInfo,
+    VhostInfo,
 )
 from queuekeeper.config import Settings
 
@@ -54,10 +57,16 @@ class ForeignVhost(Exception):
         self.tags = tags
 
 
-def _tags(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [tag for tag in value.split(",") if tag]
-    return [str(tag) for tag in value or []]
+def busy(info: QueueInfo | None) -> str:
+    """Why a queue cannot be repaired (it holds messages or has consumers); empty if it can."""
+    if info is None:
+        return ""
+    parts = []
+    if info.messages:
+        parts.append(f"holds {info.messages} messages")
+    if info.consumers:
+        parts.append(f"has {info.consumers} consumers")
+    return ", ".join(parts)
 
 
 class Provisioner:
@@ -68,19 +77,23 @@ class Provisioner:
         self.dlq_arguments = topology.dead_letter_queue_arguments(settings)
 
     # --- vhosts ------------------------------------------------------------------------
-    def owns(self, vhost_info: dict[str, Any]) -> bool:
-        return self.settings.instance_tag in _tags(vhost_info.get("tags"))
+    def owns(self, info: VhostInfo | UserInfo) -> bool:
+        """A vhost or broker user is ours when it carries this installation's tag."""
+        return self.settings.instance_tag in info.tags
 
     async def owned_vhosts(self) -> list[str]:
         """Names of the vhosts tagged as this installation's, sorted."""
         vhosts = await self.management.list_vhosts()
-        return sorted(str(info.get("name")) for info in vhosts if self.owns(info))
+        return sorted(info.name for info in vhosts if self.owns(info))
+
+    async def owns_vhost(self, vhost: str) -> bool:
+        info = await self.management.get_vhost(vhost)
+        return info is not None and self.owns(info)
 
     async def owned_users(self) -> list[str]:
         """Names of the broker users tagged as this installation's, sorted."""
         users = await self.management.list_users()
-        tag = self.settings.instance_tag
-        return sorted(str(info.get("name")) for info in users if tag in _tags(info.get("tags")))
+        return sorted(info.name for info in users if self.owns(info))
 
     async def ensure_vhost(self, vhost: str) -> bool:
         """Vhost tagged as ours, our own users with full rights, the dead-letter queue.
@@ -97,12 +110,15 @@ class Provisioner:
             )
             log.info("vhost_created", vhost=vhost)
         elif not self.owns(info):
-            raise ForeignVhost(vhost, _tags(info.get("tags")))
+            raise ForeignVhost(vhost, list(info.tags))
         for user in self.service_users():
-            await self.management.put_permissions(vhost, user, topology.SERVICE_PERMISSIONS)
+            await self.put_service_permissions(vhost, user)
         await self.ensure_vhost_limits(vhost, read_first=not created)
         await self.ensure_dead_letter_queue(vhost)
         return created
+
+    async def put_service_permissions(self, vhost: str, user: str) -> None:
+        await self.management.put_permissions(vhost, user, topology.SERVICE_PERMISSIONS)
 
     def service_users(self) -> list[str]:
         """The Management API user and the AMQP user (they may differ) both need full rights."""
@@ -121,13 +137,25 @@ class Provisioner:
             # keeping: report it, never delete it.
             log.warning("dead_letter_queue_drifted", vhost=vhost, queue=name, reason=exc.reason)
 
+    async def repair_dead_letter_queue(self, vhost: str, found: list[str]) -> None:
+        """Re-create the dead-letter queue with our bounds, only when empty and unconsumed."""
+        name = self.settings.dlq_name
+        await self._delete_if_idle(
+            vhost,
+            name,
+            f"dead-letter queue has other arguments ({'; '.join(found)}) and is not empty "
+            "or has consumers, so it was kept",
+            ". Redrive or purge it, then run reconcile again.",
+        )
+        await self.management.put_queue(vhost, name, arguments=self.dlq_arguments)
+
     async def delete_vhost(self, vhost: str) -> bool:
         """Delete a vhost only if it carries our tag. Returns True when deleted."""
         info = await self.management.get_vhost(vhost)
         if info is None:
             return False
         if not self.owns(info):
-            log.warning("vhost_not_ours_left_alone", vhost=vhost, tags=info.get("tags"))
+            log.warning("vhost_not_ours_left_alone", vhost=vhost, tags=list(info.tags))
             return False
         deleted = await self.management.delete_vhost(vhost)
         if deleted:
@@ -180,7 +208,11 @@ class Provisioner:
         return await self.management.get_permissions(vhost, name) is not None
 
     async def delete_subscription_user(self, subscription_uuid: uuid.UUID) -> bool:
-        return await self.management.delete_user(topology.subscription_user_name(subscription_uuid))
+        return await self.delete_user(topology.subscription_user_name(subscription_uuid))
+
+    async def delete_user(self, name: str) -> bool:
+        """Delete a broker user by name (one of ours: callers checked). True when deleted."""
+        return await self.management.delete_user(name)
 
     # --- broker limits (quotas the broker itself enforces) ----------------------------
     async def ensure_vhost_limits(self, vhost: str, *, read_first: bool = True) -> None:
@@ -276,25 +308,30 @@ class Provisioner:
             # Deleted between our PUT and GET (a concurrent repair): the broker
             # will hold a correct one once that repair finishes.
             return [VANISHED]
-        differences = topology.argument_differences(
-            self.queue_arguments, dict(info.get("arguments") or {})
-        )
-        if info.get("durable") is not True:
-            differences.append("durable: expected True")
-        if info.get("auto_delete") is not False:
-            differences.append("auto_delete: expected False")
-        return differences
+        return self.differences(info)
 
-    async def _repair(self, vhost: str, name: str, reason: str) -> QueueOutcome:
+    def differences(self, info: QueueInfo) -> list[str]:
+        """How a subscription queue on the broker differs from SPEC 3; empty when right."""
+        return _differences(self.queue_arguments, info)
+
+    def dead_letter_queue_differences(self, info: QueueInfo) -> list[str]:
+        return _differences(self.dlq_arguments, info)
+
+    async def _delete_if_idle(self, vhost: str, name: str, refused: str, advice: str = "") -> None:
+        """Delete a queue only if the broker confirms, atomically, that it is empty and
+        unconsumed; otherwise QueueConflict: `refused`, the broker's reason, `advice`."""
         try:
             await self.management.delete_queue(vhost, name, if_empty=True, if_unused=True)
         except ManagementBadRequest as exc:
-            raise QueueConflict(
-                vhost,
-                name,
-                f"queue {name!r} in vhost {vhost!r} exists with other arguments ({reason}) "
-                f"and cannot be re-created safely: {exc.reason}",
-            ) from exc
+            raise QueueConflict(vhost, name, f"{refused}: {exc.reason}{advice}") from exc
+
+    async def _repair(self, vhost: str, name: str, reason: str) -> QueueOutcome:
+        await self._delete_if_idle(
+            vhost,
+            name,
+            f"queue {name!r} in vhost {vhost!r} exists with other arguments ({reason}) "
+            "and cannot be re-created safely",
+        )
         # An identical call repairing the same queue at the same moment may delete the
         # empty queue we just declared (its if-empty delete succeeds): declare again.
         for _ in range(3):
@@ -315,6 +352,15 @@ class Provisioner:
 
     async def delete_queue(self, vhost: str, name: str) -> bool:
         return await self.management.delete_queue(vhost, name)
+
+
+def _differences(expected_arguments: dict[str, Any], info: QueueInfo) -> list[str]:
+    found = topology.argument_differences(expected_arguments, info.arguments)
+    if info.durable is not True:
+        found.append("durable: expected True")
+    if info.auto_delete is not False:
+        found.append("auto_delete: expected False")
+    return found
 
 
 async def best_effort(action: str, coro: Any, **context: Any) -> bool:

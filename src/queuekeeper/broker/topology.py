@@ -13,6 +13,7 @@ SUBSCRIPTION_QUEUE_PREFIX = "subscription_"
 QUEUE_NAME_RE = re.compile(
     r"^subscription_(?P<subscription>[0-9a-f]{32})_offering_(?P<offering>[0-9a-f]{32})_(?P<object_type>[a-z_]+)$"
 )
+_UUID_HEX = re.compile(r"^[0-9a-f]{32}$")
 # Permissions are regexes matched against the whole name, so anchor both ends.
 NOTHING = "^$"
 EVERYTHING = ".*"
@@ -34,6 +35,24 @@ def is_vhost_name(name: str) -> bool:
 def subscription_user_name(subscription_uuid: uuid.UUID) -> str:
     """The agent logs in to STOMP with `login = <subscription uuid hex>`."""
     return subscription_uuid.hex
+
+
+def uuid_of(name: str) -> uuid.UUID | None:
+    """The user of a vhost, or the subscription of a broker user; None when it names none."""
+    try:
+        return uuid.UUID(hex=name)
+    except ValueError:
+        return None
+
+
+def named_like_subscription_user(name: str) -> bool:
+    """Exactly our form (a user that lost its tag is still recognised as ours by its name)."""
+    return _UUID_HEX.match(name) is not None
+
+
+def is_subscription_queue(name: str) -> bool:
+    """Named like a subscription's queue: queuekeeper's to judge (any other queue is not)."""
+    return name.startswith(SUBSCRIPTION_QUEUE_PREFIX)
 
 
 def queue_name(subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_type: str) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Any, Generic, TypeVar
 
 from fastapi import Query, Request, Response
 from pydantic import BaseModel
@@ -19,6 +20,14 @@ class Page(BaseModel):
     @property
     def offset(self) -> int:
         return (self.page - 1) * self.page_size
+
+
+@dataclass(frozen=True)
+class Paged(Generic[T]):
+    """One page of a list, and how many items the whole list has."""
+
+    total: int
+    rows: list[T]
 
 
 def page_params(
@@ -46,3 +55,13 @@ async def fetch_page(
     total = await session.scalar(select(func.count()).select_from(query.subquery())) or 0
     rows = await session.scalars(query.order_by(*order_by).offset(offset).limit(limit))
     return int(total), list(rows)
+
+
+async def fetch_paged(
+    session: AsyncSession, query: Select[T], *order_by: Any, page: Page
+) -> Paged[T]:
+    """`fetch_page` for one page of the API's `page`/`page_size` parameters."""
+    total, rows = await fetch_page(
+        session, query, *order_by, offset=page.offset, limit=page.page_size
+    )
+    return Paged(total, rows)

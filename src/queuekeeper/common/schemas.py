@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, PlainSerializer
+
+from queuekeeper.exceptions import NotFound
+
+T = TypeVar("T")
 
 
 def _hex(value: uuid.UUID) -> str:
@@ -28,9 +33,26 @@ class Schema(BaseModel):
     model_config = ConfigDict(from_attributes=True)
 
 
+def as_uuid(value: Any) -> uuid.UUID | None:
+    """`value` as a uuid (hex or dashed, any case); None when it is not one."""
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None
+
+
 def parse_path_uuid(value: str) -> uuid.UUID | None:
     """A path uuid in hex or dashed form; None when malformed (the caller answers 404)."""
-    try:
-        return uuid.UUID(value.strip())
-    except (ValueError, AttributeError):
-        return None
+    return as_uuid(value.strip())
+
+
+async def find_by_path_uuid(
+    value: str, what: str, lookup: Callable[[uuid.UUID], Awaitable[T | None]]
+) -> T:
+    """What `lookup` finds for a path uuid; NotFound naming `what` when the uuid is malformed
+    or names nothing the caller may see (the two are not told apart)."""
+    parsed = parse_path_uuid(value)
+    found = await lookup(parsed) if parsed else None
+    if found is None:
+        raise NotFound(f"{what} {value!r} not found.")
+    return found

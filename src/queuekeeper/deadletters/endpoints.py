@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from queuekeeper.auth.dependencies import ServiceCaller
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params
-from queuekeeper.deadletters import repository
-from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
-from queuekeeper.deadletters.service import dead_letter_counts, run_redrive
-from queuekeeper.exceptions import NotFound
-from queuekeeper.jobs.runs import Trigger
+from queuekeeper.deadletters import service
+from queuekeeper.deadletters.schemas import DeadLettersOut
+from queuekeeper.jobs.endpoints import (
+    ADMIN_ERRORS,
+    RUN_DESCRIPTION,
+    RUN_RESPONSES,
+    RespondAsync,
+    run_answer,
+)
 from queuekeeper.jobs.schemas import RunOut
-from queuekeeper.reconcile.endpoints import ADMIN_ERRORS, RUN_ERRORS, answer_run
-from queuekeeper.state import SessionDep, StateDep
+from queuekeeper.state import JobsDep, ProvisionerDep, SessionDep, SettingsDep
 
 router = APIRouter(prefix="/api/admin/dead-letters", tags=["admin"], dependencies=[ServiceCaller])
 
@@ -35,20 +38,14 @@ VHOST = Query(description="Only this vhost (the owner's uuid hex).")
     },
 )
 async def dead_letters(
-    state: StateDep,
     session: SessionDep,
+    provisioner: ProvisionerDep,
+    settings: SettingsDep,
     page: Annotated[Page, Depends(page_params)],
     vhost: Annotated[str | None, VHOST] = None,
 ) -> DeadLettersOut:
-    queues = [DeadLetterQueueOut(**entry) for entry in await dead_letter_counts(state, vhost)]
-    total, given_up = await repository.list_given_up(
-        session, vhost=vhost, offset=page.offset, limit=page.page_size
-    )
-    return DeadLettersOut(
-        total_messages=sum(queue.messages or 0 for queue in queues),
-        vhosts=queues,
-        given_up_total=total,
-        given_up=[GivenUpOut.model_validate(record) for record in given_up],
+    return await service.dead_letters(
+        session, provisioner, settings, vhost=vhost, offset=page.offset, limit=page.page_size
     )
 
 
@@ -58,20 +55,19 @@ async def dead_letters(
     description="Moves each dead letter back to its original queue (from `x-death`) when that "
     "queue is registered, present and has room: published persistent and confirmed, then "
     "acknowledged. Dead letters too old, redriven too often or whose queue is no longer "
-    "registered are taken off and recorded as given up. Answers with the run record.",
+    "registered are taken off and recorded as given up. Answers with the run record."
+    + RUN_DESCRIPTION,
     responses={
-        **RUN_ERRORS,
+        **RUN_RESPONSES,
         **error_responses(404, descriptions={404: "`vhost` is not one of this installation's."}),
     },
 )
-async def redrive_now(state: StateDep, vhost: Annotated[str | None, VHOST] = None) -> RunOut:
-    if vhost is not None:
-        info = await state.management.get_vhost(vhost)
-        if info is None or not state.provisioner.owns(info):
-            raise NotFound(
-                f"vhost {vhost!r} is not one of this installation's vhosts "
-                f"(tagged {state.settings.instance_tag!r}).",
-                field="vhost",
-            )
-    record = await run_redrive(state, Trigger.API, vhost=vhost)
-    return answer_run(record)
+async def redrive_now(
+    request: Request,
+    response: Response,
+    jobs: JobsDep,
+    background: RespondAsync,
+    vhost: Annotated[str | None, VHOST] = None,
+) -> RunOut:
+    record = await service.redrive_now(jobs, vhost, background=background)
+    return run_answer(request, response, record, background)

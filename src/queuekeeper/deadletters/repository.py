@@ -1,4 +1,6 @@
-"""Queries for dead-letter redrive: given-up records, and which queues are still registered."""
+"""Queries for dead-letter redrive: given-up records, and which queues are still registered.
+
+The caller commits."""
 
 from __future__ import annotations
 
@@ -20,9 +22,8 @@ async def is_registered(session: AsyncSession, vhost: str, queue_name: str) -> b
     return found is not None
 
 
-async def record_given_up(session: AsyncSession, records: Sequence[GivenUpDeadLetter]) -> None:
+def record_given_up(session: AsyncSession, records: Sequence[GivenUpDeadLetter]) -> None:
     session.add_all(records)
-    await session.commit()
 
 
 async def list_given_up(

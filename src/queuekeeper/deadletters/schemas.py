@@ -2,7 +2,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from queuekeeper.broker.management import QueueInfo
 from queuekeeper.common.schemas import Schema, UTCDateTime
+from queuekeeper.models import GivenUpDeadLetter
 
 
 class DeadLetterQueueOut(BaseModel):
@@ -15,6 +17,17 @@ class DeadLetterQueueOut(BaseModel):
     )
     messages_ready: int | None = None
     messages_unacknowledged: int | None = None
+
+    @classmethod
+    def from_info(cls, vhost: str, queue: str, info: QueueInfo | None) -> DeadLetterQueueOut:
+        return cls(
+            vhost=vhost,
+            queue=queue,
+            present=info is not None,
+            messages=info.messages if info else None,
+            messages_ready=info.messages_ready if info else None,
+            messages_unacknowledged=info.messages_unacknowledged if info else None,
+        )
 
 
 class GivenUpOut(Schema):
@@ -29,6 +42,10 @@ class GivenUpOut(Schema):
     message_id: str | None
     body_size: int
     recorded: UTCDateTime
+
+    @classmethod
+    def from_row(cls, record: GivenUpDeadLetter) -> GivenUpOut:
+        return cls.model_validate(record)
 
 
 class DeadLettersOut(BaseModel):

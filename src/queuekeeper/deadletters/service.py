@@ -25,19 +25,25 @@ import uuid
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any, Literal
 
 import aio_pika
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishError
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker.amqp import amqp_ssl_context, vhost_url
+from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.config import Settings
 from queuekeeper.deadletters import repository
-from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, describe, run_job
+from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
+from queuekeeper.exceptions import NotFound
+from queuekeeper.jobs.runs import Job, JobBody, JobContext, JobRunner, Run, describe
+from queuekeeper.jobs.service import run_now
 from queuekeeper.models import GivenUpDeadLetter, JobRun, utcnow
 from queuekeeper.observability.metrics import DEAD_LETTERS
-from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
 
@@ -67,34 +73,29 @@ class Target:
     reported: bool = False
 
 
-def _count(counter: str) -> None:
+def count_change(counter: str) -> None:
     if counter in ("redriven", "given_up"):
         DEAD_LETTERS.labels(outcome=counter).inc()
 
 
-async def run_redrive(
-    state: AppState,
-    trigger: Trigger,
-    *,
-    vhost: str | None = None,
-    progress: Progress | None = None,
-) -> JobRun:
-    return await run_job(
-        state,
-        Job.REDRIVE,
-        trigger,
-        lambda run: redrive(state, run, vhost),
-        progress=progress,
-        on_change=_count,
-    )
+def redrive_body(vhost: str | None) -> JobBody | None:
+    """The body of a redrive of one vhost; None (the table's) for every vhost."""
+    return partial(redrive, only=vhost) if vhost is not None else None
 
 
-async def owned_vhosts(state: AppState) -> list[str]:
-    return await state.provisioner.owned_vhosts()
+async def redrive_now(jobs: JobRunner, vhost: str | None, *, background: bool) -> JobRun:
+    """The admin API's redrive; NotFound for a vhost that is not this installation's."""
+    if vhost is not None and not await jobs.context.provisioner.owns_vhost(vhost):
+        raise NotFound(
+            f"vhost {vhost!r} is not one of this installation's vhosts "
+            f"(tagged {jobs.context.settings.instance_tag!r}).",
+            field="vhost",
+        )
+    return await run_now(jobs, Job.REDRIVE, background=background, body=redrive_body(vhost))
 
 
-async def redrive(state: AppState, run: Run, only: str | None = None) -> None:
-    vhosts = await owned_vhosts(state)
+async def redrive(context: JobContext, run: Run, only: str | None = None) -> None:
+    vhosts = await context.provisioner.owned_vhosts()
     if only is not None:
         if only not in vhosts:
             run.fail(only, "no such vhost of this installation")
@@ -103,20 +104,20 @@ async def redrive(state: AppState, run: Run, only: str | None = None) -> None:
     for done, vhost in enumerate(vhosts, 1):
         async with run.item(vhost):
             connection = await aio_pika.connect(
-                vhost_url(state.settings.amqp_url, vhost),
-                timeout=state.settings.management_timeout,
-                ssl_context=amqp_ssl_context(state.settings),
+                vhost_url(context.settings.amqp_url, vhost),
+                timeout=context.settings.management_timeout,
+                ssl_context=amqp_ssl_context(context.settings),
             )
             async with connection:
-                await VhostRedrive(state, run, vhost, connection).execute()
+                await VhostRedrive(context, run, vhost, connection).execute()
         run.report("vhosts", done, len(vhosts))
 
 
 class VhostRedrive:
     def __init__(
-        self, state: AppState, run: Run, vhost: str, connection: AbstractConnection
+        self, context: JobContext, run: Run, vhost: str, connection: AbstractConnection
     ) -> None:
-        self.state, self.settings, self.run = state, state.settings, run
+        self.context, self.settings, self.run = context, context.settings, run
         self.vhost, self.connection = vhost, connection
         self.targets: dict[str, Target] = {}
         self.held: list[AbstractIncomingMessage] = []
@@ -220,7 +221,7 @@ class VhostRedrive:
         known = self.targets.get(name)
         if known is not None:
             return known
-        async with self.state.sessions() as session:
+        async with self.context.sessions() as session:
             registered = await repository.is_registered(session, self.vhost, name)
         target = Target(registered=registered, present=False)
         if registered:
@@ -311,8 +312,9 @@ class VhostRedrive:
             return
         # The record is committed before the message is acknowledged: a crash between
         # the two records it twice, never zero times.
-        async with self.state.sessions() as session:
-            await repository.record_given_up(session, [record for _, record in batch])
+        async with self.context.sessions() as session:
+            repository.record_given_up(session, [record for _, record in batch])
+            await session.commit()
         for message, record in batch:
             await message.ack()
             self.run.done(
@@ -363,24 +365,41 @@ def _int(value: Any) -> int:
         return 0
 
 
-async def dead_letter_counts(state: AppState, only: str | None = None) -> list[dict[str, Any]]:
+async def dead_letters(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    settings: Settings,
+    *,
+    vhost: str | None,
+    offset: int,
+    limit: int,
+) -> DeadLettersOut:
+    """Each vhost's dead-letter count, and a page of the dead letters given up."""
+    queues = await dead_letter_counts(provisioner, settings, vhost)
+    total, given_up = await repository.list_given_up(
+        session, vhost=vhost, offset=offset, limit=limit
+    )
+    return DeadLettersOut(
+        total_messages=sum(queue.messages or 0 for queue in queues),
+        vhosts=queues,
+        given_up_total=total,
+        given_up=[GivenUpOut.from_row(record) for record in given_up],
+    )
+
+
+async def dead_letter_counts(
+    provisioner: Provisioner, settings: Settings, only: str | None = None
+) -> list[DeadLetterQueueOut]:
     """Each vhost's dead-letter queue as the Management API sees it (stats lag a few seconds)."""
-    vhosts = await owned_vhosts(state)
+    vhosts = await provisioner.owned_vhosts()
     if only is not None:
         vhosts = [vhost for vhost in vhosts if vhost == only]
     limit = asyncio.Semaphore(8)
     columns = "name,messages,messages_ready,messages_unacknowledged,consumers"
 
-    async def one(vhost: str) -> dict[str, Any]:
+    async def one(vhost: str) -> DeadLetterQueueOut:
         async with limit:
-            info = await state.management.get_queue(vhost, state.settings.dlq_name, columns=columns)
-        return {
-            "vhost": vhost,
-            "queue": state.settings.dlq_name,
-            "present": info is not None,
-            "messages": (info or {}).get("messages"),
-            "messages_ready": (info or {}).get("messages_ready"),
-            "messages_unacknowledged": (info or {}).get("messages_unacknowledged"),
-        }
+            info = await provisioner.management.get_queue(vhost, settings.dlq_name, columns=columns)
+        return DeadLetterQueueOut.from_info(vhost, settings.dlq_name, info)
 
     return list(await asyncio.gather(*(one(vhost) for vhost in vhosts)))

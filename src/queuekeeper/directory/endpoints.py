@@ -11,13 +11,10 @@ from pydantic import BaseModel
 from queuekeeper.auth.dependencies import CurrentUser, ServiceCaller
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.schemas import parse_path_uuid
-from queuekeeper.common.urls import api_url
-from queuekeeper.config import Settings
 from queuekeeper.directory import service
 from queuekeeper.directory.schemas import AccessOut, OfferingOut, OfferingPut, UserOut, UserPut
-from queuekeeper.exceptions import BadRequest, NotFound
-from queuekeeper.models import User
-from queuekeeper.state import SessionDep, StateDep
+from queuekeeper.exceptions import BadRequest
+from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
 
 internal_router = APIRouter(prefix="/api/internal", tags=["internal"], dependencies=[ServiceCaller])
 agent_router = APIRouter(tags=["agents"])
@@ -44,21 +41,6 @@ def _uuid(value: str, what: str) -> uuid.UUID:
     return parsed
 
 
-def user_out(settings: Settings, user: User) -> UserOut:
-    return UserOut(
-        uuid=user.uuid,
-        url=api_url(settings, "users", user.uuid),
-        username=user.username,
-        full_name=user.full_name,
-        email=user.email,
-        is_active=user.is_active,
-        has_token=user.token_hash is not None,
-        token_expires_at=user.token_expires_at,
-        created=user.created,
-        modified=user.modified,
-    )
-
-
 @internal_router.put(
     "/users/{user_uuid}/",
     summary="Create or update a user",
@@ -80,16 +62,18 @@ def user_out(settings: Settings, user: User) -> UserOut:
     },
 )
 async def put_user(
-    user_uuid: str, body: UserPut, response: Response, session: SessionDep, state: StateDep
+    user_uuid: str,
+    body: UserPut,
+    response: Response,
+    session: SessionDep,
+    provisioner: ProvisionerDep,
+    settings: SettingsDep,
 ) -> UserOut:
     user, created = await service.put_user(
-        session,
-        state.provisioner,
-        _uuid(user_uuid, "user_uuid"),
-        body,
+        session, provisioner, _uuid(user_uuid, "user_uuid"), body
     )
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
-    return user_out(state.settings, user)
+    return UserOut.from_row(user, settings)
 
 
 @internal_router.delete(
@@ -99,8 +83,8 @@ async def put_user(
     description="Deletes its subscriptions, queues, broker users and vhost. 204 also when gone.",
     responses=SERVICE_ERRORS,
 )
-async def delete_user(user_uuid: str, session: SessionDep, state: StateDep) -> Response:
-    await service.delete_user(session, state.provisioner, _uuid(user_uuid, "user_uuid"))
+async def delete_user(user_uuid: str, session: SessionDep, provisioner: ProvisionerDep) -> Response:
+    await service.delete_user(session, provisioner, _uuid(user_uuid, "user_uuid"))
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -117,7 +101,7 @@ async def put_offering(
         session, _uuid(offering_uuid, "offering_uuid"), body
     )
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
-    return OfferingOut.model_validate(offering)
+    return OfferingOut.from_row(offering)
 
 
 @internal_router.delete(
@@ -127,8 +111,10 @@ async def put_offering(
     description="Deletes its access grants and every queue registered for it. 204 also when gone.",
     responses=SERVICE_ERRORS,
 )
-async def delete_offering(offering_uuid: str, session: SessionDep, state: StateDep) -> Response:
-    await service.delete_offering(session, state.provisioner, _uuid(offering_uuid, "offering_uuid"))
+async def delete_offering(
+    offering_uuid: str, session: SessionDep, provisioner: ProvisionerDep
+) -> Response:
+    await service.delete_offering(session, provisioner, _uuid(offering_uuid, "offering_uuid"))
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -154,7 +140,7 @@ async def grant_access(
         session, _uuid(user_uuid, "user_uuid"), _uuid(offering_uuid, "offering_uuid")
     )
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
-    return AccessOut.model_validate(grant)
+    return AccessOut.from_row(grant)
 
 
 @internal_router.delete(
@@ -165,11 +151,11 @@ async def grant_access(
     responses=SERVICE_ERRORS,
 )
 async def revoke_access(
-    offering_uuid: str, user_uuid: str, session: SessionDep, state: StateDep
+    offering_uuid: str, user_uuid: str, session: SessionDep, provisioner: ProvisionerDep
 ) -> Response:
     await service.revoke_access(
         session,
-        state.provisioner,
+        provisioner,
         _uuid(user_uuid, "user_uuid"),
         _uuid(offering_uuid, "offering_uuid"),
     )
@@ -182,8 +168,8 @@ async def revoke_access(
     description="The record behind your token.",
     responses=error_responses(401),
 )
-async def get_me(user: CurrentUser, state: StateDep) -> UserOut:
-    return user_out(state.settings, user)
+async def get_me(user: CurrentUser, settings: SettingsDep) -> UserOut:
+    return UserOut.from_row(user, settings)
 
 
 @agent_router.get(
@@ -192,7 +178,5 @@ async def get_me(user: CurrentUser, state: StateDep) -> UserOut:
     description="The `user` field of a subscription points here. 404 for anyone else's.",
     responses=error_responses(401, 404, descriptions={404: "Not you, or not a uuid."}),
 )
-async def get_user(user_uuid: str, user: CurrentUser, state: StateDep) -> UserOut:
-    if parse_path_uuid(user_uuid) != user.uuid:
-        raise NotFound(f"User {user_uuid!r} not found.")
-    return user_out(state.settings, user)
+async def get_user(user_uuid: str, user: CurrentUser, settings: SettingsDep) -> UserOut:
+    return UserOut.from_row(service.own_record(user, user_uuid), settings)

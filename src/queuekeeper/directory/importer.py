@@ -12,13 +12,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queuekeeper.broker.management import ManagementError
+from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.directory import service
 from queuekeeper.directory.schemas import DirectoryFile, OfferingPut, UserPut
 from queuekeeper.exceptions import DomainError
-from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
 
@@ -60,11 +60,14 @@ async def _item(
 
 
 async def import_directory(
-    state: AppState, data: DirectoryFile, advance: Callable[[], None] = lambda: None
+    sessions: async_sessionmaker[AsyncSession],
+    provisioner: Provisioner,
+    data: DirectoryFile,
+    advance: Callable[[], None] = lambda: None,
 ) -> ImportReport:
     """Offerings, then users, then grants (a grant needs both)."""
     report = ImportReport()
-    async with state.sessions() as session:
+    async with sessions() as session:
         for offering in data.offerings:
             body = OfferingPut.model_validate(offering.model_dump(exclude={"uuid"}))
             await _item(
@@ -85,7 +88,7 @@ async def import_directory(
                 report,
                 f"user {user.uuid.hex}",
                 "users",
-                service.put_user(session, state.provisioner, user.uuid, body_user),
+                service.put_user(session, provisioner, user.uuid, body_user),
             )
             advance()
         for grant in data.grants:

@@ -6,6 +6,9 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
+from queuekeeper.common.urls import api_url
+from queuekeeper.config import Settings
+from queuekeeper.models import Offering, OfferingAccess, User
 
 
 class UserPut(BaseModel):
@@ -66,6 +69,21 @@ class UserOut(Schema):
     created: UTCDateTime
     modified: UTCDateTime
 
+    @classmethod
+    def from_row(cls, user: User, settings: Settings) -> UserOut:
+        return cls(
+            uuid=user.uuid,
+            url=api_url(settings, "users", user.uuid),
+            username=user.username,
+            full_name=user.full_name,
+            email=user.email,
+            is_active=user.is_active,
+            has_token=user.token_hash is not None,
+            token_expires_at=user.token_expires_at,
+            created=user.created,
+            modified=user.modified,
+        )
+
 
 class OfferingPut(BaseModel):
     model_config = ConfigDict(
@@ -97,6 +115,10 @@ class OfferingOut(Schema):
     created: UTCDateTime
     modified: UTCDateTime
 
+    @classmethod
+    def from_row(cls, offering: Offering) -> OfferingOut:
+        return cls.model_validate(offering)
+
 
 class AccessOut(Schema):
     model_config = ConfigDict(
@@ -114,6 +136,10 @@ class AccessOut(Schema):
     user_uuid: HexUUID
     offering_uuid: HexUUID
     created: UTCDateTime
+
+    @classmethod
+    def from_row(cls, grant: OfferingAccess) -> AccessOut:
+        return cls.model_validate(grant)
 
 
 # --- bulk import (`queuekeeper import-directory FILE`) -------------------------------

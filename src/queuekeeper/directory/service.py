@@ -18,6 +18,7 @@ from queuekeeper.broker import topology
 from queuekeeper.broker.management import BrokerUnavailable, ManagementError
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.directory import repository
 from queuekeeper.directory.schemas import OfferingPut, UserPut
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
@@ -182,6 +183,13 @@ async def delete_user(
     await session.commit()
     log.info("user_deleted", user=user_uuid.hex, subscriptions=len(leftovers.subscription_uuids))
     await remove_leftovers(session, provisioner, leftovers)
+
+
+def own_record(caller: User, user_uuid: str) -> User:
+    """An agent may read only its own user record; anyone else's is not found."""
+    if parse_path_uuid(user_uuid) != caller.uuid:
+        raise NotFound(f"User {user_uuid!r} not found.")
+    return caller
 
 
 async def put_offering(

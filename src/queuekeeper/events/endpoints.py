@@ -8,9 +8,8 @@ from fastapi import APIRouter, Query, Response, status
 
 from queuekeeper.auth.dependencies import ServiceCaller
 from queuekeeper.common.openapi import error_responses
-from queuekeeper.events import repository, service
+from queuekeeper.events import service
 from queuekeeper.events.schemas import (
-    DeliveryDetail,
     EventAccepted,
     EventBatchAccepted,
     EventBatchIn,
@@ -18,9 +17,7 @@ from queuekeeper.events.schemas import (
     EventIn,
     OutboxStats,
 )
-from queuekeeper.exceptions import BadRequest, NotFound
-from queuekeeper.models import utcnow
-from queuekeeper.state import AppState, SessionDep, StateDep
+from queuekeeper.state import SessionDep, SessionsDep, SettingsDep, SignalsDep
 
 internal_router = APIRouter(
     prefix="/api/internal/events", tags=["internal"], dependencies=[ServiceCaller]
@@ -57,20 +54,6 @@ Wait = Annotated[
 ]
 
 
-async def _accept(
-    state: AppState, session: SessionDep, events: list[EventIn], prefix: str, wait: bool
-) -> list[EventAccepted]:
-    accepted = await service.accept(session, events, field_prefix=prefix)
-    signals = state.signals
-    if accepted.new_deliveries:
-        signals.accepted.notify()
-    if wait:
-        await service.wait_settled(
-            state.sessions, accepted.answers, signals.settled, state.settings.events_wait_timeout
-        )
-    return accepted.answers
-
-
 @internal_router.post(
     "/",
     status_code=status.HTTP_202_ACCEPTED,
@@ -87,9 +70,17 @@ async def _accept(
     },
 )
 async def publish_event(
-    body: EventIn, response: Response, session: SessionDep, state: StateDep, wait: Wait = False
+    body: EventIn,
+    response: Response,
+    session: SessionDep,
+    sessions: SessionsDep,
+    signals: SignalsDep,
+    settings: SettingsDep,
+    wait: Wait = False,
 ) -> EventAccepted:
-    (answer,) = await _accept(state, session, [body], "", wait)
+    (answer,) = await service.publish(
+        session, sessions, signals, settings, [body], batch=False, wait=wait
+    )
     if answer.duplicate or wait:
         response.status_code = status.HTTP_200_OK
     return answer
@@ -111,17 +102,14 @@ async def publish_batch(
     body: EventBatchIn,
     response: Response,
     session: SessionDep,
-    state: StateDep,
+    sessions: SessionsDep,
+    signals: SignalsDep,
+    settings: SettingsDep,
     wait: Wait = False,
 ) -> EventBatchAccepted:
-    limit = state.settings.events_batch_max
-    if len(body.events) > limit:
-        raise BadRequest(
-            f"A batch holds at most {limit} events; this one has {len(body.events)}. "
-            "Split it into several requests.",
-            field="events",
-        )
-    answers = await _accept(state, session, body.events, "events", wait)
+    answers = await service.publish(
+        session, sessions, signals, settings, body.events, batch=True, wait=wait
+    )
     if wait:
         response.status_code = status.HTTP_200_OK
     return EventBatchAccepted(events=answers)
@@ -139,28 +127,8 @@ async def publish_batch(
     },
 )
 async def get_event(event_id: str, session: SessionDep) -> EventDetail:
-    event = await repository.get_event(session, event_id)
-    if event is None:
-        raise NotFound(f"Event {event_id!r} not found.")
-    deliveries = await repository.deliveries_of(session, event_id)
-    return EventDetail(
-        event_id=event.event_id,
-        offering_uuid=event.offering_uuid,
-        object_type=event.object_type,
-        user_uuids=event.user_uuids,
-        accepted=event.accepted,
-        queued=event.queued,
-        skipped_unregistered=event.skipped_unregistered,
-        body=event.payload,
-        deliveries=[_delivery_detail(row) for row in deliveries],
-    )
-
-
-def _delivery_detail(row: Any) -> DeliveryDetail:
-    detail = DeliveryDetail.model_validate(row)
-    if detail.state != repository.PENDING:
-        detail.next_attempt_at = None
-    return detail
+    event, deliveries = await service.event_record(session, event_id)
+    return EventDetail.from_row(event, deliveries)
 
 
 @admin_router.get(
@@ -171,10 +139,4 @@ def _delivery_detail(row: Any) -> DeliveryDetail:
     responses=AUTH_ERRORS,
 )
 async def outbox(session: SessionDep) -> OutboxStats:
-    now = utcnow()
-    pending, claimed, oldest = await repository.outbox_stats(session, now)
-    return OutboxStats(
-        pending=pending,
-        claimed=claimed,
-        oldest_pending_age_seconds=(now - oldest).total_seconds() if oldest else 0.0,
-    )
+    return OutboxStats.from_row(await service.outbox_depth(session))

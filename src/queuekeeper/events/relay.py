@@ -4,7 +4,7 @@ At-least-once: a delivery is marked done only after the broker confirmed it,
 so a relay that dies between publish and mark leaves it to be published again
 when its lease runs out (consumers deduplicate on `message_id`). Any number of
 relays (threads of one process, replicas, `queuekeeper relay` processes) share
-the work through the claim in `repository.claim`.
+the work through the claim in `outbox.claim`.
 
 What happens to a copy, by the broker's answer:
 - confirmed → `published`;
@@ -38,9 +38,9 @@ from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConfl
 from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing, Result
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
-from queuekeeper.events import repository
-from queuekeeper.events.repository import Claimed
-from queuekeeper.models import utcnow
+from queuekeeper.events import outbox
+from queuekeeper.events.outbox import Claimed
+from queuekeeper.models import DeliveryState, utcnow
 from queuekeeper.observability.metrics import DELIVERIES, OUTBOX_OLDEST_AGE, OUTBOX_PENDING
 
 log = structlog.get_logger(__name__)
@@ -216,7 +216,7 @@ class Relay:
         now = utcnow()
         lease_until = now + timedelta(seconds=self.settings.relay_lease_seconds)
         async with self.engine.connect() as connection:
-            claimed = await repository.claim(
+            claimed = await outbox.claim(
                 connection, self.id, now, lease_until, self.settings.relay_batch_size
             )
         return claimed
@@ -286,7 +286,7 @@ class Relay:
     ) -> None:
         """Declare the queues of returned copies again, then retry those copies."""
         async with self.engine.connect() as connection:
-            alive = await repository.existing_queues(
+            alive = await outbox.existing_queues(
                 connection, {item.queue_uuid for item, _ in returned if item.queue_uuid}
             )
         failures: dict[tuple[str, str], str | None] = {}
@@ -328,11 +328,11 @@ class Relay:
     async def _settle(self, settlement: _Settlement) -> None:
         now = utcnow()
         async with self.engine.connect() as connection:
-            await repository.finish(connection, settlement.published, "published", now)
+            await outbox.finish(connection, settlement.published, DeliveryState.PUBLISHED, now)
             for error, ids in settlement.rejected.items():
-                await repository.finish(connection, ids, "rejected", now, error)
-            await repository.give_up(connection, settlement.given_up, now)
-            await repository.reschedule(connection, self.id, settlement.retries)
+                await outbox.finish(connection, ids, DeliveryState.REJECTED, now, error)
+            await outbox.give_up(connection, settlement.given_up, now)
+            await outbox.reschedule(connection, self.id, settlement.retries)
         DELIVERIES.labels(outcome="published").inc(len(settlement.published))
         rejected = sum(len(ids) for ids in settlement.rejected.values())
         DELIVERIES.labels(outcome="rejected").inc(rejected)
@@ -368,14 +368,14 @@ class Relay:
     async def refresh_gauges(self) -> None:
         now = utcnow()
         async with self.engine.connect() as connection:
-            pending, _claimed, oldest = await repository.outbox_stats(connection, now)
-        OUTBOX_PENDING.set(pending)
-        OUTBOX_OLDEST_AGE.set((now - oldest).total_seconds() if oldest else 0.0)
+            depth = await outbox.outbox_depth(connection, now)
+        OUTBOX_PENDING.set(depth.pending)
+        OUTBOX_OLDEST_AGE.set(depth.oldest_pending_age_seconds)
 
     async def prune(self) -> int:
         cutoff = utcnow() - timedelta(seconds=self.settings.event_retention_seconds)
         async with self.engine.connect() as connection:
-            deleted = await repository.prune_events(connection, cutoff)
+            deleted = await outbox.prune_events(connection, cutoff)
         if deleted:
             log.info("events_pruned", events=deleted)
         return deleted

@@ -1,179 +1,31 @@
-"""Queries for events and the outbox (the `deliveries` table).
+"""Event records: the events the backend handed over and their outbox copies (`deliveries`).
 
-The outbox is written and read with Core statements on the tables: the relay
-moves thousands of rows a second and needs neither ORM identity tracking nor
-per-row round trips.
+Written and read with Core statements on the tables: accepting a batch inserts
+thousands of rows in one statement and needs no ORM identity tracking. The relay's
+statements on the same tables are in `outbox.py`; who gets a copy, in `recipients.py`.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    Row,
-    Select,
-    String,
-    Table,
-    Text,
-    Update,
-    and_,
-    bindparam,
-    case,
-    cast,
-    delete,
-    exists,
-    func,
-    literal_column,
-    or_,
-    select,
-    update,
-)
+from sqlalchemy import Row, Table, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from queuekeeper.models import Base, Event, EventSubscriptionQueue
+from queuekeeper.models import Base, DeliveryState, Event
 
 EVENTS: Table = Base.metadata.tables["events"]
 DELIVERIES: Table = Base.metadata.tables["deliveries"]
-PENDING = "pending"
-# Written out, not bound: the partial index of pending rows is used only when the
-# planner sees the literal it was defined with (asyncpg plans prepared statements).
-IS_PENDING: ColumnElement[str] = literal_column("'pending'", String)
-
 
 # The relay runs its statements on autocommit connections, the API in sessions.
 Executor = AsyncSession | AsyncConnection
 
 
-def _is_postgres(executor: Executor) -> bool:
+def is_postgres(executor: Executor) -> bool:
     bind = executor if isinstance(executor, AsyncConnection) else executor.get_bind()
     return bind.dialect.name == "postgresql"
-
-
-# --- accepting ----------------------------------------------------------------------------
-OFFERINGS: Table = Base.metadata.tables["offerings"]
-ACCESS: Table = Base.metadata.tables["offering_access"]
-USERS: Table = Base.metadata.tables["users"]
-SUBSCRIPTIONS: Table = Base.metadata.tables["event_subscriptions"]
-QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
-
-
-@dataclass(frozen=True)
-class SubscriptionQueueRow:
-    """A subscription whose owner may receive events of `offering_uuid` now, with its queue
-    for one of the requested object types (None when it registered none)."""
-
-    subscription_uuid: uuid.UUID
-    owner_uuid: uuid.UUID
-    observable_objects: list[Any]
-    offering_uuid: uuid.UUID
-    queue_uuid: uuid.UUID | None
-    object_type: str | None
-    queue_name: str | None
-    vhost: str | None
-
-
-def _recipients_statement() -> Select[Any]:
-    reachable = (
-        select(
-            ACCESS.c.offering_uuid,
-            SUBSCRIPTIONS.c.uuid.label("subscription_uuid"),
-            SUBSCRIPTIONS.c.user_uuid,
-            SUBSCRIPTIONS.c.observable_objects,
-            QUEUES.c.uuid.label("queue_uuid"),
-            QUEUES.c.object_type,
-            QUEUES.c.queue_name,
-            QUEUES.c.vhost,
-        )
-        .select_from(
-            ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
-            .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
-            .outerjoin(
-                QUEUES,
-                and_(
-                    QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
-                    QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
-                    QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
-                ),
-            )
-        )
-        .where(
-            ACCESS.c.offering_uuid.in_(bindparam("access_offerings", expanding=True)),
-            USERS.c.is_active.is_(True),
-            or_(
-                USERS.c.token_expires_at.is_(None),
-                USERS.c.token_expires_at > bindparam("now", type_=USERS.c.token_expires_at.type),
-            ),
-        )
-        .subquery("reachable")
-    )
-    return (
-        select(
-            OFFERINGS.c.uuid,
-            reachable.c.subscription_uuid,
-            reachable.c.user_uuid,
-            reachable.c.observable_objects,
-            reachable.c.queue_uuid,
-            reachable.c.object_type,
-            reachable.c.queue_name,
-            reachable.c.vhost,
-        )
-        .select_from(OFFERINGS.outerjoin(reachable, reachable.c.offering_uuid == OFFERINGS.c.uuid))
-        .where(OFFERINGS.c.uuid.in_(bindparam("offerings", expanding=True)))
-    )
-
-
-# Built once: constructing this join per request cost more than running it.
-_RECIPIENTS = _recipients_statement()
-
-
-async def recipients_of(
-    session: AsyncSession,
-    offering_uuids: Collection[uuid.UUID],
-    object_types: Collection[str],
-    now: datetime,
-) -> tuple[set[uuid.UUID], list[SubscriptionQueueRow]]:
-    """The known offerings among `offering_uuids`, and every subscription of an active
-    owner with access to one of them joined with its queues for the object types.
-
-    One query for a whole request, whatever its fan-out: the offerings left-joined
-    with who may receive their events (an unknown offering yields no row at all).
-    """
-    offerings = list(offering_uuids)
-    result = await session.execute(
-        _RECIPIENTS,
-        {
-            "offerings": offerings,
-            "access_offerings": offerings,
-            "object_types": list(object_types),
-            "now": now,
-        },
-    )
-    known: set[uuid.UUID] = set()
-    rows: list[SubscriptionQueueRow] = []
-    for (
-        offering,
-        subscription,
-        owner,
-        observable,
-        queue,
-        object_type,
-        name,
-        vhost,
-    ) in result:
-        known.add(offering)
-        if subscription is not None:
-            rows.append(
-                SubscriptionQueueRow(
-                    subscription, owner, observable, offering, queue, object_type, name, vhost
-                )
-            )
-    return known, rows
 
 
 async def insert_new_events(session: AsyncSession, rows: Sequence[dict[str, Any]]) -> set[str]:
@@ -184,7 +36,7 @@ async def insert_new_events(session: AsyncSession, rows: Sequence[dict[str, Any]
     """
     if not rows:
         return set()
-    insert = postgresql.insert if _is_postgres(session) else sqlite.insert
+    insert = postgresql.insert if is_postgres(session) else sqlite.insert
     statement = insert(EVENTS).on_conflict_do_nothing().returning(EVENTS.c.event_id)
     result = await session.execute(statement, list(rows))
     return set(result.scalars())
@@ -193,6 +45,7 @@ async def insert_new_events(session: AsyncSession, rows: Sequence[dict[str, Any]
 async def event_counts(
     session: AsyncSession, event_ids: Collection[str]
 ) -> dict[str, tuple[int, int]]:
+    """(queued, skipped_unregistered) of events accepted before, by id."""
     if not event_ids:
         return {}
     rows = await session.execute(
@@ -210,9 +63,11 @@ async def insert_deliveries(session: AsyncSession, rows: Sequence[dict[str, Any]
 
 async def delivery_states(
     session: AsyncSession, event_ids: Collection[str]
-) -> dict[str, list[tuple[str, str, str]]]:
+) -> dict[str, list[tuple[str, str, DeliveryState]]]:
     """(queue_name, vhost, state) of every copy, by event, in creation order."""
-    found: dict[str, list[tuple[str, str, str]]] = {event_id: [] for event_id in event_ids}
+    found: dict[str, list[tuple[str, str, DeliveryState]]] = {
+        event_id: [] for event_id in event_ids
+    }
     if not event_ids:
         return found
     rows = await session.execute(
@@ -239,229 +94,3 @@ async def deliveries_of(session: AsyncSession, event_id: str) -> Sequence[Row[An
         select(DELIVERIES).where(DELIVERIES.c.event_id == event_id).order_by(DELIVERIES.c.id)
     )
     return rows.all()
-
-
-# --- the relay ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Claimed:
-    id: int
-    event_id: str
-    queue_uuid: uuid.UUID | None
-    queue_name: str
-    vhost: str
-    attempts: int
-    created: datetime
-    last_error: str | None
-    offering_uuid: uuid.UUID
-    object_type: str
-    accepted: datetime
-    body: str  # the stored payload JSON, sent as it is
-
-
-_DELIVERY_COLUMNS = (
-    DELIVERIES.c.id,
-    DELIVERIES.c.event_id,
-    DELIVERIES.c.queue_uuid,
-    DELIVERIES.c.queue_name,
-    DELIVERIES.c.vhost,
-    DELIVERIES.c.attempts,
-    DELIVERIES.c.created,
-    DELIVERIES.c.last_error,
-)
-_EVENT_COLUMNS = (
-    EVENTS.c.offering_uuid,
-    EVENTS.c.object_type,
-    EVENTS.c.accepted,
-    cast(EVENTS.c.payload, Text),
-)
-
-
-_WHEN = DELIVERIES.c.next_attempt_at.type  # binds datetimes as the column stores them
-_DUE = (
-    select(DELIVERIES.c.id)
-    .where(
-        DELIVERIES.c.state == IS_PENDING,
-        DELIVERIES.c.next_attempt_at <= bindparam("b_now", type_=_WHEN),
-    )
-    .order_by(DELIVERIES.c.next_attempt_at, DELIVERIES.c.id)
-    .limit(bindparam("b_limit"))
-)
-_CLAIM_VALUES = {
-    "claimed_by": bindparam("b_relay"),
-    "claimed_until": bindparam("b_lease", type_=_WHEN),
-    "next_attempt_at": bindparam("b_lease", type_=_WHEN),
-    "attempts": DELIVERIES.c.attempts + 1,
-}
-_DUE_CTE = _DUE.with_for_update(skip_locked=True).cte("due")
-# PostgreSQL: one statement claims and returns what publishing needs.
-_CLAIM_POSTGRES = (
-    update(DELIVERIES)
-    .where(DELIVERIES.c.id == _DUE_CTE.c.id, DELIVERIES.c.event_id == EVENTS.c.event_id)
-    .values(_CLAIM_VALUES)
-    .returning(*_DELIVERY_COLUMNS, *_EVENT_COLUMNS)
-)
-# SQLite cannot return columns of an UPDATE's FROM tables: the events are read apart.
-_CLAIM_SQLITE = (
-    update(DELIVERIES)
-    .where(DELIVERIES.c.id.in_(_DUE.scalar_subquery()))
-    .values(_CLAIM_VALUES)
-    .returning(*_DELIVERY_COLUMNS)
-)
-_ANY_DUE = _DUE.with_only_columns(DELIVERIES.c.id)
-_EVENTS_OF = select(EVENTS.c.event_id, *_EVENT_COLUMNS).where(
-    EVENTS.c.event_id.in_(bindparam("b_events", expanding=True))
-)
-
-
-async def claim(
-    session: Executor, relay_id: str, now: datetime, lease_until: datetime, limit: int
-) -> list[Claimed]:
-    """Take up to `limit` due deliveries for `relay_id` until `lease_until`.
-
-    A claim moves `next_attempt_at` to the end of the lease, so claimed rows are
-    simply not due for anyone else; a relay that dies leaves them due again when
-    its lease runs out. On PostgreSQL `FOR UPDATE SKIP LOCKED` lets relays claim
-    side by side without waiting on or double-claiming each other's rows; SQLite
-    has one writer at a time, so a plain UPDATE is already exclusive.
-    """
-    params = {"b_now": now, "b_limit": limit, "b_relay": relay_id, "b_lease": lease_until}
-    if _is_postgres(session):
-        rows = (await session.execute(_CLAIM_POSTGRES, params)).all()
-        claimed = [Claimed(*row) for row in rows]
-    else:
-        # Look before claiming, so an idle relay never takes SQLite's write lock.
-        if await session.scalar(_ANY_DUE, {"b_now": now, "b_limit": 1}) is None:
-            return []
-        deliveries = (await session.execute(_CLAIM_SQLITE, params)).all()
-        events: dict[str, tuple[Any, ...]] = {}
-        if deliveries:
-            result = await session.execute(
-                _EVENTS_OF, {"b_events": list({row[1] for row in deliveries})}
-            )
-            events = {row[0]: tuple(row[1:]) for row in result}
-        claimed = [Claimed(*row, *events[row[1]]) for row in deliveries]
-    claimed.sort(key=lambda item: item.id)  # RETURNING has no order; publish oldest first
-    return claimed
-
-
-def _finish_statement(with_error: bool) -> Update:
-    values: dict[str, Any] = {
-        "state": bindparam("b_state"),
-        "finished": bindparam("b_finished", type_=_WHEN),
-        "claimed_by": None,
-        "claimed_until": None,
-    }
-    if with_error:
-        values["last_error"] = bindparam("b_error")
-    return (
-        update(DELIVERIES)
-        .where(
-            DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
-            DELIVERIES.c.state == PENDING,
-        )
-        .values(values)
-    )
-
-
-_FINISH = _finish_statement(with_error=False)
-_FINISH_WITH_ERROR = _finish_statement(with_error=True)
-
-
-async def finish(
-    session: Executor,
-    ids: Collection[int],
-    state: str,
-    now: datetime,
-    error: str | None = None,
-) -> None:
-    """Settle deliveries (published, rejected, given_up). A settled row stays settled."""
-    if not ids:
-        return
-    params = {"b_ids": list(ids), "b_state": state, "b_finished": now}
-    if error is None:
-        await session.execute(_FINISH, params)
-    else:
-        await session.execute(_FINISH_WITH_ERROR, {**params, "b_error": error})
-
-
-async def give_up(session: Executor, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
-    if not reasons:
-        return
-    statement = (
-        update(DELIVERIES)
-        .where(DELIVERIES.c.id == bindparam("b_id"), DELIVERIES.c.state == PENDING)
-        .values(
-            state="given_up",
-            finished=now,
-            claimed_by=None,
-            claimed_until=None,
-            last_error=bindparam("b_error"),
-        )
-    )
-    await session.execute(statement, [{"b_id": i, "b_error": reason} for i, reason in reasons])
-
-
-async def reschedule(
-    session: Executor, relay_id: str, retries: Sequence[tuple[int, datetime, str]]
-) -> None:
-    """Release our claim on (id, next attempt, error), unless another relay took it since."""
-    if not retries:
-        return
-    statement = (
-        update(DELIVERIES)
-        .where(
-            DELIVERIES.c.id == bindparam("b_id"),
-            DELIVERIES.c.state == PENDING,
-            DELIVERIES.c.claimed_by == relay_id,
-        )
-        .values(
-            next_attempt_at=bindparam("b_next"),
-            last_error=bindparam("b_error"),
-            claimed_by=None,
-            claimed_until=None,
-        )
-    )
-    await session.execute(
-        statement,
-        [{"b_id": i, "b_next": when, "b_error": error} for i, when, error in retries],
-    )
-
-
-async def existing_queues(session: Executor, queue_uuids: Collection[uuid.UUID]) -> set[uuid.UUID]:
-    if not queue_uuids:
-        return set()
-    rows = await session.scalars(
-        select(EventSubscriptionQueue.uuid).where(EventSubscriptionQueue.uuid.in_(queue_uuids))
-    )
-    return set(rows)
-
-
-async def outbox_stats(session: Executor, now: datetime) -> tuple[int, int, datetime | None]:
-    """(pending, claimed by a live lease, oldest pending creation time)."""
-    row = (
-        await session.execute(
-            select(
-                func.count(),
-                func.coalesce(func.sum(case((DELIVERIES.c.claimed_until > now, 1), else_=0)), 0),
-                func.min(DELIVERIES.c.created),
-            ).where(DELIVERIES.c.state == IS_PENDING)
-        )
-    ).one()
-    oldest = row[2]
-    if isinstance(oldest, str):  # SQLite hands an aggregate back untyped
-        oldest = datetime.fromisoformat(oldest)
-    if oldest is not None and oldest.tzinfo is None:
-        oldest = oldest.replace(tzinfo=now.tzinfo)
-    return int(row[0]), int(row[1]), oldest
-
-
-async def prune_events(session: Executor, cutoff: datetime, limit: int = 1000) -> int:
-    """Delete up to `limit` events accepted before `cutoff` with no copy still pending."""
-    pending = exists().where(
-        DELIVERIES.c.event_id == EVENTS.c.event_id, DELIVERIES.c.state == PENDING
-    )
-    old = select(EVENTS.c.event_id).where(EVENTS.c.accepted < cutoff, ~pending).limit(limit)
-    result = await session.execute(
-        delete(EVENTS).where(EVENTS.c.event_id.in_(old.scalar_subquery()))
-    )
-    return int(getattr(result, "rowcount", 0) or 0)

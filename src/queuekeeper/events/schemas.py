@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from sqlalchemy import Row
 
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.events.payloads import ObjectType
+from queuekeeper.models import DeliveryState, Event
 
-DeliveryState = Literal["pending", "published", "rejected", "given_up"]
+if TYPE_CHECKING:
+    from queuekeeper.events.outbox import OutboxDepth
 
 _EVENT_EXAMPLE: dict[str, Any] = {
     "event_id": "0b5a4e3c2f1d4e6fa7b8c9d0e1f2a3b4",
@@ -136,6 +140,13 @@ class DeliveryDetail(Schema):
     claimed_until: UTCDateTime | None
     finished: UTCDateTime | None
 
+    @classmethod
+    def from_row(cls, row: Row[Any]) -> DeliveryDetail:
+        detail = cls.model_validate(row)
+        if detail.state != DeliveryState.PENDING:
+            detail.next_attempt_at = None  # a settled copy is due never, whatever the row says
+        return detail
+
 
 class EventDetail(Schema):
     model_config = ConfigDict(
@@ -182,6 +193,20 @@ class EventDetail(Schema):
     body: dict[str, Any] = Field(description="The message body every copy carries.")
     deliveries: list[DeliveryDetail]
 
+    @classmethod
+    def from_row(cls, event: Event, deliveries: Sequence[Row[Any]]) -> EventDetail:
+        return cls(
+            event_id=event.event_id,
+            offering_uuid=event.offering_uuid,
+            object_type=event.object_type,
+            user_uuids=event.user_uuids,
+            accepted=event.accepted,
+            queued=event.queued,
+            skipped_unregistered=event.skipped_unregistered,
+            body=event.payload,
+            deliveries=[DeliveryDetail.from_row(row) for row in deliveries],
+        )
+
 
 class OutboxStats(BaseModel):
     model_config = ConfigDict(
@@ -193,3 +218,11 @@ class OutboxStats(BaseModel):
     pending: int = Field(description="Copies not yet confirmed, rejected or given up.")
     claimed: int = Field(description="Pending copies a relay holds right now (lease running).")
     oldest_pending_age_seconds: float = Field(description="0 when nothing is pending.")
+
+    @classmethod
+    def from_row(cls, depth: OutboxDepth) -> OutboxStats:
+        return cls(
+            pending=depth.pending,
+            claimed=depth.claimed,
+            oldest_pending_age_seconds=depth.oldest_pending_age_seconds,
+        )

@@ -9,23 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from pydantic import ValidationError
+from sqlalchemy import Row
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from queuekeeper.common.signals import Signal
-from queuekeeper.events import repository
+from queuekeeper.common.schemas import as_uuid
+from queuekeeper.common.signals import OutboxSignals, Signal
+from queuekeeper.config import Settings
+from queuekeeper.events import outbox, repository
+from queuekeeper.events.outbox import OutboxDepth
 from queuekeeper.events.payloads import PAYLOAD_MODELS
-from queuekeeper.events.repository import SubscriptionQueueRow
+from queuekeeper.events.recipients import Recipients, find_recipients
 from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
-from queuekeeper.exceptions import BadRequest
-from queuekeeper.models import utcnow
+from queuekeeper.exceptions import BadRequest, NotFound
+from queuekeeper.models import DeliveryState, Event, utcnow
 from queuekeeper.observability.metrics import (
     EVENTS_ACCEPTED,
     EVENTS_DUPLICATE,
@@ -65,7 +68,7 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
                     }
                 )
         sent_offering = event.payload.get("offering_uuid")
-        if sent_offering is not None and _as_uuid(sent_offering) != event.offering_uuid:
+        if sent_offering is not None and as_uuid(sent_offering) != event.offering_uuid:
             errors.append(
                 {
                     "field": _field(where, "payload", "offering_uuid"),
@@ -95,71 +98,6 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
             extra={"errors": errors},
         )
     return bodies
-
-
-def _as_uuid(value: Any) -> uuid.UUID | None:
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        return None
-
-
-def _lists_type(observable_objects: list[Any], offering_uuid: uuid.UUID, object_type: str) -> bool:
-    """Whether a subscription asked for this type (an empty list asks for everything)."""
-    if not observable_objects:
-        return True
-    for item in observable_objects:
-        if not isinstance(item, dict) or item.get("object_type") != object_type:
-            continue
-        named = item.get("offering_uuid")
-        if named is None or _as_uuid(named) == offering_uuid:
-            return True
-    return False
-
-
-@dataclass
-class _Recipients:
-    queues: list[tuple[uuid.UUID, str, str]]  # (queue uuid, name, vhost)
-    skipped: list[uuid.UUID]  # subscriptions with no queue registered
-
-
-class RecipientIndex:
-    """Who receives what, from the one query's rows; the rest is done in memory."""
-
-    def __init__(self, rows: Sequence[SubscriptionQueueRow]) -> None:
-        self._subscriptions: dict[uuid.UUID, dict[uuid.UUID, tuple[uuid.UUID, list[Any]]]] = (
-            defaultdict(dict)
-        )
-        self._queues: dict[tuple[uuid.UUID, uuid.UUID, str], tuple[uuid.UUID, str, str]] = {}
-        for row in rows:
-            self._subscriptions[row.offering_uuid][row.subscription_uuid] = (
-                row.owner_uuid,
-                list(row.observable_objects or []),
-            )
-            if row.queue_uuid is not None and row.object_type and row.queue_name and row.vhost:
-                key = (row.subscription_uuid, row.offering_uuid, row.object_type)
-                self._queues[key] = (row.queue_uuid, row.queue_name, row.vhost)
-        self._cache: dict[tuple[Any, ...], _Recipients] = {}
-
-    def recipients(
-        self, offering_uuid: uuid.UUID, object_type: str, user_uuids: Sequence[uuid.UUID] | None
-    ) -> _Recipients:
-        users = frozenset(user_uuids) if user_uuids is not None else None
-        key = (offering_uuid, object_type, users)
-        cached = self._cache.get(key)
-        if cached is not None:
-            return cached
-        found = _Recipients(queues=[], skipped=[])
-        for subscription_uuid, (owner, observable) in self._subscriptions[offering_uuid].items():
-            if users is not None and owner not in users:
-                continue
-            queue = self._queues.get((subscription_uuid, offering_uuid, object_type))
-            if queue is not None:
-                found.queues.append(queue)
-            elif _lists_type(observable, offering_uuid, object_type):
-                found.skipped.append(subscription_uuid)
-        self._cache[key] = found
-        return found
 
 
 @dataclass
@@ -193,23 +131,22 @@ async def _store(
     field_prefix: str,
 ) -> Accepted:
     now = utcnow()
-    known, reachable = await repository.recipients_of(
+    recipient_index = await find_recipients(
         session, offerings, {event.object_type for event in events}, now
     )
     for index, event in enumerate(events):
-        if event.offering_uuid not in known:
+        if event.offering_uuid not in recipient_index.known:
             raise BadRequest(
                 f"Unknown offering {event.offering_uuid.hex}: the backend has not pushed it.",
                 field=_field(field_prefix, index, "offering_uuid")
                 if field_prefix
                 else "offering_uuid",
             )
-    recipient_index = RecipientIndex(reachable)
 
     event_ids = [event.event_id or uuid.uuid4().hex for event in events]
     first_of: dict[str, int] = {}
     event_rows: list[dict[str, Any]] = []
-    recipients: dict[str, _Recipients] = {}
+    recipients: dict[str, Recipients] = {}
     for position, (event, event_id) in enumerate(zip(events, event_ids, strict=True)):
         if event_id in first_of:  # repeated within this request: the first one counts
             continue
@@ -225,7 +162,7 @@ async def _store(
                 "user_uuids": [u.hex for u in event.user_uuids]
                 if event.user_uuids is not None
                 else None,
-                "queued": len(found.queues),
+                "queued": len(found.copies),
                 "skipped_unregistered": len(found.skipped),
                 "accepted": now,
             }
@@ -234,17 +171,17 @@ async def _store(
     delivery_rows = [
         {
             "event_id": event_id,
-            "queue_uuid": queue_uuid,
-            "queue_name": name,
-            "vhost": vhost,
-            "state": repository.PENDING,
+            "queue_uuid": copy.queue_uuid,
+            "queue_name": copy.queue_name,
+            "vhost": copy.vhost,
+            "state": DeliveryState.PENDING,
             "attempts": 0,
             "next_attempt_at": now,
             "created": now,
         }
         for event_id in first_of
         if event_id in inserted
-        for queue_uuid, name, vhost in recipients[event_id].queues
+        for copy in recipients[event_id].copies
     ]
     await repository.insert_deliveries(session, delivery_rows)
     earlier = await repository.event_counts(session, set(first_of) - inserted)
@@ -255,7 +192,7 @@ async def _store(
         new = event_id in inserted and first_of[event_id] == position
         found = recipients[event_id]
         if event_id in inserted:
-            queued, skipped = len(found.queues), len(found.skipped)
+            queued, skipped = len(found.copies), len(found.skipped)
         else:
             queued, skipped = earlier.get(event_id, (0, 0))
         answers.append(
@@ -306,7 +243,9 @@ async def wait_settled(
         seen = settled.generation
         async with sessions() as session:
             states = await repository.delivery_states(session, event_ids)
-        pending = any(state == repository.PENDING for rows in states.values() for *_, state in rows)
+        pending = any(
+            state == DeliveryState.PENDING for rows in states.values() for *_, state in rows
+        )
         remaining = deadline - loop.time()
         if not pending or remaining <= 0:
             break
@@ -314,6 +253,46 @@ async def wait_settled(
         interval = min(interval * 1.5, 0.25)
     for answer in answers:
         answer.deliveries = [
-            DeliveryOut(queue_name=name, vhost=vhost, state=state)  # type: ignore[arg-type]
+            DeliveryOut(queue_name=name, vhost=vhost, state=state)
             for name, vhost, state in states[answer.event_id]
         ]
+
+
+async def publish(
+    session: AsyncSession,
+    sessions: async_sessionmaker[AsyncSession],
+    signals: OutboxSignals,
+    settings: Settings,
+    events: Sequence[EventIn],
+    *,
+    batch: bool,
+    wait: bool,
+) -> list[EventAccepted]:
+    """Accept `events` (a single event, or a batch whose fields are named `events.<i>.…`),
+    wake the relays of this process, and with `wait` answer once every copy settled."""
+    if batch and len(events) > settings.events_batch_max:
+        raise BadRequest(
+            f"A batch holds at most {settings.events_batch_max} events; this one has "
+            f"{len(events)}. Split it into several requests.",
+            field="events",
+        )
+    accepted = await accept(session, events, field_prefix="events" if batch else "")
+    if accepted.new_deliveries:
+        signals.accepted.notify()
+    if wait:
+        await wait_settled(
+            sessions, accepted.answers, signals.settled, settings.events_wait_timeout
+        )
+    return accepted.answers
+
+
+async def event_record(session: AsyncSession, event_id: str) -> tuple[Event, Sequence[Row[Any]]]:
+    """An event and its copies, oldest first."""
+    event = await repository.get_event(session, event_id)
+    if event is None:
+        raise NotFound(f"Event {event_id!r} not found.")
+    return event, await repository.deliveries_of(session, event_id)
+
+
+async def outbox_depth(session: AsyncSession) -> OutboxDepth:
+    return await outbox.outbox_depth(session, utcnow())

@@ -13,25 +13,18 @@ from fastapi import APIRouter, Depends, Query, Request, Response, status
 
 from queuekeeper.auth.dependencies import CurrentUser, ServiceCaller
 from queuekeeper.common.openapi import error_responses
-from queuekeeper.common.pagination import Page, fetch_page, page_params, set_page_headers
-from queuekeeper.common.schemas import parse_path_uuid
-from queuekeeper.common.urls import api_url
-from queuekeeper.config import Settings
-from queuekeeper.exceptions import NotFound
-from queuekeeper.identities import repository, service
+from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.identities import service
 from queuekeeper.identities.schemas import (
+    COLLECTION,
     AdminIdentityOut,
-    Dependency,
     IdentityOut,
     IdentityWrite,
     RegisterEventSubscription,
 )
-from queuekeeper.models import AgentIdentity
-from queuekeeper.state import SessionDep, StateDep
-from queuekeeper.subscriptions.endpoints import subscription_out
+from queuekeeper.state import ManagementDep, ProvisionerDep, SessionDep, SettingsDep
 from queuekeeper.subscriptions.schemas import SubscriptionOut
 
-COLLECTION = "marketplace-site-agent-identities"
 router = APIRouter(prefix=f"/api/{COLLECTION}", tags=["agents"])
 admin_router = APIRouter(
     prefix="/api/admin/agent-identities", tags=["admin"], dependencies=[ServiceCaller]
@@ -47,37 +40,6 @@ WRITE_DESCRIPTIONS = {
 }
 
 
-def identity_out(settings: Settings, identity: AgentIdentity) -> IdentityOut:
-    return IdentityOut(
-        uuid=identity.uuid,
-        url=api_url(settings, COLLECTION, identity.uuid),
-        offering=identity.offering_uuid,
-        created_by=identity.created_by,
-        name=identity.name,
-        version=identity.version,
-        dependencies=[Dependency.model_validate(item) for item in identity.dependencies or []],
-        config_file_path=identity.config_file_path,
-        config_file_content=identity.config_file_content,
-        last_restarted=identity.last_restarted or identity.created,
-        services=[],
-        created=identity.created,
-        modified=identity.modified,
-    )
-
-
-async def owned_identity(
-    identity_uuid: str, user: CurrentUser, session: SessionDep
-) -> AgentIdentity:
-    parsed = parse_path_uuid(identity_uuid)
-    identity = await repository.get_owned_identity(session, user.uuid, parsed) if parsed else None
-    if identity is None:
-        raise NotFound(f"Agent identity {identity_uuid!r} not found.")
-    return identity
-
-
-OwnedIdentity = Annotated[AgentIdentity, Depends(owned_identity)]
-
-
 @router.get(
     "/",
     summary="List your agent identities",
@@ -90,26 +52,16 @@ async def list_identities(
     response: Response,
     user: CurrentUser,
     session: SessionDep,
-    state: StateDep,
+    settings: SettingsDep,
     page: Annotated[Page, Depends(page_params)],
     name: Annotated[str | None, Query(description="Exact name.")] = None,
     offering_uuid: Annotated[uuid.UUID | None, Query(description="Hex or dashed.")] = None,
 ) -> list[IdentityOut]:
-    query = repository.owned_identities(user.uuid)
-    if name is not None:
-        query = query.where(AgentIdentity.name == name)
-    if offering_uuid is not None:
-        query = query.where(AgentIdentity.offering_uuid == offering_uuid)
-    total, rows = await fetch_page(
-        session,
-        query,
-        AgentIdentity.created,
-        AgentIdentity.uuid,
-        offset=page.offset,
-        limit=page.page_size,
+    found = await service.list_identities(
+        session, user, name=name, offering_uuid=offering_uuid, page=page
     )
-    set_page_headers(request, response, page, total)
-    return [identity_out(state.settings, row) for row in rows]
+    set_page_headers(request, response, page, found.total)
+    return [IdentityOut.from_row(row, settings) for row in found.rows]
 
 
 @router.post(
@@ -122,10 +74,10 @@ async def list_identities(
     responses=error_responses(400, 401, 403, 409, descriptions=WRITE_DESCRIPTIONS),
 )
 async def create_identity(
-    body: IdentityWrite, user: CurrentUser, session: SessionDep, state: StateDep
+    body: IdentityWrite, user: CurrentUser, session: SessionDep, settings: SettingsDep
 ) -> IdentityOut:
     identity = await service.create_identity(session, user, body)
-    return identity_out(state.settings, identity)
+    return IdentityOut.from_row(identity, settings)
 
 
 @router.get(
@@ -134,8 +86,11 @@ async def create_identity(
     description="404 when it is not yours.",
     responses=ERRORS,
 )
-async def get_identity(identity: OwnedIdentity, state: StateDep) -> IdentityOut:
-    return identity_out(state.settings, identity)
+async def get_identity(
+    identity_uuid: str, user: CurrentUser, session: SessionDep, settings: SettingsDep
+) -> IdentityOut:
+    identity = await service.get_identity(session, user, identity_uuid)
+    return IdentityOut.from_row(identity, settings)
 
 
 @router.put(
@@ -146,14 +101,14 @@ async def get_identity(identity: OwnedIdentity, state: StateDep) -> IdentityOut:
     responses=error_responses(400, 401, 403, 404, 409, descriptions=WRITE_DESCRIPTIONS),
 )
 async def update_identity(
+    identity_uuid: str,
     body: IdentityWrite,
-    identity: OwnedIdentity,
     user: CurrentUser,
     session: SessionDep,
-    state: StateDep,
+    settings: SettingsDep,
 ) -> IdentityOut:
-    identity = await service.update_identity(session, user, identity, body)
-    return identity_out(state.settings, identity)
+    identity = await service.update_identity(session, user, identity_uuid, body)
+    return IdentityOut.from_row(identity, settings)
 
 
 @router.delete(
@@ -165,9 +120,9 @@ async def update_identity(
     responses=ERRORS,
 )
 async def delete_identity(
-    identity: OwnedIdentity, user: CurrentUser, session: SessionDep, state: StateDep
+    identity_uuid: str, user: CurrentUser, session: SessionDep, provisioner: ProvisionerDep
 ) -> Response:
-    await service.delete_identity(session, state.provisioner, user, identity)
+    await service.delete_identity(session, provisioner, user, identity_uuid)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -200,25 +155,26 @@ async def delete_identity(
     },
 )
 async def register_event_subscription(
+    identity_uuid: str,
     body: RegisterEventSubscription,
     request: Request,
     response: Response,
-    identity: OwnedIdentity,
     user: CurrentUser,
     session: SessionDep,
-    state: StateDep,
+    provisioner: ProvisionerDep,
+    settings: SettingsDep,
 ) -> SubscriptionOut:
     subscription, created = await service.register_event_subscription(
         session,
-        state.provisioner,
+        provisioner,
         user,
-        identity,
+        identity_uuid,
         body,
         source_ip=request.client.host if request.client else None,
     )
     if not created:
         response.status_code = status.HTTP_200_OK
-    return subscription_out(state.settings, subscription, user)
+    return SubscriptionOut.from_row(subscription, user, settings)
 
 
 @admin_router.get(
@@ -246,20 +202,19 @@ async def admin_list_identities(
     request: Request,
     response: Response,
     session: SessionDep,
-    state: StateDep,
+    management: ManagementDep,
     page: Annotated[Page, Depends(page_params)],
     offering_uuid: Annotated[uuid.UUID | None, Query(description="Hex or dashed.")] = None,
     user_uuid: Annotated[uuid.UUID | None, Query(description="The owner, hex or dashed.")] = None,
     broker: Annotated[bool, Query(description="Ask the broker for each queue.")] = True,
 ) -> list[AdminIdentityOut]:
-    items, total = await service.admin_overview(
+    found = await service.admin_overview(
         session,
-        state.management,
+        management,
         offering_uuid=offering_uuid,
         user_uuid=user_uuid,
-        offset=page.offset,
-        limit=page.page_size,
+        page=page,
         with_broker=broker,
     )
-    set_page_headers(request, response, page, total)
-    return items
+    set_page_headers(request, response, page, found.total)
+    return found.rows

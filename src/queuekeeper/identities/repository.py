@@ -7,11 +7,28 @@ import uuid
 from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper.common.pagination import Page, Paged, fetch_paged
 from queuekeeper.models import AgentIdentity, EventSubscription, EventSubscriptionQueue, User
 
 
 def owned_identities(user_uuid: uuid.UUID) -> Select[AgentIdentity]:
     return select(AgentIdentity).where(AgentIdentity.created_by == user_uuid)
+
+
+async def list_owned_identities(
+    session: AsyncSession,
+    user_uuid: uuid.UUID,
+    *,
+    name: str | None,
+    offering_uuid: uuid.UUID | None,
+    page: Page,
+) -> Paged[AgentIdentity]:
+    query = owned_identities(user_uuid)
+    if name is not None:
+        query = query.where(AgentIdentity.name == name)
+    if offering_uuid is not None:
+        query = query.where(AgentIdentity.offering_uuid == offering_uuid)
+    return await fetch_paged(session, query, AgentIdentity.created, AgentIdentity.uuid, page=page)
 
 
 async def get_owned_identity(

@@ -9,7 +9,12 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
+from queuekeeper.common.urls import api_url
+from queuekeeper.config import Settings
 from queuekeeper.events.payloads import ObjectType
+from queuekeeper.models import AgentIdentity, BrokerState, EventSubscription, User
+
+COLLECTION = "marketplace-site-agent-identities"
 
 
 def _uuid_text(value: str) -> str:
@@ -117,6 +122,24 @@ class IdentityOut(Schema):
     created: UTCDateTime
     modified: UTCDateTime
 
+    @classmethod
+    def from_row(cls, identity: AgentIdentity, settings: Settings) -> IdentityOut:
+        return cls(
+            uuid=identity.uuid,
+            url=api_url(settings, COLLECTION, identity.uuid),
+            offering=identity.offering_uuid,
+            created_by=identity.created_by,
+            name=identity.name,
+            version=identity.version,
+            dependencies=[Dependency.model_validate(item) for item in identity.dependencies or []],
+            config_file_path=identity.config_file_path,
+            config_file_content=identity.config_file_content,
+            last_restarted=identity.last_restarted or identity.created,
+            services=[],
+            created=identity.created,
+            modified=identity.modified,
+        )
+
 
 class RegisterEventSubscription(BaseModel):
     model_config = ConfigDict(
@@ -148,9 +171,20 @@ class AdminQueue(BaseModel):
 class AdminSubscription(BaseModel):
     object_type: str | None
     subscription_uuid: HexUUID
-    broker_state: str
+    broker_state: BrokerState
     created: UTCDateTime
     queues: list[AdminQueue]
+
+    @classmethod
+    def from_row(cls, subscription: EventSubscription) -> AdminSubscription:
+        """Without its queues; the caller adds them with the broker's view."""
+        return cls(
+            object_type=subscription.observable_object_type,
+            subscription_uuid=subscription.uuid,
+            broker_state=subscription.broker_state,
+            created=subscription.created,
+            queues=[],
+        )
 
 
 class AdminIdentityOut(BaseModel):
@@ -201,3 +235,20 @@ class AdminIdentityOut(BaseModel):
     created: UTCDateTime
     modified: UTCDateTime
     subscriptions: list[AdminSubscription]
+
+    @classmethod
+    def from_row(
+        cls, identity: AgentIdentity, owner: User | None, subscriptions: list[AdminSubscription]
+    ) -> AdminIdentityOut:
+        return cls(
+            uuid=identity.uuid,
+            name=identity.name,
+            offering=identity.offering_uuid,
+            owner_uuid=identity.created_by,
+            owner_username=owner.username if owner is not None else None,
+            version=identity.version,
+            last_restarted=identity.last_restarted,
+            created=identity.created,
+            modified=identity.modified,
+            subscriptions=subscriptions,
+        )

@@ -9,7 +9,6 @@ piles up on the broker or in the database.
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -17,8 +16,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
 from queuekeeper.broker import topology
-from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.management import ManagementClient, QueueInfo
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.common.pagination import Page, Paged
+from queuekeeper.common.schemas import find_by_path_uuid
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.identities import repository
 from queuekeeper.identities.schemas import (
@@ -28,7 +29,14 @@ from queuekeeper.identities.schemas import (
     IdentityWrite,
     RegisterEventSubscription,
 )
-from queuekeeper.models import AgentIdentity, EventSubscription, Offering, User, utcnow
+from queuekeeper.models import (
+    AgentIdentity,
+    BrokerState,
+    EventSubscription,
+    Offering,
+    User,
+    utcnow,
+)
 from queuekeeper.observability.metrics import AGENT_OFFERING_UUID_FORM, AGENT_REGISTRATIONS
 from queuekeeper.subscriptions import repository as subscriptions_repository
 from queuekeeper.subscriptions import service as subscriptions
@@ -83,6 +91,28 @@ async def require_access(session: AsyncSession, user: User, identity: AgentIdent
         )
 
 
+async def list_identities(
+    session: AsyncSession,
+    user: User,
+    *,
+    name: str | None,
+    offering_uuid: uuid.UUID | None,
+    page: Page,
+) -> Paged[AgentIdentity]:
+    return await repository.list_owned_identities(
+        session, user.uuid, name=name, offering_uuid=offering_uuid, page=page
+    )
+
+
+async def get_identity(session: AsyncSession, user: User, identity_uuid: str) -> AgentIdentity:
+    """The caller's identity by its path uuid; NotFound when it is not theirs."""
+    return await find_by_path_uuid(
+        identity_uuid,
+        "Agent identity",
+        lambda parsed: repository.get_owned_identity(session, user.uuid, parsed),
+    )
+
+
 def _name_taken(name: str, existing: AgentIdentity) -> Conflict:
     return Conflict(
         f"You already have an agent identity named {name!r} ({existing.uuid.hex}); update it "
@@ -133,9 +163,10 @@ async def create_identity(session: AsyncSession, user: User, body: IdentityWrite
 
 
 async def update_identity(
-    session: AsyncSession, user: User, identity: AgentIdentity, body: IdentityWrite
+    session: AsyncSession, user: User, identity_uuid: str, body: IdentityWrite
 ) -> AgentIdentity:
     """The agent's PUT on every restart. Optional fields left out keep their value."""
+    identity = await get_identity(session, user, identity_uuid)
     await require_access(session, user, identity)
     offering = await _offering_for(session, user, body)
     warn_about_offering_form(body.offering, user, body.name)
@@ -153,13 +184,13 @@ async def update_identity(
     if body.last_restarted is not None:
         identity.last_restarted = body.last_restarted
     identity.modified = utcnow()
-    user_uuid, identity_uuid = user.uuid, identity.uuid  # a rollback expires the objects
+    user_uuid, identity_key = user.uuid, identity.uuid  # a rollback expires the objects
     try:
         await session.commit()
     except IntegrityError as exc:
         await session.rollback()
         existing = await repository.find_by_name(session, user_uuid, body.name)
-        if existing is not None and existing.uuid != identity_uuid:
+        if existing is not None and existing.uuid != identity_key:
             raise _name_taken(body.name, existing) from exc
         raise NotFound(
             "The identity or its offering was deleted while it was being updated."
@@ -176,10 +207,11 @@ async def update_identity(
 
 
 async def delete_identity(
-    session: AsyncSession, provisioner: Provisioner, user: User, identity: AgentIdentity
+    session: AsyncSession, provisioner: Provisioner, user: User, identity_uuid: str
 ) -> None:
     """Deletes the identity and the subscriptions registered through it, with their queues
     and broker users: nothing else would ever clean them up."""
+    identity = await get_identity(session, user, identity_uuid)
     owned = await repository.subscriptions_of_identity(session, user.uuid, identity.uuid)
     leftovers = await subscriptions.collect_leftovers(session, owned)
     for subscription in owned:
@@ -199,7 +231,7 @@ async def _reuse(
     session: AsyncSession, provisioner: Provisioner, user: User, subscription: EventSubscription
 ) -> bool:
     """Give an intact subscription the caller's current token as its password; False if broken."""
-    if subscription.broker_state == "broken":
+    if subscription.broker_state == BrokerState.BROKEN:
         return False
     vhost = topology.vhost_name(user.uuid)
     if not await provisioner.subscription_user_intact(vhost, subscription.uuid):
@@ -215,7 +247,7 @@ async def register_event_subscription(
     session: AsyncSession,
     provisioner: Provisioner,
     user: User,
-    identity: AgentIdentity,
+    identity_uuid: str,
     body: RegisterEventSubscription,
     *,
     source_ip: str | None,
@@ -227,11 +259,12 @@ async def register_event_subscription(
     replaced: the new row goes in as the old one goes out, in one transaction, and
     the old one's queues and broker user are removed from the broker afterwards.
     """
+    identity = await get_identity(session, user, identity_uuid)
     await require_access(session, user, identity)
     object_type = body.observable_object_type
-    user_uuid, identity_uuid = user.uuid, identity.uuid
+    user_uuid, identity_key = user.uuid, identity.uuid  # a rollback expires the objects
     existing = await repository.registered_subscription(
-        session, user_uuid, identity_uuid, object_type
+        session, user_uuid, identity_key, object_type
     )
     # Nothing stays open while we wait on the broker.
     await session.commit()
@@ -262,17 +295,17 @@ async def register_event_subscription(
     except (IntegrityError, StaleDataError) as exc:
         # A concurrent call for the same (identity, type) committed first: use its row.
         winner = await repository.registered_subscription(
-            session, user_uuid, identity_uuid, object_type
+            session, user_uuid, identity_key, object_type
         )
         if winner is None:
             raise NotFound(
-                f"Agent identity {identity_uuid.hex} was deleted while registering; call again."
+                f"Agent identity {identity_key.hex} was deleted while registering; call again."
             ) from exc
         await session.refresh(user)  # the rollback expired it; the answer needs its fields
         AGENT_REGISTRATIONS.labels(outcome="reused").inc()
         log.info(
             "agent_subscription_reused",
-            identity=identity_uuid.hex,
+            identity=identity_key.hex,
             object_type=object_type,
             subscription=winner.uuid.hex,
             detail="a concurrent registration made it",
@@ -298,9 +331,9 @@ async def register_event_subscription(
 
 async def _broker_queues(
     management: ManagementClient, vhosts: set[str]
-) -> dict[tuple[str, str], dict[str, Any]]:
+) -> dict[tuple[str, str], QueueInfo]:
     """(vhost, queue name) -> the broker's row, listed page by page per vhost."""
-    found: dict[tuple[str, str], dict[str, Any]] = {}
+    found: dict[tuple[str, str], QueueInfo] = {}
     for vhost in sorted(vhosts):
         page = 1
         while True:
@@ -311,9 +344,9 @@ async def _broker_queues(
                 columns="name,consumers,messages",
                 name_prefix=topology.SUBSCRIPTION_QUEUE_PREFIX,
             )
-            for item in body.get("items") or []:
-                found[(vhost, str(item.get("name")))] = item
-            if page >= int(body.get("page_count") or 0):
+            for item in body.items:
+                found[(vhost, item.name)] = item
+            if page >= body.page_count:
                 break
             page += 1
     return found
@@ -325,13 +358,16 @@ async def admin_overview(
     *,
     offering_uuid: uuid.UUID | None,
     user_uuid: uuid.UUID | None,
-    offset: int,
-    limit: int,
+    page: Page,
     with_broker: bool,
-) -> tuple[list[AdminIdentityOut], int]:
+) -> Paged[AdminIdentityOut]:
     """Every identity with what it registered and, optionally, who consumes it on the broker."""
     identities, total = await repository.admin_identities(
-        session, offering_uuid=offering_uuid, user_uuid=user_uuid, offset=offset, limit=limit
+        session,
+        offering_uuid=offering_uuid,
+        user_uuid=user_uuid,
+        offset=page.offset,
+        limit=page.page_size,
     )
     rows = await repository.subscriptions_with_queues(
         session, [identity.uuid for identity, _owner in identities]
@@ -347,14 +383,7 @@ async def admin_overview(
         if subscription.agent_identity_uuid is None:  # detached meanwhile
             continue
         entry = subscriptions.setdefault(subscription.agent_identity_uuid, {}).setdefault(
-            subscription.uuid,
-            AdminSubscription(
-                object_type=subscription.observable_object_type,
-                subscription_uuid=subscription.uuid,
-                broker_state=subscription.broker_state,
-                created=subscription.created,
-                queues=[],
-            ),
+            subscription.uuid, AdminSubscription.from_row(subscription)
         )
         if queue is None:
             continue
@@ -365,22 +394,16 @@ async def admin_overview(
                 vhost=queue.vhost,
                 offering_uuid=queue.offering_uuid,
                 present=None if broker is None else seen is not None,
-                consumers=int(seen.get("consumers") or 0) if seen else None,
-                messages=int(seen.get("messages") or 0) if seen else None,
+                consumers=(seen.consumers or 0) if seen else None,
+                messages=(seen.messages or 0) if seen else None,
             )
         )
-    return [
-        AdminIdentityOut(
-            uuid=identity.uuid,
-            name=identity.name,
-            offering=identity.offering_uuid,
-            owner_uuid=identity.created_by,
-            owner_username=owner.username if owner is not None else None,
-            version=identity.version,
-            last_restarted=identity.last_restarted,
-            created=identity.created,
-            modified=identity.modified,
-            subscriptions=list(subscriptions.get(identity.uuid, {}).values()),
-        )
-        for identity, owner in identities
-    ], total
+    return Paged(
+        total,
+        [
+            AdminIdentityOut.from_row(
+                identity, owner, list(subscriptions.get(identity.uuid, {}).values())
+            )
+            for identity, owner in identities
+        ],
+    )

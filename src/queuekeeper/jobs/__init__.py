@@ -1,1 +1,2 @@
-"""Scheduled jobs: the scheduler, the advisory locks, and the run records every job shares."""
+"""The job framework: runs and their records, the scheduler, background runs. It knows no job:
+the composition root (`app.py`) hands it the table of jobs."""

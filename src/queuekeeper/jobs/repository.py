@@ -1,19 +1,18 @@
-"""Queries for run records."""
+"""Queries for run records. The caller commits."""
 
 from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import Select, select, update
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
 from queuekeeper.models import JobRun, utcnow
 
 
-async def insert_run(session: AsyncSession, record: JobRun) -> None:
+def insert_run(session: AsyncSession, record: JobRun) -> None:
     session.add(record)
-    await session.commit()
 
 
 async def save_run(session: AsyncSession, record: JobRun) -> None:
@@ -29,7 +28,6 @@ async def save_run(session: AsyncSession, record: JobRun) -> None:
             failures=record.failures,
         )
     )
-    await session.commit()
 
 
 async def close_interrupted(session: AsyncSession, job: str) -> None:
@@ -43,23 +41,17 @@ async def close_interrupted(session: AsyncSession, job: str) -> None:
             failures=[{"item": job, "reason": "interrupted: the process running it stopped"}],
         )
     )
-    await session.commit()
-
-
-def runs_query(job: str | None = None, status: str | None = None) -> Select[JobRun]:
-    query = select(JobRun)
-    if job:
-        query = query.where(JobRun.job == job)
-    if status:
-        query = query.where(JobRun.status == status)
-    return query
 
 
 async def list_runs(
     session: AsyncSession, *, job: str | None, status: str | None, offset: int, limit: int
 ) -> tuple[int, list[JobRun]]:
     """Newest first."""
-    query = runs_query(job, status)
+    query = select(JobRun)
+    if job:
+        query = query.where(JobRun.job == job)
+    if status:
+        query = query.where(JobRun.status == status)
     return await fetch_page(
         session, query, JobRun.started.desc(), JobRun.uuid, offset=offset, limit=limit
     )

@@ -1,8 +1,11 @@
 """Running a job once: its lock, its run record, its metrics, and the item-by-item bookkeeping.
 
-Every job (reconcile, stale cleanup, dead-letter redrive) is a coroutine that
-takes a `Run` and reports into it; `run_job` wraps it the same way whether the
-scheduler, the admin API or the CLI started it.
+A job is a `JobSpec`: a name, a body (a coroutine that takes a `JobContext` and a
+`Run` and reports into the run), the setting that schedules it and its metric
+hook. This package knows none of them: the composition root (`app.py`) holds the
+table. `run_job` wraps a body the same way whether the scheduler, the admin API
+or the CLI started it; `JobRunner` starts runs for the API and the CLI, in the
+foreground or in a tracked background task.
 """
 
 from __future__ import annotations
@@ -12,22 +15,24 @@ import enum
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import structlog
 from aiormq.exceptions import AMQPConnectionError
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from queuekeeper.broker.management import BrokerUnavailable, ManagementError
-from queuekeeper.broker.provisioner import ForeignVhost, QueueConflict
+from queuekeeper.broker.management import BrokerUnavailable, ManagementClient, ManagementError
+from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
 from queuekeeper.common.locks import job_lock
+from queuekeeper.config import Settings
+from queuekeeper.exceptions import NotFound
 from queuekeeper.jobs import repository
 from queuekeeper.models import JobRun, utcnow
 from queuekeeper.observability.metrics import JOB_DURATION, JOB_LAST_SUCCESS, JOB_RUNS
-from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
 
@@ -46,6 +51,7 @@ def chunked(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
         yield items[start : start + size]
 
 
+# The names run records are filed under; the bodies are in the job table (`app.py`).
 class Job(enum.StrEnum):
     RECONCILE = "reconcile"
     CLEANUP_STALE = "cleanup_stale"
@@ -190,31 +196,66 @@ class Run:
         return dict(self.found), dict(self.changed), actions, failures
 
 
-JobBody = Callable[[Run], Awaitable[None]]
+@dataclass(frozen=True)
+class JobContext:
+    """What job bodies use; the composition root builds it."""
+
+    settings: Settings
+    engine: AsyncEngine  # the job locks, and the autocommit reader of long runs
+    sessions: async_sessionmaker[AsyncSession]
+    management: ManagementClient
+    provisioner: Provisioner
+
+
+JobBody = Callable[[JobContext, Run], Awaitable[None]]
+
+
+def _never(settings: Settings) -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One job: its body, how often the scheduler runs it, and its metric hook."""
+
+    name: Job
+    body: JobBody
+    # Seconds between scheduled runs, read from the settings; 0 or less: on demand only.
+    interval: Callable[[Settings], int] = _never
+    on_change: Callable[[str], None] | None = None  # called per real change (metrics)
+
+
+JobTable = Mapping[Job, JobSpec]
+Started = Callable[[JobRun], None]
 
 
 async def run_job(
-    state: AppState,
-    job: Job,
+    context: JobContext,
+    job: JobSpec,
     trigger: Trigger,
-    body: JobBody,
     *,
     dry_run: bool = False,
     progress: Progress | None = None,
-    on_change: Callable[[str], None] | None = None,
+    started: Started | None = None,
 ) -> JobRun:
-    """Run `body` under the job's lock and record the run; returns the stored record."""
-    run = Run(job=job, trigger=trigger, dry_run=dry_run, progress=progress, on_change=on_change)
-    started = utcnow()
+    """Run the job's body under its lock and record the run; returns the stored record.
+
+    `started` is called with the record once it is stored: running, or skipped.
+    """
+    name = job.name
+    run = Run(
+        job=name, trigger=trigger, dry_run=dry_run, progress=progress, on_change=job.on_change
+    )
+    began = utcnow()
     clock = time.perf_counter()
-    async with job_lock(state.engine, job.value) as acquired:
+    async with job_lock(context.engine, name.value) as acquired:
         if not acquired:
             record = JobRun(
                 uuid=uuid.uuid4(),
-                job=job.value,
+                job=name.value,
                 trigger=trigger.value,
                 dry_run=dry_run,
-                started=started,
+                started=began,
                 finished=utcnow(),
                 status=RunStatus.SKIPPED.value,
                 found={},
@@ -222,54 +263,60 @@ async def run_job(
                 actions=[],
                 failures=[
                     {
-                        "item": job.value,
+                        "item": name.value,
                         "reason": "another run of this job is in progress (on this or another "
                         "replica); this one did nothing",
                     }
                 ],
             )
-            async with state.sessions() as session:
-                await repository.insert_run(session, record)
-            JOB_RUNS.labels(job=job.value, status=RunStatus.SKIPPED.value).inc()
-            log.info("job_skipped", job=job.value, trigger=trigger.value)
+            async with context.sessions() as session:
+                repository.insert_run(session, record)
+                await session.commit()
+            JOB_RUNS.labels(job=name.value, status=RunStatus.SKIPPED.value).inc()
+            log.info("job_skipped", job=name.value, trigger=trigger.value)
+            if started is not None:
+                started(record)
             return record
 
-        async with state.sessions() as session:
+        async with context.sessions() as session:
             # We hold the job's lock, so a record still "running" belongs to a run that died.
-            await repository.close_interrupted(session, job.value)
+            await repository.close_interrupted(session, name.value)
             record = JobRun(
                 uuid=uuid.uuid4(),
-                job=job.value,
+                job=name.value,
                 trigger=trigger.value,
                 dry_run=dry_run,
-                started=started,
+                started=began,
                 status=RunStatus.RUNNING.value,
                 found={},
                 changed={},
                 actions=[],
                 failures=[],
             )
-            await repository.insert_run(session, record)
-        log.info("job_started", job=job.value, trigger=trigger.value, dry_run=dry_run)
+            repository.insert_run(session, record)
+            await session.commit()
+        log.info("job_started", job=name.value, trigger=trigger.value, dry_run=dry_run)
+        if started is not None:
+            started(record)
 
         status = RunStatus.FAILED
         try:
-            await body(run)
+            await job.body(context, run)
             status = RunStatus.PARTIAL if run.failures else RunStatus.SUCCEEDED
         except RunAborted as exc:
-            run.fail(job.value, str(exc))
+            run.fail(name.value, str(exc))
         except asyncio.CancelledError:
-            run.fail(job.value, "interrupted: the service stopped during the run")
-            await asyncio.shield(_finish(state, record, run, RunStatus.FAILED, clock))
+            run.fail(name.value, "interrupted: the service stopped during the run")
+            await asyncio.shield(_finish(context, record, run, RunStatus.FAILED, clock))
             raise
         except Exception as exc:
-            log.exception("job_failed", job=job.value)
-            run.fail(job.value, describe(exc))
-        return await _finish(state, record, run, status, clock)
+            log.exception("job_failed", job=name.value)
+            run.fail(name.value, describe(exc))
+        return await _finish(context, record, run, status, clock)
 
 
 async def _finish(
-    state: AppState, record: JobRun, run: Run, status: RunStatus, clock: float
+    context: JobContext, record: JobRun, run: Run, status: RunStatus, clock: float
 ) -> JobRun:
     found, changed, actions, failures = run.outcome()
     record.finished = utcnow()
@@ -281,8 +328,9 @@ async def _finish(
         failures,
     )
     try:
-        async with state.sessions() as session:
+        async with context.sessions() as session:
             await repository.save_run(session, record)
+            await session.commit()
     except Exception:
         log.exception("job_record_not_saved", job=run.job.value, run=record.uuid.hex)
     seconds = time.perf_counter() - clock
@@ -302,3 +350,74 @@ async def _finish(
         failures=len(run.failures) + run.dropped_failures,
     )
     return record
+
+
+class JobRunner:
+    """Starts the table's jobs for the admin API and the CLI.
+
+    `run` answers once the run is over; `start` once its record is stored, the run
+    going on in a background task that `stop` cancels (the record then says
+    interrupted), so a long run does not hold a request open.
+    """
+
+    def __init__(self, context: JobContext, table: JobTable) -> None:
+        self.context = context
+        self.table = table
+        self._background: set[asyncio.Task[JobRun]] = set()
+
+    def spec(self, job: Job, body: JobBody | None = None) -> JobSpec:
+        try:
+            spec = self.table[job]
+        except KeyError:
+            raise NotFound(f"No job {job.value!r} in this installation.") from None
+        return spec if body is None else replace(spec, body=body)
+
+    async def run(
+        self,
+        job: Job,
+        trigger: Trigger,
+        *,
+        dry_run: bool = False,
+        progress: Progress | None = None,
+        body: JobBody | None = None,
+    ) -> JobRun:
+        """Run now and answer with the finished (or skipped) record."""
+        spec = self.spec(job, body)
+        return await run_job(self.context, spec, trigger, dry_run=dry_run, progress=progress)
+
+    async def start(
+        self, job: Job, trigger: Trigger, *, dry_run: bool = False, body: JobBody | None = None
+    ) -> JobRun:
+        """Start a run in the background; answer with its record once stored (or skipped)."""
+        spec = self.spec(job, body)
+        loop = asyncio.get_running_loop()
+        stored: asyncio.Future[JobRun] = loop.create_future()
+
+        def on_started(record: JobRun) -> None:
+            if not stored.done():
+                stored.set_result(record)
+
+        task = asyncio.create_task(
+            run_job(self.context, spec, trigger, dry_run=dry_run, started=on_started),
+            name=f"job-{job.value}",
+        )
+        self._background.add(task)
+        task.add_done_callback(self._finished)
+        # The task can end before storing a record (the database is down): its error then.
+        await asyncio.wait({task, stored}, return_when=asyncio.FIRST_COMPLETED)
+        if stored.done():
+            return stored.result()
+        return task.result()
+
+    def _finished(self, task: asyncio.Task[JobRun]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background_job_error", task=task.get_name(), error=repr(task.exception()))
+
+    async def stop(self) -> None:
+        """Cancel the runs still going on in the background; each records itself interrupted."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -5,6 +5,7 @@ from typing import Any
 from pydantic import ConfigDict, Field
 
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
+from queuekeeper.jobs.runs import Job, RunStatus, Trigger
 from queuekeeper.models import JobRun
 
 
@@ -52,12 +53,12 @@ class RunOut(Schema):
     )
 
     uuid: HexUUID
-    job: str = Field(description="`reconcile`, `cleanup_stale` or `redrive_dead_letters`.")
-    trigger: str = Field(description="`schedule`, `api` or `cli`.")
+    job: Job = Field(description="`reconcile`, `cleanup_stale` or `redrive_dead_letters`.")
+    trigger: Trigger = Field(description="`schedule`, `api` or `cli`.")
     dry_run: bool
     started: UTCDateTime
     finished: UTCDateTime | None
-    status: str = Field(
+    status: RunStatus = Field(
         description="`running`, `succeeded`, `partial` (some items failed), `failed` (ended "
         "early) or `skipped` (another run of the job held its lock)."
     )
@@ -68,6 +69,6 @@ class RunOut(Schema):
         description="Each change, or in a dry run each planned change (at most 1000)."
     )
 
-
-def run_out(record: JobRun) -> RunOut:
-    return RunOut.model_validate(record)
+    @classmethod
+    def from_row(cls, record: JobRun) -> RunOut:
+        return cls.model_validate(record)

@@ -7,75 +7,52 @@ vhosts, so memory follows the number of subscriptions, not of queues.
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
 
 from queuekeeper.broker import topology
-from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.management import ManagementClient, UserInfo
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.jobs.runs import Run
+from queuekeeper.broker.topology import Permissions
+from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.repository import SubscriptionAccess
-from queuekeeper.state import AppState
-
-_UUID_HEX = re.compile(r"^[0-9a-f]{32}$")
-
-
-def _tags(value: Any) -> list[str]:
-    """The broker answers tags as a list (3.10) or a comma-separated string (older)."""
-    if isinstance(value, str):
-        return [tag for tag in value.split(",") if tag]
-    return [str(tag) for tag in value or []]
-
-
-@dataclass(frozen=True)
-class BrokerUser:
-    name: str
-    password_hash: str
-    tags: tuple[str, ...]
 
 
 @dataclass
 class BrokerAccess:
-    instance_tag: str
-    users: dict[str, BrokerUser] = field(default_factory=dict)
-    permissions: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
+    provisioner: Provisioner
+    users: dict[str, UserInfo] = field(default_factory=dict)
+    permissions: dict[tuple[str, str], Permissions] = field(default_factory=dict)
 
     @classmethod
     async def load(
-        cls, management: ManagementClient, instance_tag: str, vhosts: set[str]
+        cls, management: ManagementClient, provisioner: Provisioner, vhosts: set[str]
     ) -> BrokerAccess:
-        access = cls(instance_tag)
+        access = cls(provisioner)
         for user in await management.list_users(columns="name,tags,password_hash"):
-            name = str(user.get("name") or "")
-            tags = tuple(_tags(user.get("tags")))
             # Ours, or named like a subscription's user (one that lost its tag is still ours).
-            if instance_tag in tags or _UUID_HEX.match(name):
-                access.users[name] = BrokerUser(name, str(user.get("password_hash") or ""), tags)
+            if provisioner.owns(user) or topology.named_like_subscription_user(user.name):
+                access.users[user.name] = user
         for permission in await management.list_permissions():
-            vhost, holder = permission.get("vhost"), permission.get("user")
-            if vhost in vhosts and isinstance(holder, str):
-                access.permissions[(vhost, holder)] = {
-                    key: str(permission.get(key)) for key in ("configure", "write", "read")
-                }
+            if permission.vhost in vhosts:
+                access.permissions[(permission.vhost, permission.user)] = permission.permissions
         return access
 
     def ours(self) -> list[str]:
-        return sorted(name for name, user in self.users.items() if self.instance_tag in user.tags)
+        return sorted(name for name, user in self.users.items() if self.provisioner.owns(user))
 
     def vhost_created(self, vhost: str, service_users: list[str]) -> None:
         """ensure_vhost just gave our service users their rights there."""
         for user in service_users:
-            self.permissions[(vhost, user)] = topology.SERVICE_PERMISSIONS.as_body()
+            self.permissions[(vhost, user)] = topology.SERVICE_PERMISSIONS
 
 
 async def check_service_permissions(
     run: Run, provisioner: Provisioner, access: BrokerAccess, vhost: str
 ) -> None:
-    expected = topology.SERVICE_PERMISSIONS.as_body()
+    expected = topology.SERVICE_PERMISSIONS
     for user in provisioner.service_users():
         actual = access.permissions.get((vhost, user))
         if actual == expected:
@@ -86,18 +63,14 @@ async def check_service_permissions(
                 "permissions_restored",
                 "put_permissions",
                 f"{vhost}/{user}",
-                partial(
-                    provisioner.management.put_permissions,
-                    vhost,
-                    user,
-                    topology.SERVICE_PERMISSIONS,
-                ),
-                detail="queuekeeper's own user: " + ("missing" if actual is None else f"{actual}"),
+                partial(provisioner.put_service_permissions, vhost, user),
+                detail="queuekeeper's own user: "
+                + ("missing" if actual is None else f"{actual.as_body()}"),
             )
 
 
 async def _settle_password(
-    state: AppState, subscription: SubscriptionAccess, written: str | None
+    context: JobContext, subscription: SubscriptionAccess, written: str | None
 ) -> None:
     """Record the password now on the broker, catching a token change that raced us.
 
@@ -105,55 +78,55 @@ async def _settle_password(
     the owner after our write is enough: either we see the new hash and write it
     too, or the directory's write comes after ours.
     """
-    async with state.sessions() as session:
+    async with context.sessions() as session:
         current = await repository.owner_password_hash(session, subscription.owner_uuid)
         if current != written:
-            await state.provisioner.set_subscription_password(subscription.uuid, current)
+            await context.provisioner.set_subscription_password(subscription.uuid, current)
         await repository.set_subscription_broker_state(
             session, subscription.uuid, broker_state="ok", password_hash=current, set_hash=True
         )
+        await session.commit()
 
 
-def _user_problems(access: BrokerAccess, user: BrokerUser, owner_hash: str | None) -> list[str]:
+def _user_problems(access: BrokerAccess, user: UserInfo, owner_hash: str | None) -> list[str]:
     problems = []
     if user.password_hash != (owner_hash or ""):
         problems.append("password is not the owner's current token")
-    if access.instance_tag not in user.tags:
-        problems.append(f"tag {access.instance_tag!r} missing")
+    if not access.provisioner.owns(user):
+        problems.append(f"tag {access.provisioner.settings.instance_tag!r} missing")
     return problems
 
 
 async def _look_again(
-    state: AppState, name: str, subscription: SubscriptionAccess
-) -> tuple[BrokerUser | None, str | None]:
+    context: JobContext, name: str, subscription: SubscriptionAccess
+) -> tuple[UserInfo | None, str | None]:
     """The broker user and the owner's password hash as they are now.
 
     What the run read at its start may be stale by now (a subscription made or a
     token changed meanwhile): look again before changing anything.
     """
-    found = await state.management.get_user(name)
-    user = (
-        BrokerUser(name, str(found.get("password_hash") or ""), tuple(_tags(found.get("tags"))))
-        if found is not None
-        else None
-    )
-    async with state.sessions() as session:
+    user = await context.management.get_user(name)
+    async with context.sessions() as session:
         owner_hash = await repository.owner_password_hash(session, subscription.owner_uuid)
     return user, owner_hash
 
 
 async def check_subscription(
-    state: AppState, run: Run, access: BrokerAccess, vhost: str, subscription: SubscriptionAccess
+    context: JobContext,
+    run: Run,
+    access: BrokerAccess,
+    vhost: str,
+    subscription: SubscriptionAccess,
 ) -> None:
     """The subscription's broker user exists with the owner's token as password, tagged ours,
     and may read its own queues and nothing else."""
-    provisioner = state.provisioner
+    provisioner = context.provisioner
     name = topology.subscription_user_name(subscription.uuid)
     item = f"broker user {name}"
     run.find("subscriptions")
     user, owner_hash = access.users.get(name), subscription.owner_password_hash
     if user is None or _user_problems(access, user, owner_hash):
-        user, owner_hash = await _look_again(state, name, subscription)
+        user, owner_hash = await _look_again(context, name, subscription)
 
     if user is None:
         run.find("users_missing")
@@ -164,7 +137,7 @@ async def check_subscription(
                     "subscriptions_marked_broken",
                     "mark_broken",
                     item,
-                    lambda: _mark_broken(state, subscription.uuid),
+                    lambda: _mark_broken(context, subscription.uuid),
                     detail="its owner has no token, so the user cannot get its password back; "
                     "the agent's next register_event_subscription replaces the subscription",
                 )
@@ -172,7 +145,7 @@ async def check_subscription(
 
         async def restore() -> None:
             await provisioner.ensure_subscription_user(vhost, subscription.uuid, owner_hash)
-            await _settle_password(state, subscription, owner_hash)
+            await _settle_password(context, subscription, owner_hash)
 
         await run.apply(
             "users_restored",
@@ -189,21 +162,22 @@ async def check_subscription(
 
         async def repair() -> None:
             await provisioner.set_subscription_password(subscription.uuid, owner_hash)
-            await _settle_password(state, subscription, owner_hash)
+            await _settle_password(context, subscription, owner_hash)
 
         await run.apply("users_restored", "repair_user", item, repair, detail="; ".join(problems))
     elif subscription.broker_state == "broken" and not run.dry_run:
         # Its user is back (restored by an earlier run, or by hand): usable again.
-        async with state.sessions() as session:
+        async with context.sessions() as session:
             await repository.set_subscription_broker_state(
                 session, subscription.uuid, broker_state="ok"
             )
+            await session.commit()
 
-    expected = topology.subscription_permissions(subscription.uuid).as_body()
+    expected = topology.subscription_permissions(subscription.uuid)
     actual = access.permissions.get((vhost, name))
     if actual != expected:
-        fresh = await state.management.get_permissions(vhost, name)
-        actual = {key: str(fresh.get(key)) for key in expected} if fresh else None
+        fresh = await context.management.get_permissions(vhost, name)
+        actual = fresh.permissions if fresh else None
     if actual != expected:
         run.find("permissions_wrong")
         await run.apply(
@@ -215,12 +189,13 @@ async def check_subscription(
         )
 
 
-def _describe(permissions: dict[str, Any]) -> str:
-    return ", ".join(f"{key} {permissions.get(key)!r}" for key in ("configure", "write", "read"))
+def _describe(permissions: Permissions) -> str:
+    return ", ".join(f"{key} {value!r}" for key, value in permissions.as_body().items())
 
 
-async def _mark_broken(state: AppState, subscription_uuid: uuid.UUID) -> None:
-    async with state.sessions() as session:
+async def _mark_broken(context: JobContext, subscription_uuid: uuid.UUID) -> None:
+    async with context.sessions() as session:
         await repository.set_subscription_broker_state(
             session, subscription_uuid, broker_state="broken"
         )
+        await session.commit()

@@ -24,12 +24,10 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from itertools import pairwise
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from queuekeeper.broker import topology
-from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.management import ManagementClient, QueueInfo
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.repository import QueueRow
 
@@ -45,18 +43,8 @@ class UnsortedListing(Exception):
 @dataclass(frozen=True)
 class ListedQueue:
     name: str
-    broker: dict[str, Any] | None  # the broker's entry; None: registered but not listed
+    broker: QueueInfo | None  # the broker's entry; None: registered but not listed
     row: QueueRow | None  # the registration; None: on the broker, not registered
-
-
-def differences(expected_arguments: dict[str, Any], entry: dict[str, Any]) -> list[str]:
-    """How a broker entry differs from what a registered queue must be."""
-    found = topology.argument_differences(expected_arguments, dict(entry.get("arguments") or {}))
-    if entry.get("durable") is not True:
-        found.append("durable: expected True")
-    if entry.get("auto_delete") is not False:
-        found.append("auto_delete: expected False")
-    return found
 
 
 async def _row_chunks(
@@ -65,7 +53,7 @@ async def _row_chunks(
     """The vhost's registered queues in name order, `chunk` at a time."""
     after: str | None = None
     while True:
-        rows = await repository.rows_in_range(reader, vhost, after, None, chunk)
+        rows = await repository.rows_in_range(reader, vhost, after, chunk)
         if rows:
             yield rows
         if len(rows) < chunk:
@@ -75,7 +63,7 @@ async def _row_chunks(
 
 async def _broker_pages(
     management: ManagementClient, vhost: str, page_size: int, columns: str
-) -> AsyncGenerator[list[dict[str, Any]], None]:
+) -> AsyncGenerator[list[QueueInfo], None]:
     """The vhost's queues in name order, a page at a time, each name once."""
     last: str | None = None
     page = 1
@@ -91,12 +79,10 @@ async def _broker_pages(
         )
         entries = [
             item
-            for item in body.get("items") or []
-            if isinstance(item, dict)
-            and isinstance(item.get("name"), str)
-            and (last is None or item["name"] > last)  # else: listed again after a shift
+            for item in body.items
+            if last is None or item.name > last  # else: listed again after a shift
         ]
-        names = [entry["name"] for entry in entries]
+        names = [entry.name for entry in entries]
         if any(a >= b for a, b in pairwise(names)):
             raise UnsortedListing(
                 f"the broker listed the queues of vhost {vhost!r} out of name order; "
@@ -105,7 +91,7 @@ async def _broker_pages(
         if entries:
             last = names[-1]
             yield entries
-        if page >= int(body.get("page_count") or 0):
+        if page >= body.page_count:
             return
         page += 1
 
@@ -128,7 +114,7 @@ async def vhost_queues(
 
 
 async def _merge(
-    pages: AsyncIterator[list[dict[str, Any]]],
+    pages: AsyncIterator[list[QueueInfo]],
     chunks: AsyncIterator[list[QueueRow]],
     page_size: int,
 ) -> AsyncIterator[list[ListedQueue]]:
@@ -142,7 +128,7 @@ async def _merge(
             raise outcome
     assert not isinstance(first_page, BaseException)
     assert not isinstance(first_rows, BaseException)
-    entries: deque[dict[str, Any]] = deque(first_page or [])
+    entries: deque[QueueInfo] = deque(first_page or [])
     rows: deque[QueueRow] = deque(first_rows or [])
     pages_done, rows_done = first_page is None, first_rows is None
     batch: list[ListedQueue] = []
@@ -157,12 +143,12 @@ async def _merge(
             rows.extend(chunk or [])
         if not entries and not rows:
             break
-        if rows and (not entries or rows[0].name < entries[0]["name"]):
+        if rows and (not entries or rows[0].name < entries[0].name):
             row = rows.popleft()
             batch.append(ListedQueue(row.name, None, row))
-        elif entries and (not rows or entries[0]["name"] < rows[0].name):
+        elif entries and (not rows or entries[0].name < rows[0].name):
             entry = entries.popleft()
-            batch.append(ListedQueue(entry["name"], entry, None))
+            batch.append(ListedQueue(entry.name, entry, None))
         else:
             row, entry = rows.popleft(), entries.popleft()
             batch.append(ListedQueue(row.name, entry, row))

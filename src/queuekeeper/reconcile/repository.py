@@ -1,4 +1,6 @@
-"""Queries for reconcile and stale cleanup: a few per vhost or per page, never one per queue."""
+"""Queries for reconcile and stale cleanup: a few per vhost or per page, never one per queue.
+
+The caller commits."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from uuid import UUID
 from sqlalchemy import ColumnElement, exists, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
+from queuekeeper.broker import topology
 from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User
 
 
@@ -55,13 +58,6 @@ async def reader(engine: AsyncEngine) -> AsyncIterator[AsyncSession]:
             yield session
 
 
-def owner_of(vhost: str) -> UUID | None:
-    try:
-        return UUID(hex=vhost)
-    except ValueError:
-        return None
-
-
 async def subscribed_vhosts(session: AsyncSession) -> set[str]:
     """The vhosts that should exist: one per user with at least one subscription."""
     rows = await session.scalars(select(EventSubscription.user_uuid).distinct())
@@ -69,9 +65,9 @@ async def subscribed_vhosts(session: AsyncSession) -> set[str]:
 
 
 async def rows_in_range(
-    session: AsyncSession, vhost: str, after: str | None, upto: str | None, limit: int
+    session: AsyncSession, vhost: str, after: str | None, limit: int
 ) -> list[QueueRow]:
-    """Registered queues of `vhost` with `after < name <= upto`, in name order."""
+    """Registered queues of `vhost` with names after `after`, in name order."""
     name = _name(session)
     query = select(
         EventSubscriptionQueue.queue_name,
@@ -82,8 +78,6 @@ async def rows_in_range(
     ).where(EventSubscriptionQueue.vhost == vhost)
     if after is not None:
         query = query.where(name > after)
-    if upto is not None:
-        query = query.where(name <= upto)
     result = await session.execute(query.order_by(name).limit(limit))
     return [QueueRow(*row) for row in result.all()]
 
@@ -103,7 +97,7 @@ async def registered_names(session: AsyncSession, vhost: str, names: Sequence[st
 async def vhost_in_use(session: AsyncSession, vhost: str) -> bool:
     """True when a subscription of the vhost's owner, or a queue row in it, exists."""
     conditions: list[ColumnElement[bool]] = [exists().where(EventSubscriptionQueue.vhost == vhost)]
-    owner = owner_of(vhost)
+    owner = topology.uuid_of(vhost)
     if owner is not None:
         conditions.append(exists().where(EventSubscription.user_uuid == owner))
     return bool(await session.scalar(select(or_(*conditions))))
@@ -153,12 +147,11 @@ async def set_subscription_broker_state(
     await session.execute(
         update(EventSubscription).where(EventSubscription.uuid == subscription_uuid).values(values)
     )
-    await session.commit()
 
 
 async def existing_subscription_users(session: AsyncSession, names: Sequence[str]) -> set[str]:
     """Of these broker user names, the ones that belong to a subscription row."""
-    uuids = [owner for owner in (owner_of(name) for name in names) if owner is not None]
+    uuids = [owner for owner in (topology.uuid_of(name) for name in names) if owner is not None]
     if not uuids:
         return set()
     rows = await session.scalars(

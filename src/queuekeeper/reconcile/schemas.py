@@ -1,8 +1,20 @@
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, ConfigDict, Field
 
+from queuekeeper.broker.management import QueueInfo
 from queuekeeper.common.schemas import HexUUID
+from queuekeeper.reconcile.repository import QueueRow
+
+
+class QueueState(enum.StrEnum):
+    OK = "ok"  # registered, present, arguments right
+    MISSING = "missing"  # registered, not on the broker
+    DRIFTED = "drifted"  # registered, present with other arguments
+    UNREGISTERED = "unregistered"  # a `subscription_*` queue on the broker with no row
+    FOREIGN_VHOST = "foreign_vhost"  # registered, but its vhost is not ours to look into
 
 
 class QueueStateOut(BaseModel):
@@ -32,7 +44,7 @@ class QueueStateOut(BaseModel):
 
     queue_name: str
     vhost: str
-    state: str = Field(
+    state: QueueState = Field(
         description="`ok`; `missing` (registered, not on the broker); `drifted` (present with "
         "other arguments: see `differences`); `unregistered` (a `subscription_*` queue nothing "
         "registered); `foreign_vhost` (its vhost is not tagged as this installation's)."
@@ -50,3 +62,34 @@ class QueueStateOut(BaseModel):
         "when not present or not yet known."
     )
     consumers: int | None = None
+
+    @classmethod
+    def from_row(
+        cls,
+        vhost: str,
+        name: str,
+        state: QueueState,
+        row: QueueRow | None,
+        broker: QueueInfo | None,
+        differences: list[str],
+    ) -> QueueStateOut:
+        """A queue from its registration (if any) and the broker's entry (if listed).
+
+        `present` and `arguments_ok` are null for a foreign vhost: nothing was asked there.
+        """
+        foreign = state is QueueState.FOREIGN_VHOST
+        return cls(
+            queue_name=name,
+            vhost=vhost,
+            state=state,
+            registered=row is not None,
+            uuid=row.uuid if row else None,
+            event_subscription_uuid=row.subscription_uuid if row else None,
+            offering_uuid=row.offering_uuid if row else None,
+            object_type=row.object_type if row else None,
+            present=None if foreign else broker is not None,
+            arguments_ok=(not differences) if broker is not None else None,
+            differences=differences,
+            messages=broker.messages if broker else None,
+            consumers=broker.consumers if broker else None,
+        )

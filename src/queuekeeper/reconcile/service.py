@@ -15,17 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
-from queuekeeper.broker.management import ManagementBadRequest
-from queuekeeper.broker.provisioner import QueueConflict, QueueOutcome
+from queuekeeper.broker.management import QueueInfo, VhostInfo
+from queuekeeper.broker.provisioner import QueueConflict, QueueOutcome, busy
 from queuekeeper.common.locks import BROKER_USERS_KEY, guard, vhost_key
-from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, chunked, run_job
-from queuekeeper.models import JobRun
+from queuekeeper.jobs.runs import JobContext, Run, chunked
 from queuekeeper.observability.metrics import RECONCILE_ITEMS
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.access import (
@@ -33,9 +31,8 @@ from queuekeeper.reconcile.access import (
     check_service_permissions,
     check_subscription,
 )
-from queuekeeper.reconcile.listing import differences, vhost_queues
+from queuekeeper.reconcile.listing import vhost_queues
 from queuekeeper.reconcile.repository import SubscriptionAccess
-from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
 
@@ -50,38 +47,24 @@ def count_change(counter: str) -> None:
     RECONCILE_ITEMS.labels(action=counter).inc()
 
 
-async def run_reconcile(
-    state: AppState, trigger: Trigger, *, dry_run: bool = False, progress: Progress | None = None
-) -> JobRun:
-    return await run_job(
-        state,
-        Job.RECONCILE,
-        trigger,
-        lambda run: reconcile(state, run),
-        dry_run=dry_run,
-        progress=progress,
-        on_change=count_change,
-    )
-
-
-async def reconcile(state: AppState, run: Run) -> None:
-    management, provisioner = state.management, state.provisioner
-    broker_vhosts = {str(v.get("name")): v for v in await management.list_vhosts()}
+async def reconcile(context: JobContext, run: Run) -> None:
+    management, provisioner = context.management, context.provisioner
+    broker_vhosts = {info.name: info for info in await management.list_vhosts()}
     owned = {name for name, info in broker_vhosts.items() if provisioner.owns(info)}
-    async with repository.reader(state.engine) as reader:
+    async with repository.reader(context.engine) as reader:
         expected = await repository.subscribed_vhosts(reader)
-        access = await BrokerAccess.load(management, state.settings.instance_tag, owned | expected)
+        access = await BrokerAccess.load(management, provisioner, owned | expected)
         run.find("vhosts", len(owned | expected))
 
         todo = sorted(expected)
         done = 0
         for group in chunked(todo, VHOST_GROUP):
-            owners = [owner for owner in map(repository.owner_of, group) if owner is not None]
+            owners = [owner for owner in map(topology.uuid_of, group) if owner is not None]
             subscriptions = await repository.subscriptions_of_owners(reader, owners)
             for vhost in group:
-                owner = repository.owner_of(vhost)
+                owner = topology.uuid_of(vhost)
                 await reconcile_vhost(
-                    state,
+                    context,
                     run,
                     reader,
                     access,
@@ -94,26 +77,26 @@ async def reconcile(state: AppState, run: Run) -> None:
         for vhost in sorted(owned - expected):
             run.find("vhosts_unused")
             async with run.item(vhost):
-                await remove_unused_vhost(state, run, reader, vhost)
-        await remove_orphan_users(state, run, reader, access.ours())
+                await remove_unused_vhost(context, run, reader, vhost)
+        await remove_orphan_users(context, run, reader, access.ours())
 
 
 async def reconcile_vhost(
-    state: AppState,
+    context: JobContext,
     run: Run,
     reader: AsyncSession,
     access: BrokerAccess,
     vhost: str,
-    info: dict[str, Any] | None,
+    info: VhostInfo | None,
     subscriptions: list[SubscriptionAccess],
 ) -> None:
-    provisioner = state.provisioner
+    provisioner = context.provisioner
     if info is not None and not provisioner.owns(info):
         run.find("vhosts_foreign")
         run.fail(
             vhost,
-            f"vhost exists but is not tagged {state.settings.instance_tag!r} (tags: "
-            f"{info.get('tags')}), so its queues and users are left alone; delete or tag it",
+            f"vhost exists but is not tagged {context.settings.instance_tag!r} (tags: "
+            f"{list(info.tags)}), so its queues and users are left alone; delete or tag it",
         )
         return
     if info is None:
@@ -132,46 +115,46 @@ async def reconcile_vhost(
         await check_service_permissions(run, provisioner, access, vhost)
     for subscription in subscriptions:
         async with run.item(f"broker user {subscription.uuid.hex}"):
-            await check_subscription(state, run, access, vhost, subscription)
+            await check_subscription(context, run, access, vhost, subscription)
     async with run.item(f"{vhost} queues"):
-        await reconcile_queues(state, run, reader, vhost)
+        await reconcile_queues(context, run, reader, vhost)
 
 
-async def reconcile_queues(state: AppState, run: Run, reader: AsyncSession, vhost: str) -> None:
-    settings, provisioner = state.settings, state.provisioner
+async def reconcile_queues(context: JobContext, run: Run, reader: AsyncSession, vhost: str) -> None:
+    settings, provisioner = context.settings, context.provisioner
     orphans: list[str] = []
     missing: list[str] = []
     drifted: list[tuple[str, list[str]]] = []
-    dead_letter_queue: dict[str, Any] | None = None
+    dead_letter_queue: QueueInfo | None = None
     async for batch in vhost_queues(
-        state.management, reader, vhost, page_size=settings.reconcile_page_size
+        context.management, reader, vhost, page_size=settings.reconcile_page_size
     ):
         for queue in batch:
             if queue.row is None:
                 if queue.name == settings.dlq_name:
                     dead_letter_queue = queue.broker
-                elif queue.name.startswith(topology.SUBSCRIPTION_QUEUE_PREFIX):
+                elif topology.is_subscription_queue(queue.name):
                     orphans.append(queue.name)
                 # Any other queue is not queuekeeper's to judge.
             elif queue.broker is None:
                 missing.append(queue.name)
             else:
                 run.find("queues")
-                found = differences(provisioner.queue_arguments, queue.broker)
+                found = provisioner.differences(queue.broker)
                 if found:
                     drifted.append((queue.name, found))
     # Act only after the listing: changing the vhost would shift the pages still to read.
-    await delete_orphans(state, run, reader, vhost, orphans)
-    drifted.extend(await recreate_missing(state, run, reader, vhost, missing))
+    await delete_orphans(context, run, reader, vhost, orphans)
+    drifted.extend(await recreate_missing(context, run, reader, vhost, missing))
     for name, found in drifted:
         async with run.item(f"{vhost}/{name}"):
-            await repair_drift(state, run, vhost, name, found)
+            await repair_drift(context, run, vhost, name, found)
     async with run.item(f"{vhost}/{settings.dlq_name}"):
-        await check_dead_letter_queue(state, run, vhost, dead_letter_queue)
+        await check_dead_letter_queue(context, run, vhost, dead_letter_queue)
 
 
 async def delete_orphans(
-    state: AppState, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
+    context: JobContext, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
 ) -> None:
     """Delete `subscription_*` queues nobody registered, re-checked under the vhost's lock.
 
@@ -189,7 +172,7 @@ async def delete_orphans(
                         run.planned("delete_queue", f"{vhost}/{name}", "orphan: no registration")
                 continue
             async with (
-                state.sessions() as session,
+                context.sessions() as session,
                 guard(session, vhost_key(vhost), exclusive=True),
             ):
                 registered = await repository.registered_names(session, vhost, batch)
@@ -199,7 +182,7 @@ async def delete_orphans(
                         continue
                     run.find("orphan_queues")
                     async with run.item(f"{vhost}/{name}"):
-                        if await state.provisioner.delete_queue(vhost, name):
+                        if await context.provisioner.delete_queue(vhost, name):
                             run.done(
                                 "orphans_deleted",
                                 "delete_queue",
@@ -210,11 +193,11 @@ async def delete_orphans(
 
 
 async def recreate_missing(
-    state: AppState, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
+    context: JobContext, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
 ) -> list[tuple[str, list[str]]]:
     """Re-create registered queues the broker lacks; returns those found drifted instead."""
     drifted: list[tuple[str, list[str]]] = []
-    management, provisioner = state.management, state.provisioner
+    management, provisioner = context.management, context.provisioner
     for batch in chunked(names, DELETE_BATCH):
         still_registered = await repository.registered_names(reader, vhost, batch)
         for name in batch:
@@ -225,7 +208,7 @@ async def recreate_missing(
                 info = await management.get_queue(vhost, name)
                 if info is not None:
                     run.find("queues")
-                    found = differences(provisioner.queue_arguments, info)
+                    found = provisioner.differences(info)
                     if found:
                         drifted.append((name, found))
                     continue
@@ -240,21 +223,23 @@ async def recreate_missing(
     return drifted
 
 
-async def repair_drift(state: AppState, run: Run, vhost: str, name: str, found: list[str]) -> None:
+async def repair_drift(
+    context: JobContext, run: Run, vhost: str, name: str, found: list[str]
+) -> None:
     """Re-create a queue with the wrong arguments when the broker confirms it empty and unused."""
     run.find("queues_drifted")
     item, detail = f"{vhost}/{name}", "; ".join(found)
     if run.dry_run:
-        info = await state.management.get_queue(vhost, name, columns="name,messages,consumers")
-        busy = _busy(info)
-        if busy:
-            run.planned("report_drift", item, f"{detail}; would not repair: {busy}")
+        info = await context.management.get_queue(vhost, name, columns="name,messages,consumers")
+        reason = busy(info)
+        if reason:
+            run.planned("report_drift", item, f"{detail}; would not repair: {reason}")
         else:
             run.planned("repair_queue", item, f"{detail}; repaired if still empty and unused")
         return
     count_change("drift_found")
     try:
-        outcome = await state.provisioner.ensure_queue(vhost, name)
+        outcome = await context.provisioner.ensure_queue(vhost, name)
     except QueueConflict as exc:
         run.fail(item, f"drifted ({detail}), not repaired: {exc.reason}")
         return
@@ -262,22 +247,11 @@ async def repair_drift(state: AppState, run: Run, vhost: str, name: str, found: 
         run.done("drift_repaired", "repair_queue", item, detail)
 
 
-def _busy(info: dict[str, Any] | None) -> str:
-    if info is None:
-        return ""
-    parts = []
-    if info.get("messages"):
-        parts.append(f"holds {info['messages']} messages")
-    if info.get("consumers"):
-        parts.append(f"has {info['consumers']} consumers")
-    return ", ".join(parts)
-
-
 async def check_dead_letter_queue(
-    state: AppState, run: Run, vhost: str, entry: dict[str, Any] | None
+    context: JobContext, run: Run, vhost: str, entry: QueueInfo | None
 ) -> None:
-    settings, provisioner = state.settings, state.provisioner
-    name, item = settings.dlq_name, f"{vhost}/{settings.dlq_name}"
+    settings, provisioner = context.settings, context.provisioner
+    item = f"{vhost}/{settings.dlq_name}"
     if entry is None:
         run.find("dead_letter_queues_missing")
         await run.apply(
@@ -288,30 +262,22 @@ async def check_dead_letter_queue(
             detail="the vhost's dead-letter queue was missing",
         )
         return
-    found = differences(provisioner.dlq_arguments, entry)
+    found = provisioner.dead_letter_queue_differences(entry)
     if not found:
         return
     run.find("dead_letter_queues_drifted")
-
-    async def recreate() -> None:
-        try:
-            await state.management.delete_queue(vhost, name, if_empty=True, if_unused=True)
-        except ManagementBadRequest as exc:
-            raise QueueConflict(
-                vhost,
-                name,
-                f"dead-letter queue has other arguments ({'; '.join(found)}) and is not empty "
-                f"or has consumers, so it was kept: {exc.reason}. Redrive or purge it, then "
-                "run reconcile again.",
-            ) from exc
-        await state.management.put_queue(vhost, name, arguments=provisioner.dlq_arguments)
-
     await run.apply(
-        "dead_letter_queues_ensured", "repair_queue", item, recreate, detail="; ".join(found)
+        "dead_letter_queues_ensured",
+        "repair_queue",
+        item,
+        partial(provisioner.repair_dead_letter_queue, vhost, found),
+        detail="; ".join(found),
     )
 
 
-async def remove_unused_vhost(state: AppState, run: Run, reader: AsyncSession, vhost: str) -> None:
+async def remove_unused_vhost(
+    context: JobContext, run: Run, reader: AsyncSession, vhost: str
+) -> None:
     """Delete one of our vhosts whose owner has no subscription left (re-checked under lock)."""
     if run.dry_run:
         if not await repository.vhost_in_use(reader, vhost):
@@ -319,17 +285,17 @@ async def remove_unused_vhost(state: AppState, run: Run, reader: AsyncSession, v
         return
     # create_subscription holds this lock shared from before it ensures the vhost until its
     # row is committed.
-    async with state.sessions() as session, guard(session, vhost_key(vhost), exclusive=True):
+    async with context.sessions() as session, guard(session, vhost_key(vhost), exclusive=True):
         if await repository.vhost_in_use(session, vhost):
             run.find("vhosts_in_use_meanwhile")
             return
-        if await state.provisioner.delete_vhost(vhost):
+        if await context.provisioner.delete_vhost(vhost):
             run.done("vhosts_deleted", "delete_vhost", vhost, "no subscriptions left")
         await session.commit()
 
 
 async def remove_orphan_users(
-    state: AppState, run: Run, reader: AsyncSession, names: Sequence[str]
+    context: JobContext, run: Run, reader: AsyncSession, names: Sequence[str]
 ) -> None:
     """Delete broker users tagged ours that no subscription row owns (re-checked under lock)."""
     for batch in chunked(names, 500):
@@ -346,7 +312,7 @@ async def remove_orphan_users(
             # create_subscription holds this lock shared from before it creates the broker
             # user until its row is committed.
             async with (
-                state.sessions() as session,
+                context.sessions() as session,
                 guard(session, BROKER_USERS_KEY, exclusive=True),
             ):
                 owned = await repository.existing_subscription_users(session, candidates)
@@ -355,7 +321,7 @@ async def remove_orphan_users(
                         continue
                     run.find("orphan_users")
                     async with run.item(f"broker user {name}"):
-                        if await state.management.delete_user(name):
+                        if await context.provisioner.delete_user(name):
                             run.done(
                                 "users_deleted",
                                 "delete_user",

@@ -12,54 +12,41 @@ from __future__ import annotations
 import uuid
 
 from queuekeeper.broker import topology
-from queuekeeper.jobs.runs import Job, Progress, Run, Trigger, run_job
-from queuekeeper.models import JobRun, utcnow
+from queuekeeper.jobs.runs import JobContext, Run
+from queuekeeper.models import utcnow
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.access import BrokerAccess
-from queuekeeper.reconcile.service import count_change, remove_orphan_users, remove_unused_vhost
-from queuekeeper.state import AppState
+from queuekeeper.reconcile.service import remove_orphan_users, remove_unused_vhost
 
 
-async def run_cleanup_stale(
-    state: AppState, trigger: Trigger, *, dry_run: bool = False, progress: Progress | None = None
-) -> JobRun:
-    return await run_job(
-        state,
-        Job.CLEANUP_STALE,
-        trigger,
-        lambda run: cleanup_stale(state, run),
-        dry_run=dry_run,
-        progress=progress,
-        on_change=count_change,
-    )
-
-
-async def cleanup_stale(state: AppState, run: Run) -> None:
+async def cleanup_stale(context: JobContext, run: Run) -> None:
     now = utcnow()
-    async with state.sessions() as session:
+    async with context.sessions() as session:
         owners = await repository.stale_owners(session, now)
     run.find("stale_users", len(owners))
     for done, (owner, reason) in enumerate(owners, 1):
         async with run.item(f"user {owner.hex}"):
-            await remove_subscriptions_of(state, run, owner, reason)
+            await remove_subscriptions_of(context, run, owner, reason)
         run.report("stale users", done, len(owners))
 
     # Leftovers of deleted users (and of any removal whose broker clean-up failed).
-    management, provisioner = state.management, state.provisioner
+    management, provisioner = context.management, context.provisioner
     owned = set(await provisioner.owned_vhosts())
-    async with repository.reader(state.engine) as reader:
+    async with repository.reader(context.engine) as reader:
         expected = await repository.subscribed_vhosts(reader)
         for vhost in sorted(owned - expected):
             run.find("vhosts_unused")
             async with run.item(vhost):
-                await remove_unused_vhost(state, run, reader, vhost)
-        access = await BrokerAccess.load(management, state.settings.instance_tag, set())
-        await remove_orphan_users(state, run, reader, access.ours())
+                await remove_unused_vhost(context, run, reader, vhost)
+        access = await BrokerAccess.load(management, provisioner, set())
+        await remove_orphan_users(context, run, reader, access.ours())
 
 
-async def remove_subscriptions_of(state: AppState, run: Run, owner: uuid.UUID, reason: str) -> None:
+async def remove_subscriptions_of(
+    context: JobContext, run: Run, owner: uuid.UUID, reason: str
+) -> None:
     vhost = topology.vhost_name(owner)
-    async with state.sessions() as session:
+    async with context.sessions() as session:
         # Checked again with the user's row locked: a token pushed since the query wins.
         if not await repository.lock_if_still_stale(session, owner, utcnow()):
             run.find("no_longer_stale")
@@ -88,16 +75,16 @@ async def remove_subscriptions_of(state: AppState, run: Run, owner: uuid.UUID, r
     for subscription in subscriptions:
         name = topology.subscription_user_name(subscription.uuid)
         async with run.item(f"broker user {name}"):
-            if await state.provisioner.delete_subscription_user(subscription.uuid):
+            if await context.provisioner.delete_subscription_user(subscription.uuid):
                 run.done("users_deleted", "delete_user", f"broker user {name}", reason)
-    async with run.item(vhost), repository.reader(state.engine) as reader:
-        await remove_unused_vhost(state, run, reader, vhost)
-        if await state.management.get_vhost(vhost) is None:
+    async with run.item(vhost), repository.reader(context.engine) as reader:
+        await remove_unused_vhost(context, run, reader, vhost)
+        if await context.management.get_vhost(vhost) is None:
             return  # its queues went with it
         # The owner registered again meanwhile: the vhost stays, the old queues go.
         for queue in queues:
             async with run.item(f"{vhost}/{queue.queue_name}"):
-                if await state.provisioner.delete_queue(vhost, queue.queue_name):
+                if await context.provisioner.delete_queue(vhost, queue.queue_name):
                     run.done(
                         "queues_deleted", "delete_queue", f"{vhost}/{queue.queue_name}", reason
                     )

@@ -4,25 +4,18 @@ join as reconcile, so memory holds one page whatever the size."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
+from queuekeeper.common.schemas import parse_path_uuid
+from queuekeeper.exceptions import BadRequest
+from queuekeeper.jobs.runs import JobContext
 from queuekeeper.reconcile import repository
-from queuekeeper.reconcile.listing import VIEW_COLUMNS, ListedQueue, differences, vhost_queues
-from queuekeeper.reconcile.schemas import QueueStateOut
-from queuekeeper.state import AppState
-
-
-class QueueState(enum.StrEnum):
-    OK = "ok"  # registered, present, arguments right
-    MISSING = "missing"  # registered, not on the broker
-    DRIFTED = "drifted"  # registered, present with other arguments
-    UNREGISTERED = "unregistered"  # a `subscription_*` queue on the broker with no row
-    FOREIGN_VHOST = "foreign_vhost"  # registered, but its vhost is not ours to look into
+from queuekeeper.reconcile.listing import VIEW_COLUMNS, ListedQueue, vhost_queues
+from queuekeeper.reconcile.schemas import QueueState, QueueStateOut
 
 
 @dataclass(frozen=True)
@@ -34,7 +27,7 @@ class QueueFilter:
     object_type: str | None = None
 
     def accepts(self, entry: QueueStateOut) -> bool:
-        if self.state is not None and entry.state != self.state.value:
+        if self.state is not None and entry.state is not self.state:
             return False
         if self.subscription_uuid and _hex(entry.event_subscription_uuid) != self.subscription_uuid:
             return False
@@ -47,58 +40,44 @@ def _hex(value: object) -> str | None:
     return getattr(value, "hex", None) if value is not None else None
 
 
-def _entry(state: AppState, vhost: str, queue: ListedQueue) -> QueueStateOut | None:
+def _entry(context: JobContext, vhost: str, queue: ListedQueue) -> QueueStateOut | None:
     row, broker = queue.row, queue.broker
-    if row is None and not queue.name.startswith(topology.SUBSCRIPTION_QUEUE_PREFIX):
+    if row is None and not topology.is_subscription_queue(queue.name):
         return None  # the dead-letter queue (see /api/admin/dead-letters/) or not ours
-    found = differences(state.provisioner.queue_arguments, broker) if broker else []
+    found = context.provisioner.differences(broker) if broker else []
     if row is None:
         status = QueueState.UNREGISTERED
     elif broker is None:
         status = QueueState.MISSING
     else:
         status = QueueState.DRIFTED if found else QueueState.OK
-    return QueueStateOut(
-        queue_name=queue.name,
-        vhost=vhost,
-        state=status.value,
-        registered=row is not None,
-        uuid=row.uuid if row else None,
-        event_subscription_uuid=row.subscription_uuid if row else None,
-        offering_uuid=row.offering_uuid if row else None,
-        object_type=row.object_type if row else None,
-        present=broker is not None,
-        arguments_ok=(not found) if broker is not None else None,
-        differences=found,
-        messages=broker.get("messages") if broker else None,
-        consumers=broker.get("consumers") if broker else None,
-    )
+    return QueueStateOut.from_row(vhost, queue.name, status, row, broker, found)
 
 
-async def queue_states(state: AppState, wanted: QueueFilter) -> AsyncIterator[QueueStateOut]:
+async def queue_states(context: JobContext, wanted: QueueFilter) -> AsyncIterator[QueueStateOut]:
     """Every queue, vhost by vhost in name order, then queue name order."""
-    broker_vhosts = {str(v.get("name")): v for v in await state.management.list_vhosts()}
-    owned = {name for name, info in broker_vhosts.items() if state.provisioner.owns(info)}
-    async with repository.reader(state.engine) as reader:
+    broker_vhosts = {info.name: info for info in await context.management.list_vhosts()}
+    owned = {name for name, info in broker_vhosts.items() if context.provisioner.owns(info)}
+    async with repository.reader(context.engine) as reader:
         registered_in = await repository.queue_vhosts(reader)
         vhosts = sorted(owned | registered_in)
         if wanted.vhost is not None:
             vhosts = [vhost for vhost in vhosts if vhost == wanted.vhost]
         for vhost in vhosts:
             if vhost in broker_vhosts and vhost not in owned:
-                async for entry in _foreign(reader, state.settings.reconcile_page_size, vhost):
+                async for entry in _foreign(reader, context.settings.reconcile_page_size, vhost):
                     if wanted.accepts(entry):
                         yield entry
                 continue
             async for batch in vhost_queues(
-                state.management,
+                context.management,
                 reader,
                 vhost,
-                page_size=state.settings.reconcile_page_size,
+                page_size=context.settings.reconcile_page_size,
                 columns=VIEW_COLUMNS,
             ):
                 for queue in batch:
-                    listed = _entry(state, vhost, queue)
+                    listed = _entry(context, vhost, queue)
                     if listed is not None and wanted.accepts(listed):
                         yield listed
 
@@ -106,34 +85,44 @@ async def queue_states(state: AppState, wanted: QueueFilter) -> AsyncIterator[Qu
 async def _foreign(reader: AsyncSession, page: int, vhost: str) -> AsyncIterator[QueueStateOut]:
     after: str | None = None
     while True:
-        rows = await repository.rows_in_range(reader, vhost, after, None, page)
+        rows = await repository.rows_in_range(reader, vhost, after, page)
         for row in rows:
-            yield QueueStateOut(
-                queue_name=row.name,
-                vhost=vhost,
-                state=QueueState.FOREIGN_VHOST.value,
-                registered=True,
-                uuid=row.uuid,
-                event_subscription_uuid=row.subscription_uuid,
-                offering_uuid=row.offering_uuid,
-                object_type=row.object_type,
-                present=None,
-                arguments_ok=None,
-                differences=[],
-                messages=None,
-                consumers=None,
-            )
+            yield QueueStateOut.from_row(vhost, row.name, QueueState.FOREIGN_VHOST, row, None, [])
         if len(rows) < page:
             return
         after = rows[-1].name
 
 
+def _hex_filter(value: str | None, name: str) -> str | None:
+    if not value:
+        return None
+    parsed = parse_path_uuid(value)
+    if parsed is None:
+        raise BadRequest(f"{name} {value!r} is not a uuid (hex or dashed form).", field=name)
+    return parsed.hex
+
+
 async def queue_page(
-    state: AppState, wanted: QueueFilter, offset: int, limit: int
+    context: JobContext,
+    offset: int,
+    limit: int,
+    *,
+    vhost: str | None = None,
+    state: QueueState | None = None,
+    event_subscription_uuid: str | None = None,
+    offering_uuid: str | None = None,
+    object_type: str | None = None,
 ) -> tuple[int, list[QueueStateOut]]:
     """The total that match, and the entries [offset, offset + limit)."""
+    wanted = QueueFilter(
+        vhost=_hex_filter(vhost, "vhost"),
+        state=state,
+        subscription_uuid=_hex_filter(event_subscription_uuid, "event_subscription_uuid"),
+        offering_uuid=_hex_filter(offering_uuid, "offering_uuid"),
+        object_type=object_type,
+    )
     total, page = 0, []
-    async for entry in queue_states(state, wanted):
+    async for entry in queue_states(context, wanted):
         if offset <= total < offset + limit:
             page.append(entry)
         total += 1

@@ -8,20 +8,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 
 from queuekeeper.auth.dependencies import CurrentUser
-from queuekeeper.broker.management import ManagementError
-from queuekeeper.broker.provisioner import QueueConflict, QueueOutcome
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
-from queuekeeper.common.pagination import Page, fetch_page, page_params, set_page_headers
-from queuekeeper.common.schemas import parse_path_uuid
-from queuekeeper.common.urls import api_url
-from queuekeeper.config import Settings
-from queuekeeper.exceptions import NotFound
-from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User
-from queuekeeper.observability.metrics import CREATE_QUEUE
-from queuekeeper.state import SessionDep, StateDep
-from queuekeeper.subscriptions import repository, service
+from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
+from queuekeeper.subscriptions import service
 from queuekeeper.subscriptions.schemas import (
     QueueCreate,
+    QueueFilter,
     QueueOut,
     SubscriptionCreate,
     SubscriptionOut,
@@ -31,53 +24,6 @@ router = APIRouter(tags=["agents"])
 
 NOT_YOURS = "Not yours, or not a uuid."
 ERRORS = error_responses(401, 404, descriptions={404: NOT_YOURS})
-
-
-def subscription_out(
-    settings: Settings, subscription: EventSubscription, owner: User
-) -> SubscriptionOut:
-    return SubscriptionOut(
-        uuid=subscription.uuid,
-        url=api_url(settings, "event-subscriptions", subscription.uuid),
-        user=api_url(settings, "users", owner.uuid),
-        user_uuid=owner.uuid,
-        user_username=owner.username,
-        user_full_name=owner.full_name,
-        created=subscription.created,
-        modified=subscription.modified,
-        source_ip=subscription.source_ip,
-        description=subscription.description,
-        observable_objects=list(subscription.observable_objects or []),
-    )
-
-
-def queue_out(settings: Settings, queue: EventSubscriptionQueue) -> QueueOut:
-    return QueueOut(
-        uuid=queue.uuid,
-        url=api_url(settings, "event-subscription-queues", queue.uuid),
-        event_subscription=api_url(settings, "event-subscriptions", queue.subscription_uuid),
-        event_subscription_uuid=queue.subscription_uuid,
-        offering_uuid=queue.offering_uuid,
-        object_type=queue.object_type,
-        queue_name=queue.queue_name,
-        vhost=queue.vhost,
-        created=queue.created,
-    )
-
-
-async def owned_subscription(
-    subscription_uuid: str, user: CurrentUser, session: SessionDep
-) -> EventSubscription:
-    parsed = parse_path_uuid(subscription_uuid)
-    subscription = (
-        await repository.get_owned_subscription(session, user.uuid, parsed) if parsed else None
-    )
-    if subscription is None:
-        raise NotFound(f"Event subscription {subscription_uuid!r} not found.")
-    return subscription
-
-
-OwnedSubscription = Annotated[EventSubscription, Depends(owned_subscription)]
 
 
 @router.post(
@@ -99,16 +45,17 @@ async def create_subscription(
     request: Request,
     user: CurrentUser,
     session: SessionDep,
-    state: StateDep,
+    provisioner: ProvisionerDep,
+    settings: SettingsDep,
 ) -> SubscriptionOut:
     subscription = await service.create_subscription(
         session,
-        state.provisioner,
+        provisioner,
         user,
         body,
         source_ip=request.client.host if request.client else None,
     )
-    return subscription_out(state.settings, subscription, user)
+    return SubscriptionOut.from_row(subscription, user, settings)
 
 
 @router.get(
@@ -122,20 +69,12 @@ async def list_subscriptions(
     response: Response,
     user: CurrentUser,
     session: SessionDep,
-    state: StateDep,
+    settings: SettingsDep,
     page: Annotated[Page, Depends(page_params)],
 ) -> list[SubscriptionOut]:
-    query = repository.owned_subscriptions(user.uuid)
-    total, rows = await fetch_page(
-        session,
-        query,
-        EventSubscription.created,
-        EventSubscription.uuid,
-        offset=page.offset,
-        limit=page.page_size,
-    )
-    set_page_headers(request, response, page, total)
-    return [subscription_out(state.settings, row, user) for row in rows]
+    found = await service.list_subscriptions(session, user, page)
+    set_page_headers(request, response, page, found.total)
+    return [SubscriptionOut.from_row(row, user, settings) for row in found.rows]
 
 
 @router.get(
@@ -145,9 +84,10 @@ async def list_subscriptions(
     responses=ERRORS,
 )
 async def get_subscription(
-    subscription: OwnedSubscription, user: CurrentUser, state: StateDep
+    subscription_uuid: str, user: CurrentUser, session: SessionDep, settings: SettingsDep
 ) -> SubscriptionOut:
-    return subscription_out(state.settings, subscription, user)
+    subscription = await service.get_subscription(session, user, subscription_uuid)
+    return SubscriptionOut.from_row(subscription, user, settings)
 
 
 @router.delete(
@@ -159,9 +99,9 @@ async def get_subscription(
     responses=ERRORS,
 )
 async def delete_subscription(
-    subscription: OwnedSubscription, session: SessionDep, state: StateDep
+    subscription_uuid: str, user: CurrentUser, session: SessionDep, provisioner: ProvisionerDep
 ) -> Response:
-    await service.delete_subscriptions(session, state.provisioner, [subscription])
+    await service.delete_subscription(session, provisioner, user, subscription_uuid)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -195,30 +135,18 @@ async def delete_subscription(
     },
 )
 async def create_queue(
+    subscription_uuid: str,
     body: QueueCreate,
     response: Response,
-    subscription: OwnedSubscription,
     user: CurrentUser,
     session: SessionDep,
-    state: StateDep,
+    provisioner: ProvisionerDep,
+    settings: SettingsDep,
 ) -> QueueOut:
-    try:
-        queue, created, outcome = await service.create_queue(
-            session, state.provisioner, user, subscription, body
-        )
-    except QueueConflict:
-        CREATE_QUEUE.labels(outcome="conflict").inc()
-        raise
-    except ManagementError:
-        CREATE_QUEUE.labels(outcome="broker_unavailable").inc()
-        raise
-    if outcome is QueueOutcome.REPAIRED:
-        CREATE_QUEUE.labels(outcome="repaired").inc()
-    else:
-        CREATE_QUEUE.labels(outcome="created" if created else "existing").inc()
+    queue, created = await service.create_queue(session, provisioner, user, subscription_uuid, body)
     if not created:
         response.status_code = status.HTTP_200_OK
-    return queue_out(state.settings, queue)
+    return QueueOut.from_row(queue, settings)
 
 
 @router.get(
@@ -233,48 +161,16 @@ async def list_queues(
     response: Response,
     user: CurrentUser,
     session: SessionDep,
-    state: StateDep,
+    settings: SettingsDep,
     page: Annotated[Page, Depends(page_params)],
     offering_uuid: Annotated[uuid.UUID | None, Query()] = None,
     object_type: Annotated[str | None, Query()] = None,
     event_subscription_uuid: Annotated[uuid.UUID | None, Query()] = None,
 ) -> list[QueueOut]:
-    query = repository.owned_queues(user.uuid)
-    if offering_uuid is not None:
-        query = query.where(EventSubscriptionQueue.offering_uuid == offering_uuid)
-    if object_type is not None:
-        query = query.where(EventSubscriptionQueue.object_type == object_type)
-    if event_subscription_uuid is not None:
-        query = query.where(EventSubscriptionQueue.subscription_uuid == event_subscription_uuid)
-    total, rows = await fetch_page(
-        session,
-        query,
-        EventSubscriptionQueue.created,
-        EventSubscriptionQueue.uuid,
-        offset=page.offset,
-        limit=page.page_size,
-    )
-    set_page_headers(request, response, page, total)
-    return [queue_out(state.settings, row) for row in rows]
-
-
-async def owned_queue(
-    queue_uuid: str, user: CurrentUser, session: SessionDep
-) -> EventSubscriptionQueue:
-    parsed = parse_path_uuid(queue_uuid)
-    queue = (
-        await session.scalar(
-            repository.owned_queues(user.uuid).where(EventSubscriptionQueue.uuid == parsed)
-        )
-        if parsed
-        else None
-    )
-    if queue is None:
-        raise NotFound(f"Event subscription queue {queue_uuid!r} not found.")
-    return queue
-
-
-OwnedQueue = Annotated[EventSubscriptionQueue, Depends(owned_queue)]
+    where = QueueFilter(offering_uuid, object_type, event_subscription_uuid)
+    found = await service.list_queues(session, user, where, page)
+    set_page_headers(request, response, page, found.total)
+    return [QueueOut.from_row(row, settings) for row in found.rows]
 
 
 @router.get(
@@ -283,8 +179,10 @@ OwnedQueue = Annotated[EventSubscriptionQueue, Depends(owned_queue)]
     description="404 when it is another user's.",
     responses=ERRORS,
 )
-async def get_queue(queue: OwnedQueue, state: StateDep) -> QueueOut:
-    return queue_out(state.settings, queue)
+async def get_queue(
+    queue_uuid: str, user: CurrentUser, session: SessionDep, settings: SettingsDep
+) -> QueueOut:
+    return QueueOut.from_row(await service.get_queue(session, user, queue_uuid), settings)
 
 
 @router.delete(
@@ -294,6 +192,8 @@ async def get_queue(queue: OwnedQueue, state: StateDep) -> QueueOut:
     description="Deletes the row and the broker queue (a broker failure is logged, not raised).",
     responses=ERRORS,
 )
-async def delete_queue(queue: OwnedQueue, session: SessionDep, state: StateDep) -> Response:
-    await service.delete_queue(session, state.provisioner, queue)
+async def delete_queue(
+    queue_uuid: str, user: CurrentUser, session: SessionDep, provisioner: ProvisionerDep
+) -> Response:
+    await service.delete_queue(session, provisioner, user, queue_uuid)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -5,15 +5,29 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from sqlalchemy import Select, delete, func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from queuekeeper.models import EventSubscription, EventSubscriptionQueue, OfferingAccess, User
+from queuekeeper.common.pagination import Page, Paged, fetch_paged
+from queuekeeper.models import EventSubscription, EventSubscriptionQueue, OfferingAccess
+from queuekeeper.subscriptions.schemas import QueueFilter
 
 
 def owned_subscriptions(user_uuid: uuid.UUID) -> Select[EventSubscription]:
     return select(EventSubscription).where(EventSubscription.user_uuid == user_uuid)
+
+
+async def list_owned_subscriptions(
+    session: AsyncSession, user_uuid: uuid.UUID, page: Page
+) -> Paged[EventSubscription]:
+    return await fetch_paged(
+        session,
+        owned_subscriptions(user_uuid),
+        EventSubscription.created,
+        EventSubscription.uuid,
+        page=page,
+    )
 
 
 async def get_owned_subscription(
@@ -37,6 +51,32 @@ def owned_queues(user_uuid: uuid.UUID) -> Select[EventSubscriptionQueue]:
         select(EventSubscriptionQueue)
         .join(EventSubscription, EventSubscription.uuid == EventSubscriptionQueue.subscription_uuid)
         .where(EventSubscription.user_uuid == user_uuid)
+    )
+
+
+async def get_owned_queue(
+    session: AsyncSession, user_uuid: uuid.UUID, queue_uuid: uuid.UUID
+) -> EventSubscriptionQueue | None:
+    queue: EventSubscriptionQueue | None = await session.scalar(
+        owned_queues(user_uuid).where(EventSubscriptionQueue.uuid == queue_uuid)
+    )
+    return queue
+
+
+async def list_owned_queues(
+    session: AsyncSession, user_uuid: uuid.UUID, where: QueueFilter, page: Page
+) -> Paged[EventSubscriptionQueue]:
+    query = owned_queues(user_uuid)
+    if where.offering_uuid is not None:
+        query = query.where(EventSubscriptionQueue.offering_uuid == where.offering_uuid)
+    if where.object_type is not None:
+        query = query.where(EventSubscriptionQueue.object_type == where.object_type)
+    if where.event_subscription_uuid is not None:
+        query = query.where(
+            EventSubscriptionQueue.subscription_uuid == where.event_subscription_uuid
+        )
+    return await fetch_paged(
+        session, query, EventSubscriptionQueue.created, EventSubscriptionQueue.uuid, page=page
     )
 
 
@@ -112,17 +152,3 @@ async def queues_of_subscriptions(
         )
     )
     return list(rows)
-
-
-async def delete_queues(session: AsyncSession, queue_uuids: Sequence[uuid.UUID]) -> None:
-    if queue_uuids:
-        await session.execute(
-            delete(EventSubscriptionQueue).where(EventSubscriptionQueue.uuid.in_(queue_uuids))
-        )
-
-
-async def owners(session: AsyncSession, user_uuids: Sequence[uuid.UUID]) -> dict[uuid.UUID, User]:
-    if not user_uuids:
-        return {}
-    rows = await session.scalars(select(User).where(User.uuid.in_(user_uuids)))
-    return {user.uuid: user for user in rows}

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
+from queuekeeper.common.urls import api_url
+from queuekeeper.config import Settings
 from queuekeeper.events.payloads import ObjectType
+from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User
 
 
 class ObservableObject(BaseModel):
@@ -66,6 +71,33 @@ class SubscriptionOut(Schema):
     description: str
     observable_objects: list[dict[str, Any]]
 
+    @classmethod
+    def from_row(
+        cls, subscription: EventSubscription, owner: User, settings: Settings
+    ) -> SubscriptionOut:
+        return cls(
+            uuid=subscription.uuid,
+            url=api_url(settings, "event-subscriptions", subscription.uuid),
+            user=api_url(settings, "users", owner.uuid),
+            user_uuid=owner.uuid,
+            user_username=owner.username,
+            user_full_name=owner.full_name,
+            created=subscription.created,
+            modified=subscription.modified,
+            source_ip=subscription.source_ip,
+            description=subscription.description,
+            observable_objects=list(subscription.observable_objects or []),
+        )
+
+
+@dataclass(frozen=True)
+class QueueFilter:
+    """The `GET /api/event-subscription-queues/` filters; None matches anything."""
+
+    offering_uuid: uuid.UUID | None = None
+    object_type: str | None = None
+    event_subscription_uuid: uuid.UUID | None = None
+
 
 class QueueCreate(BaseModel):
     model_config = ConfigDict(
@@ -112,3 +144,17 @@ class QueueOut(Schema):
     queue_name: str
     vhost: str
     created: UTCDateTime
+
+    @classmethod
+    def from_row(cls, queue: EventSubscriptionQueue, settings: Settings) -> QueueOut:
+        return cls(
+            uuid=queue.uuid,
+            url=api_url(settings, "event-subscription-queues", queue.uuid),
+            event_subscription=api_url(settings, "event-subscriptions", queue.subscription_uuid),
+            event_subscription_uuid=queue.subscription_uuid,
+            offering_uuid=queue.offering_uuid,
+            object_type=queue.object_type,
+            queue_name=queue.queue_name,
+            vhost=queue.vhost,
+            created=queue.created,
+        )

@@ -16,12 +16,23 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
-from queuekeeper.broker.provisioner import Provisioner, QueueOutcome, best_effort
+from queuekeeper.broker.management import ManagementError
+from queuekeeper.broker.provisioner import Provisioner, QueueConflict, QueueOutcome, best_effort
 from queuekeeper.common import locks
+from queuekeeper.common.pagination import Page, Paged
+from queuekeeper.common.schemas import find_by_path_uuid
 from queuekeeper.exceptions import BadRequest, Forbidden, NotFound
-from queuekeeper.models import EventSubscription, EventSubscriptionQueue, Offering, User, utcnow
+from queuekeeper.models import (
+    BrokerState,
+    EventSubscription,
+    EventSubscriptionQueue,
+    Offering,
+    User,
+    utcnow,
+)
+from queuekeeper.observability.metrics import CREATE_QUEUE
 from queuekeeper.subscriptions import repository
-from queuekeeper.subscriptions.schemas import QueueCreate, SubscriptionCreate
+from queuekeeper.subscriptions.schemas import QueueCreate, QueueFilter, SubscriptionCreate
 
 log = structlog.get_logger(__name__)
 
@@ -143,7 +154,7 @@ async def create_subscription(
             agent_identity_uuid=agent_identity_uuid,
             observable_object_type=observable_object_type,
             broker_password_hash=owner.broker_password_hash,
-            broker_state="ok",
+            broker_state=BrokerState.OK,
         )
         try:
             for old in replaces:
@@ -173,20 +184,61 @@ async def create_subscription(
     return subscription
 
 
-async def delete_subscriptions(
-    session: AsyncSession, provisioner: Provisioner, subscriptions: list[EventSubscription]
+async def list_subscriptions(
+    session: AsyncSession, owner: User, page: Page
+) -> Paged[EventSubscription]:
+    return await repository.list_owned_subscriptions(session, owner.uuid, page)
+
+
+async def get_subscription(
+    session: AsyncSession, owner: User, subscription_uuid: str
+) -> EventSubscription:
+    """The caller's subscription by its path uuid; NotFound when it is not theirs."""
+    return await find_by_path_uuid(
+        subscription_uuid,
+        "Event subscription",
+        lambda parsed: repository.get_owned_subscription(session, owner.uuid, parsed),
+    )
+
+
+async def delete_subscription(
+    session: AsyncSession, provisioner: Provisioner, owner: User, subscription_uuid: str
 ) -> None:
-    if not subscriptions:
-        return
-    leftovers = await collect_leftovers(session, subscriptions)
-    for subscription in subscriptions:
-        await session.delete(subscription)
+    subscription = await get_subscription(session, owner, subscription_uuid)
+    leftovers = await collect_leftovers(session, [subscription])
+    await session.delete(subscription)
     await session.commit()
-    log.info("subscriptions_deleted", subscriptions=[s.uuid.hex for s in subscriptions])
+    log.info("subscriptions_deleted", subscriptions=[subscription.uuid.hex])
     await remove_leftovers(session, provisioner, leftovers)
 
 
 async def create_queue(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    owner: User,
+    subscription_uuid: str,
+    body: QueueCreate,
+) -> tuple[EventSubscriptionQueue, bool]:
+    """Register a queue of the caller's subscription; True when its row is new."""
+    subscription = await get_subscription(session, owner, subscription_uuid)
+    try:
+        queue, inserted, outcome = await _register_queue(
+            session, provisioner, owner, subscription, body
+        )
+    except QueueConflict:
+        CREATE_QUEUE.labels(outcome="conflict").inc()
+        raise
+    except ManagementError:
+        CREATE_QUEUE.labels(outcome="broker_unavailable").inc()
+        raise
+    if outcome is QueueOutcome.REPAIRED:
+        CREATE_QUEUE.labels(outcome="repaired").inc()
+    else:
+        CREATE_QUEUE.labels(outcome="created" if inserted else "existing").inc()
+    return queue, inserted
+
+
+async def _register_queue(
     session: AsyncSession,
     provisioner: Provisioner,
     owner: User,
@@ -257,9 +309,25 @@ async def create_queue(
     return queue, inserted, outcome
 
 
+async def list_queues(
+    session: AsyncSession, owner: User, where: QueueFilter, page: Page
+) -> Paged[EventSubscriptionQueue]:
+    return await repository.list_owned_queues(session, owner.uuid, where, page)
+
+
+async def get_queue(session: AsyncSession, owner: User, queue_uuid: str) -> EventSubscriptionQueue:
+    """The caller's queue by its path uuid; NotFound when it is not theirs."""
+    return await find_by_path_uuid(
+        queue_uuid,
+        "Event subscription queue",
+        lambda parsed: repository.get_owned_queue(session, owner.uuid, parsed),
+    )
+
+
 async def delete_queue(
-    session: AsyncSession, provisioner: Provisioner, queue: EventSubscriptionQueue
+    session: AsyncSession, provisioner: Provisioner, owner: User, queue_uuid: str
 ) -> None:
+    queue = await get_queue(session, owner, queue_uuid)
     vhost, name = queue.vhost, queue.queue_name
     await session.delete(queue)
     await session.commit()

@@ -1,0 +1,129 @@
+"""Operator API for run records, and what every "run a job now" route shares."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+
+from queuekeeper.auth.dependencies import ServiceCaller
+from queuekeeper.common.openapi import error_responses
+from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.common.schemas import parse_path_uuid
+from queuekeeper.jobs import service
+from queuekeeper.jobs.runs import Job, RunStatus
+from queuekeeper.jobs.schemas import RunOut
+from queuekeeper.models import JobRun
+from queuekeeper.state import SessionDep
+
+router = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[ServiceCaller])
+
+RESPOND_ASYNC = "respond-async"
+ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
+    **error_responses(401, descriptions={401: "No or unknown service token."}),
+    **error_responses(
+        403, descriptions={403: "An agent token was sent; this needs a service token."}
+    ),
+}
+RUN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **ADMIN_ERRORS,
+    202: {
+        "model": RunOut,
+        "description": "With `Prefer: respond-async`: the run started and goes on in the "
+        "background. The body is its record (`status` `running`); poll `Location` "
+        "(`GET /api/admin/reconcile-runs/{uuid}/`) until `finished` is set.",
+        "headers": {
+            "Location": {
+                "description": "The run record to poll.",
+                "schema": {"type": "string"},
+            },
+            "Preference-Applied": {
+                "description": "`respond-async`.",
+                "schema": {"type": "string"},
+            },
+        },
+    },
+    **error_responses(
+        409,
+        descriptions={
+            409: "Another run of the same job is in progress (here or on another "
+            "replica); nothing was done. `run` holds the skipped run's record."
+        },
+    ),
+    **error_responses(
+        503,
+        descriptions={
+            503: "The run ended early: RabbitMQ or the database is unreachable. "
+            "`run` holds its record; retry after `Retry-After` seconds."
+        },
+    ),
+}
+RUN_DESCRIPTION = (
+    " Send `Prefer: respond-async` to get `202 Accepted` as soon as the run has started, "
+    "with its record and a `Location` to poll, instead of holding the request open."
+)
+DRY_RUN = Query(description="Report what would change, change nothing.")
+
+
+def respond_async(
+    prefer: Annotated[
+        str | None,
+        Header(
+            alias="Prefer",
+            description="`respond-async` (RFC 7240): answer 202 once the run has started.",
+        ),
+    ] = None,
+) -> bool:
+    return prefer is not None and RESPOND_ASYNC in {
+        part.strip().lower() for part in prefer.split(",")
+    }
+
+
+RespondAsync = Annotated[bool, Depends(respond_async)]
+
+
+def run_answer(request: Request, response: Response, record: JobRun, background: bool) -> RunOut:
+    """The run's record; started in the background, as 202 with the record's address."""
+    if background:
+        response.status_code = 202
+        response.headers["Location"] = str(
+            request.url_for("get_run", run_uuid=record.uuid.hex).path
+        )
+        response.headers["Preference-Applied"] = RESPOND_ASYNC
+    return RunOut.from_row(record)
+
+
+@router.get(
+    "/reconcile-runs/",
+    summary="List job run records",
+    description="Every run of every job (reconcile, stale cleanup, dead-letter redrive), "
+    "scheduled or on demand, newest first. A bare JSON array; `X-Result-Count` and `Link` "
+    "paginate.",
+    responses={
+        **ADMIN_ERRORS,
+        **error_responses(400, descriptions={400: "Unknown `job` or `status`."}),
+    },
+)
+async def list_runs(
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    page: Annotated[Page, Depends(page_params)],
+    job: Annotated[Job | None, Query(description="Only this job.")] = None,
+    status: Annotated[RunStatus | None, Query(description="Only runs in this status.")] = None,
+) -> list[RunOut]:
+    total, rows = await service.list_runs(
+        session, job=job, status=status, offset=page.offset, limit=page.page_size
+    )
+    set_page_headers(request, response, page, total)
+    return [RunOut.from_row(row) for row in rows]
+
+
+@router.get(
+    "/reconcile-runs/{run_uuid}/",
+    summary="Get one run record",
+    description="A run record by its uuid (hex or dashed).",
+    responses={**ADMIN_ERRORS, **error_responses(404, descriptions={404: "No such run."})},
+)
+async def get_run(run_uuid: str, session: SessionDep) -> RunOut:
+    return RunOut.from_row(await service.get_run(session, parse_path_uuid(run_uuid), run_uuid))
