@@ -21,6 +21,7 @@ from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.deadletters import service as deadletters
 from queuekeeper.deadletters.endpoints import router as dead_letters_router
+from queuekeeper.directory import service as directory
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
@@ -104,6 +105,12 @@ JOBS: JobTable = {
         deadletters.redrive,
         interval=lambda settings: settings.redrive_interval_seconds,
         on_change=deadletters.count_change,
+    ),
+    Job.REVOKE_EXPIRED: JobSpec(
+        Job.REVOKE_EXPIRED,
+        directory.revoke_expired,
+        interval=lambda settings: settings.token_expiry_interval_seconds,
+        quiet=True,
     ),
 }
 

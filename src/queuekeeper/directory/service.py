@@ -11,7 +11,7 @@ from functools import partial
 
 import structlog
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.auth.tokens import token_digest
 from queuekeeper.broker import topology
@@ -22,6 +22,7 @@ from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.directory import repository
 from queuekeeper.directory.schemas import OfferingPut, UserPut
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
+from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import EventSubscription, Offering, OfferingAccess, User, utcnow
 from queuekeeper.subscriptions.service import (
     BrokerLeftovers,
@@ -146,20 +147,24 @@ async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner,
     return len(changes)
 
 
-async def revoke_expired_logins(
-    sessions: async_sessionmaker[AsyncSession], provisioner: Provisioner
-) -> list[uuid.UUID]:
-    """Take the broker logins of users whose token has expired (or who were deactivated)
-    since the last look; returns their uuids. The scheduled `revoke_expired` job calls this
-    every `token_expiry_interval_seconds`, so an expiry reaches the broker within seconds
-    rather than at the next stale cleanup."""
-    async with sessions() as session:
+async def revoke_expired(context: JobContext, run: Run) -> None:
+    """The `revoke_expired` job: take the broker logins of users whose token has expired (or
+    who were deactivated) while a broker user still holds their password, and close their
+    connections. Run every `token_expiry_interval_seconds`, so an expiry reaches the broker
+    within seconds rather than at the next stale cleanup (which then deletes them)."""
+    async with context.sessions() as session:
         users = await repository.users_with_revoked_logins(session, utcnow())
         await session.commit()
+        run.find("users_to_revoke", len(users))
         for user in users:
-            await sync_broker_passwords(session, provisioner, user)
-            log.info("broker_logins_revoked", user=user.uuid.hex, reason=_revoked_because(user))
-    return [user.uuid for user in users]
+            async with run.item(user.uuid.hex):
+                await run.apply(
+                    "logins_revoked",
+                    "revoke_broker_logins",
+                    user.uuid.hex,
+                    partial(sync_broker_passwords, session, context.provisioner, user),
+                    detail=_revoked_because(user),
+                )
 
 
 def _revoked_because(user: User) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
@@ -28,6 +28,10 @@ async def save_run(session: AsyncSession, record: JobRun) -> None:
             failures=record.failures,
         )
     )
+
+
+async def delete_run(session: AsyncSession, run_uuid: uuid.UUID) -> None:
+    await session.execute(delete(JobRun).where(JobRun.uuid == run_uuid))
 
 
 async def close_interrupted(session: AsyncSession, job: str) -> None:

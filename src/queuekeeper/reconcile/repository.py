@@ -15,7 +15,7 @@ from sqlalchemy import ColumnElement, exists, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.broker import topology
-from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User
+from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User, utcnow
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,9 @@ async def subscriptions_of_owners(
             EventSubscription.uuid,
             EventSubscription.broker_state,
             EventSubscription.user_uuid,
-            User.broker_password_hash,
+            # None while the owner is inactive or expired: reconcile never gives a revoked
+            # login back.
+            User.broker_login_hash_sql(utcnow()),
         )
         .join(User, User.uuid == EventSubscription.user_uuid)
         .where(EventSubscription.user_uuid.in_(list(owners)))
@@ -128,7 +130,7 @@ async def subscriptions_of_owners(
 
 async def owner_password_hash(session: AsyncSession, owner_uuid: UUID) -> str | None:
     value: str | None = await session.scalar(
-        select(User.broker_password_hash).where(User.uuid == owner_uuid)
+        select(User.broker_login_hash_sql(utcnow())).where(User.uuid == owner_uuid)
     )
     return value
 
