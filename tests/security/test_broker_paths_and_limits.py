@@ -35,6 +35,28 @@ async def test_vhost_and_agent_user_carry_the_configured_broker_limits(
     }
 
 
+async def test_reconcile_restores_drifted_broker_limits(
+    backend: Backend, management: ManagementClient, client: httpx.AsyncClient
+) -> None:
+    agent = await backend.put_user()
+    user = (await agent.create_subscription())["uuid"].replace("-", "")
+    await management.put_vhost_limit(agent.vhost, "max-connections", 100_000)
+    await management.put_user_limit(user, "max-channels", 5)
+    dry = await client.post("/api/admin/reconcile/?dry_run=true", headers=SERVICE)
+    assert dry.json()["found"]["limits_drifted"] == 2
+    assert await management.get_user_limits(user) == {"max-connections": 64, "max-channels": 5}
+    run = await client.post("/api/admin/reconcile/", headers=SERVICE)
+    assert run.status_code == 200, run.text
+    assert run.json()["changed"]["limits_restored"] == 2
+    assert await management.get_vhost_limits(agent.vhost) == {
+        "max-connections": 1000,
+        "max-queues": 1100,
+    }
+    assert await management.get_user_limits(user) == {"max-connections": 64, "max-channels": 256}
+    again = await client.post("/api/admin/reconcile/", headers=SERVICE)
+    assert "limits_drifted" not in again.json()["found"]
+
+
 async def test_dot_segments_never_reach_the_management_api(settings: Settings) -> None:
     calls: list[str] = []
     client = ManagementClient(settings, observer=lambda kind, status, seconds: calls.append(kind))

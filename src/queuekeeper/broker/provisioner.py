@@ -191,11 +191,12 @@ class Provisioner:
     async def set_subscription_password(
         self, subscription_uuid: uuid.UUID, password_hash: str | None
     ) -> None:
+        name = topology.subscription_user_name(subscription_uuid)
         await self.management.put_user(
-            topology.subscription_user_name(subscription_uuid),
-            password_hash=password_hash or "",
-            tags=[self.settings.instance_tag],
+            name, password_hash=password_hash or "", tags=[self.settings.instance_tag]
         )
+        # The PUT re-creates a user deleted by hand, without its limits.
+        await self.ensure_user_limits(name)
 
     async def subscription_user_intact(self, vhost: str, subscription_uuid: uuid.UUID) -> bool:
         """The broker user exists and holds permissions in the owner's vhost.
