@@ -40,7 +40,7 @@ async def test_subscriptions_over_the_quota_are_refused_before_the_broker(
     response = await client.post("/api/event-subscriptions/", json={}, headers=agent.headers)
     _refused(response, "max_subscriptions_per_user", 3)
     tag = settings.instance_tag
-    users = [u for u in await management.list_users() if tag in str(u.get("tags"))]
+    users = [user for user in await management.list_users() if tag in user.tags]
     assert len(users) == 3
     # Another user has its own quota.
     await (await backend.put_user()).create_subscription()
@@ -59,7 +59,7 @@ async def test_queues_over_the_quota_are_refused_but_existing_ones_still_answer(
     # Registering an existing queue again is not "one more".
     assert (await agent.create_queue(subscription, offering, "order")).status_code == 200
     page = await management.list_queues_page(agent.vhost, page=1, page_size=100)
-    names = [item["name"] for item in page["items"]]
+    names = [queue.name for queue in page.items]
     assert not [name for name in names if name.endswith("_offering_user")]
 
 

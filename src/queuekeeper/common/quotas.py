@@ -11,8 +11,9 @@ from queuekeeper.config import Settings
 from queuekeeper.exceptions import BadRequest, QuotaExceeded
 
 
-def check_quota(held: int, limit: int, what: str, setting: str) -> None:
-    """Refuse one more when `held` already reaches `limit`."""
+def check_quota(settings: Settings, setting: str, held: int, what: str) -> None:
+    """Refuse one more when `held` already reaches the limit the setting `setting` holds."""
+    limit = int(getattr(settings, setting))
     if held >= limit:
         raise QuotaExceeded(what, limit, setting)
 

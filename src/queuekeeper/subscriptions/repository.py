@@ -46,6 +46,16 @@ async def count_subscriptions(session: AsyncSession, user_uuid: uuid.UUID) -> in
     return int(total or 0)
 
 
+async def count_queues(session: AsyncSession, user_uuid: uuid.UUID) -> int:
+    total = await session.scalar(
+        select(func.count())
+        .select_from(EventSubscriptionQueue)
+        .join(EventSubscription, EventSubscription.uuid == EventSubscriptionQueue.subscription_uuid)
+        .where(EventSubscription.user_uuid == user_uuid)
+    )
+    return int(total or 0)
+
+
 def owned_queues(user_uuid: uuid.UUID) -> Select[EventSubscriptionQueue]:
     return (
         select(EventSubscriptionQueue)
