@@ -136,6 +136,13 @@ async def test_batch_body_is_bounded_by_batch_maximum_times_event_maximum(
     response = await client.post("/api/internal/events/batch/", json=huge, headers=SERVICE)
     assert response.status_code == 413, response.text
     assert "events_batch_max" in response.json()["detail"]
+    # Within the batch's bytes, one event over its own limit is refused, named.
+    one_big = {"events": [small[0], {**small[0], "payload": {"blob": "x" * 2000}}]}
+    response = await client.post("/api/internal/events/batch/", json=one_big, headers=SERVICE)
+    assert response.status_code == 413, response.text
+    answer = response.json()
+    assert answer["errors"][0]["field"] == "events.1.payload"
+    assert answer["setting"] == "event_payload_max_bytes"
 
 
 async def test_a_validation_error_never_echoes_a_huge_input(

@@ -8,6 +8,7 @@ recipients is one query for the whole request, whatever the batch holds.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from queuekeeper.events.outbox import OutboxDepth
 from queuekeeper.events.payloads import PAYLOAD_MODELS
 from queuekeeper.events.recipients import Recipients, find_recipients
 from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
-from queuekeeper.exceptions import BadRequest, NotFound
+from queuekeeper.exceptions import BadRequest, NotFound, TooLarge
 from queuekeeper.models import DeliveryState, Event, utcnow
 from queuekeeper.observability.metrics import (
     EVENTS_ACCEPTED,
@@ -98,6 +99,20 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
             extra={"errors": errors},
         )
     return bodies
+
+
+def check_payload_sizes(events: Sequence[EventIn], limit: int) -> None:
+    """Every payload of a batch, as JSON, fits `event_payload_max_bytes`."""
+    for index, event in enumerate(events):
+        size = len(json.dumps(event.payload, separators=(",", ":")).encode())
+        if size > limit:
+            raise TooLarge(
+                f"events.{index}.payload is {size} bytes of JSON; one event's payload may be "
+                f"at most {limit} (setting QUEUEKEEPER_EVENT_PAYLOAD_MAX_BYTES).",
+                limit=limit,
+                setting="event_payload_max_bytes",
+                field=f"events.{index}.payload",
+            )
 
 
 @dataclass
@@ -276,6 +291,9 @@ async def publish(
             f"{len(events)}. Split it into several requests.",
             field="events",
         )
+    if batch:
+        # A single event's body is bounded by this limit already (auth/guard.py).
+        check_payload_sizes(events, settings.event_payload_max_bytes)
     accepted = await accept(session, events, field_prefix="events" if batch else "")
     if accepted.new_deliveries:
         signals.accepted.notify()
