@@ -87,6 +87,8 @@ class Provisioner:
         return sorted(info.name for info in vhosts if self.owns(info))
 
     async def owns_vhost(self, vhost: str) -> bool:
+        if not topology.is_vhost_name(vhost):
+            return False  # never ours: no need to ask the broker
         info = await self.management.get_vhost(vhost)
         return info is not None and self.owns(info)
 
