@@ -58,6 +58,16 @@ async def _receiving(
     assert len(messages) == before + 1
 
 
+async def _live(
+    client: httpx.AsyncClient, backend: Backend, consume: Consume
+) -> tuple[Registered, StompConsumer]:
+    """A registered agent whose STOMP consumer is receiving events now."""
+    registered = await register(backend)
+    consumer = await consume(registered, registered.agent.token)
+    await _receiving(client, registered, consumer)
+    return registered, consumer
+
+
 async def _cut_off(consumer: StompConsumer) -> float:
     started = time.monotonic()
     assert await asyncio.to_thread(consumer.wait_refused, PROMPTLY), "connection still open"
@@ -79,10 +89,8 @@ async def _login_refused(registered: Registered, passcode: str) -> bool:
 async def test_changed_token_closes_the_open_connection_and_old_login_fails(
     client: httpx.AsyncClient, backend: Backend, consume: Consume
 ) -> None:
-    registered = await register(backend)
+    registered, consumer = await _live(client, backend, consume)
     agent = registered.agent
-    consumer = await consume(registered, agent.token)
-    await _receiving(client, registered, consumer)
 
     new_token = secrets.token_hex(20)
     await backend.put_user(agent.uuid, username=f"user-{agent.uuid.hex[:8]}", token=new_token)
@@ -105,10 +113,8 @@ async def test_changed_token_closes_the_open_connection_and_old_login_fails(
 async def test_removed_token_deactivation_or_past_expiry_leave_no_working_login(
     client: httpx.AsyncClient, backend: Backend, consume: Consume, change: dict[str, object]
 ) -> None:
-    registered = await register(backend)
+    registered, consumer = await _live(client, backend, consume)
     agent = registered.agent
-    consumer = await consume(registered, agent.token)
-    await _receiving(client, registered, consumer)
     response = await client.put(
         f"/api/internal/users/{agent.uuid}/",
         json={"username": f"user-{agent.uuid.hex[:8]}", **change},
@@ -135,19 +141,15 @@ async def test_removed_token_deactivation_or_past_expiry_leave_no_working_login(
 async def test_revoked_access_and_deleted_user_close_the_connection(
     client: httpx.AsyncClient, backend: Backend, consume: Consume
 ) -> None:
-    registered = await register(backend)
+    registered, consumer = await _live(client, backend, consume)
     agent = registered.agent
-    consumer = await consume(registered, agent.token)
-    await _receiving(client, registered, consumer)
     response = await client.delete(
         f"/api/internal/offerings/{registered.offering}/users/{agent.uuid}/", headers=SERVICE
     )
     assert response.status_code == 204, response.text
     await _cut_off(consumer)
 
-    other = await register(backend)
-    consumer = await consume(other, other.agent.token)
-    await _receiving(client, other, consumer)
+    other, consumer = await _live(client, backend, consume)
     response = await client.delete(f"/api/internal/users/{other.agent.uuid}/", headers=SERVICE)
     assert response.status_code == 204, response.text
     await _cut_off(consumer)

@@ -3,26 +3,19 @@
 
 from __future__ import annotations
 
-import os
 import secrets
-import signal
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
+from bench._support import live_process
 
 from queuekeeper.config import Settings
 from tests.conftest import SERVICE_TOKEN
-from tests.proxy import free_port
 from tests.security.exhaust import attack
 
-QUEUEKEEPER = str(Path(sys.executable).parent / "queuekeeper")
 SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
 
 
@@ -33,48 +26,26 @@ class Served:
 
 
 @pytest.fixture
-def served(settings: Settings, clean_state: None, tmp_path: Path) -> Iterator[Served]:
-    port = free_port()
-    env = {key: value for key, value in os.environ.items() if key != "PROMETHEUS_MULTIPROC_DIR"}
-    env.update(
-        {
-            "QUEUEKEEPER_DATABASE_URL": settings.database_url,
-            "QUEUEKEEPER_AMQP_URL": settings.amqp_url,
-            "QUEUEKEEPER_MANAGEMENT_URL": settings.management_url,
-            "QUEUEKEEPER_INSTANCE_NAME": settings.instance_name,
-            "QUEUEKEEPER_SERVICE_TOKENS": SERVICE_TOKEN,
-            "QUEUEKEEPER_SCHEDULER_ENABLED": "false",
-            "QUEUEKEEPER_LOG_FORMAT": "json",
-            "QUEUEKEEPER_LOG_LEVEL": "WARNING",
-        }
-    )
-    log = tmp_path / "serve.log"
-    with log.open("w") as output:
-        process = subprocess.Popen(
-            [QUEUEKEEPER, "serve", "--port", str(port)],
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, log.read_text()
-            try:
-                if httpx.get(f"{base}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+def served(settings: Settings, clean_state: None) -> Iterator[Served]:
+    with live_process(
+        settings,
+        QUEUEKEEPER_AMQP_URL=settings.amqp_url,
+        QUEUEKEEPER_MANAGEMENT_URL=settings.management_url,
+        QUEUEKEEPER_SCHEDULER_ENABLED="false",
+    ) as (base, process):
         yield Served(base, process.pid)
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+
+
+def _agent_token(served: Served) -> str:
+    """A user pushed to the served instance; its API token."""
+    token = secrets.token_hex(20)
+    response = httpx.put(
+        f"{served.base}/api/internal/users/{uuid.uuid4()}/",
+        json={"username": "agent", "token": token},
+        headers=SERVICE,
+    )
+    assert response.status_code == 201, response.text
+    return token
 
 
 def test_huge_bodies_neither_grow_memory_nor_stall_the_service(served: Served) -> None:
@@ -86,14 +57,7 @@ def test_huge_bodies_neither_grow_memory_nor_stall_the_service(served: Served) -
     assert unauthenticated.growth < 40
     assert unauthenticated.healthz_worst < 0.5
 
-    token = secrets.token_hex(20)
-    response = httpx.put(
-        f"{served.base}/api/internal/users/{uuid.uuid4()}/",
-        json={"username": "big-sender", "token": token},
-        headers=SERVICE,
-    )
-    assert response.status_code == 201, response.text
-    agent = {"Authorization": f"Token {token}"}
+    agent = {"Authorization": f"Token {_agent_token(served)}"}
     # An authenticated agent: refused by Content-Length, or counted while streamed.
     sized = attack(served.base, served.pid, headers=agent)
     print("agent, Content-Length:", sized)
@@ -106,13 +70,7 @@ def test_huge_bodies_neither_grow_memory_nor_stall_the_service(served: Served) -
 
 
 def test_forwarded_for_from_an_unlisted_loopback_peer_is_not_believed(served: Served) -> None:
-    token = secrets.token_hex(20)
-    response = httpx.put(
-        f"{served.base}/api/internal/users/{uuid.uuid4()}/",
-        json={"username": "behind-nothing", "token": token},
-        headers=SERVICE,
-    )
-    assert response.status_code == 201, response.text
+    token = _agent_token(served)
     response = httpx.post(
         f"{served.base}/api/event-subscriptions/",
         json={},
