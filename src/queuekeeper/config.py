@@ -132,7 +132,8 @@ class Settings(BaseSettings):
     max_consumers_per_user: int = Field(
         default=20,
         ge=1,
-        description="Unified event consumers (SPEC 9) one user may hold; one more is a 409.",
+        description="Unified event consumers (SPEC 9) one user may hold; one more is a 409 "
+        "(for the consumer registration to check with `common.quotas.check_quota`).",
     )
     registration_rate_limit: str = Field(
         default="20/second;600/minute",
