@@ -14,6 +14,7 @@ from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
+from structlog.testing import capture_logs
 
 from tests.conftest import SERVICE_TOKEN
 from tests.events.support import Registered, order_event, register
@@ -176,3 +177,16 @@ async def test_token_expiring_later_is_revoked_within_seconds(
     print(f"expiry: connection closed {time.monotonic() - started:.2f} s after it was live")
     assert datetime.now(UTC) >= expires
     assert await _login_refused(registered, agent.token)
+
+
+async def test_a_short_pushed_token_is_accepted_and_logged_without_the_token(
+    backend: Backend,
+) -> None:
+    with capture_logs() as logs:
+        await backend.put_user(token="short-token-123")
+        await backend.put_user(token=secrets.token_hex(16))  # 32 characters: fine
+    warnings = [entry for entry in logs if entry["event"] == "short_token"]
+    assert len(warnings) == 1
+    assert warnings[0]["length"] == 15
+    assert warnings[0]["log_level"] == "warning"
+    assert "short-token-123" not in str(logs)
