@@ -62,3 +62,14 @@ async def test_registration_calls_over_the_rate_are_429_with_retry_after(
     # Refused calls did nothing: one queue.
     queues = await client.get("/api/event-subscription-queues/", headers=agent.headers)
     assert len(queues.json()) == 1
+
+
+async def test_refusals_of_the_guard_are_in_the_openapi_document(
+    client: httpx.AsyncClient,
+) -> None:
+    paths = (await client.get("/openapi.json")).json()["paths"]
+    create_queue = paths["/api/event-subscriptions/{subscription_uuid}/create_queue/"]["post"]
+    assert {"409", "413", "429"} <= set(create_queue["responses"])
+    assert "Retry-After" in create_queue["responses"]["429"]["headers"]
+    assert "413" in paths["/api/internal/events/batch/"]["post"]["responses"]
+    assert "429" not in paths["/api/internal/events/batch/"]["post"]["responses"]
