@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint typecheck services test-postgres test-sqlite bench docs clean
+.PHONY: install run test lint typecheck services test-postgres test-sqlite test-cluster bench docs clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { \
@@ -40,6 +40,13 @@ test-sqlite: install services
 ## make test: install, make sure PostgreSQL and RabbitMQ are up, lint, type-check, run the suite
 ## on PostgreSQL and again on SQLite.
 test: install services lint typecheck test-postgres test-sqlite
+
+## make test-cluster: not part of `make test`. Builds a 3-node RabbitMQ cluster on loopback
+## beside the main broker (ports 57xx/157xx; needs root and the rabbitmq-server package), runs
+## three replicas on PostgreSQL with quorum, then classic, queues while a node and a replica
+## are killed; about 10 minutes. Figures: cluster-figures.json.
+test-cluster: install services
+	QK_CLUSTER=1 $(BIN)/pytest -q -s -p no:cacheprovider tests/cluster
 
 bench: install services
 	$(BIN)/python -m bench

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from functools import lru_cache
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def split_urls(value: str) -> list[str]:
+    """A comma-separated node list; a single URL is a list of one."""
+    return [url.strip() for url in value.split(",") if url.strip()]
 
 
 class Settings(BaseSettings):
@@ -41,11 +47,16 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("QUEUEKEEPER_AMQP_URL", "RABBIT_URL", "amqp_url"),
         description="AMQP connection string; `RABBIT_URL` is used when this is not set. "
         "Events go to each user's own vhost; the path (vhost) here is only opened by the "
-        "`/readyz` check, so the user needs access to it (default `/`).",
+        "`/readyz` check, so the user needs access to it (default `/`). For a cluster, "
+        "several node URLs separated by commas (same scheme for all): connections go to the "
+        "first node that answers, in this order, and a node that failed is skipped for "
+        "`broker_node_retry_seconds`.",
     )
     management_url: str = Field(
         default="http://127.0.0.1:15672",
-        description="RabbitMQ Management API base URL (`https://` with the TLS settings below).",
+        description="RabbitMQ Management API base URL (`https://` with the TLS settings below). "
+        "For a cluster, several node URLs separated by commas: a call that cannot connect or "
+        "gets a 5xx goes to the next node.",
     )
     management_user: str = Field(
         default="guest",
@@ -54,6 +65,12 @@ class Settings(BaseSettings):
     )
     management_password: str = Field(default="guest", description="Management API password.")
     management_timeout: float = Field(default=5.0, gt=0, description="Seconds per call.")
+    broker_node_retry_seconds: float = Field(
+        default=15.0,
+        gt=0,
+        description="With several AMQP or Management URLs: how long a node that failed is "
+        "tried only after the others; then it is preferred again in its configured order.",
+    )
     tls_ca_file: str | None = Field(
         default=None, description="CA bundle for `amqps://` and an `https://` Management API."
     )
@@ -168,6 +185,14 @@ class Settings(BaseSettings):
     )
 
     # --- queue arguments (SPEC 3) -------------------------------------------------------
+    queue_type: Literal["classic", "quorum"] = Field(
+        default="classic",
+        description="`classic`, or `quorum` for a RabbitMQ cluster (replicated; survives a node "
+        "loss). Quorum queues and their dead-letter queue get `x-queue-type: quorum`, "
+        "`x-overflow: reject-publish` and `x-dead-letter-strategy: at-least-once` instead of "
+        "`queue_overflow`; a full queue's nack is retried with backoff. Changing it on a "
+        'running installation: docs/operations.md, "Moving from classic to quorum queues".',
+    )
     queue_message_ttl_ms: int = Field(
         default=3_600_000, ge=0, description="`x-message-ttl` of every registered queue."
     )
@@ -338,6 +363,25 @@ class Settings(BaseSettings):
         parse_many(value)  # a ValueError here names the setting at start-up
         return value
 
+    @field_validator("amqp_url", "management_url")
+    @classmethod
+    def _node_list(cls, value: str, info: ValidationInfo) -> str:
+        urls = split_urls(value)
+        allowed = ("amqp", "amqps") if info.field_name == "amqp_url" else ("http", "https")
+        if not urls:
+            raise ValueError("at least one URL is required")
+        schemes = {urlsplit(url).scheme for url in urls}
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.scheme not in allowed or not parts.hostname:
+                raise ValueError(
+                    f"{url!r} is not a {' or '.join(allowed)} URL with a host "
+                    "(several nodes: separate them with commas)"
+                )
+        if len(schemes) > 1:
+            raise ValueError("every node URL must use the same scheme (one TLS set-up)")
+        return ",".join(urls)
+
     @field_validator("database_url")
     @classmethod
     def _async_driver(cls, value: str) -> str:
@@ -357,6 +401,16 @@ class Settings(BaseSettings):
         if value and not value.startswith("/"):
             value = "/" + value
         return value
+
+    @property
+    def amqp_urls(self) -> list[str]:
+        """The AMQP node URLs, in the configured order (one for a single broker)."""
+        return split_urls(self.amqp_url)
+
+    @property
+    def management_urls(self) -> list[str]:
+        """The Management API base URLs, in the configured order, without a trailing slash."""
+        return [url.rstrip("/") for url in split_urls(self.management_url)]
 
     @property
     def is_sqlite(self) -> bool:

@@ -60,7 +60,7 @@ def _drop_non_extras(
 
 def known_secrets(settings: Settings) -> list[str]:
     secrets = [settings.management_password, *settings.service_tokens]
-    for url in (settings.amqp_url, settings.database_url):
+    for url in (*settings.amqp_urls, *settings.management_urls, settings.database_url):
         password = url_password(url)
         if password:
             secrets.append(password)

@@ -45,6 +45,7 @@ class AppState:
     scheduler: JobScheduler | None = None
     # What readiness last reported down, so a change is logged once, not per probe.
     readiness_down: tuple[str, ...] = ()
+    readiness_nodes_down: tuple[str, ...] = ()
 
 
 async def get_state(request: Request) -> AppState:

@@ -191,6 +191,59 @@ async def test_management_that_hangs_is_not_ready_within_the_timeout(settings: S
     assert elapsed < 3
 
 
+async def test_readiness_names_each_node_and_stays_ready_while_one_answers(
+    settings: Settings,
+) -> None:
+    dead_amqp, dead_management = closed_port(), closed_port()
+    with tcp_proxy() as amqp:
+        clustered = settings.model_copy(
+            update={
+                "amqp_url": f"amqp://guest:guest@127.0.0.1:{dead_amqp}/,{amqp.amqp_url()}",
+                "management_url": f"http://127.0.0.1:{dead_management},{settings.management_url}",
+            }
+        )
+        async with serving(clustered) as (http, _state):
+            with capture_logs() as logs:
+                for _ in range(2):
+                    response = await http.get("/readyz")
+                    assert response.status_code == 200, response.text
+                body = response.json()
+                assert body["detail"] == (
+                    f"Ready; not answering: amqp 127.0.0.1:{dead_amqp}, "
+                    f"management 127.0.0.1:{dead_management}."
+                )
+                amqp_nodes = body["checks"]["amqp"]["nodes"]
+                assert {label: node["ok"] for label, node in amqp_nodes.items()} == {
+                    f"127.0.0.1:{dead_amqp}": False,
+                    f"127.0.0.1:{amqp.port}": True,
+                }
+                assert "Connect call failed" in amqp_nodes[f"127.0.0.1:{dead_amqp}"]["error"]
+                management_nodes = body["checks"]["management"]["nodes"]
+                assert management_nodes[f"127.0.0.1:{dead_management}"]["ok"] is False
+                assert management_nodes[f"{BROKER.host}:{BROKER.management_port}"]["ok"] is True
+
+                # The last node goes too: not ready, and the error names every node.
+                amqp.stop()
+                response = await http.get("/readyz")
+                assert response.status_code == 503
+                assert _down(response) == {"amqp"}
+                error = response.json()["checks"]["amqp"]["error"]
+                assert f"127.0.0.1:{dead_amqp}" in error
+                assert f"127.0.0.1:{amqp.port}" in error
+                amqp.start()
+                assert (await http.get("/readyz")).status_code == 200
+
+    changes = ("broker_nodes_not_answering", "not_ready")
+    events = [(entry["event"], entry.get("nodes") or entry.get("down")) for entry in logs]
+    assert [event for event in events if event[0] in changes] == [
+        (
+            "broker_nodes_not_answering",
+            [f"amqp 127.0.0.1:{dead_amqp}", f"management 127.0.0.1:{dead_management}"],
+        ),
+        ("not_ready", ["amqp"]),
+    ]
+
+
 async def test_readiness_reuses_one_broker_connection_and_reconnects_after_a_cut(
     settings: Settings,
 ) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
+from typing import Any
 
 import pytest
 from asgi_lifespan import LifespanManager
@@ -12,6 +14,7 @@ from sqlalchemy import select
 
 from queuekeeper.app import create_app
 from queuekeeper.config import Settings
+from queuekeeper.db import create_engine
 from queuekeeper.jobs.runs import Job, JobContext, JobSpec, Run, Trigger, run_job
 from queuekeeper.jobs.scheduler import JobScheduler
 from queuekeeper.models import JobRun, utcnow
@@ -139,3 +142,33 @@ async def test_record_left_running_by_a_dead_process_is_closed_by_the_next_run(
     assert stored is not None
     assert stored.status == "failed"
     assert "interrupted" in stored.failures[0]["reason"]
+
+
+async def test_three_replicas_run_each_scheduled_job_once_per_interval(
+    settings: Settings, make_client: Any
+) -> None:
+    """Three schedulers on one database, started out of step: every one fires every
+    interval, and the job still runs once per interval, not three times."""
+    interval = 2
+    for _ in range(3):
+        await make_client(reconcile_interval_seconds=interval, scheduler_jitter_seconds=0)
+        await asyncio.sleep(0.5)
+    started = time.monotonic()
+    await asyncio.sleep(4 * interval + 0.5)
+    elapsed = time.monotonic() - started + 1.0  # the replicas began 1 s before `started`
+    engine = create_engine(settings)
+    try:
+        async with engine.connect() as connection:
+            rows = (
+                await connection.execute(
+                    select(JobRun.started, JobRun.status)
+                    .where(JobRun.job == "reconcile", JobRun.trigger == "schedule")
+                    .order_by(JobRun.started)
+                )
+            ).all()
+    finally:
+        await engine.dispose()
+    ran = [row.started for row in rows if row.status != "skipped"]
+    gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(ran)]
+    assert int(elapsed // interval) - 1 <= len(ran) <= int(elapsed // interval) + 1, rows
+    assert min(gaps) >= 0.9 * interval, gaps

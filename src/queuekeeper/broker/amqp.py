@@ -1,4 +1,4 @@
-"""How queuekeeper opens AMQP connections: one URL per vhost, one TLS set-up.
+"""How queuekeeper opens AMQP connections: one URL per vhost, one TLS set-up, several nodes.
 
 Used by the publisher pool, the dead-letter redrive and the readiness check.
 """
@@ -6,9 +6,19 @@ Used by the publisher pool, the dead-letter redrive and the readiness check.
 from __future__ import annotations
 
 import ssl
+from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
+import aio_pika
+import aiormq
+from aio_pika.abc import AbstractConnection
+
+from queuekeeper.broker.nodes import NodeList
 from queuekeeper.config import Settings
+
+# What a connection attempt raises when the node is down or hangs (aio-pika's "closed"
+# errors are RuntimeErrors).
+CONNECT_ERRORS = (aiormq.exceptions.AMQPError, RuntimeError, OSError, TimeoutError)
 
 
 def vhost_url(amqp_url: str, vhost: str) -> str:
@@ -19,7 +29,7 @@ def vhost_url(amqp_url: str, vhost: str) -> str:
 
 def amqp_ssl_context(settings: Settings) -> ssl.SSLContext | None:
     """None for plain `amqp://`; for `amqps://`, checks on unless switched off explicitly."""
-    if urlsplit(settings.amqp_url).scheme != "amqps":
+    if urlsplit(settings.amqp_urls[0]).scheme != "amqps":  # one scheme for all nodes
         return None
     context = ssl.create_default_context(cafile=settings.tls_ca_file)
     if settings.tls_cert_file:
@@ -28,3 +38,53 @@ def amqp_ssl_context(settings: Settings) -> ssl.SSLContext | None:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
     return context
+
+
+def amqp_nodes(settings: Settings) -> NodeList:
+    return NodeList("amqp", settings.amqp_urls, settings.broker_node_retry_seconds)
+
+
+def vhost_refused(exc: BaseException) -> bool:
+    """The broker closed the connection at `connection.open`: the vhost is missing or we
+    have no permissions in it (RabbitMQ answers 530 NOT_ALLOWED; aiormq reports the Close
+    frame it got instead of OpenOk). Every node of a cluster would say the same."""
+    if isinstance(exc, aiormq.exceptions.ConnectionNotAllowed):
+        return True
+    return isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.OpenOk" in str(exc)
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+async def connect_vhost(
+    nodes: NodeList,
+    vhost: str,
+    *,
+    connect_timeout: float,
+    ssl_context: ssl.SSLContext | None,
+    **options: Any,
+) -> tuple[AbstractConnection, str]:
+    """A plain (not robust) connection to `vhost` on the first node that takes it.
+
+    Returns the connection and the node URL it went to. A refused vhost is raised at once
+    (it is refused cluster-wide); any other failure moves on to the next node, and the
+    last failure is raised when none took it.
+    """
+    last: BaseException | None = None
+    for node in nodes.order():
+        try:
+            connection = await aio_pika.connect(
+                vhost_url(node, vhost), timeout=connect_timeout, ssl_context=ssl_context, **options
+            )
+        except CONNECT_ERRORS as exc:
+            if vhost_refused(exc):
+                nodes.answered(node)
+                raise
+            nodes.failed(node, describe(exc))
+            last = exc
+            continue
+        nodes.answered(node)
+        return connection, node
+    assert last is not None  # NodeList is never empty
+    raise last

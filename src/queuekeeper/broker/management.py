@@ -1,4 +1,4 @@
-"""A thin, typed client for the RabbitMQ Management HTTP API.
+"""A thin, typed client for the RabbitMQ Management HTTP API (one node, or a cluster's).
 
 Errors keep the broker's own `reason` text, because that text is what tells an
 operator what happened ("inequivalent arg 'x-message-ttl' …", "vhost_not_found").
@@ -17,6 +17,7 @@ from urllib.parse import quote
 import httpx
 import structlog
 
+from queuekeeper.broker.nodes import NodeList
 from queuekeeper.broker.passwords import HASHING_ALGORITHM
 from queuekeeper.broker.topology import Permissions
 from queuekeeper.config import Settings
@@ -195,8 +196,10 @@ class ManagementClient:
         self._observer = observer
         # retries=1 re-tries only a failed *connect*: nothing was sent, so it is safe for any call.
         transport = transport or httpx.AsyncHTTPTransport(retries=1, verify=_ssl_context(settings))
+        self._nodes = NodeList(
+            "management", settings.management_urls, settings.broker_node_retry_seconds
+        )
         self._client = httpx.AsyncClient(
-            base_url=settings.management_url.rstrip("/") + "/api",
             auth=(settings.management_user, settings.management_password),
             timeout=httpx.Timeout(settings.management_timeout),
             transport=transport,
@@ -216,24 +219,34 @@ class ManagementClient:
         params: dict[str, Any] | None = None,
         attempts: int = 2,
     ) -> httpx.Response:
-        # Every call we make is idempotent (GET/PUT/DELETE), so a retry on a
-        # timeout or 5xx cannot do anything twice that matters.
-        for attempt in range(attempts):
+        # Every call we make is idempotent (GET/PUT/DELETE), so a retry on a timeout or 5xx,
+        # on the same node or the next one, cannot do anything twice that matters. A node
+        # that failed goes to the back of the order, so each retry asks the next node.
+        tries = attempts + len(self._nodes) - 1
+        for attempt in range(tries):
+            node = self._nodes.order()[0]
             started = time.perf_counter()
             try:
-                response = await self._client.request(method, path, json=json, params=params)
+                response = await self._client.request(
+                    method, f"{node}/api{path}", json=json, params=params
+                )
             except httpx.TransportError as exc:
                 self._observe(kind, "error", started)
-                if attempt + 1 < attempts:
+                self._nodes.failed(node, f"{type(exc).__name__}: {exc}")
+                if attempt + 1 < tries:
                     continue
                 raise BrokerUnavailable(
                     f"RabbitMQ Management API unreachable ({type(exc).__name__}: {exc})",
                     path=path,
                 ) from exc
             self._observe(kind, str(response.status_code), started)
-            if response.status_code >= 500 and attempt + 1 < attempts:
-                await asyncio.sleep(0.05 * attempt)
-                continue
+            if response.status_code >= 500:
+                self._nodes.failed(node, f"answered {response.status_code}")
+                if attempt + 1 < tries:
+                    await asyncio.sleep(0.05 * attempt)
+                    continue
+            else:
+                self._nodes.answered(node)
             return self._check(response, path)
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -297,6 +310,13 @@ class ManagementClient:
     async def overview(self) -> dict[str, Any]:
         body = await self._get_or_none("/overview", "overview", columns="rabbitmq_version")
         return body or {}
+
+    async def node_overview(self, node_url: str) -> None:
+        """Ask that one node, not the cluster: readiness reports each node by itself."""
+        response = await self._client.get(
+            f"{node_url.rstrip('/')}/api/overview", params={"columns": "rabbitmq_version"}
+        )
+        self._check(response, "/overview")
 
     # --- vhosts ---------------------------------------------------------------------------
     async def get_vhost(self, name: str) -> VhostInfo | None:

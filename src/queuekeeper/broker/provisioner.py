@@ -36,6 +36,8 @@ class QueueOutcome(enum.StrEnum):
     CREATED = "created"
     EXISTING = "existing"
     REPAIRED = "repaired"
+    # Of the other queue type (classic/quorum) and busy: kept as it is, see ensure_queue.
+    KEPT = "kept"
 
 
 class QueueConflict(Exception):
@@ -74,6 +76,11 @@ class Provisioner:
         self.management = management
         self.settings = settings
         self.queue_arguments = topology.queue_arguments(settings)
+        # What a queue declared before a change of queue_type looks like (classic <-> quorum).
+        other = topology.CLASSIC if settings.queue_type == topology.QUORUM else topology.QUORUM
+        self.other_type_arguments = topology.queue_arguments(
+            settings.model_copy(update={"queue_type": other})
+        )
         self.dlq_arguments = topology.dead_letter_queue_arguments(settings)
 
     # --- vhosts ------------------------------------------------------------------------
@@ -123,11 +130,12 @@ class Provisioner:
         await self.management.put_permissions(vhost, user, topology.SERVICE_PERMISSIONS)
 
     def service_users(self) -> list[str]:
-        """The Management API user and the AMQP user (they may differ) both need full rights."""
+        """The Management API user and the AMQP users (they may differ) all need full rights."""
         users = {self.settings.management_user}
-        amqp_user = urlsplit(self.settings.amqp_url).username
-        if amqp_user:
-            users.add(unquote(amqp_user))
+        for url in self.settings.amqp_urls:
+            amqp_user = urlsplit(url).username
+            if amqp_user:
+                users.add(unquote(amqp_user))
         return sorted(users)
 
     async def ensure_dead_letter_queue(self, vhost: str) -> None:
@@ -278,23 +286,51 @@ class Provisioner:
         return closed
 
     # --- queues ------------------------------------------------------------------------
-    async def ensure_queue(self, vhost: str, name: str) -> QueueOutcome:
+    async def ensure_queue(
+        self, vhost: str, name: str, *, keep_other_type: bool = False
+    ) -> QueueOutcome:
         """Declare a subscription queue with exactly our arguments.
 
         A queue that exists with other arguments (the agent-subscribed-first race,
         or changed settings) is deleted and re-created when the broker confirms it
-        is empty and unconsumed; otherwise QueueConflict.
+        is empty and unconsumed; otherwise QueueConflict. With `keep_other_type` (an
+        agent registering), a busy queue whose only difference is its type (classic or
+        quorum: a migration in progress) is kept as it is (KEPT): it delivers as well,
+        and it is converted once it is empty and unconsumed.
         """
         try:
             created = await self._put_queue(vhost, name)
         except ManagementBadRequest as exc:
             if not exc.inequivalent:
                 raise
-            return await self._repair(vhost, name, exc.reason)
+            return await self._repair_or_keep(vhost, name, exc.reason, keep_other_type)
         differences = await self.queue_differences(vhost, name)
         if differences:
-            return await self._repair(vhost, name, "; ".join(differences))
+            return await self._repair_or_keep(vhost, name, "; ".join(differences), keep_other_type)
         return QueueOutcome.CREATED if created else QueueOutcome.EXISTING
+
+    async def _repair_or_keep(
+        self, vhost: str, name: str, reason: str, keep_other_type: bool
+    ) -> QueueOutcome:
+        try:
+            return await self._repair(vhost, name, reason)
+        except QueueConflict:
+            if not keep_other_type:
+                raise
+            info = await self.management.get_queue(vhost, name)
+            # Kept only when it is exactly our queue as the other type declares it.
+            if info is None or _differences(self.other_type_arguments, info):
+                raise
+            log.warning(
+                "queue_type_drift_kept",
+                vhost=vhost,
+                queue=name,
+                reason=f"queue type: expected {self.settings.queue_type}, broker has "
+                f"{topology.queue_type(info.arguments)}",
+                detail="the queue holds messages or has consumers; kept, converted when "
+                "empty and unconsumed (reconcile, or the agent's next registration)",
+            )
+            return QueueOutcome.KEPT
 
     async def _put_queue(self, vhost: str, name: str) -> bool:
         try:

@@ -15,7 +15,8 @@ order they were published.
 
 Reconnects are our own, not aio-pika's robust connection: a publish that fails
 because the connection dropped is reported as `UNREACHABLE`, the outbox relay
-retries it later, and the next use of the vhost opens a fresh connection.
+retries it later, and the next use of the vhost opens a fresh connection, on the
+first node of the configured list that answers (`broker/nodes.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import contextlib
 import enum
 import ssl
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -36,7 +37,16 @@ import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange
 from aio_pika.exceptions import DeliveryError, PublishError
 
-from queuekeeper.broker.amqp import amqp_ssl_context, vhost_url
+from queuekeeper.broker.amqp import (
+    CONNECT_ERRORS,
+    amqp_nodes,
+    amqp_ssl_context,
+    connect_vhost,
+    describe,
+    vhost_refused,
+    vhost_url,
+)
+from queuekeeper.broker.nodes import NodeList, node_label
 from queuekeeper.config import Settings
 from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS, CONFIRM_LATENCY
 
@@ -82,6 +92,7 @@ class _VhostConnection:
     def __init__(self, vhost: str) -> None:
         self.vhost = vhost
         self.connection: AbstractConnection | None = None
+        self.node: str | None = None  # the node URL it is connected to
         self.channels: list[_Channel] = []
         self.by_key: dict[str, _Channel] = {}
         self.users = 0
@@ -100,13 +111,13 @@ class _VhostConnection:
         )
 
     async def connect(
-        self, url: str, connect_timeout: float, ssl_context: ssl.SSLContext | None
+        self, nodes: NodeList, connect_timeout: float, ssl_context: ssl.SSLContext | None
     ) -> None:
         async with self.lock:
             if self.connection is not None:
                 return
-            self.connection = await aio_pika.connect(
-                url, timeout=connect_timeout, ssl_context=ssl_context
+            self.connection, self.node = await connect_vhost(
+                nodes, self.vhost, connect_timeout=connect_timeout, ssl_context=ssl_context
             )
 
     async def channel_for(self, routing_key: str, message_id: str) -> _Channel:
@@ -161,35 +172,25 @@ class _VhostConnection:
                 log.debug("amqp_close_failed", vhost=self.vhost, error=repr(exc))
 
 
-def _vhost_refused(exc: BaseException) -> bool:
-    """The broker closed the connection at `connection.open`: the vhost is missing or we
-    have no permissions in it (RabbitMQ answers 530 NOT_ALLOWED; aiormq reports the Close
-    frame it got instead of OpenOk)."""
-    if isinstance(exc, aiormq.exceptions.ConnectionNotAllowed):
-        return True
-    return isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.OpenOk" in str(exc)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:500]
-
-
 class AmqpPublisher:
     """Publishes to per-vhost connections; at most `amqp_pool_size` are open at once."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._ssl = amqp_ssl_context(settings)
+        self.nodes = amqp_nodes(settings)
         self._pool: OrderedDict[str, _VhostConnection] = OrderedDict()
         # Bounds the connections in use at once, so making room always finds an idle one.
         self._slots = asyncio.Semaphore(settings.amqp_pool_size)
         self._lost: set[str] = set()
         self._closed = False
-        self._probe: AbstractConnection | None = None
-        self._probe_lock = asyncio.Lock()
+        self._probes: dict[str, AbstractConnection] = {}  # node URL -> its probe connection
+        # One lock per node: a node that hangs must not hold up the probes of the others.
+        self._probe_locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def url(self, vhost: str) -> str:
-        return vhost_url(self.settings.amqp_url, vhost)
+        """The URL `vhost` is opened with on the first configured node."""
+        return vhost_url(self.nodes.urls[0], vhost)
 
     @property
     def open_connections(self) -> int:
@@ -202,20 +203,20 @@ class AmqpPublisher:
         try:
             async with self._use(vhost) as entry:
                 results = await asyncio.gather(*(self._publish_one(entry, item) for item in items))
-        except (aiormq.exceptions.AMQPError, RuntimeError, OSError, TimeoutError) as exc:
-            if _vhost_refused(exc):
-                return [Result(Outcome.VHOST_REFUSED, _describe(exc))] * len(items)
-            log.warning("amqp_connect_failed", vhost=vhost, error=_describe(exc))
-            return [Result(Outcome.UNREACHABLE, _describe(exc))] * len(items)
+        except CONNECT_ERRORS as exc:
+            if vhost_refused(exc):
+                return [Result(Outcome.VHOST_REFUSED, describe(exc))] * len(items)
+            log.warning("amqp_connect_failed", vhost=vhost, error=describe(exc))
+            return [Result(Outcome.UNREACHABLE, describe(exc))] * len(items)
         return list(results)
 
     async def _publish_one(self, entry: _VhostConnection, item: Outgoing) -> Result:
         message_id = item.message.message_id or ""
         try:
             channel = await entry.channel_for(item.routing_key, message_id)
-        except (aiormq.exceptions.AMQPError, RuntimeError, OSError, TimeoutError) as exc:
+        except CONNECT_ERRORS as exc:
             # RuntimeError: aio-pika's "connection closed" (ChannelInvalidStateError included)
-            return Result(Outcome.UNREACHABLE, _describe(exc))
+            return Result(Outcome.UNREACHABLE, describe(exc))
         started = time.perf_counter()
         try:
             await channel.exchange.publish(
@@ -239,7 +240,7 @@ class AmqpPublisher:
                 f"no confirm within {self.settings.publish_timeout:g} s",
             )
         except (aiormq.exceptions.AMQPError, RuntimeError, OSError) as exc:
-            return Result(Outcome.UNREACHABLE, _describe(exc))
+            return Result(Outcome.UNREACHABLE, describe(exc))
         finally:
             await entry.release(channel, message_id)
         CONFIRM_LATENCY.observe(time.perf_counter() - started)
@@ -255,6 +256,9 @@ class AmqpPublisher:
                 self._lost.add(vhost)
                 await self._drop(entry)
                 entry = None
+            elif entry is not None and entry.users == 0 and self._moved_back(entry):
+                await self._drop(entry)
+                entry = None
             if entry is None:
                 await self._make_room()
                 entry = _VhostConnection(vhost)
@@ -264,9 +268,7 @@ class AmqpPublisher:
             entry.users += 1
             try:
                 if entry.connection is None:
-                    await entry.connect(
-                        self.url(vhost), self.settings.amqp_connect_timeout, self._ssl
-                    )
+                    await entry.connect(self.nodes, self.settings.amqp_connect_timeout, self._ssl)
                     if vhost in self._lost:
                         self._lost.discard(vhost)
                         AMQP_RECONNECTS.inc()
@@ -283,6 +285,18 @@ class AmqpPublisher:
             if entry.broken:
                 self._lost.add(vhost)
                 await self._drop(entry)
+
+    def _moved_back(self, entry: _VhostConnection) -> bool:
+        """An idle connection that failed over, once a node listed before its own answers
+        again: closed, so the next use reconnects there (back to the configured spread)."""
+        node = entry.node
+        if node is None or len(self.nodes) == 1:
+            return False
+        preferred = self.nodes.preferred()
+        if preferred == node or self.nodes.urls.index(preferred) > self.nodes.urls.index(node):
+            return False
+        log.info("amqp_moving_back", vhost=entry.vhost, node=node_label(preferred))
+        return True
 
     async def _drop(self, entry: _VhostConnection) -> None:
         if self._pool.get(entry.vhost) is entry:
@@ -312,19 +326,21 @@ class AmqpPublisher:
             await self._drop(entry)
         return len(idle)
 
-    async def probe(self) -> None:
-        """Readiness: a channel opened and closed on one long-lived connection to the URL's
-        own vhost, so a probe costs a round trip, not a TCP and AMQP handshake. Raises when
-        the broker cannot be reached; the next probe connects again."""
-        async with self._probe_lock:
-            probe = self._probe
+    async def probe(self, node: str | None = None) -> None:
+        """Readiness: a channel opened and closed on one long-lived connection to the node
+        URL's own vhost (the first node by default), so a probe costs a round trip, not a
+        TCP and AMQP handshake. Raises when the node cannot be reached; the next probe
+        connects again."""
+        node = node or self.nodes.urls[0]
+        async with self._probe_locks[node]:
+            probe = self._probes.get(node)
             if probe is None or probe.is_closed or not probe.connected.is_set():
-                self._probe = None
+                self._probes.pop(node, None)
                 if probe is not None:
                     with contextlib.suppress(Exception):
                         await probe.close()
-                probe = self._probe = await aio_pika.connect(
-                    self.settings.amqp_url,
+                probe = self._probes[node] = await aio_pika.connect(
+                    node,
                     timeout=self.settings.readiness_timeout,
                     ssl_context=self._ssl,
                     client_properties={"connection_name": "queuekeeper readiness"},
@@ -334,10 +350,10 @@ class AmqpPublisher:
 
     async def close(self) -> None:
         self._closed = True
-        if self._probe is not None:
+        probes, self._probes = list(self._probes.values()), {}
+        for probe in probes:
             with contextlib.suppress(Exception):
-                await self._probe.close()
-            self._probe = None
+                await probe.close()
         entries = list(self._pool.values())
         self._pool.clear()
         AMQP_POOL_SIZE.set(0)

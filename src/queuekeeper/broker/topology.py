@@ -91,28 +91,67 @@ def subscription_permissions(subscription_uuid: uuid.UUID) -> Permissions:
 SERVICE_PERMISSIONS = Permissions(configure=EVERYTHING, write=EVERYTHING, read=EVERYTHING)
 
 
+QUEUE_TYPE = "x-queue-type"
+CLASSIC = "classic"
+QUORUM = "quorum"
+
+
 def queue_arguments(settings: Settings) -> dict[str, Any]:
-    return {
+    """Every registered queue's arguments (both kinds: subscription and consumer queues)."""
+    arguments: dict[str, Any] = {
         "x-message-ttl": settings.queue_message_ttl_ms,
         "x-max-length": settings.queue_max_length,
         "x-overflow": settings.queue_overflow,
         "x-dead-letter-exchange": settings.dead_letter_exchange,
         "x-dead-letter-routing-key": settings.dlq_name,
     }
+    if settings.queue_type == QUORUM:
+        # RabbitMQ 3.10 accepts `reject-publish-dlx` on a quorum queue (201) and silently
+        # behaves as `drop-head`, dead-lettering the *oldest* event. So a full quorum queue
+        # nacks the publisher instead (the relay retries), and TTL expiry is dead-lettered
+        # at-least-once, which RabbitMQ allows only together with `reject-publish`.
+        arguments.update(
+            {
+                QUEUE_TYPE: QUORUM,
+                "x-overflow": "reject-publish",
+                "x-dead-letter-strategy": "at-least-once",
+            }
+        )
+    return arguments
 
 
 def dead_letter_queue_arguments(settings: Settings) -> dict[str, Any]:
-    return {
+    """The dead-letter queue is of the same type as the queues whose dead letters it keeps:
+    on a quorum installation it must survive a node loss too."""
+    arguments: dict[str, Any] = {
         "x-max-length": settings.dlq_max_length,
         "x-message-ttl": settings.dlq_message_ttl_ms,
         "x-overflow": settings.dlq_overflow,
     }
+    if settings.queue_type == QUORUM:
+        arguments[QUEUE_TYPE] = QUORUM
+    return arguments
+
+
+def queue_type(arguments: dict[str, Any]) -> str:
+    """A queue declared without `x-queue-type` is classic."""
+    return str(arguments.get(QUEUE_TYPE) or CLASSIC)
 
 
 def argument_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    """Human-readable differences; empty when the broker holds exactly what we asked for."""
+    """Human-readable differences; empty when the broker holds exactly what we asked for.
+
+    The type comes first and in words: it is the one difference that cannot be changed in
+    place (the queue must be re-created, so only when it is empty and unconsumed).
+    """
     differences = []
-    for key in sorted(set(expected) | set(actual)):
+    want_type, have_type = queue_type(expected), queue_type(actual)
+    if want_type != have_type:
+        differences.append(
+            f"queue type: expected {want_type}, broker has {have_type} "
+            "(cannot change in place: re-created only when empty and unconsumed)"
+        )
+    for key in sorted((set(expected) | set(actual)) - {QUEUE_TYPE}):
         want, have = expected.get(key, "<absent>"), actual.get(key, "<absent>")
         if want != have:
             differences.append(f"{key}: expected {want!r}, broker has {have!r}")

@@ -35,7 +35,7 @@ from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishErr
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
-from queuekeeper.broker.amqp import amqp_ssl_context, vhost_url
+from queuekeeper.broker.amqp import amqp_nodes, amqp_ssl_context, connect_vhost
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings
 from queuekeeper.deadletters import repository
@@ -114,11 +114,13 @@ async def redrive(context: JobContext, run: Run, only: str | None = None) -> Non
             run.fail(only, "no such vhost of this installation")
             return
         vhosts = [only]
+    nodes = amqp_nodes(context.settings)
     for done, vhost in enumerate(vhosts, 1):
         async with run.item(vhost):
-            connection = await aio_pika.connect(
-                vhost_url(context.settings.amqp_url, vhost),
-                timeout=context.settings.management_timeout,
+            connection, _node = await connect_vhost(
+                nodes,
+                vhost,
+                connect_timeout=context.settings.management_timeout,
                 ssl_context=amqp_ssl_context(context.settings),
             )
             async with connection:

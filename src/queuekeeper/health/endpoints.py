@@ -27,7 +27,9 @@ async def healthz() -> Liveness:
     summary="Readiness",
     description="Checks the database (`SELECT 1`), an AMQP connection and the RabbitMQ "
     "Management API, concurrently, each within `QUEUEKEEPER_READINESS_TIMEOUT` seconds. "
-    "503 names what is down; take the replica out of rotation until it answers 200.",
+    "With several broker node URLs every node is checked and named under `nodes`; the "
+    "broker counts as up while one node answers. 503 names what is down; take the replica "
+    "out of rotation until it answers 200.",
     response_model=Readiness,
     responses={
         503: {

@@ -11,10 +11,18 @@ class Liveness(BaseModel):
     status: Literal["ok"] = "ok"
 
 
-class CheckResult(BaseModel):
+class NodeResult(BaseModel):
     ok: bool
     seconds: float = Field(description="How long the check took.")
     error: str | None = Field(default=None, description="Why it failed (secrets masked).")
+
+
+class CheckResult(NodeResult):
+    nodes: dict[str, NodeResult] | None = Field(
+        default=None,
+        description="`amqp` and `management`: each configured node (`host:port`) and whether "
+        "it answered. The check is ok while at least one node answers.",
+    )
 
 
 class Readiness(BaseModel):
@@ -22,16 +30,31 @@ class Readiness(BaseModel):
         json_schema_extra={
             "examples": [
                 {
-                    "status": "unavailable",
-                    "detail": "Not ready: amqp is down.",
+                    "status": "ready",
+                    "detail": "Ready; not answering: amqp 10.0.0.2:5672.",
                     "checks": {
                         "database": {"ok": True, "seconds": 0.002, "error": None},
                         "amqp": {
-                            "ok": False,
-                            "seconds": 0.001,
-                            "error": "AMQPConnectionError: [Errno 111] Connect call failed",
+                            "ok": True,
+                            "seconds": 0.011,
+                            "error": None,
+                            "nodes": {
+                                "10.0.0.1:5672": {"ok": True, "seconds": 0.01, "error": None},
+                                "10.0.0.2:5672": {
+                                    "ok": False,
+                                    "seconds": 0.001,
+                                    "error": "AMQPConnectionError: [Errno 111] Connect call failed",
+                                },
+                            },
                         },
-                        "management": {"ok": True, "seconds": 0.004, "error": None},
+                        "management": {
+                            "ok": True,
+                            "seconds": 0.004,
+                            "error": None,
+                            "nodes": {
+                                "10.0.0.1:15672": {"ok": True, "seconds": 0.004, "error": None}
+                            },
+                        },
                     },
                 }
             ]
@@ -39,7 +62,10 @@ class Readiness(BaseModel):
     )
 
     status: Literal["ready", "unavailable"]
-    detail: str = Field(description="`Ready.`, or which dependencies are down.")
+    detail: str = Field(
+        description="`Ready.`, which dependencies are down, or which broker nodes did not "
+        "answer while others did (still ready)."
+    )
     checks: dict[str, CheckResult] = Field(
         description="One entry per dependency: `database`, `amqp`, `management`."
     )

@@ -1,7 +1,9 @@
 """Readiness: can this process do its work right now?
 
 Each dependency is checked concurrently with a short timeout, so a probe answers within
-about `readiness_timeout` seconds even when a dependency hangs rather than refuses.
+about `readiness_timeout` seconds even when a dependency hangs rather than refuses. With
+several broker nodes configured, every node is checked at once: the broker is up while
+one node answers, and the report names each node and whether it answered.
 """
 
 from __future__ import annotations
@@ -9,17 +11,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import structlog
 from sqlalchemy import text
 
+from queuekeeper.broker.nodes import node_label
 from queuekeeper.common.redact import default_redactor
-from queuekeeper.health.schemas import CheckResult, Readiness
+from queuekeeper.health.schemas import CheckResult, NodeResult, Readiness
 from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
 
 Check = Callable[[], Awaitable[None]]
+NodeCheck = Callable[[str], Awaitable[None]]
 
 
 async def check_database(state: AppState) -> None:
@@ -27,20 +32,12 @@ async def check_database(state: AppState) -> None:
         await connection.execute(text("SELECT 1"))
 
 
-async def check_amqp(state: AppState) -> None:
-    await state.publisher.probe()
+async def check_amqp_node(state: AppState, url: str) -> None:
+    await state.publisher.probe(url)
 
 
-async def check_management(state: AppState) -> None:
-    await state.management.overview()
-
-
-def checks(state: AppState) -> dict[str, Check]:
-    return {
-        "database": lambda: check_database(state),
-        "amqp": lambda: check_amqp(state),
-        "management": lambda: check_management(state),
-    }
+async def check_management_node(state: AppState, url: str) -> None:
+    await state.management.node_overview(url)
 
 
 async def _run(check: Check, limit: float) -> CheckResult:
@@ -57,24 +54,69 @@ async def _run(check: Check, limit: float) -> CheckResult:
     )
 
 
+async def _across_nodes(urls: list[str], check: NodeCheck, limit: float) -> CheckResult:
+    """Every node at once; the dependency is up when at least one node answered."""
+    started = time.perf_counter()
+    results = await asyncio.gather(*(_run(partial(check, url), limit) for url in urls))
+    nodes = {
+        node_label(url): NodeResult(ok=result.ok, seconds=result.seconds, error=result.error)
+        for url, result in zip(urls, results, strict=True)
+    }
+    failed = {label: result.error for label, result in nodes.items() if not result.ok}
+    error = None
+    if len(failed) == len(nodes) == 1:  # one broker: worded as before there were lists
+        error = next(iter(failed.values()))
+    elif len(failed) == len(nodes):
+        error = "; ".join(f"{label}: {reason}" for label, reason in failed.items())[:1000]
+    return CheckResult(
+        ok=error is None,
+        seconds=round(time.perf_counter() - started, 4),
+        error=error,
+        nodes=nodes,
+    )
+
+
 async def readiness(state: AppState) -> Readiness:
-    named = checks(state)
-    timeout = state.settings.readiness_timeout
-    results = await asyncio.gather(*(_run(check, timeout) for check in named.values()))
-    report = dict(zip(named, results, strict=True))
+    settings = state.settings
+    limit = settings.readiness_timeout
+    database, amqp, management = await asyncio.gather(
+        _run(partial(check_database, state), limit),
+        _across_nodes(settings.amqp_urls, partial(check_amqp_node, state), limit),
+        _across_nodes(settings.management_urls, partial(check_management_node, state), limit),
+    )
+    report = {"database": database, "amqp": amqp, "management": management}
     down = [name for name, result in report.items() if not result.ok]
-    _log_change(state, down, report)
+    nodes_down = [
+        f"{name} {label}"
+        for name, result in report.items()
+        if result.ok
+        for label, node in (result.nodes or {}).items()
+        if not node.ok
+    ]
+    _log_change(state, down, nodes_down, report)
     if down:
         return Readiness(
             status="unavailable", detail=f"Not ready: {', '.join(down)} down.", checks=report
         )
+    if nodes_down:
+        detail = f"Ready; not answering: {', '.join(nodes_down)}."
+        return Readiness(status="ready", detail=detail, checks=report)
     return Readiness(status="ready", detail="Ready.", checks=report)
 
 
-def _log_change(state: AppState, down: list[str], report: dict[str, CheckResult]) -> None:
+def _log_change(
+    state: AppState, down: list[str], nodes_down: list[str], report: dict[str, CheckResult]
+) -> None:
     """One line when readiness changes, not one per probe."""
-    previous = list(state.readiness_down)
+    previous, previous_nodes = list(state.readiness_down), list(state.readiness_nodes_down)
     state.readiness_down = tuple(down)
+    # While a check is down its nodes are all down: node changes are told when it is back.
+    if nodes_down != previous_nodes and not down:
+        state.readiness_nodes_down = tuple(nodes_down)
+        if nodes_down:
+            log.warning("broker_nodes_not_answering", nodes=nodes_down)
+        else:
+            log.info("broker_nodes_all_answering", were_down=previous_nodes)
     if down == previous:
         return
     if down:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
@@ -43,6 +44,15 @@ async def close_interrupted(session: AsyncSession, job: str) -> None:
             status="failed",
             finished=utcnow(),
             failures=[{"item": job, "reason": "interrupted: the process running it stopped"}],
+        )
+    )
+
+
+async def last_started(session: AsyncSession, job: str, trigger: str) -> datetime | None:
+    """When the latest run of `job` by `trigger` that did something (not skipped) began."""
+    return await session.scalar(
+        select(func.max(JobRun.started)).where(
+            JobRun.job == job, JobRun.trigger == trigger, JobRun.status != "skipped"
         )
     )
 

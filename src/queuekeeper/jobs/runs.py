@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import structlog
@@ -226,11 +227,24 @@ class JobSpec:
     on_change: Callable[[str], None] | None = None  # called per real change (metrics)
     # A frequent check (every few seconds): a run that finds and changes nothing, or is
     # skipped, leaves no run record and logs at debug, so records and logs show only work.
+    # With no record of its last run it is never "not due": each replica runs it every
+    # interval, one at a time under the lock (it must be cheap when there is nothing to do).
     quiet: bool = False
 
 
 JobTable = Mapping[Job, JobSpec]
 Started = Callable[[JobRun], None]
+
+
+async def _ran_this_interval(context: JobContext, job: JobSpec, now: datetime) -> bool:
+    """A scheduled run of `job` began less than 90 % of its interval ago (read under the
+    job's lock, so two replicas cannot both miss each other's run)."""
+    every = job.interval(context.settings)
+    if every <= 0:
+        return False
+    async with context.sessions() as session:
+        last = await repository.last_started(session, job.name.value, Trigger.SCHEDULE.value)
+    return last is not None and now - last < timedelta(seconds=every * 0.9)
 
 
 async def run_job(
@@ -253,7 +267,20 @@ async def run_job(
     began = utcnow()
     clock = time.perf_counter()
     async with job_lock(context.engine, name.value) as acquired:
-        if not acquired:
+        # Every replica's scheduler fires each interval: the first to get the lock runs, the
+        # others find its start and do nothing ("not due"). Not recorded (the normal case
+        # with replicas, twice per interval with three); counted and logged.
+        not_due = (
+            acquired
+            and trigger is Trigger.SCHEDULE
+            and await _ran_this_interval(context, job, began)
+        )
+        if not acquired or not_due:
+            held = {
+                "item": name.value,
+                "reason": "another run of this job is in progress (on this or another "
+                "replica); this one did nothing",
+            }
             record = JobRun(
                 uuid=uuid.uuid4(),
                 job=name.value,
@@ -265,22 +292,20 @@ async def run_job(
                 found={},
                 changed={},
                 actions=[],
-                failures=[
-                    {
-                        "item": name.value,
-                        "reason": "another run of this job is in progress (on this or another "
-                        "replica); this one did nothing",
-                    }
-                ],
+                failures=[] if not_due else [held],
             )
-            if not job.quiet:
-                async with context.sessions() as session:
-                    repository.insert_run(session, record)
-                    await session.commit()
-            JOB_RUNS.labels(job=name.value, status=RunStatus.SKIPPED.value).inc()
-            (log.debug if job.quiet else log.info)(
-                "job_skipped", job=name.value, trigger=trigger.value
-            )
+            if not_due:
+                JOB_RUNS.labels(job=name.value, status="not_due").inc()
+                log.info("job_not_due", job=name.value)
+            else:
+                if not job.quiet:
+                    async with context.sessions() as session:
+                        repository.insert_run(session, record)
+                        await session.commit()
+                JOB_RUNS.labels(job=name.value, status=RunStatus.SKIPPED.value).inc()
+                (log.debug if job.quiet else log.info)(
+                    "job_skipped", job=name.value, trigger=trigger.value
+                )
             if started is not None:
                 started(record)
             return record

@@ -26,7 +26,8 @@ HTTP_LATENCY = Histogram(
 # --- registration ------------------------------------------------------------------------
 CREATE_QUEUE = Counter(
     "queuekeeper_create_queue_total",
-    "create_queue calls by outcome: created, existing, repaired, conflict, broker_unavailable.",
+    "create_queue calls by outcome: created, existing, repaired, kept (a busy queue of the "
+    "other type, kept until it can be converted), conflict, broker_unavailable.",
     ["outcome"],
 )
 
@@ -43,8 +44,8 @@ SKIPPED_UNREGISTERED = Counter(
 )
 DELIVERIES = Counter(
     "queuekeeper_deliveries_total",
-    "Delivery attempts by outcome: published, rejected (queue full), returned (unroutable), "
-    "retried, given_up.",
+    "Delivery attempts by outcome: published, rejected (classic queue full: dead-lettered), "
+    "queue_full (quorum queue full: retried), returned (unroutable), retried, given_up.",
     ["outcome"],
 )
 # multiprocess_mode says how workers' values combine under PROMETHEUS_MULTIPROC_DIR
@@ -70,6 +71,12 @@ AMQP_POOL_SIZE = Gauge(
     multiprocess_mode="livesum",
 )
 AMQP_RECONNECTS = Counter("queuekeeper_amqp_reconnects_total", "AMQP connections re-opened.")
+BROKER_NODE_FAILURES = Counter(
+    "queuekeeper_broker_node_failures_total",
+    "Attempts on one broker node (of several configured) that failed and went to the next: "
+    "kind amqp or management, node host:port.",
+    ["kind", "node"],
+)
 
 # --- Management API ----------------------------------------------------------------------
 MANAGEMENT_CALLS = Counter(

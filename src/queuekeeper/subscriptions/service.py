@@ -238,8 +238,8 @@ async def create_queue(
     except ManagementError:
         CREATE_QUEUE.labels(outcome="broker_unavailable").inc()
         raise
-    if outcome is QueueOutcome.REPAIRED:
-        CREATE_QUEUE.labels(outcome="repaired").inc()
+    if outcome in (QueueOutcome.REPAIRED, QueueOutcome.KEPT):
+        CREATE_QUEUE.labels(outcome=outcome.value).inc()
     else:
         CREATE_QUEUE.labels(outcome="created" if inserted else "existing").inc()
     return queue, inserted
@@ -276,7 +276,8 @@ async def _register_queue(
     # re-checking the rows; holding it shared from before the declare until the
     # commit makes sure it never sees this queue without seeing its row.
     async with locks.guard(session, locks.vhost_key(vhost), exclusive=False):
-        outcome = await provisioner.ensure_queue(vhost, name)
+        # An agent must start even while its queue waits to change type (a migration).
+        outcome = await provisioner.ensure_queue(vhost, name, keep_other_type=True)
 
         queue = EventSubscriptionQueue(
             uuid=uuid.uuid4(),
