@@ -45,6 +45,8 @@ def logs(settings: Settings) -> LogCapture:
     return capture
 
 
+# The relay's housekeeping logs its own statements (no request) every few seconds: off here.
+@pytest.mark.settings(relay_enabled=False, scheduler_enabled=False)
 async def test_request_id_is_returned_and_on_every_line_of_the_request(
     logs: LogCapture, client: httpx.AsyncClient, backend: Backend
 ) -> None:

@@ -18,6 +18,7 @@ from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.common.openapi import install_openapi, operation_id
 from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.config import Settings, get_settings
+from queuekeeper.consumers.endpoints import router as consumers_router
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.deadletters import service as deadletters
 from queuekeeper.deadletters.endpoints import router as dead_letters_router
@@ -226,6 +227,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(users_router)
     app.include_router(directory_router)
     app.include_router(identities_router)
+    app.include_router(consumers_router)
     app.include_router(identities_admin_router)
     app.include_router(admin_router)
     app.include_router(runs_router)

@@ -33,7 +33,7 @@ from sqlalchemy import (
     or_,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.sql.elements import ColumnElement
 
 NAMING_CONVENTION = {
@@ -246,6 +246,54 @@ class EventSubscriptionQueue(Base):
     created: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class EventConsumer(Base):
+    """One queue that receives many object types (SPEC 9): what waldur-site-agent 1.0.7's
+    register_queue makes for an agent identity, or /api/event-consumers/register/ for other
+    integrations. Queue `consumer_<uuid hex>` and broker user `<uuid hex>` in the owner's vhost.
+    """
+
+    __tablename__ = "event_consumers"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    user_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("users.uuid", ondelete="CASCADE"), index=True
+    )
+    # One consumer per identity, so a restarting agent gets the same queue back; it goes
+    # with its identity (whose offering's deletion removes it too).
+    agent_identity_uuid: Mapped[UUID | None] = mapped_column(
+        ForeignKey("agent_identities.uuid", ondelete="CASCADE"), unique=True
+    )
+    # The object types it receives; empty means every type.
+    object_types: Mapped[list[Any]] = mapped_column(default=list)
+    queue_name: Mapped[str] = mapped_column(String(255), unique=True)
+    vhost: Mapped[str] = mapped_column(String(64), index=True)
+    # As for subscriptions: the hash last written to its broker user, and "ok" or
+    # "broken" (its broker user could not be restored).
+    broker_password_hash: Mapped[str | None] = mapped_column(String(128))
+    broker_state: Mapped[BrokerState] = mapped_column(
+        StateColumn(BrokerState), default=BrokerState.OK
+    )
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    # Loaded with the consumer (one more query per listing, not per row).
+    scopes: Mapped[list[EventConsumerScope]] = relationship(
+        lazy="selectin", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class EventConsumerScope(Base):
+    """An offering whose events a consumer receives (the only scope type for now)."""
+
+    __tablename__ = "event_consumer_scopes"
+
+    consumer_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("event_consumers.uuid", ondelete="CASCADE"), primary_key=True
+    )
+    offering_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("offerings.uuid", ondelete="CASCADE"), primary_key=True, index=True
+    )
+
+
 class Event(Base):
     __tablename__ = "events"
 
@@ -284,6 +332,10 @@ class Delivery(Base):
     # deliveries are given up by the relay, and the record of them stays.
     queue_uuid: Mapped[UUID | None] = mapped_column(
         ForeignKey("event_subscription_queues.uuid", ondelete="SET NULL"), index=True
+    )
+    # A consumer's copy (SPEC 9) has this instead of queue_uuid; SET NULL as above.
+    consumer_uuid: Mapped[UUID | None] = mapped_column(
+        ForeignKey("event_consumers.uuid", ondelete="SET NULL"), index=True
     )
     queue_name: Mapped[str] = mapped_column(String(255))
     vhost: Mapped[str] = mapped_column(String(64))

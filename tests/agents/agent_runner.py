@@ -1,14 +1,19 @@
 """Runs the published waldur-site-agent's own event-processing set-up, under a time limit.
 
 Executed with the python of the agent's virtualenv (tests/agents/site_agent_venv.py),
-never imported by the suite. It loads the agent's YAML configuration with the
-agent's own loader, then calls `start_stomp_consumers`, exactly as
-`waldur_site_agent -m event_process` does after its (Waldur-marketplace only)
-initial processing. The one thing replaced is the message-handling callback of
+never imported by the suite; it works with 1.0.5 (a connection per object type) and
+1.0.7 (one unified queue per offering, routed by the body's `object_type`). It loads
+the agent's YAML configuration with the agent's own loader, then calls
+`start_stomp_consumers`, exactly as `waldur_site_agent -m event_process` does; with
+`--initial-processing` it first runs the agent's initial offering processing as that
+command does (identity registration, then `register_service`, which queuekeeper
+answers 404 and the agent logs). The one thing replaced is the message handler of
 each object type: instead of acting on a backend, it appends what it received
-(headers and body) to a JSON-lines file.
+(headers and body) to a JSON-lines file. In 1.0.7 the agent's own router
+(`route_message`) still picks the handler from the body.
 
 Usage: python agent_runner.py CONFIG RECORD STATUS [--setup-timeout S] [--lifetime S]
+       [--initial-processing]
 
 STATUS receives one JSON document once set-up returned (or timed out). The
 runner then waits for a line "stop" on stdin (or end of input, or the lifetime),
@@ -53,6 +58,26 @@ def _recorder(record: Path, object_type: str, lock: threading.Lock) -> Any:
     return on_message
 
 
+def _describe(connection: Any, registered: Any) -> dict[str, Any]:
+    if hasattr(registered, "queue_name"):  # 1.0.7: the register_queue answer
+        return {
+            "queue_name": registered.queue_name,
+            "rmq_username": registered.rmq_username,
+            "vhost": registered.vhost,
+            "observable_object_types": list(registered.observable_object_types),
+            "agent_identity_uuid": registered.agent_identity_uuid,
+            "connected": connection.is_connected(),
+        }
+    return {  # 1.0.5: one event subscription per object type
+        "object_type": registered.observable_objects[0].object_type
+        if registered.observable_objects
+        else None,
+        "subscription": registered.uuid.hex,
+        "user_uuid": registered.user_uuid.hex,
+        "connected": connection.is_connected(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("config", type=Path)
@@ -60,6 +85,7 @@ def main() -> None:
     parser.add_argument("status", type=Path)
     parser.add_argument("--setup-timeout", type=float, default=90.0)
     parser.add_argument("--lifetime", type=float, default=300.0)
+    parser.add_argument("--initial-processing", action="store_true")
     args = parser.parse_args()
 
     from waldur_site_agent.common import utils as common_utils
@@ -77,6 +103,12 @@ def main() -> None:
 
     def set_up() -> None:
         try:
+            if args.initial_processing:
+                event_utils.run_initial_offering_processing(
+                    configuration.waldur_offerings,
+                    configuration.waldur_user_agent,
+                    expose_backend_error_details=configuration.expose_backend_error_details,
+                )
             result["map"] = event_utils.start_stomp_consumers(
                 configuration.waldur_offerings,
                 configuration.waldur_user_agent,
@@ -98,16 +130,9 @@ def main() -> None:
 
     consumers_map = result["map"]
     consumers = [
-        {
-            "object_type": subscription.observable_objects[0].object_type
-            if subscription.observable_objects
-            else None,
-            "subscription": subscription.uuid.hex,
-            "user_uuid": subscription.user_uuid.hex,
-            "connected": connection.is_connected(),
-        }
+        _describe(connection, registered)
         for consumer_list in consumers_map.values()
-        for connection, subscription, _offering in consumer_list
+        for connection, registered, _offering in consumer_list
     ]
     _write_json(
         args.status,

@@ -1,9 +1,10 @@
-"""A virtualenv holding the published waldur-site-agent, built once and cached.
+"""Virtualenvs holding the published waldur-site-agent releases, built once and cached.
 
 The agent pins its dependencies (`pyyaml==6.0.1`, `sentry-sdk==2.8.0`,
-`waldur-api-client==…`), which must not meet ours, so it gets a virtualenv of
-its own under the project's git-ignored `build/` folder. A marker file records
-the installed version; a file lock keeps concurrent test runs from building it
+`waldur-api-client==…`), which must not meet ours, so each release gets a
+virtualenv of its own under the project's git-ignored `build/` folder
+(`build/site-agent-venv-<version>`). A marker file records the installed
+version; a file lock per release keeps concurrent test runs from building it
 twice at once. A fresh machine needs PyPI (or a configured mirror) once.
 """
 
@@ -16,12 +17,12 @@ from pathlib import Path
 
 from filelock import FileLock
 
-SITE_AGENT_VERSION = "1.0.5"
-REQUIREMENT = f"waldur-site-agent=={SITE_AGENT_VERSION}"
+# 1.0.5: one subscription and queue per object type. 1.0.7: one register_queue call
+# and one queue per offering (there is no 1.0.6 on PyPI).
+LEGACY_VERSION = "1.0.5"
+UNIFIED_VERSION = "1.0.7"
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build"
-VENV = BUILD / f"site-agent-venv-{SITE_AGENT_VERSION}"
-MARKER = VENV / ".queuekeeper-installed"
 INSTALL_TIMEOUT = 600
 
 
@@ -29,21 +30,30 @@ def _python(path: Path) -> Path:
     return path / ("Scripts/python.exe" if sys.platform == "win32" else "bin/python")
 
 
-def _ready() -> bool:
-    return MARKER.is_file() and MARKER.read_text().strip() == REQUIREMENT and _python(VENV).exists()
+def venv_path(version: str) -> Path:
+    return BUILD / f"site-agent-venv-{version}"
 
 
-def ensure_site_agent_venv() -> Path:
-    """The python of a virtualenv with waldur-site-agent installed; builds it when missing."""
-    if _ready():
-        return _python(VENV)
+def _ready(version: str) -> bool:
+    path = venv_path(version)
+    marker = path / ".queuekeeper-installed"
+    requirement = f"waldur-site-agent=={version}"
+    return marker.is_file() and marker.read_text().strip() == requirement and _python(path).exists()
+
+
+def ensure_site_agent_venv(version: str = LEGACY_VERSION) -> Path:
+    """The python of a virtualenv with waldur-site-agent `version`; builds it when missing."""
+    path = venv_path(version)
+    if _ready(version):
+        return _python(path)
+    requirement = f"waldur-site-agent=={version}"
     BUILD.mkdir(exist_ok=True)
-    with FileLock(str(BUILD / f"site-agent-venv-{SITE_AGENT_VERSION}.lock"), timeout=900):
-        if _ready():  # another run built it while we waited for the lock
-            return _python(VENV)
-        venv.EnvBuilder(clear=True, with_pip=True).create(VENV)
+    with FileLock(str(BUILD / f"site-agent-venv-{version}.lock"), timeout=900):
+        if _ready(version):  # another run built it while we waited for the lock
+            return _python(path)
+        venv.EnvBuilder(clear=True, with_pip=True).create(path)
         result = subprocess.run(
-            [str(_python(VENV)), "-m", "pip", "install", "--quiet", REQUIREMENT],
+            [str(_python(path)), "-m", "pip", "install", "--quiet", requirement],
             capture_output=True,
             text=True,
             timeout=INSTALL_TIMEOUT,
@@ -51,8 +61,12 @@ def ensure_site_agent_venv() -> Path:
         )
         if result.returncode != 0:
             raise RuntimeError(
-                f"could not install {REQUIREMENT} into {VENV} (needs PyPI once):\n"
+                f"could not install {requirement} into {path} (needs PyPI once):\n"
                 f"{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
             )
-        MARKER.write_text(REQUIREMENT + "\n")
-    return _python(VENV)
+        (path / ".queuekeeper-installed").write_text(requirement + "\n")
+    return _python(path)
+
+
+if __name__ == "__main__":  # python -m tests.agents.site_agent_venv 1.0.7
+    print(ensure_site_agent_venv(*sys.argv[1:2]))

@@ -59,7 +59,8 @@ async def test_no_route_answers_a_redirect_with_or_without_the_slash(
             bare = path.rstrip("/")
             response = await client.request(method, bare, json={}, headers=agent.headers)
             assert response.status_code == 404, (method, bare, response.status_code)
-            assert f"did you mean {bare}/" in response.json()["detail"]
+            if method != "HEAD":  # a HEAD answer has no body to say it in
+                assert f"did you mean {bare}/" in response.json()["detail"]
 
 
 @pytest.fixture

@@ -49,8 +49,26 @@ MINIMAL_PAYLOADS: dict[str, dict[str, Any]] = {
         "action": "delete",
     },
     "importable_resources": {"backend_resource_request_uuid": U},
-    "resource_api_key_rotation": {"action": "rotate", "resource_uuid": U, "api_key_uuid": U},
+    "resource_api_key_rotation": {
+        "action": "rotate",
+        "resource_uuid": U,
+        "api_key_uuid": U,
+        "resource_backend_id": "slurm-acc-1",
+        "client_id": "client-1",
+    },
     "offering_resources_sync": {},
+    "resource_end_date_change_request": {},
+    "user_lifecycle": {},
+    "user_profile": {},
+    "user_ssh_key": {},
+}
+# In client 8.1.2's enum, with no required field (no published agent handles them yet).
+FREE_FORM = {
+    "offering_resources_sync",
+    "resource_end_date_change_request",
+    "user_lifecycle",
+    "user_profile",
+    "user_ssh_key",
 }
 # One required field per type, and what leaving it out (or spoiling it) must be reported as.
 SPOILED: dict[str, tuple[dict[str, Any], str]] = {
@@ -72,15 +90,15 @@ SPOILED: dict[str, tuple[dict[str, Any], str]] = {
     ),
     "importable_resources": ({}, "payload.backend_resource_request_uuid"),
     "resource_api_key_rotation": (
-        {"action": "rotate", "resource_uuid": U},
-        "payload.api_key_uuid",
+        {"action": "rotate", "resource_uuid": U, "api_key_uuid": U, "resource_backend_id": "b"},
+        "payload",
     ),
 }
 
 
 def test_every_object_type_has_a_case() -> None:
     assert set(MINIMAL_PAYLOADS) == set(PAYLOAD_MODELS)
-    assert set(SPOILED) == set(PAYLOAD_MODELS) - {"offering_resources_sync"}
+    assert set(SPOILED) == set(PAYLOAD_MODELS) - FREE_FORM
 
 
 async def test_event_is_accepted_once_and_a_repeat_answers_the_first_counts(

@@ -144,6 +144,11 @@ async def test_a_full_queue_rejects_and_the_broker_dead_letters(
     response = await post_batch(client, events, wait=True)
     states = [a["deliveries"][0]["state"] for a in response.json()["events"]]
     assert states == ["published", "rejected"]
+    # The relay counts once its settlement is written; the wait may answer in between.
+    deadline = asyncio.get_running_loop().time() + 5
+    while DELIVERIES.labels(outcome="rejected")._value.get() == rejected_before:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
     assert DELIVERIES.labels(outcome="rejected")._value.get() == rejected_before + 1
     detail = await event_detail(client, "full-1")
     assert "queue is full" in detail["deliveries"][0]["last_error"]

@@ -26,6 +26,7 @@ def test_identity_routes_are_documented() -> None:
             "post",
             "/api/marketplace-site-agent-identities/{identity_uuid}/register_event_subscription/",
         ),
+        ("post", "/api/marketplace-site-agent-identities/{identity_uuid}/register_queue/"),
     }
     for method, path, operation in operations:
         where = f"{method.upper()} {path}"
@@ -43,3 +44,7 @@ def test_identity_routes_are_documented() -> None:
         "/api/marketplace-site-agent-identities/{identity_uuid}/register_event_subscription/"
     ]["post"]
     assert {"200", "201", "403", "503"} <= set(register["responses"])
+    register_queue = spec["paths"][
+        "/api/marketplace-site-agent-identities/{identity_uuid}/register_queue/"
+    ]["post"]
+    assert {"200", "201", "400", "403", "404", "409", "503"} <= set(register_queue["responses"])

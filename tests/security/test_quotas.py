@@ -14,6 +14,7 @@ import pytest
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
+from tests.consumers.test_register_queue import new_identity, register_queue
 from tests.helpers import Backend
 from tests.identities.test_identities import IDENTITIES, register
 
@@ -90,3 +91,13 @@ async def test_free_text_over_its_length_is_a_400_naming_field_and_setting(
     assert response.status_code == 400, response.text
     assert response.json()["errors"][0]["field"] == "name"
     assert (await register(agent, offering.hex, name="n" * 50)).status_code == 201
+
+
+@pytest.mark.settings(max_consumers_per_user=1)
+async def test_consumers_over_the_quota_are_refused(backend: Backend) -> None:
+    agent, offering = await backend.agent_with_offering()
+    first = await new_identity(agent, offering)
+    assert (await register_queue(agent, first)).status_code == 201
+    assert (await register_queue(agent, first)).status_code == 200  # the same one again
+    second = await new_identity(agent, offering, name="second-agent")
+    _refused(await register_queue(agent, second), "max_consumers_per_user", 1)

@@ -17,6 +17,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import SERVICE_TOKEN
+from tests.consumers.test_register_queue import new_identity, register_queue
 from tests.events.support import Registered, order_event, register
 from tests.helpers import Backend
 from tests.stomp_client import StompConsumer
@@ -190,3 +191,19 @@ async def test_a_short_pushed_token_is_accepted_and_logged_without_the_token(
     assert warnings[0]["length"] == 15
     assert warnings[0]["log_level"] == "warning"
     assert "short-token-123" not in str(logs)
+
+
+async def test_a_consumers_connection_is_closed_by_a_token_change(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    registered = (await register_queue(agent, await new_identity(agent, offering))).json()
+    consumer = StompConsumer(registered["vhost"], registered["rmq_username"], agent.token)
+    try:
+        await asyncio.to_thread(consumer.connect)
+        consumer.subscribe(f"/amq/queue/{registered['queue_name']}")
+        assert not await asyncio.to_thread(consumer.wait_refused, 0.5)
+        await backend.put_user(agent.uuid, username=f"user-{agent.uuid.hex[:8]}", token=None)
+        await _cut_off(consumer)
+    finally:
+        await asyncio.to_thread(consumer.close)

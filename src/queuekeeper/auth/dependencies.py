@@ -78,5 +78,16 @@ async def service_caller(
     await authenticate_service(session, credentials(header), settings)
 
 
+async def agent_or_service(
+    request: Request, header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
+) -> User | None:
+    """An agent (its user) or the backend/an operator (None) with a service token."""
+    if is_service_token(credentials(header), settings.service_tokens):
+        return None
+    return await current_user(request, header, session, settings)
+
+
 CurrentUser = Annotated[User, Depends(current_user)]
+# None for a service token: routes that show an agent its own things show an operator all.
+AgentOrService = Annotated[User | None, Depends(agent_or_service)]
 ServiceCaller = Depends(service_caller)

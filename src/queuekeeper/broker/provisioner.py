@@ -173,23 +173,74 @@ class Provisioner:
         return deleted
 
     # --- subscription broker users ------------------------------------------------
+    # A subscription's and a consumer's broker users (below) are made the same way: the
+    # agent's STOMP login, password = the owner's API token, read on its own queues only.
     async def ensure_subscription_user(
         self, vhost: str, subscription_uuid: uuid.UUID, password_hash: str | None
     ) -> None:
-        """The agent's STOMP login: password = its API token, read on its own queues only."""
-        name = topology.subscription_user_name(subscription_uuid)
+        await self.set_subscription_password(subscription_uuid, password_hash)
+        await self.put_subscription_permissions(vhost, subscription_uuid)
+
+    async def put_subscription_permissions(self, vhost: str, subscription_uuid: uuid.UUID) -> None:
+        await self._put_reader_permissions(
+            vhost,
+            topology.subscription_user_name(subscription_uuid),
+            topology.subscription_permissions(subscription_uuid),
+        )
+
+    async def set_subscription_password(
+        self, subscription_uuid: uuid.UUID, password_hash: str | None
+    ) -> None:
+        await self._put_reader_user(
+            topology.subscription_user_name(subscription_uuid), password_hash
+        )
+
+    async def subscription_user_intact(self, vhost: str, subscription_uuid: uuid.UUID) -> bool:
+        """The broker user exists and holds permissions in the owner's vhost.
+
+        Without either the agent cannot log in or cannot read its queues.
+        """
+        return await self._user_intact(vhost, topology.subscription_user_name(subscription_uuid))
+
+    # --- consumer broker users (SPEC 9) ----------------------------------------------------
+    async def ensure_consumer_user(
+        self, vhost: str, consumer_uuid: uuid.UUID, password_hash: str | None
+    ) -> None:
+        await self.set_consumer_password(consumer_uuid, password_hash)
+        await self.put_consumer_permissions(vhost, consumer_uuid)
+
+    async def put_consumer_permissions(self, vhost: str, consumer_uuid: uuid.UUID) -> None:
+        await self._put_reader_permissions(
+            vhost,
+            topology.consumer_user_name(consumer_uuid),
+            topology.consumer_permissions(consumer_uuid),
+        )
+
+    async def set_consumer_password(
+        self, consumer_uuid: uuid.UUID, password_hash: str | None
+    ) -> None:
+        await self._put_reader_user(topology.consumer_user_name(consumer_uuid), password_hash)
+
+    async def consumer_user_intact(self, vhost: str, consumer_uuid: uuid.UUID) -> bool:
+        return await self._user_intact(vhost, topology.consumer_user_name(consumer_uuid))
+
+    async def delete_consumer_user(self, consumer_uuid: uuid.UUID) -> bool:
+        return await self.delete_user(topology.consumer_user_name(consumer_uuid))
+
+    async def _put_reader_user(self, name: str, password_hash: str | None) -> None:
         await self.management.put_user(
             # An empty hash means "no password login": used when the owner has no token.
             name,
             password_hash=password_hash or "",
             tags=[self.settings.instance_tag],
         )
-        await self.ensure_user_limits(name, read_first=False)
-        await self.put_subscription_permissions(vhost, subscription_uuid)
+        # RabbitMQ's own limits on an agent login (a PUT may also re-create a user deleted
+        # by hand, without them).
+        await self.ensure_user_limits(name)
 
-    async def put_subscription_permissions(self, vhost: str, subscription_uuid: uuid.UUID) -> None:
-        name = topology.subscription_user_name(subscription_uuid)
-        permissions = topology.subscription_permissions(subscription_uuid)
+    async def _put_reader_permissions(
+        self, vhost: str, name: str, permissions: topology.Permissions
+    ) -> None:
         try:
             await self.management.put_permissions(vhost, name, permissions)
         except ManagementNotFound as exc:
@@ -198,22 +249,8 @@ class Provisioner:
             await self.ensure_vhost(vhost)
             await self.management.put_permissions(vhost, name, permissions)
 
-    async def set_subscription_password(
-        self, subscription_uuid: uuid.UUID, password_hash: str | None
-    ) -> None:
-        name = topology.subscription_user_name(subscription_uuid)
-        await self.management.put_user(
-            name, password_hash=password_hash or "", tags=[self.settings.instance_tag]
-        )
-        # The PUT re-creates a user deleted by hand, without its limits.
-        await self.ensure_user_limits(name)
-
-    async def subscription_user_intact(self, vhost: str, subscription_uuid: uuid.UUID) -> bool:
-        """The broker user exists and holds permissions in the owner's vhost.
-
-        Without either the agent cannot log in or cannot read its queues.
-        """
-        name = topology.subscription_user_name(subscription_uuid)
+    async def _user_intact(self, vhost: str, name: str) -> bool:
+        """The broker user exists and holds permissions in the vhost."""
         if await self.management.get_user(name) is None:
             return False
         return await self.management.get_permissions(vhost, name) is not None

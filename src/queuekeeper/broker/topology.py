@@ -13,6 +13,12 @@ SUBSCRIPTION_QUEUE_PREFIX = "subscription_"
 QUEUE_NAME_RE = re.compile(
     r"^subscription_(?P<subscription>[0-9a-f]{32})_offering_(?P<offering>[0-9a-f]{32})_(?P<object_type>[a-z_]+)$"
 )
+# SPEC 9: one queue per consumer, named by the server (the agent takes it verbatim).
+CONSUMER_QUEUE_PREFIX = "consumer_"
+CONSUMER_QUEUE_RE = re.compile(r"^consumer_(?P<consumer>[0-9a-f]{32})$")
+# Every queue name queuekeeper makes starts with one of these; reconcile and the admin view
+# judge only those (the dead-letter queue and anything else are not registrations).
+REGISTERED_QUEUE_PREFIXES = (SUBSCRIPTION_QUEUE_PREFIX, CONSUMER_QUEUE_PREFIX)
 _UUID_HEX = re.compile(r"^[0-9a-f]{32}$")
 # Permissions are regexes matched against the whole name, so anchor both ends.
 NOTHING = "^$"
@@ -46,13 +52,9 @@ def uuid_of(name: str) -> uuid.UUID | None:
 
 
 def named_like_subscription_user(name: str) -> bool:
-    """Exactly our form (a user that lost its tag is still recognised as ours by its name)."""
+    """Exactly our form, a subscription's or a consumer's (a user that lost its tag is still
+    recognised as ours by its name)."""
     return _UUID_HEX.match(name) is not None
-
-
-def is_subscription_queue(name: str) -> bool:
-    """Named like a subscription's queue: queuekeeper's to judge (any other queue is not)."""
-    return name.startswith(SUBSCRIPTION_QUEUE_PREFIX)
 
 
 def queue_name(subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_type: str) -> str:
@@ -65,6 +67,27 @@ def queue_name(subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_ty
 
 def subscription_queue_pattern(subscription_uuid: uuid.UUID) -> str:
     return f"^{SUBSCRIPTION_QUEUE_PREFIX}{subscription_uuid.hex}_.*$"
+
+
+def consumer_queue_name(consumer_uuid: uuid.UUID) -> str:
+    """`consumer_<uuid hex>`, as Waldur Mastermind names it (its tooling parses that form)."""
+    return f"{CONSUMER_QUEUE_PREFIX}{consumer_uuid.hex}"
+
+
+def consumer_user_name(consumer_uuid: uuid.UUID) -> str:
+    """The 1.0.7 agent logs in with `login = rmq_username`, which is this."""
+    return consumer_uuid.hex
+
+
+def consumer_of(queue_name: str) -> uuid.UUID | None:
+    """The consumer a `consumer_<hex>` queue belongs to; None for any other name."""
+    match = CONSUMER_QUEUE_RE.match(queue_name)
+    return uuid.UUID(hex=match["consumer"]) if match else None
+
+
+def is_registered_kind(queue_name: str) -> bool:
+    """Named like a queue queuekeeper registers (a subscription's or a consumer's)."""
+    return queue_name.startswith(REGISTERED_QUEUE_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -85,6 +108,15 @@ def subscription_permissions(subscription_uuid: uuid.UUID) -> Permissions:
     """
     return Permissions(
         configure=NOTHING, write=NOTHING, read=subscription_queue_pattern(subscription_uuid)
+    )
+
+
+def consumer_permissions(consumer_uuid: uuid.UUID) -> Permissions:
+    """Read its one queue, nothing else (Waldur grants `.*` on all three; SPEC 9 does not)."""
+    return Permissions(
+        configure=NOTHING,
+        write=NOTHING,
+        read=f"^{re.escape(consumer_queue_name(consumer_uuid))}$",
     )
 
 

@@ -10,14 +10,22 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
-from queuekeeper.models import EventSubscriptionQueue, GivenUpDeadLetter
+from queuekeeper.models import EventConsumer, EventSubscriptionQueue, GivenUpDeadLetter
 
 
 async def is_registered(session: AsyncSession, vhost: str, queue_name: str) -> bool:
+    """A subscription queue's or a consumer's (SPEC 9): both are redriven alike."""
     found = await session.scalar(
-        select(EventSubscriptionQueue.uuid).where(
+        select(EventSubscriptionQueue.uuid)
+        .where(
             EventSubscriptionQueue.vhost == vhost, EventSubscriptionQueue.queue_name == queue_name
         )
+        .union_all(
+            select(EventConsumer.uuid).where(
+                EventConsumer.vhost == vhost, EventConsumer.queue_name == queue_name
+            )
+        )
+        .limit(1)
     )
     return found is not None
 

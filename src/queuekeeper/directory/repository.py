@@ -8,7 +8,13 @@ from datetime import datetime
 from sqlalchemy import exists, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from queuekeeper.models import EventSubscription, EventSubscriptionQueue, OfferingAccess, User
+from queuekeeper.models import (
+    EventConsumer,
+    EventSubscription,
+    EventSubscriptionQueue,
+    OfferingAccess,
+    User,
+)
 
 
 async def get_grant(
@@ -71,9 +77,15 @@ async def users_with_revoked_logins(session: AsyncSession, now: datetime) -> lis
                 User.is_active.is_(False),
                 User.token_expires_at.is_not(None) & (User.token_expires_at <= now),
             ),
-            exists().where(
-                EventSubscription.user_uuid == User.uuid,
-                EventSubscription.broker_password_hash.is_not(None),
+            or_(
+                exists().where(
+                    EventSubscription.user_uuid == User.uuid,
+                    EventSubscription.broker_password_hash.is_not(None),
+                ),
+                exists().where(
+                    EventConsumer.user_uuid == User.uuid,
+                    EventConsumer.broker_password_hash.is_not(None),
+                ),
             ),
         )
         .order_by(User.uuid)

@@ -19,11 +19,19 @@ from queuekeeper.broker.management import BrokerUnavailable, ManagementError
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.common.schemas import parse_path_uuid
+from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.directory import repository
 from queuekeeper.directory.schemas import OfferingPut, UserPut
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
 from queuekeeper.jobs.runs import JobContext, Run
-from queuekeeper.models import EventSubscription, Offering, OfferingAccess, User, utcnow
+from queuekeeper.models import (
+    EventConsumer,
+    EventSubscription,
+    Offering,
+    OfferingAccess,
+    User,
+    utcnow,
+)
 from queuekeeper.subscriptions.service import (
     BrokerLeftovers,
     collect_leftovers,
@@ -104,20 +112,29 @@ async def put_user(
 
 
 async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner, user: User) -> int:
-    """Give every broker user of the user the password it should have now (its token's, or
-    none while inactive or expired), then close their open connections, so a changed,
-    removed or expired token stops working on the broker at once; returns how many changed.
+    """Give every broker user of the user (its subscriptions' and consumers') the password it
+    should have now (its token's, or none while inactive or expired), then close their open
+    connections, so a changed, removed or expired token stops working on the broker at once;
+    returns how many changed.
     """
     wanted = user.broker_login_hash(utcnow())
     subscriptions = await repository.subscriptions_needing_password(session, user.uuid, wanted)
-    # (row, broker user, change): unified consumers (SPEC 9) join this list the same way.
-    changes: list[tuple[EventSubscription, str, Callable[[], Awaitable[None]]]] = [
+    consumers = await consumers_repository.needing_password(session, user.uuid, wanted)
+    # (row, broker user, change)
+    changes: list[tuple[EventSubscription | EventConsumer, str, Callable[[], Awaitable[None]]]] = [
         (
-            subscription,
-            topology.subscription_user_name(subscription.uuid),
-            partial(provisioner.set_subscription_password, subscription.uuid, wanted),
+            s,
+            topology.subscription_user_name(s.uuid),
+            partial(provisioner.set_subscription_password, s.uuid, wanted),
         )
-        for subscription in subscriptions
+        for s in subscriptions
+    ] + [
+        (
+            c,
+            topology.consumer_user_name(c.uuid),
+            partial(provisioner.set_consumer_password, c.uuid, wanted),
+        )
+        for c in consumers
     ]
     # No transaction stays open across the broker calls.
     await session.commit()
@@ -142,6 +159,7 @@ async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner,
             "broker_passwords_updated",
             user=user.uuid.hex,
             subscriptions=len(subscriptions),
+            consumers=len(consumers),
             login=wanted is not None,
         )
     return len(changes)
@@ -183,6 +201,8 @@ async def delete_user(
     leftovers = await collect_leftovers(
         session, await repository.subscriptions_of_user(session, user_uuid)
     )
+    # Its consumers go by cascade; their queues and broker users are removed below.
+    leftovers.add_consumers(await consumers_repository.of_owner(session, user_uuid))
     leftovers.owner_uuids.add(user_uuid)
     await session.delete(user)
     await session.commit()
@@ -226,11 +246,24 @@ async def delete_offering(
     if offering is None:
         return
     queues = await repository.queues_of_offering(session, offering_uuid)
-    await session.delete(offering)  # grants and queue rows go by cascade
+    # Consumers bound to it alone go with it; others only lose it as a scope (cascade).
+    consumers = await consumers_repository.scoped_only_to(session, offering_uuid)
+    for consumer in consumers:
+        await session.delete(consumer)
+    # Before the offering: its deletion cascades to identities and so to these consumers.
+    await session.flush()
+    await session.delete(offering)  # grants, queue rows, identities go by cascade
     await session.commit()
-    log.info("offering_deleted", offering=offering_uuid.hex, queues=len(queues))
+    log.info(
+        "offering_deleted",
+        offering=offering_uuid.hex,
+        queues=len(queues),
+        consumers=len(consumers),
+    )
     await remove_leftovers(
-        session, provisioner, BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+        session,
+        provisioner,
+        BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues]).add_consumers(consumers),
     )
 
 
@@ -266,14 +299,27 @@ async def revoke_access(
     # FOR SHARE until it commits its row, so the list below includes that row.
     grant = await repository.get_grant(session, user_uuid, offering_uuid, lock=True)
     queues = await repository.queues_of_user_for_offering(session, user_uuid, offering_uuid)
+    # The user's consumers bound to this offering alone are deleted; those bound to others
+    # too only lose this scope. register_queue holds the grant FOR SHARE until it commits.
+    consumers = await consumers_repository.scoped_only_to(session, offering_uuid, user_uuid)
+    gone = {consumer.uuid for consumer in consumers}
+    scopes = await consumers_repository.scopes_of_owner_for(session, user_uuid, offering_uuid)
     if grant is not None:
         await session.delete(grant)
-    for queue in queues:
-        await session.delete(queue)
+    for row in [*queues, *consumers, *(s for s in scopes if s.consumer_uuid not in gone)]:
+        await session.delete(row)
     await session.commit()
-    log.info("access_revoked", user=user_uuid.hex, offering=offering_uuid.hex, queues=len(queues))
+    log.info(
+        "access_revoked",
+        user=user_uuid.hex,
+        offering=offering_uuid.hex,
+        queues=len(queues),
+        consumers=len(consumers),
+    )
     await remove_leftovers(
-        session, provisioner, BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+        session,
+        provisioner,
+        BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues]).add_consumers(consumers),
     )
     # A consumer of a deleted queue is cancelled by the broker; closing the logins that
     # read the offering's queues also ends anything else they held open for it.

@@ -29,7 +29,7 @@ from sqlalchemy import (
 )
 
 from queuekeeper.events.repository import DELIVERIES, EVENTS, Executor, is_postgres
-from queuekeeper.models import DeliveryState, EventSubscriptionQueue
+from queuekeeper.models import DeliveryState, EventConsumer, EventSubscriptionQueue
 
 PENDING = DeliveryState.PENDING
 # Written out, not bound: the partial index of pending rows is used only when the
@@ -42,6 +42,7 @@ class Claimed:
     id: int
     event_id: str
     queue_uuid: uuid.UUID | None
+    consumer_uuid: uuid.UUID | None  # a consumer's copy (SPEC 9) has this instead
     queue_name: str
     vhost: str
     attempts: int
@@ -57,6 +58,7 @@ _DELIVERY_COLUMNS = (
     DELIVERIES.c.id,
     DELIVERIES.c.event_id,
     DELIVERIES.c.queue_uuid,
+    DELIVERIES.c.consumer_uuid,
     DELIVERIES.c.queue_name,
     DELIVERIES.c.vhost,
     DELIVERIES.c.attempts,
@@ -222,13 +224,23 @@ async def reschedule(
     )
 
 
-async def existing_queues(session: Executor, queue_uuids: Collection[uuid.UUID]) -> set[uuid.UUID]:
-    if not queue_uuids:
+async def existing_targets(
+    session: Executor, target_uuids: Collection[uuid.UUID]
+) -> set[uuid.UUID]:
+    """Of these subscription queue and consumer uuids, the ones whose row still exists."""
+    if not target_uuids:
         return set()
     rows = await session.scalars(
-        select(EventSubscriptionQueue.uuid).where(EventSubscriptionQueue.uuid.in_(queue_uuids))
+        select(EventSubscriptionQueue.uuid)
+        .where(EventSubscriptionQueue.uuid.in_(target_uuids))
+        .union_all(select(EventConsumer.uuid).where(EventConsumer.uuid.in_(target_uuids)))
     )
     return set(rows)
+
+
+async def consumer_count(session: Executor) -> int:
+    """Consumers registered (the `queuekeeper_consumers` gauge)."""
+    return int(await session.scalar(select(func.count()).select_from(EventConsumer)) or 0)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,11 @@
 """Object types and their payload models: adding a type is one entry in PAYLOAD_MODELS.
 
-Required fields are what the reference agent (waldur-site-agent) reads; every
-model keeps extra fields, since the backend sends more than the agent needs.
+Required fields are what the reference agents (waldur-site-agent 1.0.5 and 1.0.7)
+read; every model keeps extra fields, since the backend sends more than the agent
+needs. The table holds every type of waldur-api-client 8.1.2's
+`ObservableObjectTypeEnum`, so each is accepted as an event type and as a
+consumer's filter value; the four that no published agent handles yet carry no
+required fields (1.0.7 logs and drops them).
 """
 
 from __future__ import annotations
@@ -25,9 +29,25 @@ class Payload(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+# Waldur's order states as its REST API writes them, hyphenated: the 1.0.7 agent skips an
+# order early by comparing `order_state` with these exact strings ("pending-consumer"),
+# so a spelling such as "pending consumer" would slip past that check.
+OrderState = Literal[
+    "pending-consumer",
+    "pending-provider",
+    "pending-project",
+    "pending-start-date",
+    "executing",
+    "done",
+    "erred",
+    "canceled",
+    "rejected",
+]
+
+
 class OrderPayload(Payload):
     order_uuid: UUIDText
-    order_state: str | None = None
+    order_state: OrderState | None = None
     action: str | None = None
 
 
@@ -37,6 +57,8 @@ class UserRolePayload(Payload):
     user_uuid: UUIDText | None = None
     user_username: str | None = None
     granted: bool | None = None
+    # 1.0.7: without user_uuid, a resource_uuid asks for a resync of that resource's users.
+    resource_uuid: UUIDText | None = None
 
     @model_validator(mode="after")
     def _user_fields(self) -> UserRolePayload:
@@ -75,9 +97,22 @@ class ImportableResourcesPayload(Payload):
 
 
 class ResourceApiKeyRotationPayload(Payload):
-    action: Literal["rotate"]
+    action: Literal["rotate", "revoke"]
     resource_uuid: UUIDText
     api_key_uuid: UUIDText
+    resource_backend_id: str | None = None
+    client_id: str | None = None
+
+    @model_validator(mode="after")
+    def _rotate_fields(self) -> ResourceApiKeyRotationPayload:
+        # The 1.0.7 agent refuses (and loses) a rotation without both.
+        if self.action == "rotate":
+            missing = [
+                name for name in ("resource_backend_id", "client_id") if not getattr(self, name)
+            ]
+            if missing:
+                raise ValueError(f"{' and '.join(missing)} required when action is rotate")
+        return self
 
 
 class OfferingResourcesSyncPayload(Payload):
@@ -95,6 +130,11 @@ PAYLOAD_MODELS: dict[str, type[Payload]] = {
     "importable_resources": ImportableResourcesPayload,
     "resource_api_key_rotation": ResourceApiKeyRotationPayload,
     "offering_resources_sync": OfferingResourcesSyncPayload,
+    # In client 8.1.2's enum; no published agent handles these yet.
+    "resource_end_date_change_request": Payload,
+    "user_lifecycle": Payload,
+    "user_profile": Payload,
+    "user_ssh_key": Payload,
 }
 
 OBJECT_TYPES: tuple[str, ...] = tuple(PAYLOAD_MODELS)

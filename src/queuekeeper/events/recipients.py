@@ -7,6 +7,12 @@ A subscription that would receive the type (it lists it, or lists nothing) but
 registered no queue for it is counted as skipped. Everything is read in one
 statement per request, whatever the batch or the fan-out; the rest is done in memory.
 
+A consumer (SPEC 9) of an active owner with access, scoped to the offering, gets one
+copy when its filter holds the type (an empty filter holds every type); its owner's
+legacy queues then get none of that event (as Waldur does), so an agent upgraded from
+1.0.5 to 1.0.7 does not fill the per-type queues it no longer reads, and a user on both
+protocols gets each event once. Consumers come from the same statement (a UNION ALL).
+
 A new kind of recipient is one more source of `Copy` in `RecipientIndex`.
 """
 
@@ -19,7 +25,19 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, Table, and_, bindparam, or_, select
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    String,
+    Table,
+    and_,
+    bindparam,
+    literal,
+    null,
+    or_,
+    select,
+    union_all,
+)
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.schemas import as_uuid
@@ -30,13 +48,17 @@ ACCESS: Table = Base.metadata.tables["offering_access"]
 USERS: Table = Base.metadata.tables["users"]
 SUBSCRIPTIONS: Table = Base.metadata.tables["event_subscriptions"]
 QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
+CONSUMERS: Table = Base.metadata.tables["event_consumers"]
+SCOPES: Table = Base.metadata.tables["event_consumer_scopes"]
 
 
 @dataclass(frozen=True)
 class Copy:
-    """One outbox copy of an event: the queue it is published to."""
+    """One outbox copy of an event: a subscription's queue (`queue_uuid`) or a consumer's
+    (`consumer_uuid`)."""
 
-    queue_uuid: uuid.UUID
+    queue_uuid: uuid.UUID | None
+    consumer_uuid: uuid.UUID | None
     queue_name: str
     vhost: str
 
@@ -47,14 +69,24 @@ class Recipients:
     skipped: list[uuid.UUID] = field(default_factory=list)  # subscriptions without a queue
 
 
+SUBSCRIPTION = "subscription"
+CONSUMER = "consumer"
+
+
 @dataclass(frozen=True)
 class _Row:
-    """A subscription whose owner may receive events of `offering_uuid` now, with its queue
-    for one of the requested object types (None when it registered none)."""
+    """Someone whose owner may receive events of `offering_uuid` now.
 
-    subscription_uuid: uuid.UUID
+    `kind` SUBSCRIPTION: a subscription (`recipient_uuid`) with `filter` = its observable
+    objects, and its queue for one of the requested object types (queue fields None when
+    it registered none). `kind` CONSUMER: a consumer scoped to the offering, `filter` = its
+    object types (empty = all), `queue_name`/`vhost` its one queue, `queue_uuid` None.
+    """
+
+    kind: str
+    recipient_uuid: uuid.UUID
     owner_uuid: uuid.UUID
-    observable_objects: list[Any]
+    filter: list[Any]
     offering_uuid: uuid.UUID
     queue_uuid: uuid.UUID | None
     object_type: str | None
@@ -62,46 +94,72 @@ class _Row:
     vhost: str | None
 
 
+def _reachable_owner() -> ColumnElement[bool]:
+    """The grant's user is active and their token has not expired."""
+    return and_(
+        ACCESS.c.offering_uuid.in_(bindparam("access_offerings", expanding=True)),
+        USERS.c.is_active.is_(True),
+        or_(
+            USERS.c.token_expires_at.is_(None),
+            USERS.c.token_expires_at > bindparam("now", type_=USERS.c.token_expires_at.type),
+        ),
+    )
+
+
 def _recipients_statement() -> Select[Any]:
-    reachable = (
-        select(
-            ACCESS.c.offering_uuid,
-            SUBSCRIPTIONS.c.uuid.label("subscription_uuid"),
-            SUBSCRIPTIONS.c.user_uuid,
-            SUBSCRIPTIONS.c.observable_objects,
-            QUEUES.c.uuid.label("queue_uuid"),
-            QUEUES.c.object_type,
-            QUEUES.c.queue_name,
-            QUEUES.c.vhost,
-        )
-        .select_from(
-            ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
-            .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
-            .outerjoin(
-                QUEUES,
-                and_(
-                    QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
-                    QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
-                    QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
-                ),
-            )
-        )
-        .where(
-            ACCESS.c.offering_uuid.in_(bindparam("access_offerings", expanding=True)),
-            USERS.c.is_active.is_(True),
-            or_(
-                USERS.c.token_expires_at.is_(None),
-                USERS.c.token_expires_at > bindparam("now", type_=USERS.c.token_expires_at.type),
+    subscriptions = select(
+        literal(SUBSCRIPTION, String).label("kind"),
+        ACCESS.c.offering_uuid,
+        SUBSCRIPTIONS.c.uuid.label("recipient_uuid"),
+        SUBSCRIPTIONS.c.user_uuid,
+        SUBSCRIPTIONS.c.observable_objects.label("filter"),
+        QUEUES.c.uuid.label("queue_uuid"),
+        QUEUES.c.object_type,
+        QUEUES.c.queue_name,
+        QUEUES.c.vhost,
+    ).select_from(
+        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
+        .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
+        .outerjoin(
+            QUEUES,
+            and_(
+                QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
+                QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
+                QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
             ),
         )
-        .subquery("reachable")
     )
+    consumers = select(
+        literal(CONSUMER, String).label("kind"),
+        ACCESS.c.offering_uuid,
+        CONSUMERS.c.uuid.label("recipient_uuid"),
+        CONSUMERS.c.user_uuid,
+        CONSUMERS.c.object_types.label("filter"),
+        null().cast(QUEUES.c.uuid.type).label("queue_uuid"),
+        null().cast(QUEUES.c.object_type.type).label("object_type"),
+        CONSUMERS.c.queue_name,
+        CONSUMERS.c.vhost,
+    ).select_from(
+        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
+        .join(SCOPES, SCOPES.c.offering_uuid == ACCESS.c.offering_uuid)
+        .join(
+            CONSUMERS,
+            and_(
+                CONSUMERS.c.uuid == SCOPES.c.consumer_uuid,
+                CONSUMERS.c.user_uuid == ACCESS.c.user_uuid,
+            ),
+        )
+    )
+    reachable = union_all(
+        subscriptions.where(_reachable_owner()), consumers.where(_reachable_owner())
+    ).subquery("reachable")
     return (
         select(
             OFFERINGS.c.uuid,
-            reachable.c.subscription_uuid,
+            reachable.c.kind,
+            reachable.c.recipient_uuid,
             reachable.c.user_uuid,
-            reachable.c.observable_objects,
+            reachable.c.filter,
             reachable.c.queue_uuid,
             reachable.c.object_type,
             reachable.c.queue_name,
@@ -124,8 +182,9 @@ async def find_recipients(
 ) -> RecipientIndex:
     """Who may receive events of these offerings and types: one query for a whole request.
 
-    The offerings left-joined with who may receive their events, so an unknown
-    offering yields no row at all (`RecipientIndex.known` tells them apart).
+    The offerings left-joined with who may receive their events (subscriptions with
+    their queues, and consumers), so an unknown offering yields no row at all
+    (`RecipientIndex.known` tells them apart).
     """
     offerings = list(offering_uuids)
     result = await session.execute(
@@ -139,20 +198,12 @@ async def find_recipients(
     )
     known: set[uuid.UUID] = set()
     rows: list[_Row] = []
-    for (
-        offering,
-        subscription,
-        owner,
-        observable,
-        queue,
-        object_type,
-        name,
-        vhost,
-    ) in result:
+    for offering, kind, recipient, *rest in result:
         known.add(offering)
-        if subscription is not None:
+        if recipient is not None:
+            owner, filter_, queue, object_type, name, vhost = rest
             rows.append(
-                _Row(subscription, owner, observable, offering, queue, object_type, name, vhost)
+                _Row(kind, recipient, owner, filter_, offering, queue, object_type, name, vhost)
             )
     return RecipientIndex(known, rows)
 
@@ -170,6 +221,13 @@ def _lists_type(observable_objects: list[Any], offering_uuid: uuid.UUID, object_
     return False
 
 
+@dataclass(frozen=True)
+class _Consumer:
+    owner: uuid.UUID
+    object_types: frozenset[str]  # empty: every type
+    copy: Copy
+
+
 class RecipientIndex:
     """The recipients of every event of one request, decided from the query's rows."""
 
@@ -179,14 +237,23 @@ class RecipientIndex:
             defaultdict(dict)
         )
         self._queues: dict[tuple[uuid.UUID, uuid.UUID, str], Copy] = {}
+        self._consumers: dict[uuid.UUID, dict[uuid.UUID, _Consumer]] = defaultdict(dict)
         for row in rows:
-            self._subscriptions[row.offering_uuid][row.subscription_uuid] = (
+            if row.kind == CONSUMER:
+                if row.queue_name and row.vhost:
+                    self._consumers[row.offering_uuid][row.recipient_uuid] = _Consumer(
+                        row.owner_uuid,
+                        frozenset(str(t) for t in row.filter or []),
+                        Copy(None, row.recipient_uuid, row.queue_name, row.vhost),
+                    )
+                continue
+            self._subscriptions[row.offering_uuid][row.recipient_uuid] = (
                 row.owner_uuid,
-                list(row.observable_objects or []),
+                list(row.filter or []),
             )
             if row.queue_uuid is not None and row.object_type and row.queue_name and row.vhost:
-                key = (row.subscription_uuid, row.offering_uuid, row.object_type)
-                self._queues[key] = Copy(row.queue_uuid, row.queue_name, row.vhost)
+                key = (row.recipient_uuid, row.offering_uuid, row.object_type)
+                self._queues[key] = Copy(row.queue_uuid, None, row.queue_name, row.vhost)
         self._cache: dict[tuple[Any, ...], Recipients] = {}
 
     def recipients(
@@ -198,8 +265,15 @@ class RecipientIndex:
         if cached is not None:
             return cached
         found = Recipients()
+        served: set[uuid.UUID] = set()  # owners a consumer of theirs receives this for
+        for consumer in self._consumers[offering_uuid].values():
+            if users is not None and consumer.owner not in users:
+                continue
+            if not consumer.object_types or object_type in consumer.object_types:
+                found.copies.append(consumer.copy)
+                served.add(consumer.owner)
         for subscription_uuid, (owner, observable) in self._subscriptions[offering_uuid].items():
-            if users is not None and owner not in users:
+            if (users is not None and owner not in users) or owner in served:
                 continue
             queue = self._queues.get((subscription_uuid, offering_uuid, object_type))
             if queue is not None:

@@ -21,10 +21,12 @@ What happens to a copy, by the broker's answer:
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import secrets
 import socket
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,7 +45,13 @@ from queuekeeper.config import Settings
 from queuekeeper.events import outbox
 from queuekeeper.events.outbox import Claimed
 from queuekeeper.models import DeliveryState, utcnow
-from queuekeeper.observability.metrics import DELIVERIES, OUTBOX_OLDEST_AGE, OUTBOX_PENDING
+from queuekeeper.observability.metrics import (
+    CONSUMERS,
+    COPIES,
+    DELIVERIES,
+    OUTBOX_OLDEST_AGE,
+    OUTBOX_PENDING,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -52,7 +60,7 @@ PRUNE_INTERVAL = 60.0
 STOP_GRACE = 5.0  # seconds a stopping relay lets a batch in flight finish
 QUEUE_GONE = (
     "its queue is no longer registered (access revoked, or the queue, subscription, "
-    "owner or offering deleted); not published"
+    "consumer, owner or offering deleted); not published"
 )
 QUORUM_FULL = (
     "nacked by the broker: the quorum queue is full (x-overflow reject-publish, nothing was "
@@ -60,17 +68,27 @@ QUORUM_FULL = (
 )
 # A queue re-declared after a return is retried at once this many times, then with backoff.
 IMMEDIATE_RETRIES = 3
+CONSUMER_SCHEMA_VERSION = 1
 
 
 def new_relay_id() -> str:
     return f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
+def message_body(item: Claimed) -> bytes:
+    """The stored body; a consumer's copy also says `schema_version: 1` (SPEC 9)."""
+    if item.consumer_uuid is None:
+        return item.body.encode()
+    body = json.loads(item.body)
+    body["schema_version"] = CONSUMER_SCHEMA_VERSION
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def event_message(item: Claimed) -> aio_pika.Message:
     """SPEC 6: the stored body, and the properties consumers rely on."""
     offering = item.offering_uuid.hex
     return aio_pika.Message(
-        item.body.encode(),
+        message_body(item),
         content_type="application/json",
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         message_id=item.event_id,
@@ -85,11 +103,17 @@ def event_message(item: Claimed) -> aio_pika.Message:
     )
 
 
+def _target(item: Claimed) -> uuid.UUID | None:
+    """The row a copy goes to: its subscription queue or its consumer (None: deleted)."""
+    return item.queue_uuid or item.consumer_uuid
+
+
 @dataclass
 class _Settlement:
     """What one batch decided, written back in one transaction."""
 
     published: list[int] = field(default_factory=list)
+    published_to_consumers: int = 0
     rejected: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
     given_up: list[tuple[int, str]] = field(default_factory=list)
     retries: list[tuple[int, datetime, str]] = field(default_factory=list)
@@ -233,7 +257,7 @@ class Relay:
         settlement = _Settlement()
         by_vhost: dict[str, list[Claimed]] = defaultdict(list)
         for item in claimed:
-            if item.queue_uuid is None:
+            if _target(item) is None:
                 settlement.given_up.append((item.id, QUEUE_GONE))
             elif now - item.created > self._max_age:
                 settlement.given_up.append((item.id, self._too_old(item.last_error)))
@@ -246,6 +270,7 @@ class Relay:
         for item, result in (pair for batch in results for pair in batch):
             if result.outcome is Outcome.CONFIRMED:
                 settlement.published.append(item.id)
+                settlement.published_to_consumers += item.consumer_uuid is not None
             elif result.outcome is Outcome.REJECTED and self.settings.queue_type == QUORUM:
                 # A quorum queue's `reject-publish` dead-letters nothing: keep the copy.
                 DELIVERIES.labels(outcome="queue_full").inc()
@@ -296,13 +321,13 @@ class Relay:
     ) -> None:
         """Declare the queues of returned copies again, then retry those copies."""
         async with self.engine.connect() as connection:
-            alive = await outbox.existing_queues(
-                connection, {item.queue_uuid for item, _ in returned if item.queue_uuid}
+            alive = await outbox.existing_targets(
+                connection, {target for item, _ in returned if (target := _target(item))}
             )
         failures: dict[tuple[str, str], str | None] = {}
         for item, _result in returned:
             key = (item.vhost, item.queue_name)
-            if item.queue_uuid not in alive or key in failures:
+            if _target(item) not in alive or key in failures:
                 continue
             try:
                 outcome = await self.provisioner.ensure_queue(item.vhost, item.queue_name)
@@ -325,7 +350,7 @@ class Relay:
         now = utcnow()
         for item, result in returned:
             DELIVERIES.labels(outcome="returned").inc()
-            if item.queue_uuid not in alive:
+            if _target(item) not in alive:
                 settlement.given_up.append((item.id, QUEUE_GONE))
                 continue
             failure = failures[(item.vhost, item.queue_name)]
@@ -344,6 +369,10 @@ class Relay:
             await outbox.give_up(connection, settlement.given_up, now)
             await outbox.reschedule(connection, self.id, settlement.retries)
         DELIVERIES.labels(outcome="published").inc(len(settlement.published))
+        COPIES.labels(kind="consumer", stage="published").inc(settlement.published_to_consumers)
+        COPIES.labels(kind="legacy", stage="published").inc(
+            len(settlement.published) - settlement.published_to_consumers
+        )
         rejected = sum(len(ids) for ids in settlement.rejected.values())
         DELIVERIES.labels(outcome="rejected").inc(rejected)
         DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
@@ -379,6 +408,8 @@ class Relay:
         now = utcnow()
         async with self.engine.connect() as connection:
             depth = await outbox.outbox_depth(connection, now)
+            consumers = await outbox.consumer_count(connection)
+        CONSUMERS.set(consumers)
         OUTBOX_PENDING.set(depth.pending)
         OUTBOX_OLDEST_AGE.set(depth.oldest_pending_age_seconds)
 

@@ -31,6 +31,7 @@ from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest, NotFound, TooLarge
 from queuekeeper.models import DeliveryState, Event, utcnow
 from queuekeeper.observability.metrics import (
+    COPIES,
     EVENTS_ACCEPTED,
     EVENTS_DUPLICATE,
     SKIPPED_UNREGISTERED,
@@ -187,6 +188,7 @@ async def _store(
         {
             "event_id": event_id,
             "queue_uuid": copy.queue_uuid,
+            "consumer_uuid": copy.consumer_uuid,
             "queue_name": copy.queue_name,
             "vhost": copy.vhost,
             "state": DeliveryState.PENDING,
@@ -223,6 +225,9 @@ async def _store(
                 object_type=event.object_type,
                 subscriptions=[s.hex for s in found.skipped],
             )
+    to_consumers = sum(1 for row in delivery_rows if row["consumer_uuid"] is not None)
+    COPIES.labels(kind="consumer", stage="queued").inc(to_consumers)
+    COPIES.labels(kind="legacy", stage="queued").inc(len(delivery_rows) - to_consumers)
     new_count = sum(1 for answer in answers if not answer.duplicate)
     EVENTS_ACCEPTED.inc(new_count)
     EVENTS_DUPLICATE.inc(len(answers) - new_count)

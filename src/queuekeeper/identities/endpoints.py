@@ -22,7 +22,7 @@ from queuekeeper.identities.schemas import (
     IdentityWrite,
     RegisterEventSubscription,
 )
-from queuekeeper.state import ManagementDep, ProvisionerDep, SessionDep, SettingsDep
+from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
 from queuekeeper.subscriptions.schemas import SubscriptionOut
 
 router = APIRouter(prefix=f"/api/{COLLECTION}", tags=["agents"])
@@ -182,7 +182,8 @@ async def register_event_subscription(
     "/",
     summary="Site agents as queuekeeper sees them",
     description="Every agent identity with its owner, version and last restart, the "
-    "subscription per object type it registered, and each queue with the broker's view: "
+    "subscription per object type it registered (agents 1.0.5) or its consumer (agents 1.0.7: "
+    "one queue, with `arguments_ok` and `differences`), and each queue with the broker's view: "
     "`present`, `consumers` (0 means the agent is not consuming: a wrong STOMP setting, a "
     "reconnect loop, or an agent that is down) and `messages` (waiting for it). Oldest first; "
     "`broker=false` skips the broker.",
@@ -203,7 +204,7 @@ async def admin_list_identities(
     request: Request,
     response: Response,
     session: SessionDep,
-    management: ManagementDep,
+    provisioner: ProvisionerDep,
     page: Annotated[Page, Depends(page_params)],
     offering_uuid: Annotated[uuid.UUID | None, Query(description="Hex or dashed.")] = None,
     user_uuid: Annotated[uuid.UUID | None, Query(description="The owner, hex or dashed.")] = None,
@@ -211,7 +212,7 @@ async def admin_list_identities(
 ) -> list[AdminIdentityOut]:
     found = await service.admin_overview(
         session,
-        management,
+        provisioner,
         offering_uuid=offering_uuid,
         user_uuid=user_uuid,
         page=page,

@@ -8,11 +8,13 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from queuekeeper.broker import topology
+from queuekeeper.broker.management import QueueInfo
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
 from queuekeeper.events.payloads import ObjectType
-from queuekeeper.models import AgentIdentity, BrokerState, EventSubscription, User
+from queuekeeper.models import AgentIdentity, BrokerState, EventConsumer, EventSubscription, User
 
 COLLECTION = "marketplace-site-agent-identities"
 
@@ -78,6 +80,7 @@ _IDENTITY_UUID = "7d1f0c2b9a8e4f6d8c5b4a3e2f1d0c9b"
 _OFFERING_UUID = "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b"
 _USER_UUID = "8b1a9953c4611296a827abf8c47804d7"
 _SUBSCRIPTION_UUID = "0d5e8f7a1b2c4d3e9f8a7b6c5d4e3f2a"
+_CONSUMER_UUID = "0dc92ac0518e4604a2e27ff11120df6c"
 
 
 class IdentityOut(Schema):
@@ -187,6 +190,46 @@ class AdminSubscription(BaseModel):
         )
 
 
+class AdminConsumer(BaseModel):
+    """The identity's consumer (agents 1.0.7 and later) with its queue as the broker sees it."""
+
+    consumer_uuid: HexUUID
+    queue_name: str
+    vhost: str
+    rmq_username: str
+    object_types: list[str] = Field(description="The filter; empty means every type.")
+    broker_state: BrokerState
+    created: UTCDateTime
+    modified: UTCDateTime
+    present: bool | None = Field(description="On the broker; null when the broker was not asked.")
+    arguments_ok: bool | None = Field(description="Null when not present or not asked.")
+    differences: list[str] = Field(description="How the broker's queue differs from SPEC 3.")
+    consumers: int | None = Field(description="0 on a present queue: the agent is not consuming.")
+    messages: int | None
+
+    @classmethod
+    def from_row(
+        cls, consumer: EventConsumer, seen: QueueInfo | None, differences: list[str] | None
+    ) -> AdminConsumer:
+        """`differences` None: the broker was not asked."""
+        asked = differences is not None
+        return cls(
+            consumer_uuid=consumer.uuid,
+            queue_name=consumer.queue_name,
+            vhost=consumer.vhost,
+            rmq_username=topology.consumer_user_name(consumer.uuid),
+            object_types=list(consumer.object_types or []),
+            broker_state=consumer.broker_state,
+            created=consumer.created,
+            modified=consumer.modified,
+            present=seen is not None if asked else None,
+            arguments_ok=not differences if seen is not None else None,
+            differences=differences or [],
+            consumers=(seen.consumers or 0) if seen else None,
+            messages=(seen.messages or 0) if seen else None,
+        )
+
+
 class AdminIdentityOut(BaseModel):
     model_config = ConfigDict(
         json_schema_extra={
@@ -220,6 +263,21 @@ class AdminIdentityOut(BaseModel):
                             ],
                         }
                     ],
+                    "consumer": {
+                        "consumer_uuid": _CONSUMER_UUID,
+                        "queue_name": f"consumer_{_CONSUMER_UUID}",
+                        "vhost": _USER_UUID,
+                        "rmq_username": _CONSUMER_UUID,
+                        "object_types": ["order", "resource_api_key_rotation"],
+                        "broker_state": "ok",
+                        "created": "2026-11-23T00:51:07.301234Z",
+                        "modified": "2026-11-23T01:00:00.123456Z",
+                        "present": True,
+                        "arguments_ok": True,
+                        "differences": [],
+                        "consumers": 1,
+                        "messages": 0,
+                    },
                 }
             ]
         }
@@ -234,11 +292,22 @@ class AdminIdentityOut(BaseModel):
     last_restarted: UTCDateTime | None
     created: UTCDateTime
     modified: UTCDateTime
-    subscriptions: list[AdminSubscription]
+    subscriptions: list[AdminSubscription] = Field(
+        description="What a 1.0.5 agent registered: one subscription per object type."
+    )
+    consumer: AdminConsumer | None = Field(
+        default=None,
+        description="What a 1.0.7 agent registered with register_queue: one queue for every "
+        "type; null when it has none.",
+    )
 
     @classmethod
     def from_row(
-        cls, identity: AgentIdentity, owner: User | None, subscriptions: list[AdminSubscription]
+        cls,
+        identity: AgentIdentity,
+        owner: User | None,
+        subscriptions: list[AdminSubscription],
+        consumer: AdminConsumer | None = None,
     ) -> AdminIdentityOut:
         return cls(
             uuid=identity.uuid,
@@ -251,4 +320,5 @@ class AdminIdentityOut(BaseModel):
             created=identity.created,
             modified=identity.modified,
             subscriptions=subscriptions,
+            consumer=consumer,
         )

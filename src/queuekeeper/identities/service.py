@@ -22,9 +22,11 @@ from queuekeeper.common.pagination import Page, Paged
 from queuekeeper.common.quotas import check_quota, check_text
 from queuekeeper.common.schemas import find_by_path_uuid
 from queuekeeper.config import Settings
+from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.identities import repository
 from queuekeeper.identities.schemas import (
+    AdminConsumer,
     AdminIdentityOut,
     AdminQueue,
     AdminSubscription,
@@ -34,6 +36,7 @@ from queuekeeper.identities.schemas import (
 from queuekeeper.models import (
     AgentIdentity,
     BrokerState,
+    EventConsumer,
     EventSubscription,
     Offering,
     User,
@@ -218,10 +221,12 @@ async def delete_identity(
     session: AsyncSession, provisioner: Provisioner, user: User, identity_uuid: str
 ) -> None:
     """Deletes the identity and the subscriptions registered through it, with their queues
-    and broker users: nothing else would ever clean them up."""
+    and broker users, and its consumer (which goes by cascade) with its queue and broker
+    user: nothing else would ever clean them up."""
     identity = await get_identity(session, user, identity_uuid)
     owned = await repository.subscriptions_of_identity(session, user.uuid, identity.uuid)
     leftovers = await subscriptions.collect_leftovers(session, owned)
+    leftovers.add_consumers(await consumers_repository.of_identities(session, [identity.uuid]))
     for subscription in owned:
         await session.delete(subscription)
     await session.delete(identity)
@@ -347,12 +352,12 @@ async def _broker_queues(
     for vhost in sorted(vhosts):
         page = 1
         while True:
+            # Subscription and consumer queues (the dead-letter queue comes along; unused).
             body = await management.list_queues_page(
                 vhost,
                 page=page,
                 page_size=500,
-                columns="name,consumers,messages",
-                name_prefix=topology.SUBSCRIPTION_QUEUE_PREFIX,
+                columns="name,consumers,messages,arguments,durable,auto_delete",
             )
             for item in body.items:
                 found[(vhost, item.name)] = item
@@ -362,9 +367,22 @@ async def _broker_queues(
     return found
 
 
+def _admin_consumer(
+    provisioner: Provisioner,
+    consumer: EventConsumer | None,
+    broker: dict[tuple[str, str], QueueInfo] | None,
+) -> AdminConsumer | None:
+    if consumer is None:
+        return None
+    if broker is None:
+        return AdminConsumer.from_row(consumer, None, None)
+    seen = broker.get((consumer.vhost, consumer.queue_name))
+    return AdminConsumer.from_row(consumer, seen, provisioner.differences(seen) if seen else [])
+
+
 async def admin_overview(
     session: AsyncSession,
-    management: ManagementClient,
+    provisioner: Provisioner,
     *,
     offering_uuid: uuid.UUID | None,
     user_uuid: uuid.UUID | None,
@@ -379,15 +397,16 @@ async def admin_overview(
         offset=page.offset,
         limit=page.page_size,
     )
-    rows = await repository.subscriptions_with_queues(
-        session, [identity.uuid for identity, _owner in identities]
-    )
+    identity_uuids = [identity.uuid for identity, _owner in identities]
+    rows = await repository.subscriptions_with_queues(session, identity_uuids)
+    consumers = {
+        consumer.agent_identity_uuid: consumer
+        for consumer in await consumers_repository.of_identities(session, identity_uuids)
+    }
     await session.commit()  # nothing stays open while we ask the broker
-    broker = (
-        await _broker_queues(management, {queue.vhost for _s, queue in rows if queue is not None})
-        if with_broker
-        else None
-    )
+    vhosts = {queue.vhost for _s, queue in rows if queue is not None}
+    vhosts |= {consumer.vhost for consumer in consumers.values()}
+    broker = await _broker_queues(provisioner.management, vhosts) if with_broker else None
     subscriptions: dict[uuid.UUID, dict[uuid.UUID, AdminSubscription]] = {}
     for subscription, queue in rows:
         if subscription.agent_identity_uuid is None:  # detached meanwhile
@@ -412,7 +431,10 @@ async def admin_overview(
         total,
         [
             AdminIdentityOut.from_row(
-                identity, owner, list(subscriptions.get(identity.uuid, {}).values())
+                identity,
+                owner,
+                list(subscriptions.get(identity.uuid, {}).values()),
+                _admin_consumer(provisioner, consumers.get(identity.uuid), broker),
             )
             for identity, owner in identities
         ],

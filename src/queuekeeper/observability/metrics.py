@@ -139,3 +139,23 @@ AGENT_OFFERING_UUID_FORM = Counter(
     "Agent identities registered with an offering uuid that is not lowercase hex/dashed: "
     "such an agent computes queue names that do not exist and reconnects in a loop.",
 )
+
+# --- unified consumers (SPEC 9) -------------------------------------------------------------
+CONSUMER_REGISTRATIONS = Counter(
+    "queuekeeper_consumer_registrations_total",
+    "Consumer registrations by route (register_queue: site agents 1.0.7; api: "
+    "/api/event-consumers/register/) and outcome: created (201), reused (200), conflict, "
+    "broker_unavailable.",
+    ["route", "outcome"],
+)
+CONSUMERS = Gauge(
+    "queuekeeper_consumers",
+    "Consumers registered (refreshed by the relay's housekeeping).",
+    multiprocess_mode="livemax",
+)
+COPIES = Counter(
+    "queuekeeper_copies_total",
+    "Event copies by kind (legacy: a subscription's per-type queue; consumer: a consumer's "
+    "queue) and stage (queued: written to the outbox; published: confirmed by the broker).",
+    ["kind", "stage"],
+)

@@ -8,6 +8,7 @@ vhosts, so memory follows the number of subscriptions, not of queues.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -17,7 +18,7 @@ from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.topology import Permissions
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.reconcile import repository
-from queuekeeper.reconcile.repository import SubscriptionAccess
+from queuekeeper.reconcile.repository import ConsumerAccess, SubscriptionAccess
 
 
 @dataclass
@@ -98,7 +99,7 @@ def _user_problems(access: BrokerAccess, user: UserInfo, owner_hash: str | None)
 
 
 async def _look_again(
-    context: JobContext, name: str, subscription: SubscriptionAccess
+    context: JobContext, name: str, subscription: SubscriptionAccess | ConsumerAccess
 ) -> tuple[UserInfo | None, str | None]:
     """The broker user and the owner's password hash as they are now.
 
@@ -173,7 +174,27 @@ async def check_subscription(
             )
             await session.commit()
 
-    expected = topology.subscription_permissions(subscription.uuid)
+    await _check_permissions(
+        context,
+        run,
+        access,
+        vhost,
+        name,
+        topology.subscription_permissions(subscription.uuid),
+        partial(provisioner.put_subscription_permissions, vhost, subscription.uuid),
+    )
+
+
+async def _check_permissions(
+    context: JobContext,
+    run: Run,
+    access: BrokerAccess,
+    vhost: str,
+    name: str,
+    expected: Permissions,
+    put: Callable[[], Awaitable[None]],
+) -> None:
+    """The broker user `name` holds exactly `expected` in the vhost, or `put` restores it."""
     actual = access.permissions.get((vhost, name))
     if actual != expected:
         fresh = await context.management.get_permissions(vhost, name)
@@ -184,9 +205,68 @@ async def check_subscription(
             "permissions_restored",
             "put_permissions",
             f"{vhost}/{name}",
-            lambda: provisioner.put_subscription_permissions(vhost, subscription.uuid),
+            put,
             detail="missing" if actual is None else f"was {_describe(actual)}",
         )
+
+
+async def check_consumer(
+    context: JobContext, run: Run, access: BrokerAccess, vhost: str, consumer: ConsumerAccess
+) -> None:
+    """A consumer's broker user exists with the owner's token as password, tagged ours, and
+    may read its one queue and nothing else (SPEC 9). Unlike a subscription it is never
+    marked broken: the owner's next register_queue sets everything again."""
+    provisioner = context.provisioner
+    name = topology.consumer_user_name(consumer.uuid)
+    item = f"broker user {name}"
+    run.find("consumers")
+    user, owner_hash = access.users.get(name), consumer.owner_password_hash
+    if user is None or _user_problems(access, user, owner_hash):
+        user, owner_hash = await _look_again(context, name, consumer)
+
+    async def settle() -> None:
+        # A token change racing us: re-read the owner after our write (as for subscriptions).
+        async with context.sessions() as session:
+            current = await repository.owner_password_hash(session, consumer.owner_uuid)
+            if current != owner_hash:
+                await provisioner.set_consumer_password(consumer.uuid, current)
+            await repository.set_consumer_password_hash(session, consumer.uuid, current)
+            await session.commit()
+
+    if user is None:
+        run.find("users_missing")
+
+        async def restore() -> None:
+            await provisioner.ensure_consumer_user(vhost, consumer.uuid, owner_hash)
+            await settle()
+
+        await run.apply(
+            "users_restored",
+            "restore_user",
+            item,
+            restore,
+            detail="a consumer's broker user was missing; re-created with the owner's token as "
+            "password, and its permissions",
+        )
+        return
+    problems = _user_problems(access, user, owner_hash)
+    if problems:
+        run.find("users_wrong")
+
+        async def repair() -> None:
+            await provisioner.set_consumer_password(consumer.uuid, owner_hash)
+            await settle()
+
+        await run.apply("users_restored", "repair_user", item, repair, detail="; ".join(problems))
+    await _check_permissions(
+        context,
+        run,
+        access,
+        vhost,
+        name,
+        topology.consumer_permissions(consumer.uuid),
+        partial(provisioner.put_consumer_permissions, vhost, consumer.uuid),
+    )
 
 
 def _describe(permissions: Permissions) -> str:

@@ -8,23 +8,47 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
-from sqlalchemy import ColumnElement, exists, or_, select, update
+from sqlalchemy import ColumnElement, exists, literal, null, or_, select, union_all, update
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.broker import topology
-from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User, utcnow
+from queuekeeper.models import (
+    BrokerState,
+    EventConsumer,
+    EventSubscription,
+    EventSubscriptionQueue,
+    User,
+    utcnow,
+)
 
 
 @dataclass(frozen=True)
 class QueueRow:
+    """A registered queue: a subscription's (per offering and type) or a consumer's
+    (`consumer` True: `uuid` is the consumer's, the subscription fields are None)."""
+
     name: str
     uuid: UUID
-    subscription_uuid: UUID
-    offering_uuid: UUID
-    object_type: str
+    subscription_uuid: UUID | None
+    offering_uuid: UUID | None
+    object_type: str | None
+    consumer: bool = False
+
+
+A = TypeVar("A", "ConsumerAccess", "SubscriptionAccess")
+
+
+@dataclass(frozen=True)
+class ConsumerAccess:
+    """What a consumer's broker user should look like."""
+
+    uuid: UUID
+    broker_state: str
+    owner_uuid: UUID
+    owner_password_hash: str | None
 
 
 @dataclass(frozen=True)
@@ -35,14 +59,6 @@ class SubscriptionAccess:
     broker_state: str
     owner_uuid: UUID
     owner_password_hash: str | None
-
-
-def _name(session: AsyncSession) -> ColumnElement[str]:
-    """Queue names compared byte by byte, as RabbitMQ sorts them (and as Python compares str)."""
-    column: ColumnElement[str] = EventSubscriptionQueue.queue_name.expression
-    if session.get_bind().dialect.name == "postgresql":
-        return column.collate("C")
-    return column  # SQLite's default collation is already binary
 
 
 @asynccontextmanager
@@ -59,23 +75,40 @@ async def reader(engine: AsyncEngine) -> AsyncIterator[AsyncSession]:
 
 
 async def subscribed_vhosts(session: AsyncSession) -> set[str]:
-    """The vhosts that should exist: one per user with at least one subscription."""
-    rows = await session.scalars(select(EventSubscription.user_uuid).distinct())
+    """The vhosts that should exist: one per user with a subscription or a consumer."""
+    rows = await session.scalars(
+        select(EventSubscription.user_uuid).union(select(EventConsumer.user_uuid))
+    )
     return {owner.hex for owner in rows}
 
 
 async def rows_in_range(
     session: AsyncSession, vhost: str, after: str | None, limit: int
 ) -> list[QueueRow]:
-    """Registered queues of `vhost` with names after `after`, in name order."""
-    name = _name(session)
-    query = select(
-        EventSubscriptionQueue.queue_name,
-        EventSubscriptionQueue.uuid,
-        EventSubscriptionQueue.subscription_uuid,
-        EventSubscriptionQueue.offering_uuid,
-        EventSubscriptionQueue.object_type,
-    ).where(EventSubscriptionQueue.vhost == vhost)
+    """Registered queues of `vhost` (subscriptions' and consumers') with names after
+    `after`, in name order."""
+    registered = union_all(
+        select(
+            EventSubscriptionQueue.queue_name.label("name"),
+            EventSubscriptionQueue.uuid,
+            EventSubscriptionQueue.subscription_uuid,
+            EventSubscriptionQueue.offering_uuid,
+            EventSubscriptionQueue.object_type,
+            literal(False).label("consumer"),
+        ).where(EventSubscriptionQueue.vhost == vhost),
+        select(
+            EventConsumer.queue_name.label("name"),
+            EventConsumer.uuid,
+            null().cast(EventSubscriptionQueue.subscription_uuid.type),
+            null().cast(EventSubscriptionQueue.offering_uuid.type),
+            null().cast(EventSubscriptionQueue.object_type.type),
+            literal(True).label("consumer"),
+        ).where(EventConsumer.vhost == vhost),
+    ).subquery("registered")
+    name: ColumnElement[str] = registered.c.name
+    if session.get_bind().dialect.name == "postgresql":
+        name = name.collate("C")  # byte order, as RabbitMQ sorts names
+    query = select(registered)
     if after is not None:
         query = query.where(name > after)
     result = await session.execute(query.order_by(name).limit(limit))
@@ -83,20 +116,31 @@ async def rows_in_range(
 
 
 async def registered_names(session: AsyncSession, vhost: str, names: Sequence[str]) -> set[str]:
+    """Of these queue names, the ones a subscription queue or a consumer registered."""
     if not names:
         return set()
     rows = await session.scalars(
-        select(EventSubscriptionQueue.queue_name).where(
+        select(EventSubscriptionQueue.queue_name)
+        .where(
             EventSubscriptionQueue.vhost == vhost,
             EventSubscriptionQueue.queue_name.in_(list(names)),
+        )
+        .union_all(
+            select(EventConsumer.queue_name).where(
+                EventConsumer.vhost == vhost, EventConsumer.queue_name.in_(list(names))
+            )
         )
     )
     return set(rows)
 
 
 async def vhost_in_use(session: AsyncSession, vhost: str) -> bool:
-    """True when a subscription of the vhost's owner, or a queue row in it, exists."""
-    conditions: list[ColumnElement[bool]] = [exists().where(EventSubscriptionQueue.vhost == vhost)]
+    """True when a subscription of the vhost's owner, or a queue row or consumer in it,
+    exists."""
+    conditions: list[ColumnElement[bool]] = [
+        exists().where(EventSubscriptionQueue.vhost == vhost),
+        exists().where(EventConsumer.vhost == vhost),
+    ]
     owner = topology.uuid_of(vhost)
     if owner is not None:
         conditions.append(exists().where(EventSubscription.user_uuid == owner))
@@ -107,25 +151,48 @@ async def subscriptions_of_owners(
     session: AsyncSession, owners: Sequence[UUID]
 ) -> dict[UUID, list[SubscriptionAccess]]:
     """One query for a whole group of vhosts' owners."""
-    found: dict[UUID, list[SubscriptionAccess]] = {owner: [] for owner in owners}
+    return await _access_of_owners(session, EventSubscription, SubscriptionAccess, owners)
+
+
+async def consumers_of_owners(
+    session: AsyncSession, owners: Sequence[UUID]
+) -> dict[UUID, list[ConsumerAccess]]:
+    """One query for a whole group of vhosts' owners."""
+    return await _access_of_owners(session, EventConsumer, ConsumerAccess, owners)
+
+
+async def _access_of_owners(
+    session: AsyncSession,
+    model: type[EventSubscription] | type[EventConsumer],
+    record: type[A],
+    owners: Sequence[UUID],
+) -> dict[UUID, list[A]]:
+    found: dict[UUID, list[A]] = {owner: [] for owner in owners}
     if not owners:
         return found
     result = await session.execute(
+        # The owner's password: None while inactive or expired, so reconcile never gives a
+        # revoked login back.
         select(
-            EventSubscription.uuid,
-            EventSubscription.broker_state,
-            EventSubscription.user_uuid,
-            # None while the owner is inactive or expired: reconcile never gives a revoked
-            # login back.
-            User.broker_login_hash_sql(utcnow()),
+            model.uuid, model.broker_state, model.user_uuid, User.broker_login_hash_sql(utcnow())
         )
-        .join(User, User.uuid == EventSubscription.user_uuid)
-        .where(EventSubscription.user_uuid.in_(list(owners)))
-        .order_by(EventSubscription.user_uuid, EventSubscription.uuid)
+        .join(User, User.uuid == model.user_uuid)
+        .where(model.user_uuid.in_(list(owners)))
+        .order_by(model.user_uuid, model.uuid)
     )
     for row in result.all():
-        found[row.user_uuid].append(SubscriptionAccess(*row))
+        found[row.user_uuid].append(record(*row))
     return found
+
+
+async def set_consumer_password_hash(
+    session: AsyncSession, consumer_uuid: UUID, password_hash: str | None
+) -> None:
+    await session.execute(
+        update(EventConsumer)
+        .where(EventConsumer.uuid == consumer_uuid)
+        .values(broker_password_hash=password_hash, broker_state=BrokerState.OK)
+    )
 
 
 async def owner_password_hash(session: AsyncSession, owner_uuid: UUID) -> str | None:
@@ -152,18 +219,22 @@ async def set_subscription_broker_state(
 
 
 async def existing_subscription_users(session: AsyncSession, names: Sequence[str]) -> set[str]:
-    """Of these broker user names, the ones that belong to a subscription row."""
+    """Of these broker user names, the ones that belong to a subscription or consumer row."""
     uuids = [owner for owner in (topology.uuid_of(name) for name in names) if owner is not None]
     if not uuids:
         return set()
     rows = await session.scalars(
-        select(EventSubscription.uuid).where(EventSubscription.uuid.in_(uuids))
+        select(EventSubscription.uuid)
+        .where(EventSubscription.uuid.in_(uuids))
+        .union_all(select(EventConsumer.uuid).where(EventConsumer.uuid.in_(uuids)))
     )
     return {row.hex for row in rows}
 
 
 async def queue_vhosts(session: AsyncSession) -> set[str]:
-    rows = await session.scalars(select(EventSubscriptionQueue.vhost).distinct())
+    rows = await session.scalars(
+        select(EventSubscriptionQueue.vhost).union(select(EventConsumer.vhost))
+    )
     return set(rows)
 
 
@@ -176,10 +247,17 @@ def _stale(now: datetime) -> ColumnElement[bool]:
 
 
 async def stale_owners(session: AsyncSession, now: datetime) -> list[tuple[UUID, str]]:
-    """Users with subscriptions who are inactive or whose token expired, with the reason."""
+    """Users with subscriptions or consumers who are inactive or whose token expired, with
+    the reason."""
     result = await session.execute(
         select(User.uuid, User.is_active, User.token_expires_at)
-        .where(_stale(now), exists().where(EventSubscription.user_uuid == User.uuid))
+        .where(
+            _stale(now),
+            or_(
+                exists().where(EventSubscription.user_uuid == User.uuid),
+                exists().where(EventConsumer.user_uuid == User.uuid),
+            ),
+        )
         .order_by(User.uuid)
     )
     owners = []

@@ -4,6 +4,7 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from queuekeeper.broker import topology
 from queuekeeper.broker.management import QueueInfo
 from queuekeeper.common.schemas import HexUUID
 from queuekeeper.reconcile.repository import QueueRow
@@ -46,14 +47,20 @@ class QueueStateOut(BaseModel):
     vhost: str
     state: QueueState = Field(
         description="`ok`; `missing` (registered, not on the broker); `drifted` (present with "
-        "other arguments: see `differences`); `unregistered` (a `subscription_*` queue nothing "
-        "registered); `foreign_vhost` (its vhost is not tagged as this installation's)."
+        "other arguments: see `differences`); `unregistered` (a `subscription_*` or "
+        "`consumer_*` queue nothing registered); `foreign_vhost` (its vhost is not tagged as "
+        "this installation's)."
     )
     registered: bool
     uuid: HexUUID | None = Field(default=None, description="The registration, when there is one.")
     event_subscription_uuid: HexUUID | None = None
     offering_uuid: HexUUID | None = None
     object_type: str | None = None
+    consumer_uuid: HexUUID | None = Field(
+        default=None,
+        description="Set on a consumer's queue (`consumer_<hex>`, SPEC 9), which carries every "
+        "type its filter holds; `uuid` is then the consumer's too.",
+    )
     present: bool | None = Field(description="On the broker; null when its vhost is not ours.")
     arguments_ok: bool | None = Field(description="Null when not present.")
     differences: list[str] = Field(description="How the broker's queue differs from SPEC 3.")
@@ -87,6 +94,7 @@ class QueueStateOut(BaseModel):
             event_subscription_uuid=row.subscription_uuid if row else None,
             offering_uuid=row.offering_uuid if row else None,
             object_type=row.object_type if row else None,
+            consumer_uuid=row.uuid if row and row.consumer else topology.consumer_of(name),
             present=None if foreign else broker is not None,
             arguments_ok=(not differences) if broker is not None else None,
             differences=differences,

@@ -28,11 +28,12 @@ from queuekeeper.observability.metrics import RECONCILE_ITEMS
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.access import (
     BrokerAccess,
+    check_consumer,
     check_service_permissions,
     check_subscription,
 )
 from queuekeeper.reconcile.listing import vhost_queues
-from queuekeeper.reconcile.repository import SubscriptionAccess
+from queuekeeper.reconcile.repository import ConsumerAccess, SubscriptionAccess
 
 log = structlog.get_logger(__name__)
 
@@ -62,10 +63,15 @@ async def reconcile(context: JobContext, run: Run) -> None:
         for group in chunked(todo, VHOST_GROUP):
             owners = [owner for owner in map(topology.uuid_of, group) if owner is not None]
             subscriptions = await repository.subscriptions_of_owners(reader, owners)
+            consumers = await repository.consumers_of_owners(reader, owners)
             agent_users += [
                 topology.subscription_user_name(subscription.uuid)
                 for found in subscriptions.values()
                 for subscription in found
+            ] + [
+                topology.consumer_user_name(consumer.uuid)
+                for found in consumers.values()
+                for consumer in found
             ]
             for vhost in group:
                 owner = topology.uuid_of(vhost)
@@ -77,6 +83,7 @@ async def reconcile(context: JobContext, run: Run) -> None:
                     vhost,
                     broker_vhosts.get(vhost),
                     subscriptions.get(owner, []) if owner else [],
+                    consumers.get(owner, []) if owner else [],
                 )
                 done += 1
                 run.report("vhosts", done, len(todo))
@@ -120,6 +127,7 @@ async def reconcile_vhost(
     vhost: str,
     info: VhostInfo | None,
     subscriptions: list[SubscriptionAccess],
+    consumers: list[ConsumerAccess],
 ) -> None:
     provisioner = context.provisioner
     if info is not None and not provisioner.owns(info):
@@ -147,6 +155,9 @@ async def reconcile_vhost(
     for subscription in subscriptions:
         async with run.item(f"broker user {subscription.uuid.hex}"):
             await check_subscription(context, run, access, vhost, subscription)
+    for consumer in consumers:
+        async with run.item(f"broker user {consumer.uuid.hex}"):
+            await check_consumer(context, run, access, vhost, consumer)
     async with run.item(f"{vhost} queues"):
         await reconcile_queues(context, run, reader, vhost)
 
@@ -164,7 +175,7 @@ async def reconcile_queues(context: JobContext, run: Run, reader: AsyncSession, 
             if queue.row is None:
                 if queue.name == settings.dlq_name:
                     dead_letter_queue = queue.broker
-                elif topology.is_subscription_queue(queue.name):
+                elif topology.is_registered_kind(queue.name):  # subscription_* or consumer_*
                     orphans.append(queue.name)
                 # Any other queue is not queuekeeper's to judge.
             elif queue.broker is None:
@@ -187,10 +198,11 @@ async def reconcile_queues(context: JobContext, run: Run, reader: AsyncSession, 
 async def delete_orphans(
     context: JobContext, run: Run, reader: AsyncSession, vhost: str, names: Sequence[str]
 ) -> None:
-    """Delete `subscription_*` queues nobody registered, re-checked under the vhost's lock.
+    """Delete `subscription_*` and `consumer_*` queues nobody registered, re-checked under
+    the vhost's lock.
 
-    A create_queue holds the same lock, shared, from before it declares its queue
-    until its row is committed: once we hold it exclusively, every queue that
+    A create_queue or register_queue holds the same lock, shared, from before it declares
+    its queue until its row is committed: once we hold it exclusively, every queue that
     exists has either its row committed (and we see it) or no create_queue behind it.
     """
     for batch in chunked(names, DELETE_BATCH):

@@ -1,4 +1,5 @@
-"""Stale subscriptions: those of users who were deactivated or whose token expired.
+"""Stale subscriptions and consumers: those of users who were deactivated or whose token
+expired.
 
 They are removed with everything they own on the broker: queues, broker users,
 and the vhost when they were its owner's last. Users deleted by the backend lose
@@ -10,8 +11,10 @@ subscription owns.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 
 from queuekeeper.broker import topology
+from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import utcnow
 from queuekeeper.reconcile import repository
@@ -52,16 +55,23 @@ async def remove_subscriptions_of(
             run.find("no_longer_stale")
             return
         subscriptions, queues = await repository.subscriptions_with_queues(session, owner)
+        consumers = await consumers_repository.of_owner(session, owner)
         run.find("stale_subscriptions", len(subscriptions))
         run.find("stale_queues", len(queues))
+        run.find("stale_consumers", len(consumers))
         if run.dry_run:
             for subscription in subscriptions:
                 run.planned("delete_subscription", f"subscription {subscription.uuid.hex}", reason)
                 run.planned("delete_user", f"broker user {subscription.uuid.hex}", reason)
-            run.planned("delete_vhost", vhost, f"{reason}; with its {len(queues)} queues")
+            for consumer in consumers:
+                run.planned("delete_consumer", f"consumer {consumer.uuid.hex}", reason)
+                run.planned("delete_user", f"broker user {consumer.uuid.hex}", reason)
+            run.planned(
+                "delete_vhost", vhost, f"{reason}; with its {len(queues) + len(consumers)} queues"
+            )
             return
-        for subscription in subscriptions:
-            await session.delete(subscription)  # its queue rows go by cascade
+        for row in [*subscriptions, *consumers]:
+            await session.delete(row)  # queue rows and scopes go by cascade
         await session.commit()
     for subscription in subscriptions:
         run.done(
@@ -70,21 +80,25 @@ async def remove_subscriptions_of(
             f"subscription {subscription.uuid.hex}",
             reason,
         )
+    for consumer in consumers:
+        run.done("consumers_removed", "delete_consumer", f"consumer {consumer.uuid.hex}", reason)
 
     # The rows are gone: now the broker, item by item (a failure is left to the next run).
-    for subscription in subscriptions:
-        name = topology.subscription_user_name(subscription.uuid)
-        async with run.item(f"broker user {name}"):
-            if await context.provisioner.delete_subscription_user(subscription.uuid):
-                run.done("users_deleted", "delete_user", f"broker user {name}", reason)
+    users: list[tuple[uuid.UUID, Callable[[uuid.UUID], Awaitable[bool]]]] = [
+        (s.uuid, context.provisioner.delete_subscription_user) for s in subscriptions
+    ]
+    users += [(c.uuid, context.provisioner.delete_consumer_user) for c in consumers]
+    for row_uuid, delete_user in users:
+        async with run.item(f"broker user {row_uuid.hex}"):
+            if await delete_user(row_uuid):
+                run.done("users_deleted", "delete_user", f"broker user {row_uuid.hex}", reason)
     async with run.item(vhost), repository.reader(context.engine) as reader:
         await remove_unused_vhost(context, run, reader, vhost)
         if await context.management.get_vhost(vhost) is None:
             return  # its queues went with it
         # The owner registered again meanwhile: the vhost stays, the old queues go.
-        for queue in queues:
-            async with run.item(f"{vhost}/{queue.queue_name}"):
-                if await context.provisioner.delete_queue(vhost, queue.queue_name):
-                    run.done(
-                        "queues_deleted", "delete_queue", f"{vhost}/{queue.queue_name}", reason
-                    )
+        names = [queue.queue_name for queue in queues] + [c.queue_name for c in consumers]
+        for name in names:
+            async with run.item(f"{vhost}/{name}"):
+                if await context.provisioner.delete_queue(vhost, name):
+                    run.done("queues_deleted", "delete_queue", f"{vhost}/{name}", reason)

@@ -1,5 +1,6 @@
-"""The operator's view of the queues: every registered queue joined with the broker's view,
-plus the `subscription_*` queues nobody registered. Read-only; the same page-by-page
+"""The operator's view of the queues: every registered queue (subscriptions' and consumers')
+joined with the broker's view, plus the `subscription_*` and `consumer_*` queues nobody
+registered. Read-only; the same page-by-page
 join as reconcile, so memory holds one page whatever the size."""
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _hex(value: object) -> str | None:
 
 def _entry(context: JobContext, vhost: str, queue: ListedQueue) -> QueueStateOut | None:
     row, broker = queue.row, queue.broker
-    if row is None and not topology.is_subscription_queue(queue.name):
+    if row is None and not topology.is_registered_kind(queue.name):
         return None  # the dead-letter queue (see /api/admin/dead-letters/) or not ours
     found = context.provisioner.differences(broker) if broker else []
     if row is None:

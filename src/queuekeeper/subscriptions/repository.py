@@ -5,12 +5,17 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, exists, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
-from queuekeeper.models import EventSubscription, EventSubscriptionQueue, OfferingAccess
+from queuekeeper.models import (
+    EventConsumer,
+    EventSubscription,
+    EventSubscriptionQueue,
+    OfferingAccess,
+)
 from queuekeeper.subscriptions.schemas import QueueFilter
 
 
@@ -37,6 +42,19 @@ async def get_owned_subscription(
         owned_subscriptions(user_uuid).where(EventSubscription.uuid == subscription_uuid)
     )
     return subscription
+
+
+async def owner_uses_vhost(session: AsyncSession, user_uuid: uuid.UUID) -> bool:
+    """Whether the user still has a subscription or a consumer (each needs its vhost)."""
+    used = await session.scalar(
+        select(
+            or_(
+                exists().where(EventSubscription.user_uuid == user_uuid),
+                exists().where(EventConsumer.user_uuid == user_uuid),
+            )
+        )
+    )
+    return bool(used)
 
 
 async def count_subscriptions(session: AsyncSession, user_uuid: uuid.UUID) -> int:
@@ -104,9 +122,14 @@ async def has_access(
 async def registered_queue_names(
     session: AsyncSession, vhost: str, names: Sequence[str]
 ) -> set[str]:
+    """Of these queue names, those a subscription queue or a consumer has registered."""
     rows = await session.scalars(
-        select(EventSubscriptionQueue.queue_name).where(
-            EventSubscriptionQueue.vhost == vhost, EventSubscriptionQueue.queue_name.in_(names)
+        select(EventSubscriptionQueue.queue_name)
+        .where(EventSubscriptionQueue.vhost == vhost, EventSubscriptionQueue.queue_name.in_(names))
+        .union_all(
+            select(EventConsumer.queue_name).where(
+                EventConsumer.vhost == vhost, EventConsumer.queue_name.in_(names)
+            )
         )
     )
     return set(rows)

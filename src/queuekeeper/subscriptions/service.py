@@ -26,6 +26,7 @@ from queuekeeper.config import Settings
 from queuekeeper.exceptions import BadRequest, Forbidden, NotFound
 from queuekeeper.models import (
     BrokerState,
+    EventConsumer,
     EventSubscription,
     EventSubscriptionQueue,
     Offering,
@@ -46,6 +47,14 @@ class BrokerLeftovers:
     queues: list[tuple[str, str]] = field(default_factory=list)  # (vhost, queue name)
     subscription_uuids: list[uuid.UUID] = field(default_factory=list)
     owner_uuids: set[uuid.UUID] = field(default_factory=set)
+    # Consumers (SPEC 9) leave a broker user each; their queues are in `queues`.
+    consumer_uuids: list[uuid.UUID] = field(default_factory=list)
+
+    def add_consumers(self, consumers: Sequence[EventConsumer]) -> BrokerLeftovers:
+        self.queues.extend((consumer.vhost, consumer.queue_name) for consumer in consumers)
+        self.consumer_uuids.extend(consumer.uuid for consumer in consumers)
+        self.owner_uuids.update(consumer.user_uuid for consumer in consumers)
+        return self
 
     @classmethod
     def of(
@@ -76,13 +85,20 @@ async def remove_leftovers(
             provisioner.delete_subscription_user(subscription_uuid),
             subscription=subscription_uuid.hex,
         )
+    for consumer_uuid in leftovers.consumer_uuids:
+        await best_effort(
+            "delete_user",
+            provisioner.delete_consumer_user(consumer_uuid),
+            consumer=consumer_uuid.hex,
+        )
     emptied = set()
     for owner_uuid in leftovers.owner_uuids:
         vhost = topology.vhost_name(owner_uuid)
-        # create_subscription holds this lock shared until its row is committed: counted
-        # under it exclusively, no subscription means nobody is about to use the vhost.
+        # create_subscription and register_queue hold this lock shared until their row is
+        # committed: counted under it exclusively, no subscription and no consumer means
+        # nobody is about to use the vhost.
         async with locks.guard(session, locks.vhost_key(vhost), exclusive=True):
-            if await repository.count_subscriptions(session, owner_uuid) == 0:
+            if not await repository.owner_uses_vhost(session, owner_uuid):
                 emptied.add(vhost)
                 await best_effort("delete_vhost", provisioner.delete_vhost(vhost), vhost=vhost)
             # Commit (nothing to write) to release the lock: a rollback would expire
@@ -101,8 +117,9 @@ async def delete_unregistered_queues(
 ) -> None:
     """Delete broker queues whose rows were deleted, unless registered again meanwhile.
 
-    create_queue holds the vhost lock shared from its broker declare to its commit,
-    so under the lock held exclusively a name without a row stays without one.
+    create_queue and register_queue hold the vhost lock shared from their broker declare
+    to their commit, so under the lock held exclusively a name without a row stays
+    without one.
     """
     async with locks.guard(session, locks.vhost_key(vhost), exclusive=True):
         registered = await repository.registered_queue_names(session, vhost, names)
