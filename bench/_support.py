@@ -62,8 +62,16 @@ def free_port() -> int:
 @contextlib.contextmanager
 def live_server(settings: Settings) -> Iterator[str]:
     """`queuekeeper serve` in a process of its own (so it does not share this one's GIL)."""
+    with live_process(settings) as (base, _process):
+        yield base
+
+
+@contextlib.contextmanager
+def live_process(settings: Settings, **env: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`queuekeeper serve` on a free port, with `QUEUEKEEPER_*` overrides in `env`; its base
+    URL and process (for /proc), once `/healthz` answers."""
     port = free_port()
-    env = {
+    environment = {
         **os.environ,
         "QUEUEKEEPER_DATABASE_URL": settings.database_url,
         "QUEUEKEEPER_INSTANCE_NAME": settings.instance_name,
@@ -71,10 +79,11 @@ def live_server(settings: Settings) -> Iterator[str]:
         "QUEUEKEEPER_PUBLIC_URL": f"http://127.0.0.1:{port}",
         "QUEUEKEEPER_LOG_LEVEL": "WARNING",
         "QUEUEKEEPER_LOG_FORMAT": "json",
+        **env,
     }
     process = subprocess.Popen(
         [str(Path(sys.executable).parent / "queuekeeper"), "serve", "--port", str(port)],
-        env=env,
+        env=environment,
         stdout=subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
@@ -89,7 +98,7 @@ def live_server(settings: Settings) -> Iterator[str]:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("queuekeeper did not start")
             time.sleep(0.1)
-        yield base
+        yield base, process
     finally:
         process.terminate()
         process.wait(30)

@@ -9,7 +9,9 @@ from contextlib import asynccontextmanager
 import structlog
 from fastapi import Depends, FastAPI
 from prometheus_client import multiprocess
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
+from queuekeeper.auth.guard import RequestGuard
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher
@@ -23,6 +25,7 @@ from queuekeeper.consumers.endpoints import router as consumers_router
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.deadletters import service as deadletters
 from queuekeeper.deadletters.endpoints import router as dead_letters_router
+from queuekeeper.directory import service as directory
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
@@ -107,6 +110,12 @@ JOBS: JobTable = {
         deadletters.redrive,
         interval=lambda settings: settings.redrive_interval_seconds,
         on_change=deadletters.count_change,
+    ),
+    Job.REVOKE_EXPIRED: JobSpec(
+        Job.REVOKE_EXPIRED,
+        directory.revoke_expired,
+        interval=lambda settings: settings.token_expiry_interval_seconds,
+        quiet=True,
     ),
 }
 
@@ -221,7 +230,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app, settings)
     install_openapi(app)
     install_docs(app)
+    # Added first, so innermost of these: the request is logged with its id and real peer.
+    app.add_middleware(RequestGuard, settings=settings)
     app.add_middleware(ObservabilityMiddleware)
+    # X-Forwarded-For only from the proxies the operator lists; otherwise the real peer.
+    app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     if settings.root_path:
         # Added last, so outermost: everything inside sees the canonical path.
         app.add_middleware(PathPrefixMiddleware, prefix=settings.root_path)

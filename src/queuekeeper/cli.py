@@ -141,7 +141,9 @@ def serve(
         log_config=None,
         # queuekeeper logs each request itself, with its request id.
         access_log=False,
-        proxy_headers=True,
+        # The app itself believes X-Forwarded-For only from QUEUEKEEPER_FORWARDED_ALLOW_IPS
+        # (uvicorn's own default would trust any loopback peer).
+        proxy_headers=False,
     )
 
 

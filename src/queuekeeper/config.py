@@ -103,6 +103,86 @@ class Settings(BaseSettings):
     retry_after_seconds: int = Field(
         default=5, ge=1, description="`Retry-After` sent with a 503 when the broker is down."
     )
+    forwarded_allow_ips: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated addresses or networks (CIDR) of the proxies in front of "
+        "queuekeeper; `X-Forwarded-For`/`X-Forwarded-Proto` are believed only from these "
+        "(`*` = from anyone, only when nothing else can reach the port). Empty: headers are "
+        "ignored and `source_ip` is the real peer.",
+    )
+
+    # --- limits on what one request or one agent can take (docs/operations.md, Security) --
+    body_max_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Largest request body of every route except event publishing (agent "
+        "registration, directory pushes, admin calls); larger answers 413 before it is read.",
+    )
+    event_payload_max_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Largest `payload` of one event (its JSON). A single-event body may be this "
+        "plus 4 KiB for the envelope; a batch body `events_batch_max` times that.",
+    )
+    text_max_length: int = Field(
+        default=1000,
+        ge=1,
+        description="Most characters of a free-text field an agent sends (a subscription's or "
+        "an identity's `description`, names, versions, endpoint lists); longer is a 400.",
+    )
+    max_subscriptions_per_user: int = Field(
+        default=100,
+        ge=1,
+        description="Event subscriptions (so broker users) one user may hold; one more is a 409.",
+    )
+    max_queues_per_user: int = Field(
+        default=1000,
+        ge=1,
+        description="Registered queues one user may hold across its subscriptions; one more "
+        "is a 409.",
+    )
+    max_identities_per_user: int = Field(
+        default=20,
+        ge=1,
+        description="Agent identities one user may hold; one more is a 409.",
+    )
+    max_consumers_per_user: int = Field(
+        default=20,
+        ge=1,
+        description="Unified event consumers (SPEC 9) one user may hold; one more is a 409 "
+        "(for the consumer registration to check with `common.quotas.check_quota`).",
+    )
+    registration_rate_limit: str = Field(
+        default="20/second;600/minute",
+        description="Per API token, on the registration routes (create a subscription, "
+        "`create_queue`, identities, `register_event_subscription`): `limits` notation, "
+        "several separated by `;`. Over it answers 429 with `Retry-After`. Counted in memory "
+        "per process: with N replicas a token gets up to N times this.",
+    )
+    broker_vhost_max_connections: int = Field(
+        default=1000,
+        ge=1,
+        description="RabbitMQ `max-connections` of every user vhost queuekeeper creates "
+        "(agents' STOMP connections plus queuekeeper's own); restored by reconcile.",
+    )
+    broker_vhost_max_queues: int = Field(
+        default=1100,
+        ge=1,
+        description="RabbitMQ `max-queues` of every user vhost queuekeeper creates (the queue "
+        "and consumer quotas, the dead-letter queue, room for repairs); restored by reconcile.",
+    )
+    broker_user_max_connections: int = Field(
+        default=64,
+        ge=1,
+        description="RabbitMQ `max-connections` of every agent broker user (one login); "
+        "restored by reconcile.",
+    )
+    broker_user_max_channels: int = Field(
+        default=256,
+        ge=1,
+        description="RabbitMQ `max-channels` of every agent broker user, over all its "
+        "connections; restored by reconcile.",
+    )
 
     # --- queue arguments (SPEC 3) -------------------------------------------------------
     queue_type: Literal["classic", "quorum"] = Field(
@@ -190,6 +270,12 @@ class Settings(BaseSettings):
     )
     reconcile_page_size: int = Field(
         default=500, ge=1, le=500, description="Queues per Management API page (broker max 500)."
+    )
+    token_expiry_interval_seconds: int = Field(
+        default=10,
+        ge=1,
+        description="Seconds between runs of the job that takes the broker logins of users "
+        "whose token has expired (password removed, connections closed).",
     )
     redrive_max_age_seconds: int = Field(
         default=24 * 3600,
@@ -284,11 +370,19 @@ class Settings(BaseSettings):
         default=5.0, gt=0, description="Seconds to open an AMQP connection."
     )
 
-    @field_validator("service_tokens", mode="before")
+    @field_validator("service_tokens", "forwarded_allow_ips", mode="before")
     @classmethod
     def _split_tokens(cls, value: object) -> object:
         if isinstance(value, str):
             return [token.strip() for token in value.split(",") if token.strip()]
+        return value
+
+    @field_validator("registration_rate_limit")
+    @classmethod
+    def _rate_limit(cls, value: str) -> str:
+        from limits import parse_many
+
+        parse_many(value)  # a ValueError here names the setting at start-up
         return value
 
     @field_validator("amqp_url", "management_url")

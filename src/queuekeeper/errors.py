@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from queuekeeper.broker.management import BrokerUnavailable, ManagementError
+from queuekeeper.broker.management import BrokerUnavailable, ManagementError, UnsafeName
 from queuekeeper.broker.provisioner import ForeignVhost, QueueConflict
 from queuekeeper.config import Settings
 from queuekeeper.exceptions import (
@@ -29,6 +29,8 @@ from queuekeeper.exceptions import (
     DomainError,
     Forbidden,
     NotFound,
+    RateLimited,
+    TooLarge,
     Unauthorized,
     Unavailable,
 )
@@ -43,8 +45,16 @@ STATUS: dict[type[DomainError], int] = {
     Forbidden: 403,
     NotFound: 404,
     Conflict: 409,
+    TooLarge: 413,
+    RateLimited: 429,
     Unavailable: 503,
 }
+
+# A validation error names the field and says what is wrong; it never echoes a huge input
+# back (a 2 MB field once answered with a 4 MB body): long messages are cut, and only the
+# first errors of a list with thousands of bad items are listed.
+MESSAGE_MAX_CHARS = 300
+ERRORS_LISTED = 20
 
 
 def status_of(exc: DomainError) -> int:
@@ -62,7 +72,27 @@ def _field_name(location: tuple[Any, ...]) -> str:
 def _validation_message(error: dict[str, Any]) -> str:
     message = str(error.get("msg", "invalid value"))
     # pydantic prefixes custom errors with "Value error, "; the rest reads well alone.
-    return message.removeprefix("Value error, ")
+    return truncated(message.removeprefix("Value error, "))
+
+
+def truncated(text: str, limit: int = MESSAGE_MAX_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… (truncated; {len(text)} characters)"
+
+
+def domain_error_response(exc: DomainError, retry_after_seconds: int) -> JSONResponse:
+    """The one mapping of a domain error to HTTP (also used by middleware that answers
+    before the app runs)."""
+    status = status_of(exc)
+    headers: dict[str, str] | None = None
+    if isinstance(exc, Unauthorized):
+        headers = {"WWW-Authenticate": exc.scheme}
+    elif isinstance(exc, RateLimited):
+        headers = {"Retry-After": str(exc.retry_after)}
+    elif status == 503:
+        headers = {"Retry-After": str(retry_after_seconds)}
+    return JSONResponse(exc.body(), status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI, settings: Settings) -> None:
@@ -70,25 +100,27 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
 
     @app.exception_handler(DomainError)
     async def _domain_error(_request: Request, exc: DomainError) -> JSONResponse:
-        status = status_of(exc)
-        headers: dict[str, str] | None = None
-        if isinstance(exc, Unauthorized):
-            headers = {"WWW-Authenticate": exc.scheme}
-        elif status == 503:
-            headers = retry_after
-        return JSONResponse(exc.body(), status_code=status, headers=headers)
+        return domain_error_response(exc, settings.retry_after_seconds)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        found = exc.errors()
         errors = [
             {
-                "field": _field_name(tuple(error.get("loc", ()))),
+                "field": truncated(_field_name(tuple(error.get("loc", ())))),
                 "message": _validation_message(error),
             }
-            for error in exc.errors()
+            for error in found[:ERRORS_LISTED]
         ]
         detail = "; ".join(f"{error['field']}: {error['message']}" for error in errors)
+        if len(found) > ERRORS_LISTED:
+            detail += f"; and {len(found) - ERRORS_LISTED} more errors"
         return JSONResponse({"detail": detail or "invalid request", "errors": errors}, 400)
+
+    @app.exception_handler(UnsafeName)
+    async def _unsafe_name(_request: Request, exc: UnsafeName) -> JSONResponse:
+        # Names come from our own rows or are checked first; this is the last line only.
+        return JSONResponse({"detail": f"Refused before reaching RabbitMQ: {exc}"}, 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

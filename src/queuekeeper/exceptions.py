@@ -61,3 +61,31 @@ class Conflict(DomainError):
 class Unavailable(DomainError):
     """A dependency (database, RabbitMQ) is down: retry later; what was said was kept or
     nothing changed, as `detail` tells."""
+
+
+class QuotaExceeded(Conflict):
+    """A per-user limit is reached; `limit` and `setting` name it so an operator can raise it."""
+
+    def __init__(self, what: str, limit: int, setting: str) -> None:
+        super().__init__(
+            f"Limit reached: at most {limit} {what} per user (setting "
+            f"QUEUEKEEPER_{setting.upper()}). Delete some, or ask the operator to raise it.",
+            extra={"limit": limit, "setting": setting},
+        )
+        self.limit = limit
+        self.setting = setting
+
+
+class TooLarge(DomainError):
+    """A request body (or one event's payload) over its limit; `setting` names the limit."""
+
+    def __init__(self, detail: str, *, limit: int, setting: str, field: str | None = None) -> None:
+        super().__init__(detail, field=field, extra={"limit": limit, "setting": setting})
+
+
+class RateLimited(DomainError):
+    """Too many calls of one kind for one caller; retry after `retry_after` seconds."""
+
+    def __init__(self, detail: str, *, retry_after: int, limit: str, setting: str) -> None:
+        super().__init__(detail, extra={"limit": limit, "setting": setting})
+        self.retry_after = retry_after

@@ -27,9 +27,14 @@ from sqlalchemy import (
     TypeDecorator,
     UniqueConstraint,
     Uuid,
+    and_,
+    case,
+    null,
+    or_,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.sql.elements import ColumnElement
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -123,6 +128,23 @@ class User(Base):
     is_active: Mapped[bool] = mapped_column(Boolean, default=True)
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    def can_log_in(self, now: datetime) -> bool:
+        return self.is_active and (self.token_expires_at is None or self.token_expires_at > now)
+
+    def broker_login_hash(self, now: datetime) -> str | None:
+        """The password its broker users should have now: none while the user is inactive
+        or its token expired (so no broker login works), its token's otherwise."""
+        return self.broker_password_hash if self.can_log_in(now) else None
+
+    @classmethod
+    def broker_login_hash_sql(cls, now: datetime) -> ColumnElement[str | None]:
+        """`broker_login_hash` in SQL, for queries over many users (reconcile)."""
+        can_log_in = and_(
+            cls.is_active.is_(True),
+            or_(cls.token_expires_at.is_(None), cls.token_expires_at > now),
+        )
+        return case((can_log_in, cls.broker_password_hash), else_=null())
 
 
 class Offering(Base):

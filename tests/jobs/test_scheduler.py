@@ -8,6 +8,7 @@ import time
 import uuid
 from typing import Any
 
+import pytest
 from asgi_lifespan import LifespanManager
 from sqlalchemy import select
 
@@ -36,11 +37,15 @@ async def test_scheduler_fires_reconcile_and_records_the_run(
         state: AppState = app.state.queuekeeper
         jobs = {job.name for job in scheduled(state).jobs()}
         # Redrive is on demand unless an interval is configured.
-        assert jobs == {Job.RECONCILE, Job.CLEANUP_STALE}
+        assert jobs == {Job.RECONCILE, Job.CLEANUP_STALE, Job.REVOKE_EXPIRED}
         deadline = time.monotonic() + 10
         while True:
             async with state.sessions() as session:
-                runs = list(await session.scalars(select(JobRun).order_by(JobRun.started)))
+                runs = list(
+                    await session.scalars(
+                        select(JobRun).where(JobRun.job == "reconcile").order_by(JobRun.started)
+                    )
+                )
             if runs and runs[0].finished is not None:
                 break
             assert time.monotonic() < deadline, "the scheduler never ran reconcile"
@@ -55,10 +60,27 @@ async def test_first_run_waits_one_interval(settings: Settings, clean_state: Non
     app = create_app(settings)  # the defaults: hours
     async with LifespanManager(app):
         state: AppState = app.state.queuekeeper
-        next_runs = [job.next_run for job in scheduled(state).jobs()]
-    assert None not in next_runs
-    soonest = min(run for run in next_runs if run is not None)
+        next_runs = {job.name: job.next_run for job in scheduled(state).jobs()}
+    assert None not in next_runs.values()
+    # The frequent expiry check aside (seconds), the first run of each job is hours away.
+    expiry_check = next_runs.pop(Job.REVOKE_EXPIRED)
+    assert expiry_check is not None
+    assert (expiry_check - utcnow()).total_seconds() > 3
+    soonest = min(run for run in next_runs.values() if run is not None)
     assert (soonest - utcnow()).total_seconds() > 5 * 3600
+
+
+@pytest.mark.settings(token_expiry_interval_seconds=1, scheduler_jitter_seconds=0)
+async def test_a_quiet_job_that_finds_nothing_leaves_no_run_record(
+    settings: Settings, clean_state: None
+) -> None:
+    app = create_app(settings)
+    async with LifespanManager(app):
+        state: AppState = app.state.queuekeeper
+        await asyncio.sleep(3.5)  # three runs of revoke_expired, each finding nothing
+        async with state.sessions() as session:
+            runs = list(await session.scalars(select(JobRun)))
+    assert [run.job for run in runs if run.job == "revoke_expired"] == []
 
 
 async def test_scheduler_can_be_switched_off(settings: Settings, clean_state: None) -> None:

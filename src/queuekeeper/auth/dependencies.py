@@ -7,9 +7,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.auth.repository import user_with_token
 from queuekeeper.auth.tokens import is_service_token
+from queuekeeper.config import Settings
 from queuekeeper.exceptions import Forbidden, Unauthorized
 from queuekeeper.models import User
 from queuekeeper.state import SessionDep, SessionsDep, SettingsDep
@@ -24,7 +26,7 @@ authorization_header = APIKeyHeader(
 AuthorizationHeader = Annotated[str | None, Depends(authorization_header)]
 
 
-def _credentials(header: str | None) -> str:
+def credentials(header: str | None) -> str:
     if not header:
         raise Unauthorized(
             "Authentication credentials were not provided: send `Authorization: Token <token>`."
@@ -37,10 +39,9 @@ def _credentials(header: str | None) -> str:
     return token.strip()
 
 
-async def current_user(
-    request: Request, header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
-) -> User:
-    token = _credentials(header)
+async def authenticate_agent(session: AsyncSession, token: str, settings: Settings) -> User:
+    """The active user whose unexpired API token this is; else Unauthorized (Forbidden for a
+    service token)."""
     user = await user_with_token(session, token)
     if user is None:
         if is_service_token(token, settings.service_tokens):
@@ -50,6 +51,23 @@ async def current_user(
         raise Unauthorized("User is inactive.")
     if user.token_expires_at is not None and user.token_expires_at <= datetime.now(UTC):
         raise Unauthorized("Token has expired.")
+    return user
+
+
+async def authenticate_service(session: AsyncSession, token: str, settings: Settings) -> None:
+    """A configured service token passes; an agent's token is Forbidden, anything else
+    Unauthorized."""
+    if is_service_token(token, settings.service_tokens):
+        return
+    if await user_with_token(session, token) is not None:
+        raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
+    raise Unauthorized("Invalid service token.", scheme="Bearer")
+
+
+async def current_user(
+    request: Request, header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
+) -> User:
+    user = await authenticate_agent(session, credentials(header), settings)
     request.state.user_uuid = user.uuid
     return user
 
@@ -57,23 +75,20 @@ async def current_user(
 async def service_caller(
     header: AuthorizationHeader, sessions: SessionsDep, settings: SettingsDep
 ) -> None:
-    token = _credentials(header)
-    if is_service_token(token, settings.service_tokens):
-        return
+    token = credentials(header)
     # Only a refused token needs the database (to say which refusal): the backend's calls,
     # single events at its pace among them, cost no session.
+    if is_service_token(token, settings.service_tokens):
+        return
     async with sessions() as session:
-        agent = await user_with_token(session, token)
-    if agent is not None:
-        raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
-    raise Unauthorized("Invalid service token.", scheme="Bearer")
+        await authenticate_service(session, token, settings)
 
 
 async def agent_or_service(
     request: Request, header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
 ) -> User | None:
     """An agent (its user) or the backend/an operator (None) with a service token."""
-    if is_service_token(_credentials(header), settings.service_tokens):
+    if is_service_token(credentials(header), settings.service_tokens):
         return None
     return await current_user(request, header, session, settings)
 

@@ -164,7 +164,15 @@ class ManagementBadRequest(ManagementError):
         return "inequivalent arg" in self.reason
 
 
+class UnsafeName(ManagementError):
+    """A name that cannot be one path segment of a Management API URL (empty, `.`, `..`)."""
+
+
 def _q(name: str) -> str:
+    # quote() leaves `.` and `..` as they are, and both httpx and the broker resolve dot
+    # segments (`/vhosts/..` reaches `/api`; `%2E%2E` is decoded first): refuse them.
+    if name in ("", ".", ".."):
+        raise UnsafeName(f"{name!r} cannot be a vhost, user or queue name", reason="unsafe name")
     return quote(name, safe="")
 
 
@@ -461,3 +469,60 @@ class ManagementClient:
             if isinstance(item.get("name"), str)
         ]
         return QueuePage(items, page, int(body.get("page_count") or 0))
+
+    # --- connections and limits (revocation, quotas) --------------------------------------
+    async def close_user_connections(self, user: str) -> bool:
+        """Close every connection (AMQP, STOMP, Web-STOMP) logged in as `user`.
+
+        True when the broker accepted the call (204, also when there were none).
+        """
+        return await self._delete(f"/connections/username/{_q(user)}", "connection")
+
+    async def get_vhost_limits(self, vhost: str) -> dict[str, int]:
+        return await self._limits(f"/vhost-limits/{_q(vhost)}", "vhost_limit")
+
+    async def put_vhost_limit(self, vhost: str, name: str, value: int) -> None:
+        await self._request(
+            "PUT", f"/vhost-limits/{_q(vhost)}/{_q(name)}", "vhost_limit", json={"value": value}
+        )
+
+    async def get_user_limits(self, user: str) -> dict[str, int]:
+        return await self._limits(f"/user-limits/{_q(user)}", "user_limit")
+
+    async def put_user_limit(self, user: str, name: str, value: int) -> None:
+        await self._request(
+            "PUT", f"/user-limits/{_q(user)}/{_q(name)}", "user_limit", json={"value": value}
+        )
+
+    async def list_vhost_limits(self) -> dict[str, dict[str, int]]:
+        """Every vhost's limits, in one call: {vhost: {limit: value}} (vhosts with none absent)."""
+        return await self._all_limits("/vhost-limits", "vhost_limit", "vhost")
+
+    async def list_user_limits(self) -> dict[str, dict[str, int]]:
+        """Every user's limits, in one call: {user: {limit: value}} (users with none absent)."""
+        return await self._all_limits("/user-limits", "user_limit", "user")
+
+    async def _limits(self, path: str, kind: str) -> dict[str, int]:
+        try:
+            response = await self._request("GET", path, kind)
+        except ManagementNotFound:
+            return {}
+        merged: dict[str, int] = {}
+        for limits in _parse_limits(self._json(response, path), None).values():
+            merged.update(limits)
+        return merged
+
+    async def _all_limits(self, path: str, kind: str, key: str) -> dict[str, dict[str, int]]:
+        response = await self._request("GET", path, kind)
+        return _parse_limits(self._json(response, path), key)
+
+
+def _parse_limits(body: Any, key: str | None) -> dict[str, dict[str, int]]:
+    """The broker answers `[{"vhost"|"user": name, "value": {limit: n}}, ...]`."""
+    found: dict[str, dict[str, int]] = {}
+    for entry in body if isinstance(body, list) else []:
+        value = entry.get("value") if isinstance(entry, dict) else None
+        if isinstance(value, dict):
+            name = str(entry.get(key, "")) if key else ""
+            found.setdefault(name, {}).update({str(k): int(v) for k, v in value.items()})
+    return found

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import uuid
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -93,6 +94,8 @@ class Provisioner:
         return sorted(info.name for info in vhosts if self.owns(info))
 
     async def owns_vhost(self, vhost: str) -> bool:
+        if not topology.is_vhost_name(vhost):
+            return False  # never ours: no need to ask the broker
         info = await self.management.get_vhost(vhost)
         return info is not None and self.owns(info)
 
@@ -119,6 +122,7 @@ class Provisioner:
             raise ForeignVhost(vhost, list(info.tags))
         for user in self.service_users():
             await self.put_service_permissions(vhost, user)
+        await self.ensure_vhost_limits(vhost, read_first=not created)
         await self.ensure_dead_letter_queue(vhost)
         return created
 
@@ -230,6 +234,9 @@ class Provisioner:
             password_hash=password_hash or "",
             tags=[self.settings.instance_tag],
         )
+        # RabbitMQ's own limits on an agent login (a PUT may also re-create a user deleted
+        # by hand, without them).
+        await self.ensure_user_limits(name)
 
     async def _put_reader_permissions(
         self, vhost: str, name: str, permissions: topology.Permissions
@@ -254,6 +261,66 @@ class Provisioner:
     async def delete_user(self, name: str) -> bool:
         """Delete a broker user by name (one of ours: callers checked). True when deleted."""
         return await self.management.delete_user(name)
+
+    # --- broker limits (quotas the broker itself enforces) ----------------------------
+    async def ensure_vhost_limits(self, vhost: str, *, read_first: bool = True) -> None:
+        """Give the vhost our `max-connections`/`max-queues`.
+
+        Without `read_first` (a vhost just created, or drift already known) each is set
+        without reading the current ones back.
+        """
+        expected = topology.vhost_limits(self.settings)
+        current = await self.management.get_vhost_limits(vhost) if read_first else {}
+        for name, value in expected.items():
+            if current.get(name) != value:
+                await self.management.put_vhost_limit(vhost, name, value)
+
+    async def ensure_user_limits(self, user: str, *, read_first: bool = True) -> None:
+        """Give an agent broker user our connection and channel limits (as above)."""
+        expected = topology.user_limits(self.settings)
+        current = await self.management.get_user_limits(user) if read_first else {}
+        for name, value in expected.items():
+            if current.get(name) != value:
+                await self.management.put_user_limit(user, name, value)
+
+    async def limit_drift(
+        self, vhosts: Iterable[str], users: Iterable[str]
+    ) -> list[tuple[str, str, list[str]]]:
+        """(kind, name, differences) for each of these vhosts and agent broker users whose
+        broker limits are not ours; two Management API calls for all of them."""
+        drift: list[tuple[str, str, list[str]]] = []
+        for kind, names, current, expected in (
+            ("vhost", vhosts, await self.management.list_vhost_limits(), topology.vhost_limits),
+            ("user", users, await self.management.list_user_limits(), topology.user_limits),
+        ):
+            for name in names:
+                differences = topology.limit_differences(
+                    expected(self.settings), current.get(name, {})
+                )
+                if differences:
+                    drift.append((kind, name, differences))
+        return drift
+
+    async def restore_limits(self, kind: str, name: str) -> None:
+        if kind == "vhost":
+            await self.ensure_vhost_limits(name, read_first=False)
+        else:
+            await self.ensure_user_limits(name, read_first=False)
+
+    # --- revocation ------------------------------------------------------------------
+    async def close_connections(self, usernames: Iterable[str]) -> int:
+        """Close every open broker connection of these broker users (subscriptions' and,
+        through the same call, unified consumers'); returns how many calls succeeded.
+
+        Best effort per user: a failure is logged and the rest still go.
+        """
+        closed = 0
+        for name in usernames:
+            if await best_effort(
+                "close_connections", self.management.close_user_connections(name), user=name
+            ):
+                closed += 1
+        return closed
 
     # --- queues ------------------------------------------------------------------------
     async def ensure_queue(

@@ -30,6 +30,14 @@ def vhost_name(owner_uuid: uuid.UUID) -> str:
     return owner_uuid.hex
 
 
+VHOST_NAME_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def is_vhost_name(name: str) -> bool:
+    """Could this be one of our vhosts? Anything else is refused before any broker call."""
+    return VHOST_NAME_RE.fullmatch(name) is not None
+
+
 def subscription_user_name(subscription_uuid: uuid.UUID) -> str:
     """The agent logs in to STOMP with `login = <subscription uuid hex>`."""
     return subscription_uuid.hex
@@ -180,3 +188,27 @@ def argument_differences(expected: dict[str, Any], actual: dict[str, Any]) -> li
         if want != have:
             differences.append(f"{key}: expected {want!r}, broker has {have!r}")
     return differences
+
+
+def vhost_limits(settings: Settings) -> dict[str, int]:
+    """RabbitMQ's own limits on every user vhost (PUT /api/vhost-limits/{vhost}/{name})."""
+    return {
+        "max-connections": settings.broker_vhost_max_connections,
+        "max-queues": settings.broker_vhost_max_queues,
+    }
+
+
+def user_limits(settings: Settings) -> dict[str, int]:
+    """RabbitMQ's own limits on every agent broker user (PUT /api/user-limits/, 3.8.10+)."""
+    return {
+        "max-connections": settings.broker_user_max_connections,
+        "max-channels": settings.broker_user_max_channels,
+    }
+
+
+def limit_differences(expected: dict[str, int], actual: dict[str, int]) -> list[str]:
+    return [
+        f"{name}: expected {value}, broker has {actual.get(name, '<none>')}"
+        for name, value in sorted(expected.items())
+        if actual.get(name) != value
+    ]

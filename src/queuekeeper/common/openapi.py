@@ -71,6 +71,16 @@ _DEFAULTS: dict[int, tuple[str, str]] = {
     403: ("The token is valid but not allowed to do this.", "You have no access to offering …"),
     404: ("Not found (or not yours).", "Event subscription '…' not found."),
     409: ("Conflicts with what exists.", "The resource conflicts with an existing one."),
+    413: (
+        "The body is over this route's limit (the setting is named); refused before it is read.",
+        "The request body (70000 bytes) is over this route's limit of 65536 bytes (setting "
+        "body_max_bytes).",
+    ),
+    429: (
+        "Too many registration calls with this token; retry after `Retry-After` seconds.",
+        "Too many registration calls with this token: at most 20 per 1 second (setting "
+        "QUEUEKEEPER_REGISTRATION_RATE_LIMIT='20/second;600/minute'); retry after 1 s.",
+    ),
     503: (
         "A dependency (RabbitMQ, its Management API or the database) is unavailable; nothing "
         "was changed. Retry after `Retry-After` seconds.",
@@ -91,6 +101,29 @@ _HEADERS: dict[int, dict[str, Any]] = {
         }
     },
 }
+_HEADERS[429] = _HEADERS[503]
+
+
+def _document_guard(schema: dict[str, Any]) -> None:
+    """Every route that takes a body may answer 413 (auth/guard.py); every agent write (a
+    registration call) also 429 (rate limit) and 409 (a quota reached)."""
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            if not isinstance(operation, dict) or "responses" not in operation:
+                continue
+            codes = [413] if "requestBody" in operation else []
+            agent = not path.startswith(("/api/internal/", "/api/admin/"))
+            if agent and path.startswith("/api/") and method in ("post", "put"):
+                codes += [409, 413, 429]
+            for code, entry in error_responses(*codes).items():
+                entry.pop("model")
+                entry["content"] = {
+                    "application/json": {
+                        "schema": {"$ref": "#/components/schemas/ErrorBody"},
+                        **entry.get("content", {}).get("application/json", {}),
+                    }
+                }
+                operation["responses"].setdefault(str(code), entry)
 
 
 def error_responses(
@@ -185,6 +218,7 @@ def install_openapi(app: FastAPI) -> None:
                 servers=app.servers,
             )
             _fix_validation_responses(schema)
+            _document_guard(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 

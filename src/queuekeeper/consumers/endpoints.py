@@ -20,7 +20,7 @@ from queuekeeper.consumers.schemas import (
     QueueRegistration,
     RegistrationOut,
 )
-from queuekeeper.state import ProvisionerDep, SessionDep
+from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
 
 router = APIRouter(tags=["agents"])
 
@@ -67,11 +67,12 @@ async def register_queue(
     user: CurrentUser,
     session: SessionDep,
     provisioner: ProvisionerDep,
+    settings: SettingsDep,
     # No body at all reads as `{}` (keep the filter), as Waldur's serializer does.
     body: Annotated[QueueRegistration, Body(default_factory=QueueRegistration)],
 ) -> RegistrationOut:
     consumer, created = await service.register_queue(
-        session, provisioner, user, identity_uuid, body
+        session, provisioner, settings, user, identity_uuid, body
     )
     if not created:
         response.status_code = status.HTTP_200_OK
@@ -109,8 +110,9 @@ async def register_event_consumer(
     user: CurrentUser,
     session: SessionDep,
     provisioner: ProvisionerDep,
+    settings: SettingsDep,
 ) -> RegistrationOut:
-    consumer, created = await service.register(session, provisioner, user, body)
+    consumer, created = await service.register(session, provisioner, settings, user, body)
     if not created:
         response.status_code = status.HTTP_200_OK
     return RegistrationOut.from_row(consumer)

@@ -27,7 +27,9 @@ from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import Provisioner, QueueConflict, best_effort
 from queuekeeper.common import locks
 from queuekeeper.common.pagination import Page, Paged
+from queuekeeper.common.quotas import check_quota
 from queuekeeper.common.schemas import find_by_path_uuid, parse_path_uuid
+from queuekeeper.config import Settings
 from queuekeeper.consumers import repository
 from queuekeeper.consumers.schemas import ConsumerRegistration, QueueRegistration
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
@@ -59,6 +61,7 @@ class _Wanted:
 async def register_queue(
     session: AsyncSession,
     provisioner: Provisioner,
+    settings: Settings,
     user: User,
     identity_uuid: str,
     body: QueueRegistration,
@@ -89,11 +92,15 @@ async def register_queue(
         identity_uuid=identity.uuid,
     )
     existing = await repository.of_identity(session, identity.uuid)
-    return await _register(session, provisioner, "register_queue", wanted, existing)
+    return await _register(session, provisioner, settings, "register_queue", wanted, existing)
 
 
 async def register(
-    session: AsyncSession, provisioner: Provisioner, user: User, body: ConsumerRegistration
+    session: AsyncSession,
+    provisioner: Provisioner,
+    settings: Settings,
+    user: User,
+    body: ConsumerRegistration,
 ) -> tuple[EventConsumer, bool]:
     """`POST /api/event-consumers/register/`: the caller's consumer for these offerings."""
     offerings = [scope.uuid for scope in body.scopes]
@@ -101,7 +108,7 @@ async def register(
         owner=user, offerings=offerings, object_types=body.object_types, identity_uuid=None
     )
     existing = await repository.with_scopes(session, user.uuid, offerings)
-    return await _register(session, provisioner, "api", wanted, existing)
+    return await _register(session, provisioner, settings, "api", wanted, existing)
 
 
 async def _check_offerings(
@@ -122,10 +129,14 @@ async def _check_offerings(
 async def _register(
     session: AsyncSession,
     provisioner: Provisioner,
+    settings: Settings,
     route: str,
     wanted: _Wanted,
     existing: EventConsumer | None,
 ) -> tuple[EventConsumer, bool]:
+    if existing is None:
+        held = await repository.count_of_owner(session, wanted.owner.uuid)
+        check_quota(settings, "max_consumers_per_user", held, "event consumers")
     try:
         consumer, created = await _make_real(session, provisioner, wanted, existing)
     except QueueConflict:

@@ -34,12 +34,13 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMe
 from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper.broker import topology
 from queuekeeper.broker.amqp import amqp_nodes, amqp_ssl_context, connect_vhost
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
-from queuekeeper.exceptions import NotFound
+from queuekeeper.exceptions import BadRequest, NotFound
 from queuekeeper.jobs.runs import Job, JobBody, JobContext, JobRunner, Run, describe
 from queuekeeper.jobs.service import run_now
 from queuekeeper.models import GivenUpDeadLetter, JobRun, utcnow
@@ -83,8 +84,20 @@ def redrive_body(vhost: str | None) -> JobBody | None:
     return partial(redrive, only=vhost) if vhost is not None else None
 
 
+def checked_vhost(vhost: str | None) -> None:
+    """A `vhost` parameter that cannot name one of our vhosts is refused before any broker
+    call: no caller's value reaches a Management API path unchecked."""
+    if vhost is not None and not topology.is_vhost_name(vhost):
+        raise BadRequest(
+            f"vhost {vhost[:64]!r} is not a vhost of this installation: a vhost is "
+            "named by its owner's uuid as 32 lowercase hex digits.",
+            field="vhost",
+        )
+
+
 async def redrive_now(jobs: JobRunner, vhost: str | None, *, background: bool) -> JobRun:
     """The admin API's redrive; NotFound for a vhost that is not this installation's."""
+    checked_vhost(vhost)
     if vhost is not None and not await jobs.context.provisioner.owns_vhost(vhost):
         raise NotFound(
             f"vhost {vhost!r} is not one of this installation's vhosts "
@@ -377,6 +390,7 @@ async def dead_letters(
     limit: int,
 ) -> DeadLettersOut:
     """Each vhost's dead-letter count, and a page of the dead letters given up."""
+    checked_vhost(vhost)
     queues = await dead_letter_counts(provisioner, settings, vhost)
     total, given_up = await repository.list_given_up(
         session, vhost=vhost, offset=offset, limit=limit

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import exists, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from queuekeeper.models import EventSubscription, EventSubscriptionQueue, OfferingAccess
+from queuekeeper.models import (
+    EventConsumer,
+    EventSubscription,
+    EventSubscriptionQueue,
+    OfferingAccess,
+    User,
+)
 
 
 async def get_grant(
@@ -56,5 +63,31 @@ async def queues_of_offering(
 ) -> list[EventSubscriptionQueue]:
     rows = await session.scalars(
         select(EventSubscriptionQueue).where(EventSubscriptionQueue.offering_uuid == offering_uuid)
+    )
+    return list(rows)
+
+
+async def users_with_revoked_logins(session: AsyncSession, now: datetime) -> list[User]:
+    """Inactive users, or users whose token has expired, that still have a subscription
+    whose broker user holds a password: their logins are to be taken away."""
+    rows = await session.scalars(
+        select(User)
+        .where(
+            or_(
+                User.is_active.is_(False),
+                User.token_expires_at.is_not(None) & (User.token_expires_at <= now),
+            ),
+            or_(
+                exists().where(
+                    EventSubscription.user_uuid == User.uuid,
+                    EventSubscription.broker_password_hash.is_not(None),
+                ),
+                exists().where(
+                    EventConsumer.user_uuid == User.uuid,
+                    EventConsumer.broker_password_hash.is_not(None),
+                ),
+            ),
+        )
+        .order_by(User.uuid)
     )
     return list(rows)

@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.auth.tokens import token_digest
+from queuekeeper.broker import topology
 from queuekeeper.broker.management import BrokerUnavailable, ManagementError
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
@@ -22,7 +23,15 @@ from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.directory import repository
 from queuekeeper.directory.schemas import OfferingPut, UserPut
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
-from queuekeeper.models import EventConsumer, EventSubscription, Offering, OfferingAccess, User
+from queuekeeper.jobs.runs import JobContext, Run
+from queuekeeper.models import (
+    EventConsumer,
+    EventSubscription,
+    Offering,
+    OfferingAccess,
+    User,
+    utcnow,
+)
 from queuekeeper.subscriptions.service import (
     BrokerLeftovers,
     collect_leftovers,
@@ -30,6 +39,10 @@ from queuekeeper.subscriptions.service import (
 )
 
 log = structlog.get_logger(__name__)
+
+# The API token is also the agents' broker password (SPEC 3), guessable over STOMP at the
+# broker's pace: shorter tokens are logged (docs/operations.md, Security).
+RECOMMENDED_TOKEN_LENGTH = 32
 
 
 def _apply_user(user: User, body: UserPut) -> bool:
@@ -46,6 +59,14 @@ def _apply_user(user: User, body: UserPut) -> bool:
         user.token_expires_at = body.token_expires_at
     if "token" not in sent:
         return False
+    if body.token and len(body.token) < RECOMMENDED_TOKEN_LENGTH:
+        # Accepted (the backend chooses tokens) but said: it is also the broker password.
+        log.warning(
+            "short_token",
+            user=str(user.uuid),
+            length=len(body.token),
+            recommended=RECOMMENDED_TOKEN_LENGTH,
+        )
     digest = token_digest(body.token) if body.token else None
     if digest == user.token_hash:
         return False
@@ -91,36 +112,84 @@ async def put_user(
 
 
 async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner, user: User) -> int:
-    """Give the broker user of every subscription and consumer of the user the owner's
-    current password; returns how many."""
-    password_hash = user.broker_password_hash
-    subscriptions = await repository.subscriptions_needing_password(
-        session, user.uuid, password_hash
-    )
-    consumers = await consumers_repository.needing_password(session, user.uuid, password_hash)
-    changes: list[tuple[EventSubscription | EventConsumer, Callable[[], Awaitable[None]]]] = [
-        (s, partial(provisioner.set_subscription_password, s.uuid, password_hash))
+    """Give every broker user of the user (its subscriptions' and consumers') the password it
+    should have now (its token's, or none while inactive or expired), then close their open
+    connections, so a changed, removed or expired token stops working on the broker at once;
+    returns how many changed.
+    """
+    wanted = user.broker_login_hash(utcnow())
+    subscriptions = await repository.subscriptions_needing_password(session, user.uuid, wanted)
+    consumers = await consumers_repository.needing_password(session, user.uuid, wanted)
+    # (row, broker user, change)
+    changes: list[tuple[EventSubscription | EventConsumer, str, Callable[[], Awaitable[None]]]] = [
+        (
+            s,
+            topology.subscription_user_name(s.uuid),
+            partial(provisioner.set_subscription_password, s.uuid, wanted),
+        )
         for s in subscriptions
-    ] + [(c, partial(provisioner.set_consumer_password, c.uuid, password_hash)) for c in consumers]
-    for row, change in changes:
-        try:
-            await change()
-        except (BrokerUnavailable, ManagementError) as exc:
-            await session.commit()
-            raise Unavailable(
-                "The user was saved, but RabbitMQ could not be given the new token as the "
-                f"broker password ({exc}); repeat the same PUT to finish."
-            ) from exc
-        row.broker_password_hash = password_hash
+    ] + [
+        (
+            c,
+            topology.consumer_user_name(c.uuid),
+            partial(provisioner.set_consumer_password, c.uuid, wanted),
+        )
+        for c in consumers
+    ]
+    # No transaction stays open across the broker calls.
     await session.commit()
+    done: list[str] = []
+    try:
+        for row, broker_user, change in changes:
+            await change()
+            row.broker_password_hash = wanted
+            done.append(broker_user)
+    except (BrokerUnavailable, ManagementError) as exc:
+        raise Unavailable(
+            "The user was saved, but RabbitMQ could not be given the new token as the "
+            f"broker password ({exc}); repeat the same PUT to finish."
+        ) from exc
+    finally:
+        await session.commit()
+        # Connections opened with the old password keep working until closed: close them,
+        # also when only some passwords could be changed.
+        await provisioner.close_connections(done)
     if changes:
         log.info(
             "broker_passwords_updated",
             user=user.uuid.hex,
             subscriptions=len(subscriptions),
             consumers=len(consumers),
+            login=wanted is not None,
         )
     return len(changes)
+
+
+async def revoke_expired(context: JobContext, run: Run) -> None:
+    """The `revoke_expired` job: take the broker logins of users whose token has expired (or
+    who were deactivated) while a broker user still holds their password, and close their
+    connections. Run every `token_expiry_interval_seconds`, so an expiry reaches the broker
+    within seconds rather than at the next stale cleanup (which then deletes them)."""
+    async with context.sessions() as session:
+        users = await repository.users_with_revoked_logins(session, utcnow())
+        await session.commit()
+        run.find("users_to_revoke", len(users))
+        for user in users:
+            async with run.item(user.uuid.hex):
+                await run.apply(
+                    "logins_revoked",
+                    "revoke_broker_logins",
+                    user.uuid.hex,
+                    partial(sync_broker_passwords, session, context.provisioner, user),
+                    detail=_revoked_because(user),
+                )
+
+
+def _revoked_because(user: User) -> str:
+    if not user.is_active:
+        return "user is inactive"
+    expires = user.token_expires_at
+    return f"token expired at {expires.isoformat() if expires else '?'}"
 
 
 async def delete_user(
@@ -251,4 +320,9 @@ async def revoke_access(
         session,
         provisioner,
         BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues]).add_consumers(consumers),
+    )
+    # A consumer of a deleted queue is cancelled by the broker; closing the logins that
+    # read the offering's queues also ends anything else they held open for it.
+    await provisioner.close_connections(
+        sorted({topology.subscription_user_name(q.subscription_uuid) for q in queues})
     )

@@ -9,6 +9,7 @@ whatever the batch holds.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from queuekeeper.events.intake import Intake, field_name
 from queuekeeper.events.outbox import OutboxDepth
 from queuekeeper.events.payloads import PAYLOAD_MODELS
 from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
-from queuekeeper.exceptions import BadRequest, NotFound
+from queuekeeper.exceptions import BadRequest, NotFound, TooLarge
 from queuekeeper.models import DeliveryState, Event, utcnow
 
 
@@ -81,6 +82,20 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
     return bodies
 
 
+def check_payload_sizes(events: Sequence[EventIn], limit: int) -> None:
+    """Every payload of a batch, as JSON, fits `event_payload_max_bytes`."""
+    for index, event in enumerate(events):
+        size = len(json.dumps(event.payload, separators=(",", ":")).encode())
+        if size > limit:
+            raise TooLarge(
+                f"events.{index}.payload is {size} bytes of JSON; one event's payload may be "
+                f"at most {limit} (setting QUEUEKEEPER_EVENT_PAYLOAD_MAX_BYTES).",
+                limit=limit,
+                setting="event_payload_max_bytes",
+                field=f"events.{index}.payload",
+            )
+
+
 async def wait_settled(
     sessions: async_sessionmaker[AsyncSession],
     answers: list[EventAccepted],
@@ -132,6 +147,9 @@ async def publish(
             f"{len(events)}. Split it into several requests.",
             field="events",
         )
+    if batch:
+        # A single event's body is bounded by this limit already (auth/guard.py).
+        check_payload_sizes(events, settings.event_payload_max_bytes)
     prefix = "events" if batch else ""
     accepted = await intake.accept(events, validate_payloads(events, prefix), prefix)
     if wait:

@@ -76,7 +76,7 @@ async def list_identities(
 async def create_identity(
     body: IdentityWrite, user: CurrentUser, session: SessionDep, settings: SettingsDep
 ) -> IdentityOut:
-    identity = await service.create_identity(session, user, body)
+    identity = await service.create_identity(session, settings, user, body)
     return IdentityOut.from_row(identity, settings)
 
 
@@ -107,7 +107,7 @@ async def update_identity(
     session: SessionDep,
     settings: SettingsDep,
 ) -> IdentityOut:
-    identity = await service.update_identity(session, user, identity_uuid, body)
+    identity = await service.update_identity(session, settings, user, identity_uuid, body)
     return IdentityOut.from_row(identity, settings)
 
 
@@ -167,6 +167,7 @@ async def register_event_subscription(
     subscription, created = await service.register_event_subscription(
         session,
         provisioner,
+        settings,
         user,
         identity_uuid,
         body,

@@ -31,6 +31,11 @@ async def list_owned_identities(
     return await fetch_paged(session, query, AgentIdentity.created, AgentIdentity.uuid, page=page)
 
 
+async def count_identities(session: AsyncSession, user_uuid: uuid.UUID) -> int:
+    total = await session.scalar(select(func.count()).where(AgentIdentity.created_by == user_uuid))
+    return int(total or 0)
+
+
 async def get_owned_identity(
     session: AsyncSession, user_uuid: uuid.UUID, identity_uuid: uuid.UUID
 ) -> AgentIdentity | None:

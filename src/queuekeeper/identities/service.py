@@ -19,7 +19,9 @@ from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient, QueueInfo
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.common.pagination import Page, Paged
+from queuekeeper.common.quotas import check_quota, check_text
 from queuekeeper.common.schemas import find_by_path_uuid
+from queuekeeper.config import Settings
 from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.identities import repository
@@ -124,7 +126,12 @@ def _name_taken(name: str, existing: AgentIdentity) -> Conflict:
     )
 
 
-async def create_identity(session: AsyncSession, user: User, body: IdentityWrite) -> AgentIdentity:
+async def create_identity(
+    session: AsyncSession, settings: Settings, user: User, body: IdentityWrite
+) -> AgentIdentity:
+    check_text(settings, name=body.name)
+    held = await repository.count_identities(session, user.uuid)
+    check_quota(settings, "max_identities_per_user", held, "agent identities")
     offering = await _offering_for(session, user, body)
     warn_about_offering_form(body.offering, user, body.name)
     now = utcnow()
@@ -166,9 +173,10 @@ async def create_identity(session: AsyncSession, user: User, body: IdentityWrite
 
 
 async def update_identity(
-    session: AsyncSession, user: User, identity_uuid: str, body: IdentityWrite
+    session: AsyncSession, settings: Settings, user: User, identity_uuid: str, body: IdentityWrite
 ) -> AgentIdentity:
     """The agent's PUT on every restart. Optional fields left out keep their value."""
+    check_text(settings, name=body.name)
     identity = await get_identity(session, user, identity_uuid)
     await require_access(session, user, identity)
     offering = await _offering_for(session, user, body)
@@ -251,6 +259,7 @@ async def _reuse(
 async def register_event_subscription(
     session: AsyncSession,
     provisioner: Provisioner,
+    settings: Settings,
     user: User,
     identity_uuid: str,
     body: RegisterEventSubscription,
@@ -287,6 +296,7 @@ async def register_event_subscription(
         subscription = await subscriptions.create_subscription(
             session,
             provisioner,
+            settings,
             user,
             SubscriptionCreate(
                 description=body.description,

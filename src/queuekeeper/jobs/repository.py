@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
@@ -29,6 +29,10 @@ async def save_run(session: AsyncSession, record: JobRun) -> None:
             failures=record.failures,
         )
     )
+
+
+async def delete_run(session: AsyncSession, run_uuid: uuid.UUID) -> None:
+    await session.execute(delete(JobRun).where(JobRun.uuid == run_uuid))
 
 
 async def close_interrupted(session: AsyncSession, job: str) -> None:

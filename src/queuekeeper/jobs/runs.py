@@ -57,6 +57,7 @@ class Job(enum.StrEnum):
     RECONCILE = "reconcile"
     CLEANUP_STALE = "cleanup_stale"
     REDRIVE = "redrive_dead_letters"
+    REVOKE_EXPIRED = "revoke_expired"
 
 
 class Trigger(enum.StrEnum):
@@ -224,6 +225,11 @@ class JobSpec:
     # Seconds between scheduled runs, read from the settings; 0 or less: on demand only.
     interval: Callable[[Settings], int] = _never
     on_change: Callable[[str], None] | None = None  # called per real change (metrics)
+    # A frequent check (every few seconds): a run that finds and changes nothing, or is
+    # skipped, leaves no run record and logs at debug, so records and logs show only work.
+    # With no record of its last run it is never "not due": each replica runs it every
+    # interval, one at a time under the lock (it must be cheap when there is nothing to do).
+    quiet: bool = False
 
 
 JobTable = Mapping[Job, JobSpec]
@@ -292,11 +298,14 @@ async def run_job(
                 JOB_RUNS.labels(job=name.value, status="not_due").inc()
                 log.info("job_not_due", job=name.value)
             else:
-                async with context.sessions() as session:
-                    repository.insert_run(session, record)
-                    await session.commit()
+                if not job.quiet:
+                    async with context.sessions() as session:
+                        repository.insert_run(session, record)
+                        await session.commit()
                 JOB_RUNS.labels(job=name.value, status=RunStatus.SKIPPED.value).inc()
-                log.info("job_skipped", job=name.value, trigger=trigger.value)
+                (log.debug if job.quiet else log.info)(
+                    "job_skipped", job=name.value, trigger=trigger.value
+                )
             if started is not None:
                 started(record)
             return record
@@ -318,7 +327,9 @@ async def run_job(
             )
             repository.insert_run(session, record)
             await session.commit()
-        log.info("job_started", job=name.value, trigger=trigger.value, dry_run=dry_run)
+        (log.debug if job.quiet else log.info)(
+            "job_started", job=name.value, trigger=trigger.value, dry_run=dry_run
+        )
         if started is not None:
             started(record)
 
@@ -330,18 +341,27 @@ async def run_job(
             run.fail(name.value, str(exc))
         except asyncio.CancelledError:
             run.fail(name.value, "interrupted: the service stopped during the run")
-            await asyncio.shield(_finish(context, record, run, RunStatus.FAILED, clock))
+            await asyncio.shield(
+                _finish(context, record, run, RunStatus.FAILED, clock, quiet=job.quiet)
+            )
             raise
         except Exception as exc:
             log.exception("job_failed", job=name.value)
             run.fail(name.value, describe(exc))
-        return await _finish(context, record, run, status, clock)
+        return await _finish(context, record, run, status, clock, quiet=job.quiet)
 
 
 async def _finish(
-    context: JobContext, record: JobRun, run: Run, status: RunStatus, clock: float
+    context: JobContext,
+    record: JobRun,
+    run: Run,
+    status: RunStatus,
+    clock: float,
+    *,
+    quiet: bool = False,
 ) -> JobRun:
     found, changed, actions, failures = run.outcome()
+    idle = quiet and status is RunStatus.SUCCEEDED and not (found or changed or actions)
     record.finished = utcnow()
     record.status = status.value
     record.found, record.changed, record.actions, record.failures = (
@@ -352,7 +372,10 @@ async def _finish(
     )
     try:
         async with context.sessions() as session:
-            await repository.save_run(session, record)
+            if idle:
+                await repository.delete_run(session, record.uuid)
+            else:
+                await repository.save_run(session, record)
             await session.commit()
     except Exception:
         log.exception("job_record_not_saved", job=run.job.value, run=record.uuid.hex)
@@ -361,7 +384,7 @@ async def _finish(
     JOB_DURATION.labels(job=run.job.value).observe(seconds)
     if status is RunStatus.SUCCEEDED and not run.dry_run:
         JOB_LAST_SUCCESS.labels(job=run.job.value).set(time.time())
-    log.info(
+    (log.debug if idle else log.info)(
         "job_finished",
         job=run.job.value,
         trigger=run.trigger.value,

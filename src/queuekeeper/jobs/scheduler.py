@@ -42,8 +42,9 @@ class JobScheduler:
             job_defaults={"coalesce": True, "max_instances": 1, "misfire_grace_time": 600},
         )
         self._running: set[asyncio.Task[Any]] = set()
-        jitter = context.settings.scheduler_jitter_seconds or None
         for job, seconds in self.intervals.items():
+            # At most a quarter of the interval: a job every 10 s must not wait a minute.
+            jitter = min(context.settings.scheduler_jitter_seconds, seconds // 4) or None
             self._scheduler.add_job(
                 self._run,
                 IntervalTrigger(seconds=seconds, jitter=jitter, timezone=UTC),

@@ -53,7 +53,9 @@ class RunOut(Schema):
     )
 
     uuid: HexUUID
-    job: Job = Field(description="`reconcile`, `cleanup_stale` or `redrive_dead_letters`.")
+    job: Job = Field(
+        description="`reconcile`, `cleanup_stale`, `redrive_dead_letters` or `revoke_expired`."
+    )
     trigger: Trigger = Field(description="`schedule`, `api` or `cli`.")
     dry_run: bool
     started: UTCDateTime

@@ -21,6 +21,7 @@ from queuekeeper.models import (
     EventSubscription,
     EventSubscriptionQueue,
     User,
+    utcnow,
 )
 
 
@@ -170,7 +171,11 @@ async def _access_of_owners(
     if not owners:
         return found
     result = await session.execute(
-        select(model.uuid, model.broker_state, model.user_uuid, User.broker_password_hash)
+        # The owner's password: None while inactive or expired, so reconcile never gives a
+        # revoked login back.
+        select(
+            model.uuid, model.broker_state, model.user_uuid, User.broker_login_hash_sql(utcnow())
+        )
         .join(User, User.uuid == model.user_uuid)
         .where(model.user_uuid.in_(list(owners)))
         .order_by(model.user_uuid, model.uuid)
@@ -192,7 +197,7 @@ async def set_consumer_password_hash(
 
 async def owner_password_hash(session: AsyncSession, owner_uuid: UUID) -> str | None:
     value: str | None = await session.scalar(
-        select(User.broker_password_hash).where(User.uuid == owner_uuid)
+        select(User.broker_login_hash_sql(utcnow())).where(User.uuid == owner_uuid)
     )
     return value
 

@@ -60,10 +60,20 @@ async def reconcile(context: JobContext, run: Run) -> None:
 
         todo = sorted(expected)
         done = 0
+        agent_users: list[str] = []
         for group in chunked(todo, VHOST_GROUP):
             owners = [owner for owner in map(topology.uuid_of, group) if owner is not None]
             subscriptions = await repository.subscriptions_of_owners(reader, owners)
             consumers = await repository.consumers_of_owners(reader, owners)
+            agent_users += [
+                topology.subscription_user_name(subscription.uuid)
+                for found in subscriptions.values()
+                for subscription in found
+            ] + [
+                topology.consumer_user_name(consumer.uuid)
+                for found in consumers.values()
+                for consumer in found
+            ]
             for vhost in group:
                 owner = topology.uuid_of(vhost)
                 await reconcile_vhost(
@@ -78,11 +88,36 @@ async def reconcile(context: JobContext, run: Run) -> None:
                 )
                 done += 1
                 run.report("vhosts", done, len(todo))
+        # Those made during this run got their limits with them.
+        async with run.item("broker limits"):
+            await reconcile_limits(
+                context,
+                run,
+                [vhost for vhost in todo if vhost in owned],
+                [name for name in agent_users if name in access.users],
+            )
         for vhost in sorted(owned - expected):
             run.find("vhosts_unused")
             async with run.item(vhost):
                 await remove_unused_vhost(context, run, reader, vhost)
         await remove_orphan_users(context, run, reader, access.ours())
+
+
+async def reconcile_limits(
+    context: JobContext, run: Run, vhosts: Sequence[str], users: Sequence[str]
+) -> None:
+    """RabbitMQ's own limits on our vhosts and agent broker users are ours again when someone
+    changed or cleared them (docs/operations.md, Security)."""
+    provisioner = context.provisioner
+    for kind, name, differences in await provisioner.limit_drift(vhosts, users):
+        run.find("limits_drifted")
+        await run.apply(
+            "limits_restored",
+            "restore_limits",
+            f"{kind} {name}",
+            partial(provisioner.restore_limits, kind, name),
+            detail="; ".join(differences),
+        )
 
 
 async def reconcile_vhost(

@@ -51,6 +51,7 @@ async def create_subscription(
     subscription = await service.create_subscription(
         session,
         provisioner,
+        settings,
         user,
         body,
         source_ip=request.client.host if request.client else None,
@@ -143,7 +144,9 @@ async def create_queue(
     provisioner: ProvisionerDep,
     settings: SettingsDep,
 ) -> QueueOut:
-    queue, created = await service.create_queue(session, provisioner, user, subscription_uuid, body)
+    queue, created = await service.create_queue(
+        session, provisioner, settings, user, subscription_uuid, body
+    )
     if not created:
         response.status_code = status.HTTP_200_OK
     return QueueOut.from_row(queue, settings)

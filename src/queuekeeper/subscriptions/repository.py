@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Select, exists, or_, select
+from sqlalchemy import Select, exists, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -57,6 +57,23 @@ async def owner_uses_vhost(session: AsyncSession, user_uuid: uuid.UUID) -> bool:
         )
     )
     return bool(used)
+
+
+async def count_subscriptions(session: AsyncSession, user_uuid: uuid.UUID) -> int:
+    total = await session.scalar(
+        select(func.count()).where(EventSubscription.user_uuid == user_uuid)
+    )
+    return int(total or 0)
+
+
+async def count_queues(session: AsyncSession, user_uuid: uuid.UUID) -> int:
+    total = await session.scalar(
+        select(func.count())
+        .select_from(EventSubscriptionQueue)
+        .join(EventSubscription, EventSubscription.uuid == EventSubscriptionQueue.subscription_uuid)
+        .where(EventSubscription.user_uuid == user_uuid)
+    )
+    return int(total or 0)
 
 
 def owned_queues(user_uuid: uuid.UUID) -> Select[EventSubscriptionQueue]:

@@ -20,7 +20,9 @@ from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import Provisioner, QueueConflict, QueueOutcome, best_effort
 from queuekeeper.common import locks
 from queuekeeper.common.pagination import Page, Paged
+from queuekeeper.common.quotas import check_quota, check_text
 from queuekeeper.common.schemas import find_by_path_uuid
+from queuekeeper.config import Settings
 from queuekeeper.exceptions import BadRequest, Forbidden, NotFound
 from queuekeeper.models import (
     BrokerState,
@@ -131,6 +133,7 @@ async def delete_unregistered_queues(
 async def create_subscription(
     session: AsyncSession,
     provisioner: Provisioner,
+    settings: Settings,
     owner: User,
     body: SubscriptionCreate,
     *,
@@ -145,6 +148,9 @@ async def create_subscription(
     is inserted (register_event_subscription retiring a broken one); their broker
     objects are removed once that has committed.
     """
+    check_text(settings, description=body.description)
+    held = await repository.count_subscriptions(session, owner.uuid) - len(replaces)
+    check_quota(settings, "max_subscriptions_per_user", held, "event subscriptions")
     subscription_uuid = uuid.uuid4()
     vhost = topology.vhost_name(owner.uuid)
     # From before the vhost and broker user are made until the row is committed, hold
@@ -231,6 +237,7 @@ async def delete_subscription(
 async def create_queue(
     session: AsyncSession,
     provisioner: Provisioner,
+    settings: Settings,
     owner: User,
     subscription_uuid: str,
     body: QueueCreate,
@@ -239,7 +246,7 @@ async def create_queue(
     subscription = await get_subscription(session, owner, subscription_uuid)
     try:
         queue, inserted, outcome = await _register_queue(
-            session, provisioner, owner, subscription, body
+            session, provisioner, settings, owner, subscription, body
         )
     except QueueConflict:
         CREATE_QUEUE.labels(outcome="conflict").inc()
@@ -257,6 +264,7 @@ async def create_queue(
 async def _register_queue(
     session: AsyncSession,
     provisioner: Provisioner,
+    settings: Settings,
     owner: User,
     subscription: EventSubscription,
     body: QueueCreate,
@@ -273,6 +281,9 @@ async def _register_queue(
         )
     if not known.has_access:
         raise Forbidden(f"You have no access to offering {offering_uuid.hex}.")
+    if known.registered is None:  # registering an existing queue again is not one more
+        held = await repository.count_queues(session, owner.uuid)
+        check_quota(settings, "max_queues_per_user", held, "queues")
     # End the read transaction: nothing should stay open while we wait on the broker.
     await session.commit()
     if known.registered is not None:
