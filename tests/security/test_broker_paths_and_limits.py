@@ -89,6 +89,7 @@ async def test_a_vhost_parameter_that_is_not_ours_never_reaches_the_broker(
             ("GET", "/api/admin/dead-letters/"),
         ):
             response = await client.request(method, path, params={"vhost": vhost}, headers=SERVICE)
-            assert response.status_code == 400, (vhost, path, response.text)
+            # Malformed (400, the query validator) or not ours (404): never asked of the broker.
+            assert response.status_code in (400, 404), (vhost, path, response.text)
             assert response.json()["errors"][0]["field"] == "vhost"
     assert calls == []

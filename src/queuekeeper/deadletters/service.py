@@ -40,7 +40,7 @@ from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
-from queuekeeper.exceptions import BadRequest, NotFound
+from queuekeeper.exceptions import NotFound
 from queuekeeper.jobs.runs import Job, JobBody, JobContext, JobRunner, Run, describe
 from queuekeeper.jobs.service import run_now
 from queuekeeper.models import GivenUpDeadLetter, JobRun, utcnow
@@ -85,12 +85,12 @@ def redrive_body(vhost: str | None) -> JobBody | None:
 
 
 def checked_vhost(vhost: str | None) -> None:
-    """A `vhost` parameter that cannot name one of our vhosts is refused before any broker
-    call: no caller's value reaches a Management API path unchecked."""
+    """A `vhost` parameter that cannot name one of our vhosts is not found, before any
+    broker call: no caller's value reaches a Management API path unchecked."""
     if vhost is not None and not topology.is_vhost_name(vhost):
-        raise BadRequest(
-            f"vhost {vhost[:64]!r} is not a vhost of this installation: a vhost is "
-            "named by its owner's uuid as 32 lowercase hex digits.",
+        raise NotFound(
+            f"vhost {vhost[:64]!r} is not one of this installation's vhosts (named by their "
+            "owner's uuid as 32 lowercase hex digits).",
             field="vhost",
         )
 
