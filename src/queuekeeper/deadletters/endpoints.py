@@ -33,7 +33,14 @@ router = APIRouter(prefix="/api/admin/dead-letters", tags=["admin"], dependencie
     "taken off without a redrive (newest first; `page`/`page_size` page through them).",
     responses={
         **ADMIN_ERRORS,
-        **error_responses(503, descriptions={503: "The Management API is unreachable."}),
+        **error_responses(
+            404,
+            503,
+            descriptions={
+                404: "`vhost` is not one of this installation's.",
+                503: "The Management API is unreachable.",
+            },
+        ),
     },
 )
 async def dead_letters(
