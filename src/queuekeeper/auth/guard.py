@@ -100,6 +100,9 @@ def _content_length(headers: Headers) -> int | None:
 
 
 def _routed(scope: Scope) -> bool:
+    """Whether a route takes the request: asked only where the answer changes what the guard
+    does (a refusal, the rate limit, a streamed body), so an accepted call, single events
+    among them, does not match every route twice."""
     routes = scope["app"].router.routes
     return any(route.matches(scope)[0] is Match.FULL for route in routes)
 
@@ -112,10 +115,6 @@ class RequestGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if not _routed(scope):
-            # No such route: the router's 404 (or 405) reads no body, and says what to send.
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
@@ -134,11 +133,15 @@ class RequestGuard:
             if length is not None and length > rule.limit:
                 raise too_large(rule, length)
         except DomainError as exc:
+            if not _routed(scope):
+                # No such route: the router's 404 (or 405) reads no body, and says what to send.
+                await self.app(scope, receive, send)
+                return
             response = domain_error_response(exc, self.settings.retry_after_seconds)
             await response(scope, receive, send)
             return
-        if length is not None and not streamed:
-            # The server delivers no more than Content-Length bytes.
+        if (length is not None and not streamed) or not _routed(scope):
+            # The server delivers no more than Content-Length bytes; an unknown route reads none.
             await self.app(scope, receive, send)
             return
         await _CountedBody(self.app, rule, self.settings)(scope, receive, send)
@@ -153,7 +156,7 @@ class RequestGuard:
                 await authenticate_service(session, token, self.settings)
                 return
             await authenticate_agent(session, token, self.settings)
-        if rule.registration:
+        if rule.registration and _routed(scope):
             await self.limiter.hit(token_digest(token))
 
 
