@@ -29,6 +29,7 @@ from queuekeeper.directory import service as directory
 from queuekeeper.directory.endpoints import agent_router as users_router
 from queuekeeper.directory.endpoints import internal_router as directory_router
 from queuekeeper.errors import install_error_handlers
+from queuekeeper.events.endpoints import accept_router
 from queuekeeper.events.endpoints import admin_router as outbox_router
 from queuekeeper.events.endpoints import internal_router as events_router
 from queuekeeper.events.intake import Intake
@@ -224,8 +225,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Served from the package (common/docs.py), not from a CDN.
         docs_url=None,
         redoc_url=None,
-        # A NUL character or NaN/Infinity is a 400 naming the field, before any endpoint.
-        dependencies=[Depends(reject_unstorable_input)],
     )
     install_error_handlers(app, settings)
     install_openapi(app)
@@ -238,19 +237,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.root_path:
         # Added last, so outermost: everything inside sees the canonical path.
         app.add_middleware(PathPrefixMiddleware, prefix=settings.root_path)
-    app.include_router(subscriptions_router)
-    app.include_router(users_router)
-    app.include_router(directory_router)
-    app.include_router(identities_router)
-    app.include_router(consumers_router)
-    app.include_router(identities_admin_router)
-    app.include_router(admin_router)
-    app.include_router(runs_router)
-    app.include_router(dead_letters_router)
-    app.include_router(health_router)
-    app.include_router(metrics_router)
-    app.include_router(events_router)
-    app.include_router(outbox_router)
+    # First: the backend's accept routes are the busiest, and the router tries routes in
+    # order. They check their input themselves (events/endpoints.py).
+    app.include_router(accept_router)
+    # A NUL character or NaN/Infinity is a 400 naming the field, before any endpoint.
+    checked = [Depends(reject_unstorable_input)]
+    for router in (
+        events_router,
+        subscriptions_router,
+        users_router,
+        directory_router,
+        identities_router,
+        consumers_router,
+        identities_admin_router,
+        admin_router,
+        runs_router,
+        dead_letters_router,
+        health_router,
+        metrics_router,
+        outbox_router,
+    ):
+        app.include_router(router, dependencies=checked)
     return app
 
 

@@ -131,6 +131,13 @@ def configure_logging(
             ],
         )
     )
+    # The standard library's own optimisations (its docs, "Optimization"): no line shows
+    # the caller, thread or process, and finding them costs every line, the access line of
+    # each single event among them.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if not isinstance(h, QueuekeeperHandler)]
     root.addHandler(handler)

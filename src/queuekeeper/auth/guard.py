@@ -4,14 +4,15 @@ FastAPI reads and parses a body before it runs the dependencies that authenticat
 concurrent 63 MB POSTs without credentials once took the service from 509 to 1,401 MiB
 and stalled every request for 3 s. So, in front of the app:
 
-* a request with a body to an authenticated route is authenticated here first (the same
-  functions as the dependencies: a service token needs no database, an agent token one
-  indexed lookup); the agents' registration calls are also counted against the per-token
-  rate limit here, so a refused call costs nothing more;
+* every call to a service route, and a request with a body to an agent's route, is
+  authenticated here first (the same functions as the dependencies: a service token needs
+  no database, an agent token one indexed lookup); the agents' registration calls are also
+  counted against the per-token rate limit here, so a refused call costs nothing more;
 * a `Content-Length` over the route's limit is a 413 before anything is read;
 * a body without one (chunked) is counted as it streams, and refused at the limit.
 
-The dependencies still authenticate as before: they hand the endpoint its user.
+The dependencies still authenticate as before: they hand the endpoint its user. The
+backend's two accept routes have none: this guard is their authentication.
 """
 
 from __future__ import annotations
@@ -126,8 +127,10 @@ class RequestGuard:
         length = _content_length(headers)
         streamed = "transfer-encoding" in headers
         try:
-            if rule.caller is not Caller.OPEN and (
-                rule.registration or streamed or (length or 0) > 0
+            # Every service call (the accept routes rely on it: they run no dependency),
+            # and an agent's call with a body or counted against the rate limit.
+            if rule.caller is Caller.SERVICE or (
+                rule.caller is Caller.AGENT and (rule.registration or streamed or (length or 0) > 0)
             ):
                 await self._authenticate(scope, headers, rule)
             if length is not None and length > rule.limit:

@@ -10,6 +10,7 @@ per request unless one of those tokens is present.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -41,6 +42,27 @@ def _unstorable(value: Any, path: str) -> Iterator[tuple[str, str]]:
             yield from _unstorable(item, f"{path}.{index}" if path else str(index))
 
 
+def unstorable_body(body: bytes) -> list[tuple[str, str]]:
+    """Where a JSON body holds a NUL character or NaN/Infinity: (field, what is wrong)."""
+    if not any(token in body for token in _BODY_TOKENS):
+        return []
+    try:
+        document = json.loads(body)
+    except ValueError:
+        return []  # a malformed body is refused by whoever parses it, with its position
+    return list(_unstorable(document, ""))
+
+
+def refuse(errors: list[tuple[str, str]]) -> None:
+    if errors:
+        field = errors[0][0]
+        raise BadRequest(
+            "; ".join(f"{field or 'body'}: {message}" for field, message in errors[:10]),
+            field=field or "body",
+            extra={"errors": [{"field": f or "body", "message": m} for f, m in errors[:10]]},
+        )
+
+
 async def reject_unstorable_input(request: Request) -> None:
     """FastAPI dependency: 400 for a NUL character in a query parameter or a JSON string,
     or NaN/Infinity anywhere in a JSON body."""
@@ -50,17 +72,5 @@ async def reject_unstorable_input(request: Request) -> None:
             errors.append((name.replace(NUL, "\\u0000"), "must not contain a NUL character"))
     content_type = request.headers.get("content-type", "")
     if request.method in ("POST", "PUT", "PATCH") and "json" in content_type:
-        body = await request.body()
-        if any(token in body for token in _BODY_TOKENS):
-            try:
-                document = await request.json()
-            except ValueError:
-                document = None  # FastAPI answers a malformed body itself
-            errors.extend(_unstorable(document, ""))
-    if errors:
-        field = errors[0][0]
-        raise BadRequest(
-            "; ".join(f"{field or 'body'}: {message}" for field, message in errors[:10]),
-            field=field or "body",
-            extra={"errors": [{"field": f or "body", "message": m} for f, m in errors[:10]]},
-        )
+        errors.extend(unstorable_body(await request.body()))
+    refuse(errors)

@@ -12,6 +12,7 @@ Three nets, each catching what the others cannot see:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -59,7 +60,9 @@ _TRIGGERS = (
 _MIN_KNOWN_SECRET = 8
 
 
+@functools.lru_cache(maxsize=4096)
 def is_secret_key(key: str) -> bool:
+    # Cached: log lines repeat the same few dozen keys, and every value is asked about.
     return key.lower() not in _NOT_SECRET_KEYS and bool(_SECRET_KEY.search(key))
 
 

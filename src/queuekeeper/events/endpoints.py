@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Query, Request, Response, status
 
-from queuekeeper.auth.dependencies import ServiceCaller
+from queuekeeper.auth.dependencies import ServiceCaller, authorization_header
+from queuekeeper.common.input_guard import refuse, unstorable_body
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.events import service
 from queuekeeper.events.schemas import (
@@ -17,11 +18,19 @@ from queuekeeper.events.schemas import (
     EventIn,
     OutboxStats,
 )
-from queuekeeper.state import IntakeDep, SessionDep
+from queuekeeper.state import AppState, SessionDep
 
 internal_router = APIRouter(
     prefix="/api/internal/events", tags=["internal"], dependencies=[ServiceCaller]
 )
+# The backend's two accept routes run no FastAPI dependency: a single event at the backend's
+# pace is dominated by the HTTP stack, and each dependency FastAPI solves per request costs
+# more than the statement it serves (docs/benchmarks.md). The request guard authenticates
+# them before the body is read, as it does every service route (auth/guard.py); they check
+# for input no database can take themselves, and encode their answer once, with pydantic.
+# app.py includes this router first, so its routes are also the first the router tries.
+accept_router = APIRouter(prefix="/api/internal/events", tags=["internal"])
+SERVICE_SECURITY: dict[str, Any] = {"security": [{authorization_header.scheme_name: []}]}
 admin_router = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[ServiceCaller])
 
 AUTH_ERRORS: dict[int | str, dict[str, Any]] = error_responses(
@@ -54,10 +63,18 @@ Wait = Annotated[
 ]
 
 
-@internal_router.post(
+def _answer(answer: EventAccepted | EventBatchAccepted, *, ok: bool) -> Response:
+    return Response(
+        answer.model_dump_json(exclude_none=True),
+        status_code=status.HTTP_200_OK if ok else status.HTTP_202_ACCEPTED,
+        media_type="application/json",
+    )
+
+
+@accept_router.post(
     "/",
     status_code=status.HTTP_202_ACCEPTED,
-    response_model_exclude_none=True,
+    response_model=EventAccepted,
     summary="Publish an event",
     description="Stores the event and one outbox copy per recipient queue (the registered "
     "queues for its offering and object type whose owner has access, narrowed to "
@@ -68,23 +85,19 @@ Wait = Annotated[
         **ACCEPT_ERRORS,
         200: {"description": "A duplicate, or `?wait=true`.", "model": EventAccepted},
     },
+    openapi_extra=SERVICE_SECURITY,
 )
-async def publish_event(
-    body: EventIn,
-    response: Response,
-    intake: IntakeDep,
-    wait: Wait = False,
-) -> EventAccepted:
-    (answer,) = await service.publish(intake, [body], batch=False, wait=wait)
-    if answer.duplicate or wait:
-        response.status_code = status.HTTP_200_OK
-    return answer
+async def publish_event(request: Request, body: EventIn, wait: Wait = False) -> Response:
+    refuse(unstorable_body(await request.body()))
+    state: AppState = request.app.state.queuekeeper
+    (answer,) = await service.publish(state.intake, [body], batch=False, wait=wait)
+    return _answer(answer, ok=answer.duplicate or wait)
 
 
-@internal_router.post(
+@accept_router.post(
     "/batch/",
     status_code=status.HTTP_202_ACCEPTED,
-    response_model_exclude_none=True,
+    response_model=EventBatchAccepted,
     summary="Publish a batch of events",
     description="Up to QUEUEKEEPER_EVENTS_BATCH_MAX events, all stored in one transaction or "
     "none; one answer per event, in order.",
@@ -92,17 +105,13 @@ async def publish_event(
         **ACCEPT_ERRORS,
         200: {"description": "With `?wait=true`.", "model": EventBatchAccepted},
     },
+    openapi_extra=SERVICE_SECURITY,
 )
-async def publish_batch(
-    body: EventBatchIn,
-    response: Response,
-    intake: IntakeDep,
-    wait: Wait = False,
-) -> EventBatchAccepted:
-    answers = await service.publish(intake, body.events, batch=True, wait=wait)
-    if wait:
-        response.status_code = status.HTTP_200_OK
-    return EventBatchAccepted(events=answers)
+async def publish_batch(request: Request, body: EventBatchIn, wait: Wait = False) -> Response:
+    refuse(unstorable_body(await request.body()))
+    state: AppState = request.app.state.queuekeeper
+    answers = await service.publish(state.intake, body.events, batch=True, wait=wait)
+    return _answer(EventBatchAccepted(events=answers), ok=wait)
 
 
 @internal_router.get(

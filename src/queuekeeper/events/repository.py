@@ -29,6 +29,13 @@ def is_postgres(executor: Executor) -> bool:
     return bind.dialect.name == "postgresql"
 
 
+# Built once: constructing the statement cost more than running it for a single event.
+_INSERT_NEW_EVENTS = {
+    "postgresql": postgresql.insert(EVENTS).on_conflict_do_nothing().returning(EVENTS.c.event_id),
+    "sqlite": sqlite.insert(EVENTS).on_conflict_do_nothing().returning(EVENTS.c.event_id),
+}
+
+
 async def insert_new_events(session: Executor, rows: Sequence[dict[str, Any]]) -> set[str]:
     """Insert the events whose id is new; returns the ids this call inserted.
 
@@ -37,8 +44,7 @@ async def insert_new_events(session: Executor, rows: Sequence[dict[str, Any]]) -
     """
     if not rows:
         return set()
-    insert = postgresql.insert if is_postgres(session) else sqlite.insert
-    statement = insert(EVENTS).on_conflict_do_nothing().returning(EVENTS.c.event_id)
+    statement = _INSERT_NEW_EVENTS["postgresql" if is_postgres(session) else "sqlite"]
     result = await session.execute(statement, list(rows))
     return set(result.scalars())
 
