@@ -273,6 +273,35 @@ async def rss_run(pipeline: Pipeline, rate: int, seconds: float) -> tuple[float,
     return after_warmup, sum(tail) / len(tail), max(rss for _, rss in samples)
 
 
+def _unit_of_work() -> None:
+    document = {"items": list(range(100)), "text": "x" * 700}
+    for _ in range(20):
+        json.loads(json.dumps(document))
+
+
+def pacing_penalty(rate: int, units: int = 200, rounds: int = 5) -> float:
+    """CPU of the same pure-Python work done `rate` times a second over the same work done
+    back to back, in this process (median of `rounds` pairs): what idle gaps between events
+    cost on this machine.
+
+    On the 2-vCPU VM these figures come from, work done in short bursts with idle gaps
+    between them costs up to twice the CPU of the same work done hot (caches and the vCPU's
+    idle state), so CPU per event at 200/s is inflated for every pipeline alike.
+    """
+    ratios = []
+    for _ in range(rounds):
+        started = time.process_time()
+        for _ in range(units):
+            _unit_of_work()
+        hot = time.process_time() - started
+        started = time.process_time()
+        for _ in range(units):
+            _unit_of_work()
+            time.sleep(1 / rate)
+        ratios.append((time.process_time() - started) / hot if hot else 1.0)
+    return sorted(ratios)[rounds // 2]
+
+
 async def _sessions(dsn: str, database: str) -> int:
     connection = await asyncpg.connect(dsn)
     try:
@@ -294,6 +323,12 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     raw_process: subprocess.Popen[bytes] | None = None
     consumers: list[Consumer] = []
     print(f"uptime before: {os.popen('uptime').read().strip()}", flush=True)
+    penalty = pacing_penalty(200)
+    print(
+        f"pacing penalty of this machine at 200/s: x{penalty:.2f} (the same pure-Python work "
+        "done 200 times a second, against back to back)",
+        flush=True,
+    )
     try:
         # --- raw pipeline ------------------------------------------------------------
         raw_vhost, raw_queue = f"{settings.instance_name}-raw", "subscription_raw_single"
@@ -391,9 +426,14 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     )
     at200 = next((s for s in qk_steps if s.rate == 200), qk_steps[0])
     raw200 = next((s for s in raw_steps if s.rate == 200), Step(rate=0))
+    busiest = max(qk_steps, key=lambda step: step.achieved)
+    cpu_ratio = at200.cpu_ms / raw200.cpu_ms if raw200.cpu_ms else 0.0
     print(
         f"GOAL 2 service CPU per single event at {at200.rate}/s: {at200.cpu_ms:.2f} ms "
-        f"(raw pipeline {raw200.cpu_ms:.2f} ms); goal <= 1.0 ms: "
+        f"(raw pipeline {raw200.cpu_ms:.2f} ms, ratio {cpu_ratio:.2f}; "
+        f"{at200.cpu_ms / penalty:.2f} ms with this machine's pacing penalty x{penalty:.2f} "
+        f"taken out; {busiest.cpu_ms:.2f} ms at {busiest.achieved:.0f}/s achieved, where "
+        f"the process is never idle); goal <= 1.0 ms: "
         f"{'met' if at200.cpu_ms <= 1.0 else 'NOT met'}"
     )
     growth = end - warm
