@@ -98,15 +98,17 @@ async def _cpu_per_request(app: ASGIApp, body: bytes) -> float:
     return best
 
 
+def _accepted(event: EventIn) -> EventAccepted:
+    return EventAccepted(
+        event_id=event.event_id or "", queued=1, skipped_unregistered=0, duplicate=False
+    )
+
+
 def _bare_app() -> Starlette:
     async def accept(request: Request) -> Response:
         event = EventIn.model_validate_json(await request.body())
-        answer = EventAccepted(
-            event_id=event.event_id or "", queued=1, skipped_unregistered=0, duplicate=False
-        )
-        return Response(
-            answer.model_dump_json(exclude_none=True), 202, media_type="application/json"
-        )
+        encoded = _accepted(event).model_dump_json(exclude_none=True)
+        return Response(encoded, 202, media_type="application/json")
 
     return Starlette(routes=[Route(PATH, accept, methods=["POST"])])
 
@@ -114,15 +116,7 @@ def _bare_app() -> Starlette:
 async def _answer_at_once(
     events: Sequence[EventIn], _bodies: list[dict[str, Any]], _prefix: str
 ) -> Accepted:
-    return Accepted(
-        [
-            EventAccepted(
-                event_id=event.event_id or "", queued=1, skipped_unregistered=0, duplicate=False
-            )
-            for event in events
-        ],
-        len(events),
-    )
+    return Accepted([_accepted(event) for event in events], len(events))
 
 
 async def run(database: Path) -> None:
