@@ -12,8 +12,14 @@ The service runs as `queuekeeper serve` in its own process (uvicorn, relay in
 the lifespan) against a database this benchmark creates and drops; everything
 it creates on the broker carries its own instance tag and is deleted at the end.
 
+Each batch phase also prints where the whole machine's CPU went per message (the
+service, PostgreSQL's backends, RabbitMQ's beam.smp, this generator; /proc): on this
+2-core box the phases are CPU-bound machine-wide, so b/a follows the ratio of raw's
+machine CPU per message to the service path's.
+
     make bench            # or: .venv/bin/python -m bench publish
     BENCH_EVENTS=20000 BENCH_FANOUT10_EVENTS=3000 BENCH_LATENCY_SECONDS=10 (defaults)
+    BENCH_RELAY_PROCESS=1   the relay as its own process (`queuekeeper relay`) beside serve
 """
 
 from __future__ import annotations
@@ -63,6 +69,59 @@ def _filler_for_1kib(offering: uuid.UUID) -> int:
     return BODY_BYTES - len(json.dumps(probe).encode())
 
 
+def machine_cpu_seconds() -> float:
+    """CPU seconds the whole machine has been busy (all cores; /proc/stat, no idle, no iowait)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_command(*names: str) -> dict[str, float]:
+    """CPU seconds used so far by the running processes of each command name (/proc/*/stat):
+    `postgres` sums every backend, `beam.smp` is RabbitMQ."""
+    used = dict.fromkeys(names, 0.0)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            head, _, rest = stat.read_text().rpartition(")")
+        except OSError:
+            continue
+        name = head.partition("(")[2]
+        if name in used:
+            fields = rest.split()
+            used[name] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
+
+
+class CpuShares:
+    """Where the machine's CPU went during one phase, per message."""
+
+    def __init__(self) -> None:
+        self.machine = machine_cpu_seconds()
+        self.processes = cpu_by_command("postgres", "beam.smp")
+        self.generator = time.process_time()
+
+    def per_message(self, messages: int, service: float | None = None) -> str:
+        machine = machine_cpu_seconds() - self.machine
+        processes = cpu_by_command("postgres", "beam.smp")
+        parts = {
+            "PostgreSQL": processes["postgres"] - self.processes["postgres"],
+            "RabbitMQ": processes["beam.smp"] - self.processes["beam.smp"],
+            "generator": time.process_time() - self.generator,
+        }
+        if service is not None:
+            parts = {"service": service, **parts}
+        shown = ", ".join(f"{k} {v / messages * 1e6:.0f}" for k, v in parts.items())
+        return f"machine CPU {machine / messages * 1e6:.0f} us per message: {shown}"
+
+
+def _cpu_seconds(process: subprocess.Popen[bytes]) -> float:
+    try:
+        fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Service:
     """`queuekeeper serve` in a subprocess, and an HTTP client for it."""
 
@@ -70,7 +129,9 @@ class Service:
         self.settings = settings
         self.port = port
         self.process: subprocess.Popen[bytes] | None = None
+        self.relay: subprocess.Popen[bytes] | None = None  # with BENCH_RELAY_PROCESS=1
         self.last_cpu = 0.0  # service CPU seconds of the last timed phase
+        self.last_shares = ""  # where the machine's CPU went in that phase, per message
         self.http = httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{port}",
             headers={"Authorization": f"Bearer {TOKEN}"},
@@ -89,6 +150,10 @@ class Service:
         command = [str(Path(sys.executable).parent / "queuekeeper"), "serve"]
         log = open(os.environ.get("BENCH_SERVICE_LOG", os.devnull), "wb")  # noqa: SIM115
         workers = os.environ.get("BENCH_WORKERS", "1")
+        if os.environ.get("BENCH_RELAY_PROCESS") == "1":
+            env["QUEUEKEEPER_RELAY_POLL_INTERVAL"] = "0.02"
+            self.relay = subprocess.Popen([command[0], "relay"], env=env, stdout=log, stderr=log)
+            env = {**env, "QUEUEKEEPER_RELAY_ENABLED": "false"}
         self.process = subprocess.Popen(
             [*command, "--port", str(self.port), "--workers", workers],
             env=env,
@@ -104,22 +169,17 @@ class Service:
 
     async def stop(self) -> None:
         await self.http.aclose()
-        if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        for process in (self.process, self.relay):
+            if process is not None:
+                process.terminate()
+                try:
+                    process.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    process.kill()
 
     def cpu_seconds(self) -> float:
-        """User + system CPU the service process has used (Linux /proc)."""
-        if self.process is None:
-            return 0.0
-        try:
-            fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU the service's processes have used (Linux /proc)."""
+        return sum(_cpu_seconds(p) for p in (self.process, self.relay) if p is not None)
 
     async def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         response = await self.http.request(method, path, **kwargs)
@@ -151,18 +211,19 @@ class Service:
             made.append((queue["vhost"], queue["queue_name"]))
         return made
 
-    async def drained(self, timeout: float = 600) -> None:
+    async def drained(self, timeout: float = 600, poll: float = 0.01) -> None:
         deadline = time.perf_counter() + timeout
         while time.perf_counter() < deadline:
             stats = (await self.call("GET", "/api/admin/outbox/")).json()
             if stats["pending"] == 0:
                 return
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(poll)
         raise RuntimeError(f"outbox not drained: {stats}")
 
 
-async def raw_baseline(settings: Settings, management: ManagementClient) -> float:
-    """Messages/s of bare aio-pika: persistent 1 KiB, confirms, mandatory, 500 in flight."""
+async def raw_baseline(settings: Settings, management: ManagementClient) -> tuple[float, str]:
+    """Messages/s of bare aio-pika (persistent 1 KiB, confirms, mandatory, 500 in flight),
+    and where the machine's CPU went meanwhile."""
     provisioner = Provisioner(management, settings)
     vhost = uuid.uuid4().hex
     await provisioner.ensure_vhost(vhost)
@@ -187,15 +248,23 @@ async def raw_baseline(settings: Settings, management: ManagementClient) -> floa
                 )
 
         await asyncio.gather(*(one(n) for n in range(200)))  # warm-up
+        shares = CpuShares()
         started = time.perf_counter()
         await asyncio.gather(*(one(n) for n in range(RAW_MESSAGES)))
         elapsed = time.perf_counter() - started
+        machine = shares.per_message(RAW_MESSAGES)
     await management.delete_vhost(vhost)
-    return RAW_MESSAGES / elapsed
+    return RAW_MESSAGES / elapsed, machine
 
 
-async def through_service(service: Service, fan_out: int, events: int) -> tuple[float, float]:
-    """(events/s, messages/s) from the first POST until every copy is confirmed."""
+async def through_service(
+    service: Service, dsn: str, fan_out: int, events: int
+) -> tuple[float, float]:
+    """(events/s, messages/s) from the first POST until every copy is confirmed.
+
+    The end is the last copy's `finished` as the service stamped it, and the outbox is
+    polled only every 0.2 s: polling it every 10 ms cost the service (and the generator's
+    httpx) more than a tenth of the phase's CPU, which the raw baseline never pays."""
     offering = uuid.uuid4()
     await service.call("PUT", f"/api/internal/offerings/{offering}/", json={"name": "bench"})
     queues = await service.queues(offering, fan_out)
@@ -221,12 +290,13 @@ async def through_service(service: Service, fan_out: int, events: int) -> tuple[
                 headers={"content-type": "application/json"},
             )
 
-    cpu = service.cpu_seconds()
-    started = time.perf_counter()
+    cpu, shares = service.cpu_seconds(), CpuShares()
+    started = time.time()
     await asyncio.gather(*(send(body) for body in bodies))
-    await service.drained()
-    elapsed = time.perf_counter() - started
+    await service.drained(poll=0.2)
     service.last_cpu = service.cpu_seconds() - cpu
+    service.last_shares = shares.per_message(events * fan_out, service.last_cpu)
+    elapsed = await last_finished(dsn) - started
     for vhost, name in queues:  # empty them, so the next phase starts alike
         connection = await aio_pika.connect(f"amqp://guest:guest@127.0.0.1:5672/{vhost}")
         async with connection:
@@ -278,6 +348,18 @@ class KeepAliveClient:
         while not self.idle.empty():
             _reader, writer = self.idle.get_nowait()
             writer.close()
+
+
+async def last_finished(dsn: str) -> float:
+    """When the service confirmed its last copy (epoch seconds, its own clock)."""
+    connection = await asyncpg.connect(dsn)
+    try:
+        value = await connection.fetchval(
+            "SELECT extract(epoch FROM max(finished)) FROM deliveries WHERE state = 'published'"
+        )
+    finally:
+        await connection.close()
+    return float(value)
 
 
 async def confirm_times(dsn: str, prefix: str) -> list[float]:
@@ -417,21 +499,21 @@ async def run(settings: Settings, dsn: str) -> None:
     try:
         await service.start()
         if "raw" in phases:
-            raw = await raw_baseline(settings, management)
+            raw, raw_machine = await raw_baseline(settings, management)
             print(
                 f"(a) raw aio-pika, 1 KiB persistent, confirms, mandatory, {IN_FLIGHT} in "
-                f"flight: {raw:,.0f} msg/s",
+                f"flight: {raw:,.0f} msg/s ({raw_machine})",
                 flush=True,
             )
         for phase, fan_out, events in (("fanout1", 1, EVENTS), ("fanout10", 10, FANOUT10_EVENTS)):
             if phase not in phases:
                 continue
-            eps, mps = await profiler.record(phase, through_service(service, fan_out, events))
+            eps, mps = await profiler.record(phase, through_service(service, dsn, fan_out, events))
             used = service.last_cpu / (events * fan_out) * 1e6
             ratio = f", b/a = {mps / raw:.2f}" if raw else ""
             print(
                 f"(b) fan-out {fan_out}: {eps:,.0f} events/s, {mps:,.0f} msg/s{ratio} "
-                f"(service CPU {used:.0f} us per message)",
+                f"(service CPU {used:.0f} us per message; {service.last_shares})",
                 flush=True,
             )
             if raw:
