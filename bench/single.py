@@ -16,7 +16,7 @@ accept-to-consume = consumed minus scheduled send. A rate is *held* when at leas
 95 % of the offered events were consumed within the step (plus 1 s) and their p99
 is at most 20 ms; the capacity is the highest rate held. Service CPU per event is
 read from /proc over each step. Then the service runs at half its capacity for
-BENCH_RSS_SECONDS (60; 300 for the 5-minute figure) while its RSS is sampled.
+BENCH_RSS_SECONDS (300, the 5 minutes of goal 6) while its RSS is sampled.
 
 Also printed per step, for the overload behaviour: answers other than 202
 (503 + Retry-After when the service sheds load), POST p99, database sessions
@@ -51,7 +51,7 @@ from queuekeeper.config import Settings
 
 RATES = [int(r) for r in os.environ.get("BENCH_RATES", "200,400,600,800,1000,1500").split(",")]
 STEP_SECONDS = float(os.environ.get("BENCH_STEP_SECONDS", "8"))
-RSS_SECONDS = float(os.environ.get("BENCH_RSS_SECONDS", "60"))
+RSS_SECONDS = float(os.environ.get("BENCH_RSS_SECONDS", "300"))
 PIPELINES = os.environ.get("BENCH_PIPELINES", "raw,queuekeeper").split(",")
 P99_GOAL = 0.020
 ACHIEVED_GOAL = 0.95
@@ -437,11 +437,13 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
         f"{'met' if at200.cpu_ms <= 1.0 else 'NOT met'}"
     )
     growth = end - warm
+    verdict = "NOT met" if growth >= 10 else "met"
+    if growth < 10 and RSS_SECONDS < 300:
+        verdict = "not shown (a shorter run; BENCH_RSS_SECONDS=300)"
     print(
         f"GOAL 6 service RSS over {RSS_SECONDS:g} s at {rss_rate}/s: {warm:.1f} MiB after "
         f"warm-up, {end:.1f} MiB at the end (peak {peak:.1f}), growth {growth:+.1f} MiB; "
-        f"goal < 10 MiB{'' if RSS_SECONDS >= 300 else ' (over 5 minutes: BENCH_RSS_SECONDS=300)'}"
-        f": {'met' if growth < 10 else 'NOT met'}"
+        f"goal < 10 MiB over 5 minutes: {verdict}"
     )
 
 
