@@ -18,7 +18,8 @@ service, PostgreSQL's backends, RabbitMQ's beam.smp, this generator; /proc): on 
 machine CPU per message to the service path's.
 
     make bench            # or: .venv/bin/python -m bench publish
-    BENCH_EVENTS=20000 BENCH_FANOUT10_EVENTS=3000 BENCH_LATENCY_SECONDS=10 (defaults)
+    BENCH_EVENTS=20000 BENCH_FANOUT10_EVENTS=3000 BENCH_LATENCY_SECONDS=10 BENCH_ROUNDS=3
+    (defaults)
     BENCH_RELAY_PROCESS=1   the relay as its own process (`queuekeeper relay`) beside serve
 """
 
@@ -58,6 +59,9 @@ RAW_MESSAGES = EVENTS
 IN_FLIGHT = 500
 BATCH = 1000
 CONCURRENT_REQUESTS = 2
+# Raw and the service alternate this many times and goal 3 is the median of the paired
+# ratios: on a shared 2-vCPU VM one raw run alone moves by +-15 % from run to run.
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 
 
 def _payload(filler: int) -> dict[str, Any]:
@@ -494,30 +498,37 @@ async def run(settings: Settings, dsn: str) -> None:
         f"load generator share it; load average before: {_load()}",
         flush=True,
     )
-    raw = 0.0
-    goals: dict[int, float] = {}
+    goals: dict[int, list[float]] = {1: [], 10: []}
     try:
         await service.start()
-        if "raw" in phases:
-            raw, raw_machine = await raw_baseline(settings, management)
-            print(
-                f"(a) raw aio-pika, 1 KiB persistent, confirms, mandatory, {IN_FLIGHT} in "
-                f"flight: {raw:,.0f} msg/s ({raw_machine})",
-                flush=True,
-            )
-        for phase, fan_out, events in (("fanout1", 1, EVENTS), ("fanout10", 10, FANOUT10_EVENTS)):
-            if phase not in phases:
-                continue
-            eps, mps = await profiler.record(phase, through_service(service, dsn, fan_out, events))
-            used = service.last_cpu / (events * fan_out) * 1e6
-            ratio = f", b/a = {mps / raw:.2f}" if raw else ""
-            print(
-                f"(b) fan-out {fan_out}: {eps:,.0f} events/s, {mps:,.0f} msg/s{ratio} "
-                f"(service CPU {used:.0f} us per message; {service.last_shares})",
-                flush=True,
-            )
-            if raw:
-                goals[fan_out] = mps / raw
+        for round_ in range(1, ROUNDS + 1):
+            raw = 0.0
+            if "raw" in phases:
+                raw, raw_machine = await raw_baseline(settings, management)
+                print(
+                    f"round {round_}: (a) raw aio-pika, 1 KiB persistent, confirms, mandatory, "
+                    f"{IN_FLIGHT} in flight: {raw:,.0f} msg/s ({raw_machine})",
+                    flush=True,
+                )
+            for phase, fan_out, events in (
+                ("fanout1", 1, EVENTS),
+                ("fanout10", 10, FANOUT10_EVENTS),
+            ):
+                if phase not in phases:
+                    continue
+                eps, mps = await profiler.record(
+                    f"{phase}-{round_}", through_service(service, dsn, fan_out, events)
+                )
+                used = service.last_cpu / (events * fan_out) * 1e6
+                ratio = f", b/a = {mps / raw:.2f}" if raw else ""
+                print(
+                    f"round {round_}: (b) fan-out {fan_out}: {eps:,.0f} events/s, "
+                    f"{mps:,.0f} msg/s{ratio} (service CPU {used:.0f} us per message; "
+                    f"{service.last_shares})",
+                    flush=True,
+                )
+                if raw:
+                    goals[fan_out].append(mps / raw)
         if "latency" in phases:
             lat = await profiler.record("latency", latency(service, dsn))
             used = lat["cpu"] * 1e3
@@ -534,11 +545,16 @@ async def run(settings: Settings, dsn: str) -> None:
         await remove_broker_objects(settings)
         await management.aclose()
     print(f"load average after: {_load()}")
-    if goals:
-        met = goals.get(1, 0) >= 0.85 and goals.get(10, 0) >= 0.75
+    medians = {fan: statistics.median(ratios) for fan, ratios in goals.items() if ratios}
+    if medians:
+        met = medians.get(1, 0) >= 0.85 and medians.get(10, 0) >= 0.75
         print(
-            "GOAL 3 batches against raw pipelined confirms: "
-            + ", ".join(f"fan-out {fan} x{ratio:.2f}" for fan, ratio in sorted(goals.items()))
+            "GOAL 3 batches against raw pipelined confirms, median of "
+            f"{ROUNDS} paired rounds: "
+            + ", ".join(
+                f"fan-out {fan} x{medians[fan]:.2f} ({' '.join(f'{r:.2f}' for r in goals[fan])})"
+                for fan in sorted(medians)
+            )
             + f"; goal fan-out 1 >= 0.85, fan-out 10 >= 0.75: {'met' if met else 'NOT met'}"
         )
 
