@@ -155,7 +155,6 @@ class Service:
         log = open(os.environ.get("BENCH_SERVICE_LOG", os.devnull), "wb")  # noqa: SIM115
         workers = os.environ.get("BENCH_WORKERS", "1")
         if os.environ.get("BENCH_RELAY_PROCESS") == "1":
-            env["QUEUEKEEPER_RELAY_POLL_INTERVAL"] = "0.02"
             self.relay = subprocess.Popen([command[0], "relay"], env=env, stdout=log, stderr=log)
             env = {**env, "QUEUEKEEPER_RELAY_ENABLED": "false"}
         self.process = subprocess.Popen(

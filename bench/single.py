@@ -8,7 +8,8 @@ offered load down. Each rate (BENCH_RATES, default 200, 400, 600, 800, 1000,
   raw: `bench/_rawpipe.py`, a process of its own doing per event an asyncpg
        INSERT + COMMIT, then an aio-pika persistent confirmed mandatory publish,
        then the answer;
-  queuekeeper: `queuekeeper serve` (one process, relay in it), single events
+  queuekeeper: `queuekeeper serve` (one process, relay in it; with
+       BENCH_RELAY_PROCESS=1 the relay runs apart as `queuekeeper relay`), single events
        POSTed to /api/internal/events/ over kept-alive connections.
 
 A real consumer (aio-pika, in this process) takes every message off the queue;
@@ -66,16 +67,21 @@ def _pct(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]
 
 
-def _cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _cpu(pids: list[int]) -> float:
+    used = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        used += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return used
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def _rss_mib(pids: list[int]) -> float:
+    rss = 0.0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss += int(line.split()[1]) / 1024
+    return rss
 
 
 @dataclass
@@ -172,7 +178,7 @@ class RawClient:
 @dataclass
 class Pipeline:
     name: str
-    pid: int
+    pids: list[int]  # the pipeline's processes (serve, and `queuekeeper relay` if apart)
     send: Callable[[str], Awaitable[int]]
     consumer: Consumer
     sessions: Callable[[], Awaitable[int]]
@@ -200,7 +206,7 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
         else:
             refused.append(took)
 
-    cpu, sessions, lines = _cpu(pipeline.pid), await pipeline.sessions(), pipeline.log_lines()
+    cpu, sessions, lines = _cpu(pipeline.pids), await pipeline.sessions(), pipeline.log_lines()
     wall, begin = time.time(), loop.time()
     tasks = []
     for n in range(count):
@@ -219,7 +225,7 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     ) < len(answers):
         await asyncio.sleep(0.05)
     step = Step(rate=rate, sent=count)
-    step.cpu_ms = (_cpu(pipeline.pid) - cpu) / count * 1e3
+    step.cpu_ms = (_cpu(pipeline.pids) - cpu) / count * 1e3
     step.sessions = await pipeline.sessions() - sessions
     step.log_lines = (pipeline.log_lines() - lines) / count
     received = pipeline.consumer.received
@@ -260,7 +266,7 @@ async def rss_run(pipeline: Pipeline, rate: int, seconds: float) -> tuple[float,
 
     async def sample() -> None:
         while True:
-            samples.append((time.time() - started, _rss_mib(pipeline.pid)))
+            samples.append((time.time() - started, _rss_mib(pipeline.pids)))
             await asyncio.sleep(1)
 
     sampler = asyncio.create_task(sample())
@@ -355,7 +361,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
         consumers.append(raw_consumer)
         await raw_consumer.start(raw_vhost, raw_queue)
         sessions = lambda: _sessions(dsn, database)  # noqa: E731
-        raw = Pipeline("raw", raw_process.pid, raw_client.send, raw_consumer, sessions)
+        raw = Pipeline("raw", [raw_process.pid], raw_client.send, raw_consumer, sessions)
         print("raw pipeline (asyncpg INSERT + COMMIT, then a confirmed publish, per event):")
         raw_steps = await sweep(raw) if "raw" in PIPELINES else []
         await raw_client.close()
@@ -389,7 +395,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
 
         qk = Pipeline(
             "queuekeeper",
-            service.process.pid,
+            [p.pid for p in (service.process, service.relay) if p is not None],
             send,
             consumer,
             sessions,
@@ -397,7 +403,15 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
             lambda prefix: confirm_times(dsn, prefix),
         )
         await run_step(qk, 100, 2)  # warm-up: connections, prepared statements
-        print("queuekeeper (POST /api/internal/events/, one process, relay in it):")
+        apart = service.relay is not None
+        print(
+            "queuekeeper (POST /api/internal/events/, "
+            + (
+                "relay in its own process, woken by NOTIFY):"
+                if apart
+                else "one process, relay in it):"
+            )
+        )
         profiler = Profiler(service)
         qk_steps = await profiler.record("single", sweep(qk))
 

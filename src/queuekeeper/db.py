@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import event
@@ -50,3 +52,35 @@ def create_engine(settings: Settings, *, pool_size: int | None = None) -> AsyncE
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+async def listen(
+    engine: AsyncEngine, channel: str, callback: Callable[[], None], until: asyncio.Event
+) -> None:
+    """Call `callback` on every PostgreSQL NOTIFY on `channel` until `until` is set, holding
+    one connection of `engine`'s pool. Returns when the connection is lost (the caller
+    listens again) or at `until`. asyncpg does the LISTEN; SQLAlchemy has no API for it."""
+    lost = asyncio.Event()
+    async with engine.connect() as connection:
+        raw = await connection.get_raw_connection()
+        driver: Any = raw.driver_connection
+
+        def on_notify(*_args: object) -> None:
+            callback()
+
+        def on_lost(*_args: object) -> None:
+            lost.set()
+
+        await driver.add_listener(channel, on_notify)
+        driver.add_termination_listener(on_lost)
+        try:
+            stop, gone = asyncio.ensure_future(until.wait()), asyncio.ensure_future(lost.wait())
+            try:
+                await asyncio.wait({stop, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                gone.cancel()
+        finally:
+            driver.remove_termination_listener(on_lost)
+            if not lost.is_set() and not driver.is_closed():
+                await driver.remove_listener(channel, on_notify)

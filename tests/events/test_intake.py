@@ -10,13 +10,15 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from sqlalchemy import event, select
+from sqlalchemy import event, select, text
 
 from queuekeeper.broker.publisher import AmqpPublisher
+from queuekeeper.db import create_engine
 from queuekeeper.events import outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, Event, utcnow
 from queuekeeper.state import AppState
+from tests.conftest import TEST_DB
 from tests.events.support import SERVICE, order_event, post_event, register, wait_settled
 from tests.helpers import Backend
 
@@ -190,3 +192,43 @@ async def test_a_stopping_relay_gives_back_copies_handed_to_it_but_not_published
     await relay.stop()
     # Due at once for the next relay, not after the 30 s lease; not counted as an attempt.
     assert [item.attempts for item in await _claimable(app)] == [1]
+
+
+async def _listening(app: FastAPI) -> bool:
+    async with app.state.queuekeeper.engine.connect() as connection:
+        found = await connection.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND query LIKE 'LISTEN%'"
+            )
+        )
+        return bool(found.scalar_one())
+
+
+@pytest.mark.skipif(
+    TEST_DB == "sqlite", reason="LISTEN/NOTIFY is PostgreSQL's; on SQLite one process serves"
+)
+@pytest.mark.settings(relay_enabled=False, relay_poll_interval=60.0)
+async def test_a_relay_of_another_process_publishes_at_the_commit_not_at_its_next_poll(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    state: AppState = app.state.queuekeeper
+    # Another process's relay: its own pool, no in-memory signal from this intake.
+    engine = create_engine(state.settings)
+    relay = Relay(state.settings, engine, AmqpPublisher(state.settings), state.provisioner)
+    relay.start()
+    try:
+        for _ in range(100):
+            if await _listening(app):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # its first look found nothing: it now waits out its poll
+        response = await post_event(client, order_event(registered.offering))
+        assert response.status_code == 202
+        detail = await wait_settled(client, response.json()["event_id"], timeout=5)
+        assert [d["state"] for d in detail["deliveries"]] == ["published"]
+    finally:
+        await relay.stop()
+        await relay.publisher.close()
+        await engine.dispose()

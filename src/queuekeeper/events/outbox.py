@@ -37,6 +37,12 @@ PENDING = DeliveryState.PENDING
 IS_PENDING: ColumnElement[str] = literal_column(f"'{PENDING.value}'", String)
 
 
+# PostgreSQL NOTIFY channel on which a trigger of `deliveries` (migration 0006) announces
+# copies committed unclaimed: a relay anywhere may take them now. Relays poll as well, so
+# a lost notification delays a copy by at most the poll interval and loses nothing.
+DUE_CHANNEL = "queuekeeper_outbox_due"
+
+
 @dataclass(frozen=True)
 class Claimed:
     id: int

@@ -29,6 +29,7 @@ import socket
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -42,6 +43,7 @@ from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing, Resul
 from queuekeeper.broker.topology import QUORUM
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
+from queuekeeper.db import listen
 from queuekeeper.events import outbox
 from queuekeeper.events.outbox import Claimed
 from queuekeeper.models import DeliveryState, utcnow
@@ -160,6 +162,8 @@ class Relay:
             asyncio.create_task(self._dispatch(), name="relay-dispatch"),
             asyncio.create_task(self._housekeeping(), name="relay-housekeeping"),
         ]
+        if self.engine.dialect.name == "postgresql":
+            self._tasks.append(asyncio.create_task(self._listen(), name="relay-listen"))
         log.info("relay_started", relay=self.id, batches=self.settings.relay_concurrency)
 
     async def stop(self, grace: float = STOP_GRACE) -> None:
@@ -203,6 +207,23 @@ class Relay:
     def _on_accepted(self) -> None:
         self._claim_wanted = True
         self._wake.notify()
+
+    async def _listen(self) -> None:
+        """Wake on copies committed unclaimed by any process (`outbox.announce_due`); while
+        the database is unreachable the poll interval does, and listening starts again."""
+        while not self._stopping.is_set():
+            failed = False
+            try:
+                await listen(self.engine, outbox.DUE_CHANNEL, self._on_accepted, self._stopping)
+            except Exception as exc:
+                failed = True
+                log.warning("relay_listen_failed", relay=self.id, error=repr(exc)[:500])
+            if self._stopping.is_set():
+                return
+            self._on_accepted()  # what was announced while nobody listened: claim it now
+            if failed:
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
 
     # --- copies handed over by the accept path of this process ---------------------------
     def takes_handoff(self) -> bool:
