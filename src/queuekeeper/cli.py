@@ -466,7 +466,9 @@ def relay() -> None:
     """Run the outbox relay alone (no HTTP) until interrupted.
 
     It shares the work with the relays of running services and other
-    `queuekeeper relay` processes.
+    `queuekeeper relay` processes. On PostgreSQL it is woken by a NOTIFY when
+    copies are committed unclaimed (run `serve` with QUEUEKEEPER_RELAY_ENABLED=false
+    beside it), otherwise every QUEUEKEEPER_RELAY_POLL_INTERVAL.
     """
     import asyncio
     import signal
