@@ -23,6 +23,22 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVICE_TOKEN = "bench-service-token-0123456789"
 
 
+def stat_cpu(stat: str) -> tuple[str, float]:
+    """(command name, user + system CPU seconds) from the text of a /proc/<pid>/stat."""
+    head, _, rest = stat.rpartition(")")
+    fields = rest.split()
+    return head.partition("(")[2], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(*pids: int) -> float:
+    """User + system CPU these processes have used so far (a process that is gone adds 0)."""
+    used = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            used += stat_cpu(Path(f"/proc/{pid}/stat").read_text())[1]
+    return used
+
+
 async def _admin(sql: str) -> None:
     import asyncpg
 

@@ -44,7 +44,12 @@ import aio_pika
 import asyncpg
 import httpx
 
-from bench._support import bench_database, remove_broker_objects
+from bench._support import (
+    bench_database,
+    process_cpu_seconds,
+    remove_broker_objects,
+    stat_cpu,
+)
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings
@@ -86,13 +91,11 @@ def cpu_by_command(*names: str) -> dict[str, float]:
     used = dict.fromkeys(names, 0.0)
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            head, _, rest = stat.read_text().rpartition(")")
+            name, seconds = stat_cpu(stat.read_text())
         except OSError:
             continue
-        name = head.partition("(")[2]
         if name in used:
-            fields = rest.split()
-            used[name] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            used[name] += seconds
     return used
 
 
@@ -116,14 +119,6 @@ class CpuShares:
             parts = {"service": service, **parts}
         shown = ", ".join(f"{k} {v / messages * 1e6:.0f}" for k, v in parts.items())
         return f"machine CPU {machine / messages * 1e6:.0f} us per message: {shown}"
-
-
-def _cpu_seconds(process: subprocess.Popen[bytes]) -> float:
-    try:
-        fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Service:
@@ -182,7 +177,7 @@ class Service:
 
     def cpu_seconds(self) -> float:
         """User + system CPU the service's processes have used (Linux /proc)."""
-        return sum(_cpu_seconds(p) for p in (self.process, self.relay) if p is not None)
+        return process_cpu_seconds(*(p.pid for p in (self.process, self.relay) if p is not None))
 
     async def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         response = await self.http.request(method, path, **kwargs)

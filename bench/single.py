@@ -44,7 +44,12 @@ from pathlib import Path
 import aio_pika
 import asyncpg
 
-from bench._support import bench_database, free_port, remove_broker_objects
+from bench._support import (
+    bench_database,
+    free_port,
+    process_cpu_seconds,
+    remove_broker_objects,
+)
 from bench.publish import TOKEN, KeepAliveClient, Profiler, Service, _payload, confirm_times
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
@@ -65,14 +70,6 @@ def _pct(values: list[float], pct: float) -> float:
         return float("inf")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]
-
-
-def _cpu(pids: list[int]) -> float:
-    used = 0.0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        used += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return used
 
 
 def _rss_mib(pids: list[int]) -> float:
@@ -206,7 +203,8 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
         else:
             refused.append(took)
 
-    cpu, sessions, lines = _cpu(pipeline.pids), await pipeline.sessions(), pipeline.log_lines()
+    cpu = process_cpu_seconds(*pipeline.pids)
+    sessions, lines = await pipeline.sessions(), pipeline.log_lines()
     wall, begin = time.time(), loop.time()
     tasks = []
     for n in range(count):
@@ -225,7 +223,7 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     ) < len(answers):
         await asyncio.sleep(0.05)
     step = Step(rate=rate, sent=count)
-    step.cpu_ms = (_cpu(pipeline.pids) - cpu) / count * 1e3
+    step.cpu_ms = (process_cpu_seconds(*pipeline.pids) - cpu) / count * 1e3
     step.sessions = await pipeline.sessions() - sessions
     step.log_lines = (pipeline.log_lines() - lines) / count
     received = pipeline.consumer.received

@@ -47,6 +47,17 @@ def _migrate(url: str) -> None:
     command.upgrade(config, "head")
 
 
+async def pg_admin(sql: str) -> None:
+    """One statement as PostgreSQL's superuser (CREATE/DROP DATABASE)."""
+    import asyncpg
+
+    connection = await asyncpg.connect(PG_ADMIN_DSN)
+    try:
+        await connection.execute(sql)
+    finally:
+        await connection.close()
+
+
 @pytest.fixture(scope="session")
 def database_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if TEST_DB == "sqlite":
@@ -54,23 +65,13 @@ def database_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         _migrate(url)
         yield url
         return
-    import asyncpg
-
     name = f"qk_test_{uuid.uuid4().hex[:12]}"
-
-    async def admin(sql: str) -> None:
-        connection = await asyncpg.connect(PG_ADMIN_DSN)
-        try:
-            await connection.execute(sql)
-        finally:
-            await connection.close()
-
-    asyncio.run(admin(f'CREATE DATABASE "{name}"'))
+    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     base = PG_ADMIN_DSN.rsplit("/", 1)[0]
     url = f"{base.replace('postgresql://', 'postgresql+asyncpg://')}/{name}"
     _migrate(url)
     yield url
-    asyncio.run(admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture

@@ -9,7 +9,11 @@ claimed, `pg_notify('queuekeeper_outbox_due', '')`, delivered at the commit, wak
 relays that LISTEN (`events/relay.py`, the channel is `outbox.DUE_CHANNEL`), so a relay
 in another process claims it at once rather than at its next poll. In the database, not
 in the intake: no extra round trip per transaction, and every writer of unclaimed copies
-announces them. SQLite runs one process: nothing to do there.
+announces them. Statement-level with a transition table rather than a row trigger
+with `WHEN (NEW.claimed_by IS NULL)`: measured on inserts of 1 and 1,000 rows, the
+statement trigger costs nothing beyond run-to-run noise, claimed or not, while the row
+trigger added ~50 % to a 1,000-row unclaimed insert (one pg_notify call per row).
+SQLite runs one process: nothing to do there.
 """
 
 from collections.abc import Sequence

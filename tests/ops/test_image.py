@@ -34,7 +34,7 @@ import pytest
 from filelock import FileLock
 
 from queuekeeper.config import Settings
-from tests.conftest import PG_ADMIN_DSN, _remove_broker_objects
+from tests.conftest import PG_ADMIN_DSN, _remove_broker_objects, pg_admin
 from tests.ops.tools import require
 from tests.stomp_client import StompConsumer
 
@@ -192,16 +192,6 @@ def free_port() -> int:
         return port
 
 
-async def _admin(sql: str) -> None:
-    import asyncpg
-
-    connection = await asyncpg.connect(PG_ADMIN_DSN)
-    try:
-        await connection.execute(sql)
-    finally:
-        await connection.close()
-
-
 def test_image_builds_runs_serves_an_agent_and_stops_cleanly(podman: str) -> None:
     image = build_image(podman)
     size = int(run(podman, "image", "inspect", "--format", "{{.Size}}", image).stdout)
@@ -229,7 +219,7 @@ def test_image_builds_runs_serves_an_agent_and_stops_cleanly(podman: str) -> Non
         "QUEUEKEEPER_SCHEDULER_ENABLED": "false",
     }
     env_args = [arg for key, value in env.items() for arg in ("--env", f"{key}={value}")]
-    asyncio.run(_admin(f'CREATE DATABASE "{database}"'))
+    asyncio.run(pg_admin(f'CREATE DATABASE "{database}"'))
     try:
         started = time.monotonic()
         migrate = run(podman, "run", "--rm", "--network", "host", *env_args, image,
@@ -242,7 +232,7 @@ def test_image_builds_runs_serves_an_agent_and_stops_cleanly(podman: str) -> Non
         finally:
             run(podman, "rm", "--force", "--time", "0", name, check=False)
     finally:
-        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
+        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)'))
         asyncio.run(_remove_broker_objects(Settings(instance_name=instance)))
 
 
