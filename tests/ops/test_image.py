@@ -35,7 +35,7 @@ from filelock import FileLock
 
 from queuekeeper.config import Settings
 from tests.conftest import PG_ADMIN_DSN, _remove_broker_objects, pg_admin
-from tests.ops.tools import require
+from tests.ops.tools import require, unavailable
 from tests.stomp_client import StompConsumer
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1500)]
@@ -95,7 +95,7 @@ def podman() -> str:
     os.environ["CONTAINERS_STORAGE_CONF"] = str(storage)
     info = run(podman, "info", "--format", "json", check=False, timeout=120)
     if info.returncode != 0:
-        pytest.skip(f"containers cannot run here (`podman info` failed): {info.stderr.strip()}")
+        unavailable(f"containers cannot run here (`podman info` failed): {info.stderr.strip()}")
     return podman
 
 

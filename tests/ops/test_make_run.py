@@ -18,6 +18,7 @@ import pytest
 
 from queuekeeper.config import Settings
 from tests.conftest import _remove_broker_objects
+from tests.ops.tools import unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,7 @@ def free_port() -> int:
 @pytest.mark.timeout(180)
 async def test_make_run_serves_with_its_services_up(tmp_path: Path) -> None:
     if shutil.which("make") is None:
-        pytest.skip("make is not installed")
+        unavailable("make is not installed")
     port = free_port()
     instance = f"qkr-{uuid.uuid4().hex[:10]}"
     env = {
