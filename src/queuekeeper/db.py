@@ -54,6 +54,21 @@ def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
+async def read_without_transaction(session: AsyncSession) -> None:
+    """Run `session`'s statements until its next commit or rollback each on its own, with no
+    BEGIN and no COMMIT: one round trip per read instead of three. For reads that need no
+    snapshot shared between statements (an authentication, a check before or after a
+    broker call).
+
+    Commits first: the caller has nothing pending, and the isolation level can only be set
+    before a transaction's first statement (a transaction that used no connection, begun
+    by a `merge`, say, costs no round trip to end). Measured on PostgreSQL (asyncpg, this
+    machine): a session with one SELECT and its commit, 0.84 ms of CPU inside a transaction,
+    0.61 ms without."""
+    await session.commit()
+    await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
+
+
 async def listen(
     engine: AsyncEngine, channel: str, callback: Callable[[], None], until: asyncio.Event
 ) -> None:

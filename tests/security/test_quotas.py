@@ -57,6 +57,9 @@ async def test_queues_over_the_quota_are_refused_but_existing_ones_still_answer(
     assert (await agent.create_queue(subscription, offering, "resource")).status_code == 201
     refused = await agent.create_queue(subscription, offering, "offering_user")
     _refused(refused, "max_queues_per_user", 2)
+    # The quota is the user's, over all its subscriptions.
+    other = (await agent.create_subscription())["uuid"]
+    _refused(await agent.create_queue(other, offering, "order"), "max_queues_per_user", 2)
     # Registering an existing queue again is not "one more".
     assert (await agent.create_queue(subscription, offering, "order")).status_code == 200
     page = await management.list_queues_page(agent.vhost, page=1, page_size=100)

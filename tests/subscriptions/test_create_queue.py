@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from typing import Any
 
 import aio_pika
 import httpx
 import pytest
 import respx
 import structlog
+from fastapi import FastAPI
+from sqlalchemy import event
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
@@ -46,6 +49,29 @@ async def test_repeat_answers_200_with_the_same_body(backend: Backend) -> None:
     again = await agent.create_queue(subscription["uuid"], offering.hex.upper())
     assert (first.status_code, again.status_code) == (201, 200)
     assert again.json() == first.json()
+
+
+async def test_a_repeat_call_reads_the_database_three_times(app: FastAPI, backend: Backend) -> None:
+    """An agent starting again calls once per (offering, object type): one token lookup (the
+    request guard's, handed to the route), one read of what the route checks, one re-check
+    after the broker declare."""
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 201
+    engine = app.state.queuekeeper.engine.sync_engine
+    statements: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        statements.append(statement)
+
+    event.listen(engine, "before_cursor_execute", count)
+    try:
+        again = await agent.create_queue(subscription["uuid"], offering)
+    finally:
+        event.remove(engine, "before_cursor_execute", count)
+    assert again.status_code == 200
+    assert len(statements) == 3, [s[:120] for s in statements]
+    assert sum("users.token_hash" in s for s in statements) == 1
 
 
 async def test_repeat_re_creates_a_queue_deleted_behind_our_back(

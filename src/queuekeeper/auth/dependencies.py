@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader
 from sqlalchemy.ext.asyncio import AsyncSession
+from starlette.types import Scope
 
 from queuekeeper.auth.repository import user_with_token
 from queuekeeper.auth.tokens import is_service_token
@@ -64,10 +65,25 @@ async def authenticate_service(session: AsyncSession, token: str, settings: Sett
     raise Unauthorized("Invalid service token.", scheme="Bearer")
 
 
+# Where the request guard leaves the user it authenticated (every agent POST and PUT, before
+# the body is read), so that `current_user` does not look the same token up a second time.
+_GUARDED_USER = "guarded_user"
+
+
+def hand_over(scope: Scope, user: User) -> None:
+    """Called by the guard once `user` is authenticated for this request."""
+    scope.setdefault("state", {})[_GUARDED_USER] = user
+
+
 async def current_user(
     request: Request, header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
 ) -> User:
-    user = await authenticate_agent(session, credentials(header), settings)
+    guarded: User | None = getattr(request.state, _GUARDED_USER, None)
+    if guarded is None:
+        user = await authenticate_agent(session, credentials(header), settings)
+    else:
+        # Into this request's session as it was read, without a query.
+        user = await session.merge(guarded, load=False)
     request.state.user_uuid = user.uuid
     return user
 

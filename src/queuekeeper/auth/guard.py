@@ -11,8 +11,10 @@ and stalled every request for 3 s. So, in front of the app:
 * a `Content-Length` over the route's limit is a 413 before anything is read;
 * a body without one (chunked) is counted as it streams, and refused at the limit.
 
-The dependencies still authenticate as before: they hand the endpoint its user. The
-backend's two accept routes have none: this guard is their authentication.
+The guard hands the agent it authenticated to the `current_user` dependency, which then
+needs no second lookup; a request the guard did not authenticate (an agent's GET) is
+authenticated by the dependency. The backend's two accept routes have no dependency: this
+guard is their authentication.
 """
 
 from __future__ import annotations
@@ -24,7 +26,13 @@ from starlette.datastructures import Headers
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from queuekeeper.auth.dependencies import authenticate_agent, authenticate_service, credentials
+from queuekeeper import db
+from queuekeeper.auth.dependencies import (
+    authenticate_agent,
+    authenticate_service,
+    credentials,
+    hand_over,
+)
 from queuekeeper.auth.ratelimit import RegistrationLimiter
 from queuekeeper.auth.tokens import is_service_token, token_digest
 from queuekeeper.config import Settings
@@ -155,10 +163,11 @@ class RequestGuard:
             return  # the backend's calls, single events among them, cost no session
         state: AppState = scope["app"].state.queuekeeper
         async with state.sessions() as session:
+            await db.read_without_transaction(session)
             if rule.caller is Caller.SERVICE:
                 await authenticate_service(session, token, self.settings)
                 return
-            await authenticate_agent(session, token, self.settings)
+            hand_over(scope, await authenticate_agent(session, token, self.settings))
         if rule.registration and _routed(scope):
             await self.limiter.hit(token_digest(token))
 

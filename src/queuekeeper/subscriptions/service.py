@@ -15,6 +15,7 @@ import structlog
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper import db
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import Provisioner, QueueConflict, QueueOutcome, best_effort
@@ -243,10 +244,19 @@ async def create_queue(
     body: QueueCreate,
 ) -> tuple[EventSubscriptionQueue, bool]:
     """Register a queue of the caller's subscription; True when its row is new."""
-    subscription = await get_subscription(session, owner, subscription_uuid)
+    # One read, and no transaction held open while we wait on the broker.
+    await db.read_without_transaction(session)
+    known = await find_by_path_uuid(
+        subscription_uuid,
+        "Event subscription",
+        lambda parsed: repository.queue_context(
+            session, owner.uuid, parsed, body.offering_uuid, body.object_type
+        ),
+    )
+    await session.commit()
     try:
         queue, inserted, outcome = await _register_queue(
-            session, provisioner, settings, owner, subscription, body
+            session, provisioner, settings, owner, known, body
         )
     except QueueConflict:
         CREATE_QUEUE.labels(outcome="conflict").inc()
@@ -266,14 +276,11 @@ async def _register_queue(
     provisioner: Provisioner,
     settings: Settings,
     owner: User,
-    subscription: EventSubscription,
+    known: repository.QueueContext,
     body: QueueCreate,
 ) -> tuple[EventSubscriptionQueue, bool, QueueOutcome]:
     """Returns (queue, created row?, what the broker needed)."""
-    offering_uuid = body.offering_uuid
-    known = await repository.queue_context(
-        session, owner.uuid, subscription.uuid, offering_uuid, body.object_type
-    )
+    subscription, offering_uuid = known.subscription, body.offering_uuid
     if not known.offering_known:
         raise BadRequest(
             f"Unknown offering {offering_uuid.hex}: the backend has not pushed it.",
@@ -281,13 +288,9 @@ async def _register_queue(
         )
     if not known.has_access:
         raise Forbidden(f"You have no access to offering {offering_uuid.hex}.")
-    if known.registered is None:  # registering an existing queue again is not one more
-        held = await repository.count_queues(session, owner.uuid)
-        check_quota(settings, "max_queues_per_user", held, "queues")
-    # End the read transaction: nothing should stay open while we wait on the broker.
-    await session.commit()
-    if known.registered is not None:
+    if known.registered is not None:  # registering an existing queue again is not one more
         return await _ensure_registered(session, provisioner, known.registered)
+    check_quota(settings, "max_queues_per_user", known.queues_held, "queues")
 
     name = topology.queue_name(subscription.uuid, offering_uuid, body.object_type)
     vhost = topology.vhost_name(owner.uuid)
@@ -351,6 +354,7 @@ async def _ensure_registered(
     declare came after its delete, the row is gone when we look again and we remove it."""
     # As for a new row: an agent must start even while its queue waits to change type.
     outcome = await provisioner.ensure_queue(queue.vhost, queue.queue_name, keep_other_type=True)
+    await db.read_without_transaction(session)
     if not await repository.queue_exists(session, queue.uuid):
         await session.rollback()
         await best_effort(
