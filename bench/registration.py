@@ -2,7 +2,8 @@
 
 create_queue does: token lookup, offering and access checks, PUT queue, GET queue
 (arguments read back), INSERT ... ON CONFLICT DO NOTHING, commit. The baselines
-are a bare PUT of the same queue, and PUT + GET (the least any verified declare needs).
+are a bare PUT of the same queue, and PUT + GET (the least any verified declare needs),
+each PUT + GET timed right after the create_queue call it is compared with.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ async def _run(base: str, settings: Settings) -> None:
     headers = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
     token = secrets.token_hex(20)
     user = uuid.uuid4()
-    async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+    # Raw baseline: the same declare on the same broker, in a vhost of its own.
+    vhost = f"{settings.instance_name}-raw"
+    arguments = topology.queue_arguments(settings)
+    body = {"durable": True, "auto_delete": False, "arguments": arguments}
+    auth = (settings.management_user, settings.management_password)
+    async with (
+        httpx.AsyncClient(base_url=base, timeout=30) as http,
+        httpx.AsyncClient(base_url=settings.management_url + "/api", auth=auth) as raw,
+    ):
         await http.put(
             f"/api/internal/users/{user}/",
             json={"username": "bench", "token": token},
@@ -48,58 +57,57 @@ async def _run(base: str, settings: Settings) -> None:
         agent = {"Authorization": f"Token {token}"}
         subscription = (await http.post("/api/event-subscriptions/", json={}, headers=agent)).json()
         pairs = [(offering, object_type) for offering in offerings for object_type in OBJECT_TYPES]
-
-        async def create_all(expect: int) -> list[float]:
-            samples = []
-            for offering, object_type in pairs:
-                started = time.perf_counter()
-                response = await http.post(
-                    f"/api/event-subscriptions/{subscription['uuid']}/create_queue/",
-                    json={"offering_uuid": offering.hex, "object_type": object_type},
-                    headers=agent,
-                )
-                samples.append(time.perf_counter() - started)
-                assert response.status_code == expect, response.text
-            return samples
-
-        new = await create_all(201)
-        repeat = await create_all(200)
-
-    # Raw baseline: the same declare on the same broker, in a vhost of its own.
-    vhost = f"{settings.instance_name}-raw"
-    arguments = topology.queue_arguments(settings)
-    auth = (settings.management_user, settings.management_password)
-    async with httpx.AsyncClient(base_url=settings.management_url + "/api", auth=auth) as raw:
         await raw.put(f"/vhosts/{vhost}", json={"tags": settings.instance_tag})
+
+        async def create_queue(offering: uuid.UUID, object_type: str, expect: int) -> float:
+            started = time.perf_counter()
+            response = await http.post(
+                f"/api/event-subscriptions/{subscription['uuid']}/create_queue/",
+                json={"offering_uuid": offering.hex, "object_type": object_type},
+                headers=agent,
+            )
+            elapsed = time.perf_counter() - started
+            assert response.status_code == expect, response.text
+            return elapsed
+
+        async def put_get(name: str) -> float:
+            started = time.perf_counter()
+            await raw.put(f"/queues/{vhost}/{name}", json=body)
+            await raw.get(f"/queues/{vhost}/{name}", params={"columns": "arguments"})
+            return time.perf_counter() - started
+
+        async def put(name: str) -> float:
+            started = time.perf_counter()
+            await raw.put(f"/queues/{vhost}/{name}", json=body)
+            return time.perf_counter() - started
+
         try:
-            put_new, put_repeat, put_get, put_new_get = [], [], [], []
-            for index in range(len(pairs)):
-                body = {"durable": True, "auto_delete": False, "arguments": arguments}
-                started = time.perf_counter()
-                await raw.put(f"/queues/{vhost}/q{index}", json=body)
-                put_new.append(time.perf_counter() - started)
-            for index in range(len(pairs)):
-                started = time.perf_counter()
-                await raw.put(f"/queues/{vhost}/q{index}", json=body)
-                put_repeat.append(time.perf_counter() - started)
-            for index in range(len(pairs)):
-                started = time.perf_counter()
-                await raw.put(f"/queues/{vhost}/q{index}", json=body)
-                await raw.get(f"/queues/{vhost}/q{index}", params={"columns": "arguments"})
-                put_get.append(time.perf_counter() - started)
-            for index in range(len(pairs)):
-                started = time.perf_counter()
-                await raw.put(f"/queues/{vhost}/n{index}", json=body)
-                await raw.get(f"/queues/{vhost}/n{index}", params={"columns": "arguments"})
-                put_new_get.append(time.perf_counter() - started)
+            # Each call with a baseline timed right after it (paired: this VM's speed drifts
+            # by a quarter within minutes), printed for information. The goal is judged
+            # against the baselines timed back to back below, the faster and stricter ones:
+            # a PUT + GET right after a create_queue took ~1.6x as long, for reasons not
+            # established.
+            new, paired_new, repeat, paired_repeat = [], [], [], []
+            for index, (offering, object_type) in enumerate(pairs):
+                new.append(await create_queue(offering, object_type, 201))
+                paired_new.append(await put_get(f"p{index}"))
+            for index, (offering, object_type) in enumerate(pairs):
+                repeat.append(await create_queue(offering, object_type, 200))
+                paired_repeat.append(await put_get(f"p{index}"))
+            put_new = [await put(f"q{index}") for index in range(len(pairs))]
+            put_repeat = [await put(f"q{index}") for index in range(len(pairs))]
+            put_get_existing = [await put_get(f"q{index}") for index in range(len(pairs))]
+            put_new_get = [await put_get(f"n{index}") for index in range(len(pairs))]
         finally:
             await raw.delete(f"/vhosts/{vhost}")
 
     rows = {
         "raw PUT (new queue)": percentiles(put_new),
         "raw PUT (existing)": percentiles(put_repeat),
-        "raw PUT + GET": percentiles(put_get),
+        "raw PUT + GET": percentiles(put_get_existing),
         "raw PUT (new) + GET": percentiles(put_new_get),
+        "paired PUT + GET": percentiles(paired_repeat),
+        "paired PUT (new) + GET": percentiles(paired_new),
         "create_queue new (201)": percentiles(new),
         "create_queue repeat (200)": percentiles(repeat),
     }
@@ -111,6 +119,12 @@ async def _run(base: str, settings: Settings) -> None:
     print(f"  p50 ratio create_queue repeat / raw PUT existing: x{repeat_ratio:.2f}")
     goal_new = rows["create_queue new (201)"]["p50"] / rows["raw PUT (new) + GET"]["p50"]
     goal_repeat = rows["create_queue repeat (200)"]["p50"] / rows["raw PUT + GET"]["p50"]
+    paired_repeat_ratio = rows["create_queue repeat (200)"]["p50"] / rows["paired PUT + GET"]["p50"]
+    paired_new_ratio = rows["create_queue new (201)"]["p50"] / rows["paired PUT (new) + GET"]["p50"]
+    print(
+        f"  paired (baseline right after each call): repeat x{paired_repeat_ratio:.2f}, "
+        f"new x{paired_new_ratio:.2f} (information; the goal uses the back-to-back baselines)"
+    )
     met = goal_new <= 2 and goal_repeat <= 2
     print(
         f"GOAL 4 create_queue p50: repeat / raw PUT + GET x{goal_repeat:.2f}, new / raw PUT "
