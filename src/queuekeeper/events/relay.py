@@ -209,8 +209,9 @@ class Relay:
         self._wake.notify()
 
     async def _listen(self) -> None:
-        """Wake on copies committed unclaimed by any process (`outbox.announce_due`); while
-        the database is unreachable the poll interval does, and listening starts again."""
+        """Wake on copies committed unclaimed by any process (announced on
+        `outbox.DUE_CHANNEL` by the trigger of migration 0006); while the database is
+        unreachable the poll interval does, and listening starts again."""
         while not self._stopping.is_set():
             failed = False
             try:
