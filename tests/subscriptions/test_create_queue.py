@@ -13,6 +13,7 @@ import pytest
 import respx
 import structlog
 from fastapi import FastAPI
+from prometheus_client import REGISTRY
 from sqlalchemy import event
 
 from queuekeeper.broker.management import ManagementClient
@@ -51,10 +52,10 @@ async def test_repeat_answers_200_with_the_same_body(backend: Backend) -> None:
     assert again.json() == first.json()
 
 
-async def test_a_repeat_call_reads_the_database_three_times(app: FastAPI, backend: Backend) -> None:
+async def test_a_repeat_call_reads_the_database_twice(app: FastAPI, backend: Backend) -> None:
     """An agent starting again calls once per (offering, object type): one token lookup (the
-    request guard's, handed to the route), one read of what the route checks, one re-check
-    after the broker declare."""
+    request guard's, handed to the route) and one read of what the route checks. The queue
+    is found right, so nothing was declared and there is nothing to re-check."""
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
     assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 201
@@ -70,8 +71,50 @@ async def test_a_repeat_call_reads_the_database_three_times(app: FastAPI, backen
     finally:
         event.remove(engine, "before_cursor_execute", count)
     assert again.status_code == 200
-    assert len(statements) == 3, [s[:120] for s in statements]
+    assert len(statements) == 2, [s[:120] for s in statements]
     assert sum("users.token_hash" in s for s in statements) == 1
+
+
+async def test_a_repeat_call_on_a_right_queue_only_reads_it(backend: Backend) -> None:
+    """The broker is asked once (GET, the read-back SPEC 3 requires), not declared again:
+    a declare of a queue that is already right would change nothing."""
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 201
+
+    def queue_calls() -> dict[str, float]:
+        return {
+            status: REGISTRY.get_sample_value(
+                "queuekeeper_management_api_calls_total", {"kind": "queue", "status": status}
+            )
+            or 0.0
+            for status in ("200", "201", "204")
+        }
+
+    before = queue_calls()
+    assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 200
+    after = queue_calls()
+    # 200: the GET; 201/204: a PUT that created or found the queue.
+    assert {status: after[status] - before[status] for status in after} == {
+        "200": 1,
+        "201": 0,
+        "204": 0,
+    }
+
+
+async def test_a_repeat_call_repairs_a_queue_that_drifted(
+    backend: Backend, management: ManagementClient
+) -> None:
+    """Found wrong on the read (re-created bare behind our back): declared, repaired."""
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    name = (await agent.create_queue(subscription["uuid"], offering)).json()["queue_name"]
+    await management.delete_queue(agent.vhost, name)
+    await _declare_bare_queue(agent.vhost, name)
+    assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 200
+    info = await management.get_queue(agent.vhost, name)
+    assert info is not None
+    assert info.arguments == EXPECTED_ARGUMENTS
 
 
 async def test_repeat_re_creates_a_queue_deleted_behind_our_back(

@@ -35,6 +35,8 @@ VANISHED = "queue vanished while being checked"
 class QueueOutcome(enum.StrEnum):
     CREATED = "created"
     EXISTING = "existing"
+    # Found right by a read alone (ensure_queue with `known`): nothing was declared.
+    VERIFIED = "verified"
     REPAIRED = "repaired"
     # Of the other queue type (classic/quorum) and busy: kept as it is, see ensure_queue.
     KEPT = "kept"
@@ -324,7 +326,7 @@ class Provisioner:
 
     # --- queues ------------------------------------------------------------------------
     async def ensure_queue(
-        self, vhost: str, name: str, *, keep_other_type: bool = False
+        self, vhost: str, name: str, *, keep_other_type: bool = False, known: bool = False
     ) -> QueueOutcome:
         """Declare a subscription queue with exactly our arguments.
 
@@ -334,7 +336,16 @@ class Provisioner:
         agent registering), a busy queue whose only difference is its type (classic or
         quorum: a migration in progress) is kept as it is (KEPT): it delivers as well,
         and it is converted once it is empty and unconsumed.
+
+        `known`: the caller has a row saying the queue was declared, so it is most
+        likely there and right. It is read first and left alone when it is (one call
+        instead of a declare and a read-back, which would change nothing); anything
+        else, missing or different, takes the declare path below.
         """
+        if known:
+            info = await self.management.get_queue(vhost, name)
+            if info is not None and not self.differences(info):
+                return QueueOutcome.VERIFIED
         try:
             created = await self._put_queue(vhost, name)
         except ManagementBadRequest as exc:

@@ -183,7 +183,7 @@ async def _make_real(
         try:
             await provisioner.ensure_vhost(vhost)
             await provisioner.ensure_consumer_user(vhost, consumer_uuid, password_hash)
-            await provisioner.ensure_queue(vhost, queue_name)
+            await provisioner.ensure_queue(vhost, queue_name, known=existing is not None)
             await _check_offerings(session, owner, wanted.offerings, lock=True)
             if existing is None:
                 consumer = EventConsumer(

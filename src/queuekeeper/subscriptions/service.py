@@ -351,9 +351,30 @@ async def _ensure_registered(
     """A repeat call (an agent starting again): the row exists, so only the broker's queue
     is ensured. No advisory lock: reconcile never deletes a queue whose row it can see.
     A revoke or a delete that commits meanwhile removes the row and then the queue; if our
-    declare came after its delete, the row is gone when we look again and we remove it."""
+    declare came after its delete, the row is gone when we look again and we remove it.
+    When the queue was found right and nothing was declared (VERIFIED, the usual case),
+    there is nothing of ours to take back: the call simply happened before the delete."""
     # As for a new row: an agent must start even while its queue waits to change type.
-    outcome = await provisioner.ensure_queue(queue.vhost, queue.queue_name, keep_other_type=True)
+    outcome = await provisioner.ensure_queue(
+        queue.vhost, queue.queue_name, keep_other_type=True, known=True
+    )
+    if outcome is not QueueOutcome.VERIFIED:
+        await _check_still_registered(session, provisioner, queue)
+    log.info(
+        "queue_registered",
+        queue=queue.queue_name,
+        vhost=queue.vhost,
+        new_row=False,
+        broker=outcome.value,
+    )
+    return queue, False, outcome
+
+
+async def _check_still_registered(
+    session: AsyncSession, provisioner: Provisioner, queue: EventSubscriptionQueue
+) -> None:
+    """After declaring the queue of an existing row: NotFound, and the queue removed
+    again, when a revoke or a delete took the row meanwhile."""
     await db.read_without_transaction(session)
     if not await repository.queue_exists(session, queue.uuid):
         await session.rollback()
@@ -364,14 +385,6 @@ async def _ensure_registered(
         )
         raise NotFound("The queue was deleted while it was being registered; call again.")
     await session.commit()
-    log.info(
-        "queue_registered",
-        queue=queue.queue_name,
-        vhost=queue.vhost,
-        new_row=False,
-        broker=outcome.value,
-    )
-    return queue, False, outcome
 
 
 async def list_queues(
