@@ -1,9 +1,11 @@
 """create_queue latency (new and repeat) against a raw Management API PUT, in one run.
 
-create_queue does: token lookup, offering and access checks, PUT queue, GET queue
-(arguments read back), INSERT ... ON CONFLICT DO NOTHING, commit. The baselines
-are a bare PUT of the same queue, and PUT + GET (the least any verified declare needs),
-each PUT + GET timed right after the create_queue call it is compared with.
+A new queue: token lookup, one read of what is checked, PUT queue, GET queue (arguments
+read back), then under the vhost lock the access check and INSERT ... ON CONFLICT DO
+NOTHING, commit. A repeat call: token lookup, the same read, GET queue; a PUT only when the
+queue is missing or wrong. The baselines are a bare PUT of the same queue and PUT + GET
+(what a verified declare needs, the issue's baseline for both calls), back to back, and
+PUT + GET timed right after each create_queue call (paired, for information).
 """
 
 from __future__ import annotations

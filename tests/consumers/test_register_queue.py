@@ -134,6 +134,20 @@ async def test_first_start_makes_the_queue_and_user_a_restart_changes_nothing(
     assert await consumer_rows(settings) == 1
 
 
+async def test_a_restart_re_creates_a_queue_deleted_behind_our_back(
+    backend: Backend, management: ManagementClient
+) -> None:
+    """A restart reads the queue first; one that is gone is declared again, as SPEC 3 asks."""
+    agent, offering = await backend.agent_with_offering()
+    identity = await new_identity(agent, offering)
+    name = (await register_queue(agent, identity)).json()["queue_name"]
+    await management.delete_queue(agent.vhost, name)
+    assert (await register_queue(agent, identity)).status_code == 200
+    queue = await management.get_queue(agent.vhost, name)
+    assert queue is not None
+    assert queue.arguments == QUEUE_ARGUMENTS
+
+
 async def test_the_password_is_the_callers_current_token_on_every_call(
     backend: Backend, management: ManagementClient
 ) -> None:
