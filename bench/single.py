@@ -20,8 +20,11 @@ read from /proc over each step. Then the service runs at half its capacity for
 BENCH_RSS_SECONDS (300, the 5 minutes of goal 6) while its RSS is sampled.
 
 Also printed per step, for the overload behaviour: answers other than 202
-(503 + Retry-After when the service sheds load), POST p99, database sessions
-opened (pool churn), messages consumed twice, INFO log lines per event.
+(503 + Retry-After when the service sheds load), POST p99 from the scheduled send
+time and, in brackets, the service's part of it (from the request written on a
+connection to its answer: the generator, like a backend, has CONNECTIONS of them and
+past capacity the rest is its wait for a free one), database sessions opened (pool
+churn), messages consumed twice, INFO log lines per event.
 
     .venv/bin/python -m bench single
 """
@@ -96,17 +99,24 @@ class Step:
     duplicates: int = 0
     log_lines: float = 0.0
     confirm_p99: float | None = None
+    # From each request written on a connection to its answer: the service's own part.
+    served_p99: float | None = None
 
     @property
     def held(self) -> bool:
         return self.achieved >= ACHIEVED_GOAL * self.rate and self.p99 <= P99_GOAL
 
     def line(self, name: str) -> str:
+        served = (
+            f" (service's part {self.served_p99 * 1e3:.1f} ms)"
+            if self.served_p99 is not None
+            else ""
+        )
         text = (
             f"  {name:11s} {self.rate:5d}/s: achieved {self.achieved:7.1f}/s, "
             f"p50 {self.p50 * 1e3:7.1f} ms, p99 {self.p99 * 1e3:8.1f} ms, "
-            f"answer p99 {self.answer_p99 * 1e3:7.1f} ms, CPU {self.cpu_ms:.2f} ms/event, "
-            f"db sessions opened {self.sessions}, consumed twice {self.duplicates}"
+            f"answer p99 {self.answer_p99 * 1e3:7.1f} ms{served}, CPU {self.cpu_ms:.2f} "
+            f"ms/event, db sessions opened {self.sessions}, consumed twice {self.duplicates}"
         )
         if self.refused:
             text += f", refused {self.refused} (answered in p99 {self.refused_p99 * 1e3:.1f} ms)"
@@ -182,6 +192,9 @@ class Pipeline:
     log_lines: Callable[[], int] = lambda: 0
     # The service's own accept-to-confirm times of a step's events (None for raw).
     confirm_times: Callable[[str], Awaitable[list[float]]] | None = None
+    # Filled by the HTTP client: written-to-answered times (None for raw, which has no
+    # connection pool to wait for).
+    served: list[float] | None = None
 
 
 async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
@@ -204,6 +217,8 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
             refused.append(took)
 
     cpu = process_cpu_seconds(*pipeline.pids)
+    if pipeline.served is not None:
+        pipeline.served.clear()
     sessions, lines = await pipeline.sessions(), pipeline.log_lines()
     wall, begin = time.time(), loop.time()
     tasks = []
@@ -232,6 +247,8 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     step.achieved = in_window / seconds
     step.p50, step.p99 = _pct(latencies, 50), _pct(latencies, 99)
     step.answer_p99 = _pct(answers, 99)
+    if pipeline.served:
+        step.served_p99 = _pct(pipeline.served, 99)
     step.refused, step.refused_p99 = len(refused), _pct(refused, 99) if refused else 0.0
     if pipeline.confirm_times is not None:
         step.confirm_p99 = _pct(await pipeline.confirm_times(prefix), 99)
@@ -399,6 +416,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
             sessions,
             log_lines,
             lambda prefix: confirm_times(dsn, prefix),
+            client.served,
         )
         await run_step(qk, 100, 2)  # warm-up: connections, prepared statements
         apart = service.relay is not None

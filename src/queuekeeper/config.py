@@ -310,6 +310,15 @@ class Settings(BaseSettings):
         "request has waited longer (the process is starved of CPU, the database is slow), new "
         "ones are answered 503 with Retry-After at once instead of queueing into seconds.",
     )
+    events_max_in_flight: int = Field(
+        default=64,
+        ge=1,
+        description="Most accept requests (single events and batches) this process handles at "
+        "once, from their arrival to their answer; past it a request is answered 503 with "
+        "Retry-After before its body is read. Bounds how long an answer takes when more is "
+        "offered than the process can store: the excess is refused at once instead of every "
+        "request slowing down.",
+    )
     events_wait_timeout: float = Field(
         default=10.0,
         gt=0,

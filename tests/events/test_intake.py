@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
 
@@ -232,3 +234,43 @@ async def test_a_relay_of_another_process_publishes_at_the_commit_not_at_its_nex
         await relay.stop()
         await relay.publisher.close()
         await engine.dispose()
+
+
+@pytest.mark.settings(relay_enabled=False, events_max_in_flight=1)
+async def test_past_the_accept_requests_in_flight_a_request_is_refused_before_its_body(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """One accept request is being handled (its body still arriving): the next is a 503 with
+    Retry-After naming the setting, at once, and nothing of it is stored; once the first is
+    answered, requests are admitted again."""
+    registered = await register(backend)
+    body = json.dumps(order_event(registered.offering)).encode()
+    release = asyncio.Event()
+
+    async def slow_body() -> AsyncIterator[bytes]:
+        yield body[:10]
+        await release.wait()
+        yield body[10:]
+
+    first = asyncio.create_task(
+        client.post(
+            "/api/internal/events/",
+            content=slow_body(),
+            headers={
+                **SERVICE,
+                "Content-Length": str(len(body)),
+                "Content-Type": "application/json",
+            },
+        )
+    )
+    await asyncio.sleep(0.2)  # admitted, reading its body
+    refused = await post_event(client, order_event(registered.offering))
+    assert refused.status_code == 503
+    assert refused.headers["Retry-After"]
+    assert "events_max_in_flight" in refused.json()["detail"]
+    release.set()
+    assert (await first).status_code == 202
+    assert (await post_event(client, order_event(registered.offering))).status_code == 202
+    async with app.state.queuekeeper.sessions() as session:
+        stored = len(list(await session.scalars(select(Event.event_id))))
+    assert stored == 2
