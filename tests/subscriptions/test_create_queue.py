@@ -82,24 +82,55 @@ async def test_a_repeat_call_on_a_right_queue_only_reads_it(backend: Backend) ->
     subscription = await agent.create_subscription()
     assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 201
 
-    def queue_calls() -> dict[str, float]:
-        return {
-            status: REGISTRY.get_sample_value(
-                "queuekeeper_management_api_calls_total", {"kind": "queue", "status": status}
-            )
-            or 0.0
-            for status in ("200", "201", "204")
-        }
-
-    before = queue_calls()
+    before = _queue_calls()
     assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 200
-    after = queue_calls()
-    # 200: the GET; 201/204: a PUT that created or found the queue.
-    assert {status: after[status] - before[status] for status in after} == {
-        "200": 1,
-        "201": 0,
-        "204": 0,
+    assert _queue_calls_since(before) == {"200": 1, "201": 0, "204": 0}
+
+
+async def test_a_new_queue_is_declared_once_and_not_read_back(backend: Backend) -> None:
+    """A PUT the broker answers 201 made the queue from our body: nothing to read back."""
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    before = _queue_calls()
+    assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 201
+    assert _queue_calls_since(before) == {"200": 0, "201": 1, "204": 0}
+
+
+async def test_a_queue_the_broker_kept_despite_our_declare_is_read_back_and_repaired(
+    backend: Backend, management: ManagementClient
+) -> None:
+    """SPEC 3: RabbitMQ ignores an `x-` argument it does not check and answers 204 keeping
+    the older queue; only the read-back sees the difference."""
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    name = f"subscription_{subscription['uuid']}_offering_{offering.hex}_order"
+    await management.put_queue(
+        agent.vhost, name, arguments={**EXPECTED_ARGUMENTS, "x-not-ours": "left by someone"}
+    )
+    with structlog.testing.capture_logs() as logs:
+        response = await agent.create_queue(subscription["uuid"], offering)
+    assert response.status_code == 201, response.text
+    [repaired] = [entry for entry in logs if entry["event"] == "queue_repaired"]
+    assert "x-not-ours" in repaired["reason"]
+    info = await management.get_queue(agent.vhost, name)
+    assert info is not None
+    assert info.arguments == EXPECTED_ARGUMENTS
+
+
+def _queue_calls() -> dict[str, float]:
+    """Management API queue calls so far by status: 200 a GET, 201/204 a PUT that created
+    or found the queue."""
+    return {
+        status: REGISTRY.get_sample_value(
+            "queuekeeper_management_api_calls_total", {"kind": "queue", "status": status}
+        )
+        or 0.0
+        for status in ("200", "201", "204")
     }
+
+
+def _queue_calls_since(before: dict[str, float]) -> dict[str, float]:
+    return {status: count - before[status] for status, count in _queue_calls().items()}
 
 
 async def test_a_repeat_call_repairs_a_queue_that_drifted(

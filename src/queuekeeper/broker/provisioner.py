@@ -352,10 +352,15 @@ class Provisioner:
             if not exc.inequivalent:
                 raise
             return await self._repair_or_keep(vhost, name, exc.reason, keep_other_type)
+        if created:
+            # 201: the broker found no queue of that name and made it from our body, so it
+            # holds exactly our arguments. SPEC 3's read-back is for the 204, where the broker
+            # may have kept an older queue and ignored what we sent.
+            return QueueOutcome.CREATED
         differences = await self.queue_differences(vhost, name)
         if differences:
             return await self._repair_or_keep(vhost, name, "; ".join(differences), keep_other_type)
-        return QueueOutcome.CREATED if created else QueueOutcome.EXISTING
+        return QueueOutcome.EXISTING
 
     async def _repair_or_keep(
         self, vhost: str, name: str, reason: str, keep_other_type: bool
