@@ -16,7 +16,7 @@ import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from sqlalchemy import func, select
+from sqlalchemy import BigInteger, bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 # create_subscription holds this shared while a broker user exists without its
@@ -97,6 +97,16 @@ def _is_postgres(session: AsyncSession) -> bool:
     return session.get_bind().dialect.name == "postgresql"
 
 
+# Built once: every create_queue of a new queue takes one.
+_XACT_LOCK = {
+    exclusive: select(function(bindparam("key", type_=BigInteger)))
+    for exclusive, function in (
+        (True, func.pg_advisory_xact_lock),
+        (False, func.pg_advisory_xact_lock_shared),
+    )
+}
+
+
 @asynccontextmanager
 async def guard(session: AsyncSession, name: str, *, exclusive: bool) -> AsyncIterator[None]:
     """Hold the lock `name` until the session's transaction ends.
@@ -106,9 +116,8 @@ async def guard(session: AsyncSession, name: str, *, exclusive: bool) -> AsyncIt
     each other; an exclusive holder waits for all of them and they for it.
     """
     if _is_postgres(session):
-        function = func.pg_advisory_xact_lock if exclusive else func.pg_advisory_xact_lock_shared
         try:
-            await session.execute(select(function(lock_key(name))))
+            await session.execute(_XACT_LOCK[exclusive], {"key": lock_key(name)})
             yield
         finally:
             if session.in_transaction():
