@@ -5,9 +5,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Select, bindparam, exists, func, or_, select
+from sqlalchemy import Select, Table, bindparam, exists, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
@@ -137,19 +137,13 @@ async def registered_queue_names(
     return set(rows)
 
 
-def _insert_queue_statements() -> dict[str, Any]:
-    table = EventSubscriptionQueue.__table__
-    return {
-        dialect.__name__.rsplit(".", 1)[-1]: dialect.insert(table)
-        .on_conflict_do_nothing()
-        .returning(table.c.uuid)
-        for dialect in (postgresql, sqlite)
-    }
-
-
+_QUEUES = cast(Table, EventSubscriptionQueue.__table__)  # typed as any FromClause
 # Built once per dialect, on the table rather than the mapped class: the ORM's bulk insert
 # path and a statement built per call were a tenth of a new create_queue's CPU (py-spy).
-_INSERT_QUEUE = _insert_queue_statements()
+_INSERT_QUEUE = {
+    "postgresql": postgresql.insert(_QUEUES).on_conflict_do_nothing().returning(_QUEUES.c.uuid),
+    "sqlite": sqlite.insert(_QUEUES).on_conflict_do_nothing().returning(_QUEUES.c.uuid),
+}
 
 
 async def insert_queue_if_absent(session: AsyncSession, queue: EventSubscriptionQueue) -> bool:
