@@ -141,8 +141,11 @@ async def test_broker_unavailable_and_management_calls_are_counted(
                 before = await scrape(client)
                 response = await agent.create_queue(subscription["uuid"], offering)
                 assert response.status_code == 201
+                # A repeat call reads the queue back.
+                response = await agent.create_queue(subscription["uuid"], offering)
+                assert response.status_code == 200
                 after = await scrape(client)
-                # The queue was declared (201 from the broker) and read back (200).
+                # The queue was declared (201 from the broker) and read (200).
                 for status in ("201", "200"):
                     delta = value(after, calls, kind="queue", status=status) - value(
                         before, calls, kind="queue", status=status
