@@ -97,13 +97,11 @@ def _is_postgres(session: AsyncSession) -> bool:
     return session.get_bind().dialect.name == "postgresql"
 
 
-# Built once: every create_queue of a new queue takes one.
+# Built once, keyed by `exclusive`: every create_queue of a new queue takes one.
+_KEY = bindparam("key", type_=BigInteger)
 _XACT_LOCK = {
-    exclusive: select(function(bindparam("key", type_=BigInteger)))
-    for exclusive, function in (
-        (True, func.pg_advisory_xact_lock),
-        (False, func.pg_advisory_xact_lock_shared),
-    )
+    True: select(func.pg_advisory_xact_lock(_KEY)),
+    False: select(func.pg_advisory_xact_lock_shared(_KEY)),
 }
 
 
