@@ -167,3 +167,14 @@ async def test_real_broker_round_trip(settings: Settings) -> None:
     finally:
         await client.delete_vhost(vhost)
         await client.aclose()
+
+
+async def test_real_broker_refusing_our_credentials_is_unavailable(settings: Settings) -> None:
+    """The Authorization header is built once by the client: a wrong password must reach
+    the broker as such and come back as the 503-mapped error that names the credentials."""
+    client = ManagementClient(settings.model_copy(update={"management_password": "not-it"}))
+    try:
+        with pytest.raises(BrokerUnavailable, match=r"refused queuekeeper's credentials \(401\)"):
+            await client.get_vhost("/")
+    finally:
+        await client.aclose()

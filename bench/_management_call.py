@@ -1,0 +1,83 @@
+"""One Management API call: queuekeeper's client against plain `httpx.AsyncClient`, in one run.
+
+Both GET the same queue from the local broker, in alternating blocks of 200, and the CPU of
+this process is read per block (`resource.getrusage`), so the two are compared under the
+same machine speed. Not part of `make bench` (change 23 in docs/benchmarks.md):
+
+    python -m bench._management_call
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from queuekeeper.broker.management import ManagementClient
+from queuekeeper.config import Settings
+
+BLOCK = 200
+BLOCKS = int(os.environ.get("BENCH_BLOCKS", "10"))
+COLUMNS = "name,durable,auto_delete,arguments"
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def _block(call: Callable[[], Awaitable[object]]) -> tuple[float, float]:
+    """(CPU ms per call, wall ms per call) over one block."""
+    cpu, wall = _cpu(), time.perf_counter()
+    for _ in range(BLOCK):
+        await call()
+    return 1000 * (_cpu() - cpu) / BLOCK, 1000 * (time.perf_counter() - wall) / BLOCK
+
+
+async def main() -> None:
+    settings = Settings()
+    queue = f"qk-bench-call-{uuid.uuid4().hex[:8]}"
+    ours = ManagementClient(settings)
+    plain = httpx.AsyncClient(
+        auth=(settings.management_user, settings.management_password),
+        timeout=httpx.Timeout(settings.management_timeout),
+        transport=httpx.AsyncHTTPTransport(retries=1),
+        headers={"content-type": "application/json"},
+    )
+    url = f"{settings.management_urls[0]}/api/queues/%2F/{queue}"
+
+    async def through_ours() -> object:
+        return await ours.get_queue("/", queue)
+
+    async def through_plain() -> object:
+        response = await plain.get(url, params={"columns": COLUMNS})
+        response.raise_for_status()
+        return response.json()
+
+    try:
+        await ours.put_queue("/", queue, arguments={})
+        results: dict[str, list[tuple[float, float]]] = {"ours": [], "plain": []}
+        for call in (through_ours, through_plain):  # warm both connections up
+            await _block(call)
+        for _ in range(BLOCKS):
+            results["ours"].append(await _block(through_ours))
+            results["plain"].append(await _block(through_plain))
+    finally:
+        await ours.delete_queue("/", queue)
+        await ours.aclose()
+        await plain.aclose()
+    print(f"GET one queue, {BLOCKS} blocks of {BLOCK} calls each, medians of the blocks:")
+    for name, label in (("plain", "httpx.AsyncClient"), ("ours", "ManagementClient")):
+        cpu = statistics.median(block[0] for block in results[name])
+        wall = statistics.median(block[1] for block in results[name])
+        print(f"  {label:18s} CPU {cpu:.3f} ms/call, wall {wall:.3f} ms/call")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
