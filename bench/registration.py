@@ -128,7 +128,7 @@ async def _run(base: str, settings: Settings) -> None:
         f"repeat / raw PUT existing: x{against_put:.2f}"
     )
     print(
-        "  against the baselines timed after all calls (as before 2026-11-23 19:00): repeat "
+        "  against the baselines timed after all calls (as before commit b36b1bb): repeat "
         f"x{ratio('create_queue repeat (200)', 'raw PUT + GET, after all'):.2f}, new "
         f"x{ratio('create_queue new (201)', 'raw PUT (new) + GET, after all'):.2f} (information)"
     )
