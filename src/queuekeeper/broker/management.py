@@ -221,8 +221,8 @@ class ManagementClient:
     ) -> httpx.Response:
         """One call through httpx's transport API, read in full. Not `AsyncClient.request`:
         its per-call layers (auth flow, cookie jar, redirects, URL merging) do nothing for a
-        Management API call and cost about 0.5 ms of CPU each time (docs/benchmarks.md,
-        change 23)."""
+        Management API call and cost 0.3-0.5 ms of CPU each time here (`python -m
+        bench._management_call`; docs/benchmarks.md, change 23)."""
         request = httpx.Request(method, url, params=params, json=json, headers=self._headers)
         request.extensions = {"timeout": self._timeout}
         response = await self._transport.handle_async_request(request)
