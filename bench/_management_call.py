@@ -1,7 +1,7 @@
 """One Management API call: queuekeeper's client against plain `httpx.AsyncClient`, in one run.
 
 Both GET the same queue from the local broker, in alternating blocks of 200, and the CPU of
-this process is read per block (`resource.getrusage`), so the two are compared under the
+this process is read per block (`time.process_time`), so the two are compared under the
 same machine speed. Not part of `make bench` (change 23 in docs/benchmarks.md):
 
     python -m bench._management_call
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import resource
 import statistics
 import time
 import uuid
@@ -27,17 +26,12 @@ BLOCKS = int(os.environ.get("BENCH_BLOCKS", "10"))
 COLUMNS = "name,durable,auto_delete,arguments"
 
 
-def _cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 async def _block(call: Callable[[], Awaitable[object]]) -> tuple[float, float]:
     """(CPU ms per call, wall ms per call) over one block."""
-    cpu, wall = _cpu(), time.perf_counter()
+    cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(BLOCK):
         await call()
-    return 1000 * (_cpu() - cpu) / BLOCK, 1000 * (time.perf_counter() - wall) / BLOCK
+    return 1000 * (time.process_time() - cpu) / BLOCK, 1000 * (time.perf_counter() - wall) / BLOCK
 
 
 async def main() -> None:

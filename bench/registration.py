@@ -92,7 +92,7 @@ async def _run(base: str, settings: Settings) -> None:
             # slow spell fell on one side only (readings of the same code spread x2.1-4.5).
             new, repeat, block_new_get, block_put_get = [], [], [], []
             for start in range(0, len(pairs), BLOCK):
-                block = list(enumerate(pairs))[start : start + BLOCK]
+                block = list(enumerate(pairs[start : start + BLOCK], start))
                 new += [await create_queue(o, t, 201) for _, (o, t) in block]
                 block_new_get += [await put_get(f"b{index}") for index, _ in block]
                 repeat += [await create_queue(o, t, 200) for _, (o, t) in block]

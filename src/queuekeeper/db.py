@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import event
+from sqlalchemy import ColumnElement, Table, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import (
+    AsyncConnection,
     AsyncEngine,
     AsyncSession,
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.sql.dml import ReturningInsert
 
 from queuekeeper.config import Settings
 
@@ -52,6 +56,31 @@ def create_engine(settings: Settings, *, pool_size: int | None = None) -> AsyncE
 
 def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
     return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def is_postgres(executor: AsyncSession | AsyncConnection) -> bool:
+    bind = executor if isinstance(executor, AsyncConnection) else executor.get_bind()
+    return bind.dialect.name == "postgresql"
+
+
+@dataclass(frozen=True)
+class InsertIfAbsent:
+    """`INSERT ... ON CONFLICT DO NOTHING RETURNING <column>`, which each of our two dialects
+    spells with its own insert construct. Built once: for a single row, building the
+    statement cost more than running it."""
+
+    postgresql: ReturningInsert[Any]
+    sqlite: ReturningInsert[Any]
+
+    @classmethod
+    def of(cls, table: Table, returning: ColumnElement[Any]) -> InsertIfAbsent:
+        return cls(
+            postgresql.insert(table).on_conflict_do_nothing().returning(returning),
+            sqlite.insert(table).on_conflict_do_nothing().returning(returning),
+        )
+
+    def on(self, executor: AsyncSession | AsyncConnection) -> ReturningInsert[Any]:
+        return self.postgresql if is_postgres(executor) else self.sqlite
 
 
 async def read_without_transaction(session: AsyncSession) -> None:

@@ -19,6 +19,8 @@ from contextlib import asynccontextmanager
 from sqlalchemy import BigInteger, bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
+from queuekeeper.db import is_postgres
+
 # create_subscription holds this shared while a broker user exists without its
 # row; deleting orphan broker users takes it exclusive.
 BROKER_USERS_KEY = "broker-users"
@@ -93,10 +95,6 @@ def _local_locks() -> _KeyedLocks:
     return registry
 
 
-def _is_postgres(session: AsyncSession) -> bool:
-    return session.get_bind().dialect.name == "postgresql"
-
-
 # Built once, keyed by `exclusive`: every create_queue of a new queue takes one.
 _KEY = bindparam("key", type_=BigInteger)
 _XACT_LOCK = {
@@ -113,7 +111,7 @@ async def guard(session: AsyncSession, name: str, *, exclusive: bool) -> AsyncIt
     still open when the block ends is rolled back. Shared holders do not wait for
     each other; an exclusive holder waits for all of them and they for it.
     """
-    if _is_postgres(session):
+    if is_postgres(session):
         try:
             await session.execute(_XACT_LOCK[exclusive], {"key": lock_key(name)})
             yield

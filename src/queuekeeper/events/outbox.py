@@ -28,7 +28,8 @@ from sqlalchemy import (
     update,
 )
 
-from queuekeeper.events.repository import DELIVERIES, EVENTS, Executor, is_postgres
+from queuekeeper.db import is_postgres
+from queuekeeper.events.repository import DELIVERIES, EVENTS, Executor
 from queuekeeper.models import DeliveryState, EventConsumer, EventSubscriptionQueue
 
 PENDING = DeliveryState.PENDING

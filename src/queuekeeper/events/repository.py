@@ -12,9 +12,9 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 from sqlalchemy import Row, Table, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from queuekeeper.db import InsertIfAbsent
 from queuekeeper.models import Base, DeliveryState, Event
 
 EVENTS: Table = Base.metadata.tables["events"]
@@ -23,17 +23,7 @@ DELIVERIES: Table = Base.metadata.tables["deliveries"]
 # The relay runs its statements on autocommit connections, the API in sessions.
 Executor = AsyncSession | AsyncConnection
 
-
-def is_postgres(executor: Executor) -> bool:
-    bind = executor if isinstance(executor, AsyncConnection) else executor.get_bind()
-    return bind.dialect.name == "postgresql"
-
-
-# Built once: constructing the statement cost more than running it for a single event.
-_INSERT_NEW_EVENTS = {
-    "postgresql": postgresql.insert(EVENTS).on_conflict_do_nothing().returning(EVENTS.c.event_id),
-    "sqlite": sqlite.insert(EVENTS).on_conflict_do_nothing().returning(EVENTS.c.event_id),
-}
+_INSERT_NEW_EVENTS = InsertIfAbsent.of(EVENTS, EVENTS.c.event_id)
 
 
 async def insert_new_events(session: Executor, rows: Sequence[dict[str, Any]]) -> set[str]:
@@ -44,8 +34,7 @@ async def insert_new_events(session: Executor, rows: Sequence[dict[str, Any]]) -
     """
     if not rows:
         return set()
-    statement = _INSERT_NEW_EVENTS["postgresql" if is_postgres(session) else "sqlite"]
-    result = await session.execute(statement, list(rows))
+    result = await session.execute(_INSERT_NEW_EVENTS.on(session), list(rows))
     return set(result.scalars())
 
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from sqlalchemy import Select, Table, bindparam, exists, func, or_, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import aliased
 
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
+from queuekeeper.db import InsertIfAbsent
 from queuekeeper.models import (
+    Base,
     EventConsumer,
     EventSubscription,
     EventSubscriptionQueue,
@@ -102,23 +103,20 @@ async def list_owned_queues(
     )
 
 
-def _access_statement(*, lock: bool) -> Select[Any]:
-    query = select(OfferingAccess.user_uuid).where(
-        OfferingAccess.user_uuid == bindparam("user"),
-        OfferingAccess.offering_uuid == bindparam("offering"),
-    )
-    return query.with_for_update(read=True) if lock else query
-
-
 # Built once, like QUEUE_CONTEXT below: a new queue runs the locked one on every call.
-_ACCESS = {lock: _access_statement(lock=lock) for lock in (False, True)}
+_ACCESS = select(OfferingAccess.user_uuid).where(
+    OfferingAccess.user_uuid == bindparam("user"),
+    OfferingAccess.offering_uuid == bindparam("offering"),
+)
+_ACCESS_LOCKED = _ACCESS.with_for_update(read=True)
 
 
 async def has_access(
     session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID, *, lock: bool = False
 ) -> bool:
     parameters = {"user": user_uuid, "offering": offering_uuid}
-    return await session.scalar(_ACCESS[lock], parameters) is not None
+    statement = _ACCESS_LOCKED if lock else _ACCESS
+    return await session.scalar(statement, parameters) is not None
 
 
 async def registered_queue_names(
@@ -137,13 +135,10 @@ async def registered_queue_names(
     return set(rows)
 
 
-_QUEUES = cast(Table, EventSubscriptionQueue.__table__)  # typed as any FromClause
-# Built once per dialect, on the table rather than the mapped class: the ORM's bulk insert
-# path and a statement built per call were a tenth of a new create_queue's CPU (py-spy).
-_INSERT_QUEUE = {
-    "postgresql": postgresql.insert(_QUEUES).on_conflict_do_nothing().returning(_QUEUES.c.uuid),
-    "sqlite": sqlite.insert(_QUEUES).on_conflict_do_nothing().returning(_QUEUES.c.uuid),
-}
+_QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
+# On the table rather than the mapped class: the ORM's bulk insert path and a statement built
+# per call were a tenth of a new create_queue's CPU (py-spy).
+_INSERT_QUEUE = InsertIfAbsent.of(_QUEUES, _QUEUES.c.uuid)
 
 
 async def insert_queue_if_absent(session: AsyncSession, queue: EventSubscriptionQueue) -> bool:
@@ -161,8 +156,7 @@ async def insert_queue_if_absent(session: AsyncSession, queue: EventSubscription
         "vhost": queue.vhost,
         "created": queue.created,
     }
-    statement = _INSERT_QUEUE[session.get_bind().dialect.name]
-    inserted = await session.scalar(statement, values)
+    inserted = await session.scalar(_INSERT_QUEUE.on(session), values)
     return inserted is not None
 
 
