@@ -1,8 +1,10 @@
 """One Management API call: queuekeeper's client against plain `httpx.AsyncClient`, in one run.
 
-Both GET the same queue from the local broker, in alternating blocks of 200, and the CPU of
-this process is read per block (`time.process_time`), so the two are compared under the
-same machine speed. Not part of `make bench` (change 23 in docs/benchmarks.md):
+All GET the same queue from the local broker, in alternating blocks of 200, and the CPU of
+this process is read per block (`time.process_time`), so they are compared under the same
+machine speed: plain `httpx.AsyncClient`, `ManagementClient` on httpx's own transport
+(httpcore; until change 25) and `ManagementClient` as it is (aiohttp underneath). Not part
+of `make bench` (changes 23 and 25 in docs/benchmarks.md):
 
     python -m bench._management_call
 """
@@ -38,6 +40,7 @@ async def main() -> None:
     settings = Settings()
     queue = f"qk-bench-call-{uuid.uuid4().hex[:8]}"
     ours = ManagementClient(settings)
+    on_httpcore = ManagementClient(settings, transport=httpx.AsyncHTTPTransport(retries=1))
     plain = httpx.AsyncClient(
         auth=(settings.management_user, settings.management_password),
         timeout=httpx.Timeout(settings.management_timeout),
@@ -49,6 +52,9 @@ async def main() -> None:
     async def through_ours() -> object:
         return await ours.get_queue("/", queue)
 
+    async def through_httpcore() -> object:
+        return await on_httpcore.get_queue("/", queue)
+
     async def through_plain() -> object:
         response = await plain.get(url, params={"columns": COLUMNS})
         response.raise_for_status()
@@ -56,21 +62,28 @@ async def main() -> None:
 
     try:
         await ours.put_queue("/", queue, arguments={})
-        results: dict[str, list[tuple[float, float]]] = {"ours": [], "plain": []}
-        for call in (through_ours, through_plain):  # warm both connections up
+        calls = {"ours": through_ours, "httpcore": through_httpcore, "plain": through_plain}
+        results: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+        for call in calls.values():  # warm every connection up
             await _block(call)
         for _ in range(BLOCKS):
-            results["ours"].append(await _block(through_ours))
-            results["plain"].append(await _block(through_plain))
+            for name, call in calls.items():
+                results[name].append(await _block(call))
     finally:
         await ours.delete_queue("/", queue)
         await ours.aclose()
+        await on_httpcore.aclose()
         await plain.aclose()
     print(f"GET one queue, {BLOCKS} blocks of {BLOCK} calls each, medians of the blocks:")
-    for name, label in (("plain", "httpx.AsyncClient"), ("ours", "ManagementClient")):
+    labels = {
+        "plain": "httpx.AsyncClient",
+        "httpcore": "ManagementClient, httpcore",
+        "ours": "ManagementClient",
+    }
+    for name, label in labels.items():
         cpu = statistics.median(block[0] for block in results[name])
         wall = statistics.median(block[1] for block in results[name])
-        print(f"  {label:18s} CPU {cpu:.3f} ms/call, wall {wall:.3f} ms/call")
+        print(f"  {label:26s} CPU {cpu:.3f} ms/call, wall {wall:.3f} ms/call")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import respx.mocks
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 from sqlalchemy import text
@@ -30,6 +31,10 @@ from queuekeeper.logging import QueuekeeperHandler
 from queuekeeper.models import Base
 from tests.brokers import BROKER, BrokerAddresses
 from tests.helpers import Backend, Operator
+from tests.respx_aiohttp import AiohttpTransportMocker
+
+# `respx.mock` intercepts the Management API client's transport (tests/respx_aiohttp.py).
+respx.mocks.DEFAULT_MOCKER = AiohttpTransportMocker.name
 
 PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 TEST_DB = os.environ.get("QK_TEST_DB", "postgresql")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import httpx
 import pytest
 import respx
@@ -22,10 +24,12 @@ BASE = "http://mgmt.test:15672/api"
 
 
 @pytest.fixture
-async def fake() -> ManagementClient:
-    return ManagementClient(
+async def fake() -> AsyncIterator[ManagementClient]:
+    client = ManagementClient(
         Settings(management_url="http://mgmt.test:15672", management_timeout=0.5)
     )
+    yield client
+    await client.aclose()
 
 
 async def test_not_found_tells_vhost_from_object(fake: ManagementClient) -> None:

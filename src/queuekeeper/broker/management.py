@@ -17,6 +17,7 @@ from urllib.parse import quote
 
 import httpx
 import structlog
+from httpx_aiohttp import AiohttpTransport
 
 from queuekeeper.broker.nodes import NodeList
 from queuekeeper.broker.passwords import HASHING_ALGORITHM
@@ -199,10 +200,11 @@ class ManagementClient:
         observer: CallObserver | None = None,
     ) -> None:
         self._observer = observer
-        # retries=1 re-tries only a failed *connect*: nothing was sent, so it is safe for any call.
-        self._transport = transport or httpx.AsyncHTTPTransport(
-            retries=1, verify=_ssl_context(settings)
-        )
+        # aiohttp underneath, httpx's types on top: the same requests, responses and
+        # exceptions as httpx's own transport (httpcore), for 0.7 ms of CPU less per call
+        # (change 25 in docs/benchmarks.md). It makes no connect retry of its own: `_request`
+        # retries every transport error, on this node or the next.
+        self._transport = transport or AiohttpTransport(verify=_ssl_context(settings))
         self._nodes = NodeList(
             "management", settings.management_urls, settings.broker_node_retry_seconds
         )
