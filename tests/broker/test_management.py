@@ -151,6 +151,21 @@ async def test_answers_are_parsed_into_typed_records(fake: ManagementClient) -> 
     assert page.items[1].messages is None
 
 
+async def test_statistics_are_skipped_only_when_no_column_needs_them(
+    fake: ManagementClient,
+) -> None:
+    """`disable_stats` makes the broker leave out `messages` and `consumers`: sent with them,
+    reconcile's idle check would read every queue as "not computed yet"."""
+    with respx.mock:
+        route = respx.get(f"{BASE}/queues/v/q").respond(200, json={"name": "q"})
+        await fake.get_queue("v", "q")
+        await fake.get_queue("v", "q", columns="name,messages,consumers")
+    definition, statistics = (call.request.url.params for call in route.calls)
+    assert definition["disable_stats"] == "true"
+    assert "disable_stats" not in statistics
+    assert statistics["columns"] == "name,messages,consumers"
+
+
 async def test_real_broker_round_trip(settings: Settings) -> None:
     client = ManagementClient(settings)
     vhost = f"{settings.instance_name}-roundtrip"

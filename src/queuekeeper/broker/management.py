@@ -187,6 +187,14 @@ def _ssl_context(settings: Settings) -> ssl.SSLContext | bool:
     return context
 
 
+# A queue's fields that the broker answers without computing its statistics. A GET that asks
+# for these alone says `disable_stats`, which the broker then skips: 0.85 -> 0.65 ms of its
+# CPU per call, measured on this machine (change 26 in docs/benchmarks.md).
+_DEFINITION_COLUMNS = frozenset(
+    {"name", "vhost", "durable", "auto_delete", "exclusive", "arguments", "type", "node", "state"}
+)
+
+
 def _basic_auth(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
 
@@ -425,7 +433,10 @@ class ManagementClient:
     async def get_queue(
         self, vhost: str, name: str, columns: str = "name,durable,auto_delete,arguments"
     ) -> QueueInfo | None:
-        body = await self._get_or_none(f"/queues/{_q(vhost)}/{_q(name)}", "queue", columns=columns)
+        params = {"columns": columns}
+        if _DEFINITION_COLUMNS.issuperset(columns.split(",")):
+            params["disable_stats"] = "true"
+        body = await self._get_or_none(f"/queues/{_q(vhost)}/{_q(name)}", "queue", **params)
         return QueueInfo.parse(body, vhost) if body is not None else None
 
     async def delete_queue(
