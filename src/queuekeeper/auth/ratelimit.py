@@ -9,8 +9,8 @@ The sliding window counter keeps two counters per token and limit: the current w
 and the previous one's, weighted by how much of it still overlaps the last period. The
 moving window it replaced kept one entry per call (600 per token at the default limit),
 and its in-memory store trimmed them in a task that hopped to a worker thread for every
-token it held, after every call: 0.5-1 ms of CPU per registration call with one agent
-(change 27 in docs/benchmarks.md), more with many.
+token it held, after every call: 0.35-0.6 ms of CPU per repeat create_queue with one
+agent (change 27 in docs/benchmarks.md), and more with every token it holds.
 """
 
 from __future__ import annotations
