@@ -19,6 +19,7 @@ from queuekeeper.broker.management import (
     VhostInfo,
 )
 from queuekeeper.config import Settings
+from tests.proxy import closed_port
 
 BASE = "http://mgmt.test:15672/api"
 
@@ -186,6 +187,20 @@ async def test_real_broker_round_trip(settings: Settings) -> None:
     finally:
         await client.delete_vhost(vhost)
         await client.aclose()
+
+
+async def test_a_refused_connection_is_named_as_such(settings: Settings) -> None:
+    """The transport maps aiohttp's errors onto httpx's coarsely (a refused connection
+    arrives as `ConnectTimeout`); the 503 and the logs must name what really happened."""
+    closed = settings.model_copy(update={"management_url": f"http://127.0.0.1:{closed_port()}"})
+    client = ManagementClient(closed)
+    try:
+        with pytest.raises(BrokerUnavailable) as raised:
+            await client.list_vhosts()
+    finally:
+        await client.aclose()
+    assert "unreachable (ClientConnectorError: Cannot connect to host" in str(raised.value)
+    assert "Timeout" not in str(raised.value)
 
 
 async def test_real_broker_refusing_our_credentials_is_unavailable(settings: Settings) -> None:

@@ -195,6 +195,14 @@ _DEFINITION_COLUMNS = frozenset(
 )
 
 
+def _describe(exc: httpx.TransportError) -> str:
+    """The error as an operator should read it: named by aiohttp's own exception, which the
+    transport maps onto httpx's coarsely (a refused connection or a certificate that fails
+    verification arrives as `ConnectTimeout`)."""
+    cause = exc.__cause__ or exc
+    return f"{type(cause).__name__}: {exc}"
+
+
 def _basic_auth(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
 
@@ -263,12 +271,11 @@ class ManagementClient:
                 response = await self._send(method, f"{node}/api{path}", json=json, params=params)
             except httpx.TransportError as exc:
                 self._observe(kind, "error", started)
-                self._nodes.failed(node, f"{type(exc).__name__}: {exc}")
+                self._nodes.failed(node, _describe(exc))
                 if attempt + 1 < tries:
                     continue
                 raise BrokerUnavailable(
-                    f"RabbitMQ Management API unreachable ({type(exc).__name__}: {exc})",
-                    path=path,
+                    f"RabbitMQ Management API unreachable ({_describe(exc)})", path=path
                 ) from exc
             self._observe(kind, str(response.status_code), started)
             if response.status_code >= 500:
