@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
@@ -201,6 +202,30 @@ async def test_a_refused_connection_is_named_as_such(settings: Settings) -> None
         await client.aclose()
     assert "unreachable (ClientConnectorError: Cannot connect to host" in str(raised.value)
     assert "Timeout" not in str(raised.value)
+
+
+async def test_a_node_answering_what_is_not_http_is_unavailable(settings: Settings) -> None:
+    """A peer that is not the Management API (a wrong port, a broken proxy) must be a 503 and
+    the next node, like any transport error, not an exception the caller does not expect."""
+
+    async def not_http(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1024)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(not_http, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = ManagementClient(
+        settings.model_copy(update={"management_url": f"http://127.0.0.1:{port}"})
+    )
+    try:
+        with pytest.raises(BrokerUnavailable, match=r"unreachable \(ClientResponseError: "):
+            await client.list_vhosts()
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_real_broker_refusing_our_credentials_is_unavailable(settings: Settings) -> None:

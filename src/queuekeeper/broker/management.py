@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
+import aiohttp
 import httpx
 import structlog
 from httpx_aiohttp import AiohttpTransport
@@ -195,12 +196,12 @@ _DEFINITION_COLUMNS = frozenset(
 )
 
 
-def _describe(exc: httpx.TransportError) -> str:
+def _describe(exc: Exception) -> str:
     """The error as an operator should read it: named by aiohttp's own exception, which the
     transport maps onto httpx's coarsely (a refused connection or a certificate that fails
     verification arrives as `ConnectTimeout`)."""
-    cause = exc.__cause__ or exc
-    return f"{type(cause).__name__}: {exc}"
+    named = exc.__cause__ if isinstance(exc, httpx.TransportError) and exc.__cause__ else exc
+    return f"{type(named).__name__}: {exc}"
 
 
 def _basic_auth(user: str, password: str) -> str:
@@ -269,7 +270,9 @@ class ManagementClient:
             started = time.perf_counter()
             try:
                 response = await self._send(method, f"{node}/api{path}", json=json, params=params)
-            except httpx.TransportError as exc:
+            except (httpx.TransportError, aiohttp.ClientError) as exc:
+                # aiohttp's errors that the transport does not map onto httpx's arrive as
+                # they are: an answer that is not HTTP (ClientResponseError), say.
                 self._observe(kind, "error", started)
                 self._nodes.failed(node, _describe(exc))
                 if attempt + 1 < tries:
