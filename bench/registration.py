@@ -30,7 +30,7 @@ from queuekeeper.broker import topology
 from queuekeeper.config import Settings
 from queuekeeper.events.payloads import OBJECT_TYPES
 
-OFFERINGS = 20  # x 10 object types = 200 queues
+OFFERINGS = 20  # x every object type (OBJECT_TYPES): 280 queues
 BLOCK = 20
 
 

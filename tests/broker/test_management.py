@@ -166,6 +166,14 @@ async def test_statistics_are_skipped_only_when_no_column_needs_them(
     assert definition["disable_stats"] == "true"
     assert "disable_stats" not in statistics
     assert statistics["columns"] == "name,messages,consumers"
+    # A page of them follows the same rule (reconcile's listing, the operator's view).
+    with respx.mock:
+        pages = respx.get(f"{BASE}/queues/v").respond(200, json={"items": [], "page_count": 0})
+        await fake.list_queues_page("v", page=1, page_size=10, columns="name,arguments")
+        await fake.list_queues_page("v", page=1, page_size=10)
+    definition, statistics = (call.request.url.params for call in pages.calls)
+    assert definition["disable_stats"] == "true"
+    assert "disable_stats" not in statistics
 
 
 async def test_real_broker_round_trip(settings: Settings) -> None:

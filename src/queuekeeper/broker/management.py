@@ -188,20 +188,26 @@ def _ssl_context(settings: Settings) -> ssl.SSLContext | bool:
     return context
 
 
-# A queue's fields that the broker answers without computing its statistics. A GET that asks
-# for these alone says `disable_stats`, which the broker then skips: 0.85 -> 0.65 ms of its
-# CPU per call, measured on this machine (change 26 in docs/benchmarks.md).
+# A queue's fields that the broker answers without computing its statistics.
 _DEFINITION_COLUMNS = frozenset(
     {"name", "vhost", "durable", "auto_delete", "exclusive", "arguments", "type", "node", "state"}
 )
 
 
-def _describe(exc: Exception) -> str:
+def _queue_columns(columns: str) -> dict[str, str]:
+    """The query for `columns` of a queue or a page of them. Asking for none of its statistics,
+    it says `disable_stats` and the broker skips computing them: 0.85 -> 0.65 ms of its CPU
+    for one queue, measured on this machine (change 26 in docs/benchmarks.md)."""
+    if _DEFINITION_COLUMNS.issuperset(columns.split(",")):
+        return {"columns": columns, "disable_stats": "true"}
+    return {"columns": columns}
+
+
+def _describe(exc: httpx.TransportError) -> str:
     """The error as an operator should read it: named by aiohttp's own exception, which the
     transport maps onto httpx's coarsely (a refused connection or a certificate that fails
     verification arrives as `ConnectTimeout`)."""
-    named = exc.__cause__ if isinstance(exc, httpx.TransportError) and exc.__cause__ else exc
-    return f"{type(named).__name__}: {exc}"
+    return f"{type(exc.__cause__ or exc).__name__}: {exc}"
 
 
 def _basic_auth(user: str, password: str) -> str:
@@ -244,11 +250,16 @@ class ManagementClient:
         bench._management_call`; docs/benchmarks.md, change 23)."""
         request = httpx.Request(method, url, params=params, json=json, headers=self._headers)
         request.extensions = {"timeout": self._timeout}
-        response = await self._transport.handle_async_request(request)
         try:
-            await response.aread()
-        finally:
-            await response.aclose()
+            response = await self._transport.handle_async_request(request)
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+        except aiohttp.ClientError as exc:
+            # The transport maps only some of aiohttp's errors onto httpx's: an answer that is
+            # not HTTP arrives as ClientResponseError. Every failure of the call is httpx's.
+            raise httpx.TransportError(str(exc), request=request) from exc
         return response
 
     async def _request(
@@ -270,9 +281,7 @@ class ManagementClient:
             started = time.perf_counter()
             try:
                 response = await self._send(method, f"{node}/api{path}", json=json, params=params)
-            except (httpx.TransportError, aiohttp.ClientError) as exc:
-                # aiohttp's errors that the transport does not map onto httpx's arrive as
-                # they are: an answer that is not HTTP (ClientResponseError), say.
+            except httpx.TransportError as exc:
                 self._observe(kind, "error", started)
                 self._nodes.failed(node, _describe(exc))
                 if attempt + 1 < tries:
@@ -443,10 +452,8 @@ class ManagementClient:
     async def get_queue(
         self, vhost: str, name: str, columns: str = "name,durable,auto_delete,arguments"
     ) -> QueueInfo | None:
-        params = {"columns": columns}
-        if _DEFINITION_COLUMNS.issuperset(columns.split(",")):
-            params["disable_stats"] = "true"
-        body = await self._get_or_none(f"/queues/{_q(vhost)}/{_q(name)}", "queue", **params)
+        path = f"/queues/{_q(vhost)}/{_q(name)}"
+        body = await self._get_or_none(path, "queue", **_queue_columns(columns))
         return QueueInfo.parse(body, vhost) if body is not None else None
 
     async def delete_queue(
@@ -473,28 +480,23 @@ class ManagementClient:
         columns: str = "name,arguments,durable,auto_delete,messages,consumers",
         name_prefix: str | None = None,
         sort: str | None = None,
-        disable_stats: bool = False,
     ) -> QueuePage:
         """One page of a vhost's queues.
 
         A page past the end (the vhost shrank between two calls) comes back empty
         with `page_count` one less, as the broker answers 400 for it.
-        `disable_stats` skips the statistics the broker would otherwise compute for
-        every queue: use it when `columns` names none.
         """
         params: dict[str, Any] = {
             "page": page,
             "page_size": page_size,
-            "columns": columns,
             "pagination": "true",
+            **_queue_columns(columns),
         }
         if name_prefix:
             params["name"] = f"^{name_prefix}"
             params["use_regex"] = "true"
         if sort:
             params["sort"] = sort
-        if disable_stats:
-            params["disable_stats"] = "true"
         path = f"/queues/{_q(vhost)}"
         try:
             response = await self._request("GET", path, "queue_list", params=params)

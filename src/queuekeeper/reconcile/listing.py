@@ -74,8 +74,6 @@ async def _broker_pages(
             page_size=page_size,
             columns=columns,
             sort="name",
-            # No statistics asked for: let the broker skip computing them.
-            disable_stats="messages" not in columns and "consumers" not in columns,
         )
         entries = [
             item
