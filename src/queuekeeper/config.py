@@ -200,7 +200,10 @@ class Settings(BaseSettings):
         default=10_000, ge=1, description="`x-max-length` of every registered queue."
     )
     queue_overflow: str = Field(
-        default="reject-publish-dlx", description="`x-overflow` of every registered queue."
+        default="reject-publish-dlx",
+        description="`x-overflow` of every registered classic queue. Under `reject-publish-dlx` "
+        "a full queue dead-letters what it nacks and the copy ends `rejected`; under "
+        "`reject-publish` nothing is kept and the nacked copy is retried with backoff.",
     )
     dead_letter_exchange: str = Field(
         default="",

@@ -6,6 +6,7 @@ import asyncio
 import json
 import uuid
 from datetime import UTC, datetime
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ from queuekeeper.state import AppState
 from tests.events.support import (
     drain,
     event_detail,
+    on_queue_process,
     order_event,
     post_batch,
     post_event,
@@ -160,6 +162,70 @@ async def test_a_full_queue_rejects_and_the_broker_dead_letters(
     assert [m.message_id for m in await drain(registered.vhost, registered.queue_name)] == [
         "full-0"
     ]
+
+
+async def _published(client: httpx.AsyncClient, event_id: str) -> dict[str, Any]:
+    """The event's one copy once it is published; fails if it settles otherwise or never."""
+    deadline = asyncio.get_running_loop().time() + 15
+    while True:
+        (copy,) = (await event_detail(client, event_id))["deliveries"]
+        assert copy["state"] in ("pending", "published"), copy
+        if copy["state"] == "published":
+            return cast(dict[str, Any], copy)
+        assert asyncio.get_running_loop().time() < deadline, copy
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.settings(relay_backoff_base=0.2)
+async def test_a_nack_from_a_queue_whose_process_failed_is_retried_not_lost(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """RabbitMQ nacks a publish whose queue process dies under it (as when the queue's node
+    is killed) just as it nacks one that a full queue dead-letters; this one went nowhere."""
+    registered = await register(backend)
+    nacked_before = DELIVERIES.labels(outcome="nacked")._value.get()
+    await on_queue_process(registered.vhost, registered.queue_name, "sys:suspend(P)")
+    response = await post_event(client, order_event(registered.offering, event_id="crash-1"))
+    assert response.status_code == 202, response.text
+    await asyncio.sleep(1)  # the relay's publish now waits for the stalled queue's confirm
+    await on_queue_process(registered.vhost, registered.queue_name, "exit(P, kill)")
+
+    copy = await _published(client, "crash-1")
+    assert copy["attempts"] >= 2
+    assert "nacked by the broker while the queue was not full" in copy["last_error"]
+    assert DELIVERIES.labels(outcome="nacked")._value.get() > nacked_before
+    received = await drain(registered.vhost, registered.queue_name)
+    assert [m.message_id for m in received] == ["crash-1"]
+    assert await drain(registered.vhost, "waldur.dlq.messages") == []
+
+
+@pytest.mark.settings(queue_max_length=1, queue_overflow="reject-publish", relay_backoff_base=0.2)
+async def test_a_full_queue_that_dead_letters_nothing_keeps_the_copy_until_there_is_room(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    events = [order_event(registered.offering, event_id=f"keep-{n}") for n in range(2)]
+    response = await post_batch(client, events)
+    assert response.status_code == 202, response.text
+    assert (await _published(client, "keep-0"))["attempts"] == 1
+    deadline = asyncio.get_running_loop().time() + 15
+    while not (copy := (await event_detail(client, "keep-1"))["deliveries"][0])["last_error"]:
+        assert asyncio.get_running_loop().time() < deadline, copy
+        await asyncio.sleep(0.05)
+    assert copy["state"] == "pending"
+    assert (
+        "queue is full (x-overflow reject-publish: nothing was dead-lettered)" in copy["last_error"]
+    )
+
+    # The agent consumes; a later attempt gets in. Nothing went to the dead-letter queue.
+    assert [m.message_id for m in await drain(registered.vhost, registered.queue_name)] == [
+        "keep-0"
+    ]
+    await _published(client, "keep-1")
+    assert [m.message_id for m in await drain(registered.vhost, registered.queue_name)] == [
+        "keep-1"
+    ]
+    assert await drain(registered.vhost, "waldur.dlq.messages") == []
 
 
 @pytest.mark.settings(relay_enabled=False, events_wait_timeout=0.3)

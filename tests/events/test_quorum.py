@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.publisher import AmqpPublisher
-from queuekeeper.events.relay import QUORUM_FULL, Relay
+from queuekeeper.events.relay import Relay
 from queuekeeper.state import AppState
 from tests.events.support import drain, event_detail, order_event, post_event, register
 from tests.helpers import Backend
@@ -55,7 +55,7 @@ async def test_quorum_queues_and_their_dead_letter_queue_are_declared_and_read_b
 
 
 def _full_count() -> float:
-    return REGISTRY.get_sample_value("queuekeeper_deliveries_total", {"outcome": "queue_full"}) or 0
+    return REGISTRY.get_sample_value("queuekeeper_deliveries_total", {"outcome": "nacked"}) or 0
 
 
 @pytest.mark.settings(queue_type="quorum", relay_enabled=False, queue_max_length=1)
@@ -83,7 +83,10 @@ async def test_a_full_quorum_queue_nack_is_retried_with_backoff_then_published(
         full = [copy for copy in copies if copy["state"] == "pending"]
         assert full, copies
         assert {copy["state"] for copy in copies} == {"published", "pending"}
-        assert {copy["last_error"] for copy in full} == {QUORUM_FULL}
+        assert {copy["last_error"] for copy in full} == {
+            "nacked by the broker: the queue is full (x-overflow reject-publish: nothing was "
+            "dead-lettered) or its process failed; retrying with backoff"
+        }
         assert {copy["attempts"] for copy in full} == {1}
         assert _full_count() == before + len(full)
 

@@ -13,6 +13,11 @@ MAX_CHANNELS_PER_CONNECTION; past that, any channel without that `message_id`
 in flight), and one channel per queue also keeps each queue's messages in the
 order they were published.
 
+What a nack means is decided here, once per queue after the batch's confirms are in
+(`_judge_nacks`): RabbitMQ nacks both a publish a full queue refuses and one whose
+queue process failed under it (its node killed), and only the first, under
+`reject-publish-dlx`, leaves a copy in the dead-letter queue.
+
 Reconnects are our own, not aio-pika's robust connection: a publish that fails
 because the connection dropped is reported as `UNREACHABLE`, the outbox relay
 retries it later, and the next use of the vhost opens a fresh connection, on the
@@ -47,6 +52,7 @@ from queuekeeper.broker.amqp import (
     vhost_url,
 )
 from queuekeeper.broker.nodes import NodeList, node_label
+from queuekeeper.broker.topology import DEAD_LETTERING_OVERFLOW, queue_arguments
 from queuekeeper.config import Settings
 from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS, CONFIRM_LATENCY
 
@@ -58,9 +64,13 @@ MAX_CHANNELS_PER_CONNECTION = 64
 
 class Outcome(enum.Enum):
     CONFIRMED = "confirmed"
-    # basic.nack: with `x-overflow: reject-publish-dlx` the queue is full and the
-    # broker has dead-lettered the message.
+    # basic.nack from a queue that dead-letters what overflows (`reject-publish-dlx`), seen
+    # full after the nack: the broker has dead-lettered the message.
     REJECTED = "rejected"
+    # basic.nack that left no copy anywhere: a full queue under `reject-publish` (every
+    # quorum queue), or a queue that was not full, so its process failed under the publish
+    # (its node lost). To be published again.
+    REFUSED = "refused"
     # basic.return: nothing routed it, i.e. the queue does not exist.
     RETURNED = "returned"
     # The vhost refused the connection (missing vhost or permissions).
@@ -156,6 +166,26 @@ class _VhostConnection:
             finally:
                 self.waiting -= 1
 
+    async def ready_messages(self, queue: str, declare_timeout: float) -> int | None:
+        """The queue's ready messages now, by a passive declare on a channel of its own (a
+        missing or unavailable queue closes that channel, not one with publishes in flight);
+        None when the queue cannot be read: gone, or its node down."""
+        connection = self.connection
+        if connection is None or self.broken:
+            return None
+        channel: AbstractChannel | None = None
+        try:
+            channel = await connection.channel(publisher_confirms=False)
+            declared = await channel.declare_queue(queue, passive=True, timeout=declare_timeout)
+            return declared.declaration_result.message_count
+        except CONNECT_ERRORS as exc:
+            log.info("queue_not_readable", vhost=self.vhost, queue=queue, error=describe(exc))
+            return None
+        finally:
+            if channel is not None and not channel.is_closed:
+                with contextlib.suppress(*CONNECT_ERRORS):
+                    await channel.close()
+
     async def release(self, channel: _Channel, message_id: str) -> None:
         channel.in_flight.discard(message_id)
         if self.waiting:
@@ -203,6 +233,8 @@ class AmqpPublisher:
         try:
             async with self._use(vhost) as entry:
                 results = await asyncio.gather(*(self._publish_one(entry, item) for item in items))
+                if any(result.outcome is Outcome.REFUSED for result in results):
+                    results = await self._judge_nacks(entry, items, results)
         except CONNECT_ERRORS as exc:
             if vhost_refused(exc):
                 return [Result(Outcome.VHOST_REFUSED, describe(exc))] * len(items)
@@ -229,11 +261,7 @@ class AmqpPublisher:
             reply = getattr(exc.frame, "reply_text", "")
             return Result(Outcome.RETURNED, f"returned by the broker as unroutable ({reply})")
         except DeliveryError:
-            return Result(
-                Outcome.REJECTED,
-                "nacked by the broker: the queue is full (x-overflow reject-publish-dlx), "
-                "the message went to the dead-letter queue",
-            )
+            return Result(Outcome.REFUSED, "nacked by the broker")  # judged in _judge_nacks
         except TimeoutError:
             return Result(
                 Outcome.UNREACHABLE,
@@ -245,6 +273,58 @@ class AmqpPublisher:
             await entry.release(channel, message_id)
         CONFIRM_LATENCY.observe(time.perf_counter() - started)
         return Result(Outcome.CONFIRMED)
+
+    async def _judge_nacks(
+        self, entry: _VhostConnection, items: Sequence[Outgoing], results: Sequence[Result]
+    ) -> list[Result]:
+        """Each nack as dead-lettered (`REJECTED`) or refused with no copy kept (`REFUSED`),
+        looking at each nacked queue once."""
+        nacked = list(
+            {
+                item.routing_key
+                for item, result in zip(items, results, strict=True)
+                if result.outcome is Outcome.REFUSED
+            }
+        )
+        verdicts = dict(
+            zip(
+                nacked,
+                await asyncio.gather(*(self._nack_verdict(entry, queue) for queue in nacked)),
+                strict=True,
+            )
+        )
+        return [
+            verdicts[item.routing_key] if result.outcome is Outcome.REFUSED else result
+            for item, result in zip(items, results, strict=True)
+        ]
+
+    async def _nack_verdict(self, entry: _VhostConnection, queue: str) -> Result:
+        arguments = queue_arguments(self.settings)
+        overflow = arguments["x-overflow"]
+        if overflow != DEAD_LETTERING_OVERFLOW:
+            return Result(
+                Outcome.REFUSED,
+                f"nacked by the broker: the queue is full (x-overflow {overflow}: nothing was "
+                "dead-lettered) or its process failed; retrying with backoff",
+            )
+        # A queue that just nacked for being full still holds its limit of ready messages,
+        # unless its consumer took one since; then the copy is published again and may also
+        # sit in the dead-letter queue: a duplicate, where reading it as full could lose it.
+        limit = arguments["x-max-length"]
+        ready = await entry.ready_messages(queue, self.settings.publish_timeout)
+        if ready is not None and ready >= limit:
+            return Result(
+                Outcome.REJECTED,
+                f"nacked by the broker: the queue is full (x-overflow {overflow}, {ready} of "
+                f"{limit} messages ready), the message went to the dead-letter queue",
+            )
+        seen = "could not be read" if ready is None else f"held {ready} of {limit} messages"
+        return Result(
+            Outcome.REFUSED,
+            f"nacked by the broker while the queue was not full (it {seen}): its process "
+            "failed under the publish (a node lost?), nothing was dead-lettered; retrying "
+            "with backoff",
+        )
 
     @asynccontextmanager
     async def _use(self, vhost: str) -> AsyncIterator[_VhostConnection]:

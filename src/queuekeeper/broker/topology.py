@@ -124,6 +124,8 @@ SERVICE_PERMISSIONS = Permissions(configure=EVERYTHING, write=EVERYTHING, read=E
 
 
 QUEUE_TYPE = "x-queue-type"
+# The one `x-overflow` under which a full queue dead-letters the publishes it nacks.
+DEAD_LETTERING_OVERFLOW = "reject-publish-dlx"
 CLASSIC = "classic"
 QUORUM = "quorum"
 

@@ -8,8 +8,10 @@ the work through the claim in `outbox.claim`.
 
 What happens to a copy, by the broker's answer:
 - confirmed → `published`;
-- nack (queue full under `reject-publish-dlx`; the broker dead-lettered it) → `rejected`;
-  on quorum queues (`reject-publish`: nothing was dead-lettered) → retried with backoff;
+- nack of a full queue under `reject-publish-dlx` (the broker dead-lettered it) → `rejected`;
+  any other nack (a full queue under `reject-publish`, as every quorum queue is, or a
+  queue whose process failed: nothing was kept; the publisher tells them apart) → retried
+  with backoff;
 - returned as unroutable, or the vhost refused us → the queue is declared again
   through the Management API and the copy retried at once;
 - broker unreachable or no confirm in time → retried after a capped, jittered
@@ -40,7 +42,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
 from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing, Result
-from queuekeeper.broker.topology import QUORUM
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
 from queuekeeper.db import listen
@@ -63,10 +64,6 @@ STOP_GRACE = 5.0  # seconds a stopping relay lets a batch in flight finish
 QUEUE_GONE = (
     "its queue is no longer registered (access revoked, or the queue, subscription, "
     "consumer, owner or offering deleted); not published"
-)
-QUORUM_FULL = (
-    "nacked by the broker: the quorum queue is full (x-overflow reject-publish, nothing was "
-    "dead-lettered); retrying with backoff"
 )
 # A queue re-declared after a return is retried at once this many times, then with backoff.
 IMMEDIATE_RETRIES = 3
@@ -360,10 +357,9 @@ class Relay:
             if result.outcome is Outcome.CONFIRMED:
                 settlement.published.append(item.id)
                 settlement.published_to_consumers += item.consumer_uuid is not None
-            elif result.outcome is Outcome.REJECTED and self.settings.queue_type == QUORUM:
-                # A quorum queue's `reject-publish` dead-letters nothing: keep the copy.
-                DELIVERIES.labels(outcome="queue_full").inc()
-                self._retry_later(settlement, item, QUORUM_FULL)
+            elif result.outcome is Outcome.REFUSED:
+                DELIVERIES.labels(outcome="nacked").inc()
+                self._retry_later(settlement, item, result.error or "nacked by the broker")
             elif result.outcome is Outcome.REJECTED:
                 settlement.rejected[result.error or "rejected"].append(item.id)
             elif result.outcome in (Outcome.RETURNED, Outcome.VHOST_REFUSED):

@@ -44,8 +44,8 @@ SKIPPED_UNREGISTERED = Counter(
 )
 DELIVERIES = Counter(
     "queuekeeper_deliveries_total",
-    "Delivery attempts by outcome: published, rejected (classic queue full: dead-lettered), "
-    "queue_full (quorum queue full: retried), returned (unroutable), retried, given_up.",
+    "Delivery attempts by outcome: published, rejected (queue full: dead-lettered), "
+    "nacked (nothing dead-lettered: retried), returned (unroutable), retried, given_up.",
     ["outcome"],
 )
 # multiprocess_mode says how workers' values combine under PROMETHEUS_MULTIPROC_DIR
