@@ -135,7 +135,7 @@ def build_state(settings: Settings) -> AppState:
         management=management,
         provisioner=provisioner,
         # Opens nothing until used; readiness probes the broker through it.
-        publisher=AmqpPublisher(settings),
+        publisher=AmqpPublisher(settings, management),
         jobs=JobRunner(context, JOBS),
         intake=Intake(engine, sessions, settings, signals),
         signals=signals,

@@ -8,14 +8,17 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any, cast
 
+import aio_pika
 import httpx
 import pytest
 from fastapi import FastAPI
 
 from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.topology import queue_arguments
 from queuekeeper.events.relay import Relay
 from queuekeeper.observability.metrics import DELIVERIES
 from queuekeeper.state import AppState
+from tests.brokers import BROKER
 from tests.events.support import (
     drain,
     event_detail,
@@ -226,6 +229,33 @@ async def test_a_full_queue_that_dead_letters_nothing_keeps_the_copy_until_there
         "keep-1"
     ]
     assert await drain(registered.vhost, "waldur.dlq.messages") == []
+
+
+@pytest.mark.settings(queue_max_length=10, events_wait_timeout=5)
+async def test_a_full_queue_is_judged_by_its_own_limit_not_the_configured_one(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """Raising `queue_max_length` leaves a queue that holds messages on its old limit
+    (reconcile repairs only empty ones); when it is full, its nacks are dead letters."""
+    registered = await register(backend)
+    state: AppState = app.state.queuekeeper
+    older = {**queue_arguments(state.settings), "x-max-length": 1}
+    connection = await aio_pika.connect(BROKER.amqp_url(registered.vhost))
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(registered.queue_name)
+        await channel.declare_queue(registered.queue_name, durable=True, arguments=older)
+
+    events = [order_event(registered.offering, event_id=f"old-{n}") for n in range(2)]
+    response = await post_batch(client, events, wait=True)
+    assert [a["deliveries"][0]["state"] for a in response.json()["events"]] == [
+        "published",
+        "rejected",
+    ]
+    detail = await event_detail(client, "old-1")
+    assert "1 of 1 messages ready" in detail["deliveries"][0]["last_error"]
+    (dead,) = await drain(registered.vhost, "waldur.dlq.messages")
+    assert dead.message_id == "old-1"
 
 
 @pytest.mark.settings(relay_enabled=False, events_wait_timeout=0.3)

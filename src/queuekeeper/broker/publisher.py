@@ -35,6 +35,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import aio_pika
 import aiormq
@@ -51,6 +52,7 @@ from queuekeeper.broker.amqp import (
     vhost_refused,
     vhost_url,
 )
+from queuekeeper.broker.management import ManagementClient, ManagementError
 from queuekeeper.broker.nodes import NodeList, node_label
 from queuekeeper.broker.topology import DEAD_LETTERING_OVERFLOW, queue_arguments
 from queuekeeper.config import Settings
@@ -205,8 +207,11 @@ class _VhostConnection:
 class AmqpPublisher:
     """Publishes to per-vhost connections; at most `amqp_pool_size` are open at once."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, management: ManagementClient | None = None) -> None:
         self.settings = settings
+        # Reads a nacked queue's own arguments; without it (benchmarks, some tests) the
+        # configured ones stand in.
+        self.management = management
         self._ssl = amqp_ssl_context(settings)
         self.nodes = amqp_nodes(settings)
         self._pool: OrderedDict[str, _VhostConnection] = OrderedDict()
@@ -299,8 +304,8 @@ class AmqpPublisher:
         ]
 
     async def _nack_verdict(self, entry: _VhostConnection, queue: str) -> Result:
-        arguments = queue_arguments(self.settings)
-        overflow = arguments["x-overflow"]
+        arguments = await self._arguments(entry.vhost, queue)
+        overflow = arguments.get("x-overflow") or "drop-head"  # RabbitMQ's default
         if overflow != DEAD_LETTERING_OVERFLOW:
             return Result(
                 Outcome.REFUSED,
@@ -310,9 +315,9 @@ class AmqpPublisher:
         # A queue that just nacked for being full still holds its limit of ready messages,
         # unless its consumer took one since; then the copy is published again and may also
         # sit in the dead-letter queue: a duplicate, where reading it as full could lose it.
-        limit = arguments["x-max-length"]
+        limit = arguments.get("x-max-length")
         ready = await entry.ready_messages(queue, self.settings.publish_timeout)
-        if ready is not None and ready >= limit:
+        if ready is not None and isinstance(limit, int) and ready >= limit:
             return Result(
                 Outcome.REJECTED,
                 f"nacked by the broker: the queue is full (x-overflow {overflow}, {ready} of "
@@ -325,6 +330,20 @@ class AmqpPublisher:
             "failed under the publish (a node lost?), nothing was dead-lettered; retrying "
             "with backoff",
         )
+
+    async def _arguments(self, vhost: str, queue: str) -> dict[str, Any]:
+        """The queue's arguments as the broker holds them: a queue declared before a setting
+        changed keeps its old ones until reconcile can repair it (only when empty), and a
+        full queue is not. The configured ones when the Management API cannot say."""
+        configured = queue_arguments(self.settings)
+        if self.management is None:
+            return configured
+        try:
+            info = await self.management.get_queue(vhost, queue, columns="arguments")
+        except ManagementError as exc:
+            log.info("queue_arguments_unread", vhost=vhost, queue=queue, error=str(exc)[:300])
+            return configured
+        return info.arguments if info is not None else configured
 
     @asynccontextmanager
     async def _use(self, vhost: str) -> AsyncIterator[_VhostConnection]:
