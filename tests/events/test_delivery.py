@@ -258,6 +258,43 @@ async def test_a_full_queue_is_judged_by_its_own_limit_not_the_configured_one(
     assert dead.message_id == "old-1"
 
 
+@pytest.mark.settings(queue_max_length=10, events_wait_timeout=5)
+async def test_a_full_queue_is_judged_by_an_operator_policy_that_caps_it_lower(
+    client: httpx.AsyncClient, backend: Backend, management: ManagementClient
+) -> None:
+    """RabbitMQ applies the lower of a queue's `x-max-length` and a policy's `max-length`."""
+    registered = await register(backend)
+    async with httpx.AsyncClient(
+        base_url=BROKER.management_url, auth=(BROKER.user, BROKER.password)
+    ) as broker:
+        response = await broker.put(
+            f"/api/operator-policies/{registered.vhost}/cap",
+            json={"pattern": ".*", "definition": {"max-length": 1}, "apply-to": "queues"},
+        )
+        assert response.status_code in (201, 204), response.text
+    # A policy in force, as an operator sees it: the Management API shows it seconds later.
+    deadline = asyncio.get_running_loop().time() + 15
+    while True:
+        info = await management.get_queue(
+            registered.vhost, registered.queue_name, columns="arguments,effective_policy_definition"
+        )
+        if info is not None and info.effective_policy == {"max-length": 1}:
+            break
+        assert asyncio.get_running_loop().time() < deadline, info
+        await asyncio.sleep(0.2)
+
+    events = [order_event(registered.offering, event_id=f"cap-{n}") for n in range(2)]
+    response = await post_batch(client, events, wait=True)
+    assert [a["deliveries"][0]["state"] for a in response.json()["events"]] == [
+        "published",
+        "rejected",
+    ]
+    detail = await event_detail(client, "cap-1")
+    assert "1 of 1 messages ready" in detail["deliveries"][0]["last_error"]
+    (dead,) = await drain(registered.vhost, "waldur.dlq.messages")
+    assert dead.message_id == "cap-1"
+
+
 @pytest.mark.settings(relay_enabled=False, events_wait_timeout=0.3)
 async def test_wait_answers_pending_when_the_wait_limit_passes(
     client: httpx.AsyncClient, backend: Backend

@@ -57,11 +57,14 @@ class QueueInfo:
     messages_ready: int | None = None
     messages_unacknowledged: int | None = None
     consumers: int | None = None
+    # What the vhost's policies and operator policies set on it (`max-length`, `overflow`...).
+    effective_policy: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, body: dict[str, Any], vhost: str) -> QueueInfo:
         arguments = body.get("arguments")
         durable, auto_delete = body.get("durable"), body.get("auto_delete")
+        policy = body.get("effective_policy_definition")  # `[]` when no policy applies
         return cls(
             name=str(body.get("name") or ""),
             vhost=str(body.get("vhost") or vhost),
@@ -73,6 +76,7 @@ class QueueInfo:
             messages_ready=_count(body.get("messages_ready")),
             messages_unacknowledged=_count(body.get("messages_unacknowledged")),
             consumers=_count(body.get("consumers")),
+            effective_policy=dict(policy) if isinstance(policy, dict) else {},
         )
 
 

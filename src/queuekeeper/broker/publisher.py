@@ -304,8 +304,7 @@ class AmqpPublisher:
         ]
 
     async def _nack_verdict(self, entry: _VhostConnection, queue: str) -> Result:
-        arguments = await self._arguments(entry.vhost, queue)
-        overflow = arguments.get("x-overflow") or "drop-head"  # RabbitMQ's default
+        overflow, limit = await self._overflow_rule(entry.vhost, queue)
         if overflow != DEAD_LETTERING_OVERFLOW:
             return Result(
                 Outcome.REFUSED,
@@ -315,9 +314,8 @@ class AmqpPublisher:
         # A queue that just nacked for being full still holds its limit of ready messages,
         # unless its consumer took one since; then the copy is published again and may also
         # sit in the dead-letter queue: a duplicate, where reading it as full could lose it.
-        limit = arguments.get("x-max-length")
         ready = await entry.ready_messages(queue, self.settings.publish_timeout)
-        if ready is not None and isinstance(limit, int) and ready >= limit:
+        if ready is not None and limit is not None and ready >= limit:
             return Result(
                 Outcome.REJECTED,
                 f"nacked by the broker: the queue is full (x-overflow {overflow}, {ready} of "
@@ -331,19 +329,31 @@ class AmqpPublisher:
             "with backoff",
         )
 
-    async def _arguments(self, vhost: str, queue: str) -> dict[str, Any]:
-        """The queue's arguments as the broker holds them: a queue declared before a setting
-        changed keeps its old ones until reconcile can repair it (only when empty), and a
-        full queue is not. The configured ones when the Management API cannot say."""
-        configured = queue_arguments(self.settings)
-        if self.management is None:
-            return configured
-        try:
-            info = await self.management.get_queue(vhost, queue, columns="arguments")
-        except ManagementError as exc:
-            log.info("queue_arguments_unread", vhost=vhost, queue=queue, error=str(exc)[:300])
-            return configured
-        return info.arguments if info is not None else configured
+    async def _overflow_rule(self, vhost: str, queue: str) -> tuple[str, int | None]:
+        """The queue's `x-overflow` and length limit as the broker applies them: its own
+        arguments (a queue declared before a setting changed keeps its old ones until
+        reconcile can repair it, only when empty, and a full queue is not), with a policy's
+        `max-length` when lower (RabbitMQ applies the lower) and its `overflow` when the
+        queue has none. The configured arguments when the Management API cannot say."""
+        arguments = queue_arguments(self.settings)
+        policy: dict[str, Any] = {}
+        if self.management is not None:
+            try:
+                info = await self.management.get_queue(
+                    vhost, queue, columns="arguments,effective_policy_definition"
+                )
+            except ManagementError as exc:
+                log.info("queue_arguments_unread", vhost=vhost, queue=queue, error=str(exc)[:300])
+            else:
+                if info is not None:
+                    arguments, policy = info.arguments, info.effective_policy
+        overflow = arguments.get("x-overflow") or policy.get("overflow") or "drop-head"
+        limits = [
+            value
+            for value in (arguments.get("x-max-length"), policy.get("max-length"))
+            if isinstance(value, int)
+        ]
+        return str(overflow), min(limits, default=None)
 
     @asynccontextmanager
     async def _use(self, vhost: str) -> AsyncIterator[_VhostConnection]:
