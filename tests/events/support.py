@@ -116,23 +116,24 @@ async def queue_depth(vhost: str, queue: str) -> int:
         return int(declared.declaration_result.message_count or 0)
 
 
-async def on_queue_process(vhost: str, queue: str, action: str) -> None:
-    """Run Erlang `action` on the broker's process of a classic queue, bound to `P` (say
-    `sys:suspend(P)` or `exit(P, kill)`): what no client can make a queue do, done to a queue
-    of the test's own vhost on the local node through `rabbitmqctl eval`."""
+async def on_queue_process(vhost: str, queue: str, action: str) -> str:
+    """Evaluate Erlang `action` on the broker's process of a classic queue, bound to `P` (say
+    `sys:suspend(P)` or `exit(P, kill)`), and return what it printed: what no client can make
+    a queue do, done to a queue of the test's own vhost on the local node through
+    `rabbitmqctl eval`."""
     if BROKER.host not in ("127.0.0.1", "localhost"):
         unavailable(f"the broker at {BROKER.host} is not this machine's: no rabbitmqctl eval")
     ctl = require("rabbitmqctl")
     expression = (
         f'{{ok, Q}} = rabbit_amqqueue:lookup(rabbit_misc:r(<<"{vhost}">>, queue, '
-        f'<<"{queue}">>)), P = amqqueue:get_pid(Q), {action}, ok.'
+        f'<<"{queue}">>)), P = amqqueue:get_pid(Q), {action}.'
     )
     process = await asyncio.create_subprocess_exec(
         ctl, "eval", expression, stdout=PIPE, stderr=STDOUT
     )
     output, _ = await process.communicate()
     assert process.returncode == 0, output.decode()
-    assert output.strip() == b"ok", output.decode()
+    return output.decode().strip()
 
 
 async def drain(vhost: str, queue: str) -> list[AbstractIncomingMessage]:

@@ -179,7 +179,7 @@ async def _published(client: httpx.AsyncClient, event_id: str) -> dict[str, Any]
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.settings(relay_backoff_base=0.2)
+@pytest.mark.settings(relay_backoff_base=0.2, publish_timeout=30)
 async def test_a_nack_from_a_queue_whose_process_failed_is_retried_not_lost(
     client: httpx.AsyncClient, backend: Backend
 ) -> None:
@@ -190,7 +190,13 @@ async def test_a_nack_from_a_queue_whose_process_failed_is_retried_not_lost(
     await on_queue_process(registered.vhost, registered.queue_name, "sys:suspend(P)")
     response = await post_event(client, order_event(registered.offering, event_id="crash-1"))
     assert response.status_code == 202, response.text
-    await asyncio.sleep(1)  # the relay's publish now waits for the stalled queue's confirm
+    # The relay's publish reaches the stalled queue (in its mailbox) and waits for its confirm.
+    mailbox = "element(2, erlang:process_info(P, message_queue_len))"
+    for _ in range(30):
+        if await on_queue_process(registered.vhost, registered.queue_name, mailbox) != "0":
+            break
+    else:
+        raise AssertionError("the relay's publish never reached the queue")
     await on_queue_process(registered.vhost, registered.queue_name, "exit(P, kill)")
 
     copy = await _published(client, "crash-1")
