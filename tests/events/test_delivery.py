@@ -20,6 +20,7 @@ from queuekeeper.observability.metrics import DELIVERIES
 from queuekeeper.state import AppState
 from tests.brokers import BROKER
 from tests.events.support import (
+    Registered,
     drain,
     event_detail,
     on_queue_process,
@@ -237,6 +238,23 @@ async def test_a_full_queue_that_dead_letters_nothing_keeps_the_copy_until_there
     assert await drain(registered.vhost, "waldur.dlq.messages") == []
 
 
+async def _second_of_two_is_dead_lettered(
+    client: httpx.AsyncClient, registered: Registered, prefix: str
+) -> None:
+    """Two events into a queue that holds one: the second is nacked, judged full by the
+    limit in force (1), and dead-lettered."""
+    events = [order_event(registered.offering, event_id=f"{prefix}-{n}") for n in range(2)]
+    response = await post_batch(client, events, wait=True)
+    assert [a["deliveries"][0]["state"] for a in response.json()["events"]] == [
+        "published",
+        "rejected",
+    ]
+    detail = await event_detail(client, f"{prefix}-1")
+    assert "1 of 1 messages ready" in detail["deliveries"][0]["last_error"]
+    (dead,) = await drain(registered.vhost, "waldur.dlq.messages")
+    assert dead.message_id == f"{prefix}-1"
+
+
 @pytest.mark.settings(queue_max_length=10, events_wait_timeout=5)
 async def test_a_full_queue_is_judged_by_its_own_limit_not_the_configured_one(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
@@ -252,16 +270,7 @@ async def test_a_full_queue_is_judged_by_its_own_limit_not_the_configured_one(
         await channel.queue_delete(registered.queue_name)
         await channel.declare_queue(registered.queue_name, durable=True, arguments=older)
 
-    events = [order_event(registered.offering, event_id=f"old-{n}") for n in range(2)]
-    response = await post_batch(client, events, wait=True)
-    assert [a["deliveries"][0]["state"] for a in response.json()["events"]] == [
-        "published",
-        "rejected",
-    ]
-    detail = await event_detail(client, "old-1")
-    assert "1 of 1 messages ready" in detail["deliveries"][0]["last_error"]
-    (dead,) = await drain(registered.vhost, "waldur.dlq.messages")
-    assert dead.message_id == "old-1"
+    await _second_of_two_is_dead_lettered(client, registered, "old")
 
 
 @pytest.mark.settings(queue_max_length=10, events_wait_timeout=5)
@@ -289,16 +298,7 @@ async def test_a_full_queue_is_judged_by_an_operator_policy_that_caps_it_lower(
         assert asyncio.get_running_loop().time() < deadline, info
         await asyncio.sleep(0.2)
 
-    events = [order_event(registered.offering, event_id=f"cap-{n}") for n in range(2)]
-    response = await post_batch(client, events, wait=True)
-    assert [a["deliveries"][0]["state"] for a in response.json()["events"]] == [
-        "published",
-        "rejected",
-    ]
-    detail = await event_detail(client, "cap-1")
-    assert "1 of 1 messages ready" in detail["deliveries"][0]["last_error"]
-    (dead,) = await drain(registered.vhost, "waldur.dlq.messages")
-    assert dead.message_id == "cap-1"
+    await _second_of_two_is_dead_lettered(client, registered, "cap")
 
 
 @pytest.mark.settings(relay_enabled=False, events_wait_timeout=0.3)
