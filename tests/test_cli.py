@@ -91,13 +91,26 @@ def test_settings_are_printed_with_secrets_masked(
     assert as_json["QUEUEKEEPER_MANAGEMENT_PASSWORD"] == "***"
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        ("QUEUEKEEPER_PORT", "eighty", "port"),
+        ("QUEUEKEEPER_QUEUE_OVERFLOW", "reject-publish-dlxx", "'reject-publish-dlx'"),
+    ],
+)
 def test_invalid_settings_exit_2_naming_the_variable(
-    runner: CliRunner, cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    runner: CliRunner,
+    cli_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    variable: str,
+    value: str,
+    named: str,
 ) -> None:
-    monkeypatch.setenv("QUEUEKEEPER_PORT", "eighty")
+    monkeypatch.setenv(variable, value)
     result = invoke(runner, "settings")
     assert result.exit_code == 2
-    assert "port" in result.output
+    assert variable.removeprefix("QUEUEKEEPER_").lower() in result.output
+    assert named in result.output
 
 
 def test_migrate_creates_the_schema_and_fails_cleanly_without_a_database(

@@ -19,6 +19,11 @@ def split_urls(value: str) -> list[str]:
     return [url.strip() for url in value.split(",") if url.strip()]
 
 
+# RabbitMQ's `x-overflow` values: a typo is refused at start-up, not by the broker at the
+# first registration.
+Overflow = Literal["drop-head", "reject-publish", "reject-publish-dlx"]
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="QUEUEKEEPER_", env_file=".env", extra="ignore", populate_by_name=True
@@ -199,11 +204,12 @@ class Settings(BaseSettings):
     queue_max_length: int = Field(
         default=10_000, ge=1, description="`x-max-length` of every registered queue."
     )
-    queue_overflow: str = Field(
+    queue_overflow: Overflow = Field(
         default="reject-publish-dlx",
-        description="`x-overflow` of every registered classic queue. Under `reject-publish-dlx` "
-        "a full queue dead-letters what it nacks and the copy ends `rejected`; under "
-        "`reject-publish` nothing is kept and the nacked copy is retried with backoff.",
+        description="`x-overflow` of every registered classic queue: `drop-head`, "
+        "`reject-publish` or `reject-publish-dlx`. Under `reject-publish-dlx` a full queue "
+        "dead-letters what it nacks and the copy ends `rejected`; under `reject-publish` "
+        "nothing is kept and the nacked copy is retried with backoff.",
     )
     dead_letter_exchange: str = Field(
         default="",
@@ -223,8 +229,10 @@ class Settings(BaseSettings):
         ge=0,
         description="`x-message-ttl` of the dead-letter queue (7 days).",
     )
-    dlq_overflow: str = Field(
-        default="drop-head", description="`x-overflow` of the dead-letter queue."
+    dlq_overflow: Overflow = Field(
+        default="drop-head",
+        description="`x-overflow` of the dead-letter queue: `drop-head` (the oldest dead "
+        "letter goes), `reject-publish` or `reject-publish-dlx`.",
     )
 
     # --- operations (logs, health) ------------------------------------------------------
