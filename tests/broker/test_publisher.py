@@ -59,6 +59,38 @@ async def test_outcomes_confirmed_rejected_returned(
     assert "NO_ROUTE" in (results[2].error or "")
 
 
+async def test_a_nack_is_judged_by_the_queue_on_the_broker_and_kept_when_it_cannot_be(
+    settings: Settings, provisioner: Provisioner
+) -> None:
+    """Full by the queue's own limit (1, where the setting says 10): dead-lettered. With the
+    Management API unreachable the nack cannot be judged: the copy is kept for a retry, and
+    the batch's other outcomes stand."""
+    one = settings.model_copy(update={"queue_max_length": 1})
+    vhost = await _vhost_with_queue(Provisioner(provisioner.management, one))
+    ten = settings.model_copy(update={"queue_max_length": 10})
+    down = settings.model_copy(update={"management_url": f"http://127.0.0.1:{free_port()}"})
+    outcomes = {}
+    for name, management in (("read", ManagementClient(ten)), ("down", ManagementClient(down))):
+        publisher = AmqpPublisher(ten, management)
+        try:
+            outcomes[name] = await publisher.publish(
+                vhost,
+                [
+                    Outgoing(QUEUE, _message(f"{name}-1")),  # fills the queue, or finds it full
+                    Outgoing(QUEUE, _message(f"{name}-2")),  # nacked: the queue holds one
+                    Outgoing("subscription_missing", _message(f"{name}-3")),
+                ],
+            )
+        finally:
+            await publisher.close()
+            await management.aclose()
+    read, down_ = outcomes["read"], outcomes["down"]
+    assert [r.outcome for r in read] == [Outcome.CONFIRMED, Outcome.REJECTED, Outcome.RETURNED]
+    assert "1 of 1 messages ready" in (read[1].error or "")
+    assert [r.outcome for r in down_] == [Outcome.REFUSED, Outcome.REFUSED, Outcome.RETURNED]
+    assert "could not be told (BrokerUnavailable)" in (down_[1].error or ""), down_
+
+
 @pytest.mark.parametrize("channels", [64, 2])
 async def test_copies_of_one_event_in_one_vhost_are_told_apart(
     settings: Settings,

@@ -84,8 +84,8 @@ async def test_a_full_quorum_queue_nack_is_retried_with_backoff_then_published(
         assert full, copies
         assert {copy["state"] for copy in copies} == {"published", "pending"}
         assert {copy["last_error"] for copy in full} == {
-            "nacked by the broker: the queue is full (x-overflow reject-publish: nothing was "
-            "dead-lettered) or its process failed; retrying with backoff"
+            "nacked by the broker: the queue is full (x-overflow reject-publish on a quorum "
+            "queue: nothing was dead-lettered) or its process failed; retrying with backoff"
         }
         assert {copy["attempts"] for copy in full} == {1}
         assert _full_count() == before + len(full)

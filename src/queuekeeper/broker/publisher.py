@@ -52,9 +52,14 @@ from queuekeeper.broker.amqp import (
     vhost_refused,
     vhost_url,
 )
-from queuekeeper.broker.management import ManagementClient, ManagementError
+from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.nodes import NodeList, node_label
-from queuekeeper.broker.topology import DEAD_LETTERING_OVERFLOW, queue_arguments
+from queuekeeper.broker.topology import (
+    CLASSIC,
+    DEAD_LETTERING_OVERFLOW,
+    QUEUE_TYPE,
+    queue_arguments,
+)
 from queuekeeper.config import Settings
 from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS, CONFIRM_LATENCY
 
@@ -294,7 +299,7 @@ class AmqpPublisher:
         verdicts = dict(
             zip(
                 nacked,
-                await asyncio.gather(*(self._nack_verdict(entry, queue) for queue in nacked)),
+                await asyncio.gather(*(self._judged(entry, queue) for queue in nacked)),
                 strict=True,
             )
         )
@@ -303,8 +308,29 @@ class AmqpPublisher:
             for item, result in zip(items, results, strict=True)
         ]
 
+    async def _judged(self, entry: _VhostConnection, queue: str) -> Result:
+        """The verdict, within `publish_timeout`. A nack that cannot be judged keeps its copy
+        (a duplicate at worst), and never costs the batch's other outcomes."""
+        try:
+            async with asyncio.timeout(self.settings.publish_timeout):
+                return await self._nack_verdict(entry, queue)
+        except Exception as exc:
+            log.warning("nack_not_judged", vhost=entry.vhost, queue=queue, error=repr(exc)[:300])
+            return Result(
+                Outcome.REFUSED,
+                f"nacked by the broker; whether its queue was full could not be told "
+                f"({type(exc).__name__}); retrying with backoff",
+            )
+
     async def _nack_verdict(self, entry: _VhostConnection, queue: str) -> Result:
-        overflow, limit = await self._overflow_rule(entry.vhost, queue)
+        rule = await self._overflow_rule(entry.vhost, queue)
+        if rule is None:
+            return Result(
+                Outcome.REFUSED,
+                "nacked by the broker, and its queue is gone: nothing was dead-lettered; "
+                "retrying with backoff",
+            )
+        overflow, limit, byte_limit = rule
         if overflow != DEAD_LETTERING_OVERFLOW:
             return Result(
                 Outcome.REFUSED,
@@ -315,6 +341,15 @@ class AmqpPublisher:
         # unless its consumer took one since; then the copy is published again and may also
         # sit in the dead-letter queue: a duplicate, where reading it as full could lose it.
         ready = await entry.ready_messages(queue, self.settings.publish_timeout)
+        if ready is not None and byte_limit is not None:
+            # Its fill in bytes is not known exactly (only as statistics seconds old); a live
+            # queue under a byte limit counts as full, or each retry would be dead-lettered
+            # again and crowd other dead letters out of the bounded dead-letter queue.
+            return Result(
+                Outcome.REJECTED,
+                f"nacked by the broker: the queue is full (x-overflow {overflow}, a limit of "
+                f"{byte_limit} bytes), the message went to the dead-letter queue",
+            )
         if ready is not None and limit is not None and ready >= limit:
             return Result(
                 Outcome.REJECTED,
@@ -329,31 +364,42 @@ class AmqpPublisher:
             "with backoff",
         )
 
-    async def _overflow_rule(self, vhost: str, queue: str) -> tuple[str, int | None]:
-        """The queue's `x-overflow` and length limit as the broker applies them: its own
-        arguments (a queue declared before a setting changed keeps its old ones until
+    async def _overflow_rule(
+        self, vhost: str, queue: str
+    ) -> tuple[str, int | None, int | None] | None:
+        """The queue's `x-overflow`, length limit and byte limit as the broker applies them;
+        None when the queue is gone.
+
+        Its own arguments (a queue declared before a setting changed keeps its old ones until
         reconcile can repair it, only when empty, and a full queue is not), with a policy's
-        `max-length` when lower (RabbitMQ applies the lower) and its `overflow` when the
-        queue has none. The configured arguments when the Management API cannot say."""
+        limits where lower (RabbitMQ applies the lower) and its `overflow` where the queue
+        has none. Only a classic queue dead-letters on overflow (a quorum queue's
+        `reject-publish-dlx` behaves as `drop-head`). Without a Management API client
+        (benchmarks, some tests), the configured arguments; when the API fails, its
+        ManagementError, so that the copy is kept."""
         arguments = queue_arguments(self.settings)
         policy: dict[str, Any] = {}
+        kind = arguments.get(QUEUE_TYPE, CLASSIC)
         if self.management is not None:
-            try:
-                info = await self.management.get_queue(
-                    vhost, queue, columns="arguments,effective_policy_definition"
-                )
-            except ManagementError as exc:
-                log.info("queue_arguments_unread", vhost=vhost, queue=queue, error=str(exc)[:300])
-            else:
-                if info is not None:
-                    arguments, policy = info.arguments, info.effective_policy
+            info = await self.management.get_queue(
+                vhost, queue, columns="type,arguments,effective_policy_definition"
+            )
+            if info is None:
+                return None
+            arguments, policy, kind = info.arguments, info.effective_policy, info.type or CLASSIC
         overflow = arguments.get("x-overflow") or policy.get("overflow") or "drop-head"
-        limits = [
-            value
-            for value in (arguments.get("x-max-length"), policy.get("max-length"))
-            if isinstance(value, int)
-        ]
-        return str(overflow), min(limits, default=None)
+        if kind != CLASSIC:
+            return f"{overflow} on a {kind} queue", None, None
+
+        def lower(argument: str, key: str) -> int | None:
+            limits = [v for v in (arguments.get(argument), policy.get(key)) if isinstance(v, int)]
+            return min(limits, default=None)
+
+        return (
+            str(overflow),
+            lower("x-max-length", "max-length"),
+            lower("x-max-length-bytes", "max-length-bytes"),
+        )
 
     @asynccontextmanager
     async def _use(self, vhost: str) -> AsyncIterator[_VhostConnection]:
