@@ -92,6 +92,10 @@ class Result:
     error: str | None = None
 
 
+# A nack as `_publish_one` sees it; `_judge_nacks` turns each into REJECTED or REFUSED.
+_NACKED = Result(Outcome.REFUSED, "nacked by the broker")
+
+
 @dataclass(frozen=True)
 class Outgoing:
     routing_key: str
@@ -173,7 +177,7 @@ class _VhostConnection:
             finally:
                 self.waiting -= 1
 
-    async def ready_messages(self, queue: str, declare_timeout: float) -> int | None:
+    async def ready_messages(self, queue: str) -> int | None:
         """The queue's ready messages now, by a passive declare on a channel of its own (a
         missing or unavailable queue closes that channel, not one with publishes in flight);
         None when the queue cannot be read: gone, or its node down."""
@@ -183,7 +187,7 @@ class _VhostConnection:
         channel: AbstractChannel | None = None
         try:
             channel = await connection.channel(publisher_confirms=False)
-            declared = await channel.declare_queue(queue, passive=True, timeout=declare_timeout)
+            declared = await channel.declare_queue(queue, passive=True)
             return declared.declaration_result.message_count
         except CONNECT_ERRORS as exc:
             log.info("queue_not_readable", vhost=self.vhost, queue=queue, error=describe(exc))
@@ -243,7 +247,7 @@ class AmqpPublisher:
         try:
             async with self._use(vhost) as entry:
                 results = await asyncio.gather(*(self._publish_one(entry, item) for item in items))
-                if any(result.outcome is Outcome.REFUSED for result in results):
+                if any(result is _NACKED for result in results):
                     results = await self._judge_nacks(entry, items, results)
         except CONNECT_ERRORS as exc:
             if vhost_refused(exc):
@@ -271,7 +275,7 @@ class AmqpPublisher:
             reply = getattr(exc.frame, "reply_text", "")
             return Result(Outcome.RETURNED, f"returned by the broker as unroutable ({reply})")
         except DeliveryError:
-            return Result(Outcome.REFUSED, "nacked by the broker")  # judged in _judge_nacks
+            return _NACKED
         except TimeoutError:
             return Result(
                 Outcome.UNREACHABLE,
@@ -293,7 +297,7 @@ class AmqpPublisher:
             {
                 item.routing_key
                 for item, result in zip(items, results, strict=True)
-                if result.outcome is Outcome.REFUSED
+                if result is _NACKED
             }
         )
         verdicts = dict(
@@ -304,7 +308,7 @@ class AmqpPublisher:
             )
         )
         return [
-            verdicts[item.routing_key] if result.outcome is Outcome.REFUSED else result
+            verdicts[item.routing_key] if result is _NACKED else result
             for item, result in zip(items, results, strict=True)
         ]
 
@@ -340,7 +344,7 @@ class AmqpPublisher:
         # A queue that just nacked for being full still holds its limit of ready messages,
         # unless its consumer took one since; then the copy is published again and may also
         # sit in the dead-letter queue: a duplicate, where reading it as full could lose it.
-        ready = await entry.ready_messages(queue, self.settings.publish_timeout)
+        ready = await entry.ready_messages(queue)
         if ready is not None and byte_limit is not None:
             # Its fill in bytes is not known exactly (only as statistics seconds old); a live
             # queue under a byte limit counts as full, or each retry would be dead-lettered
@@ -377,10 +381,11 @@ class AmqpPublisher:
         `reject-publish-dlx` behaves as `drop-head`). Without a Management API client
         (benchmarks, some tests), the configured arguments; when the API fails, its
         ManagementError, so that the copy is kept."""
-        arguments = queue_arguments(self.settings)
         policy: dict[str, Any] = {}
-        kind = arguments.get(QUEUE_TYPE, CLASSIC)
-        if self.management is not None:
+        if self.management is None:
+            arguments = queue_arguments(self.settings)
+            kind = arguments.get(QUEUE_TYPE, CLASSIC)
+        else:
             info = await self.management.get_queue(
                 vhost, queue, columns="type,arguments,effective_policy_definition"
             )
