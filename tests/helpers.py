@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import secrets
 import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from queuekeeper import db
 
 
 @dataclass
@@ -124,3 +131,36 @@ class Operator:
         response = await self.client.get(path, params=params or None, headers=self.headers)
         assert response.status_code == 200, response.text
         return response.json()
+
+
+@contextmanager
+def database_statements(engine: AsyncEngine) -> Iterator[list[str]]:
+    """Every statement sent to the database while inside: those through SQLAlchemy (its
+    `before_cursor_execute` event) and the reads that go straight to the driver
+    (`db.DriverRead`), each counted once on either database."""
+    statements: list[str] = []
+    in_driver_read = False
+    original = db.DriverRead.first
+
+    def through_sqlalchemy(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        if not in_driver_read:  # on SQLite a DriverRead runs through SQLAlchemy
+            statements.append(statement)
+
+    async def driver_read(
+        read: db.DriverRead, bound: AsyncEngine, parameters: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        nonlocal in_driver_read
+        statements.append(str(read.statement))
+        in_driver_read = True
+        try:
+            return await original(read, bound, parameters)
+        finally:
+            in_driver_read = False
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(db.DriverRead, "first", driver_read)
+        event.listen(engine.sync_engine, "before_cursor_execute", through_sqlalchemy)
+        try:
+            yield statements
+        finally:
+            event.remove(engine.sync_engine, "before_cursor_execute", through_sqlalchemy)

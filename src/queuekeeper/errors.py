@@ -182,34 +182,50 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
         )
 
     async def _database_error(request: Request, exc: Exception) -> JSONResponse:
-        kind = classify_database_error(exc)
-        if kind is DatabaseProblem.BAD_VALUE:
-            log.info("database_refused_value", error=str(exc).splitlines()[0][:300])
-            fields = _suspect_parameters(request)
-            detail = (
-                "A value in the request cannot be stored or compared by the database "
-                "(a number out of range, a NUL character, NaN or Infinity)"
-            )
-            body: dict[str, Any] = {"detail": detail + "."}
-            if fields:
-                body["detail"] = f"{detail}: {', '.join(fields)}."
-                body["errors"] = [{"field": field, "message": detail} for field in fields]
-            return JSONResponse(body, 400)
-        if kind is DatabaseProblem.CONFLICT:
-            log.warning("database_conflict", error=str(exc).splitlines()[0][:300])
-            return JSONResponse(
-                {"detail": "The change conflicts with a concurrent one; retry the request."}, 409
-            )
-        if kind is DatabaseProblem.UNREACHABLE:
-            log.error("database_unavailable", error=str(exc)[:500])
-            return JSONResponse(
-                {"detail": "The database is unavailable; retry later."}, 503, headers=retry_after
-            )
-        log.exception("database_error", exc_info=exc)
-        return JSONResponse({"detail": "Internal error (database); it was logged."}, 500)
+        return database_error_response(request, exc, settings.retry_after_seconds)
 
-    for exc_type in (DBAPIError, PoolTimeout, OSError, OverflowError):
+    for exc_type in DATABASE_ERRORS:
         app.add_exception_handler(exc_type, _database_error)
+
+
+# What a failed statement or connection raises (on SQLite an integer too large is Python's
+# OverflowError): `database_error_response` answers each.
+DATABASE_ERRORS = (DBAPIError, PoolTimeout, OSError, OverflowError)
+
+
+def database_error_response(
+    request: Request, exc: Exception, retry_after_seconds: int
+) -> JSONResponse:
+    """The one mapping of a database error to HTTP (also used by the request guard, which
+    looks tokens up before the app runs): 503 down, 400 a value it refuses, 409 a
+    conflict, 500 a bug."""
+    kind = classify_database_error(exc)
+    if kind is DatabaseProblem.BAD_VALUE:
+        log.info("database_refused_value", error=str(exc).splitlines()[0][:300])
+        fields = _suspect_parameters(request)
+        detail = (
+            "A value in the request cannot be stored or compared by the database "
+            "(a number out of range, a NUL character, NaN or Infinity)"
+        )
+        body: dict[str, Any] = {"detail": detail + "."}
+        if fields:
+            body["detail"] = f"{detail}: {', '.join(fields)}."
+            body["errors"] = [{"field": field, "message": detail} for field in fields]
+        return JSONResponse(body, 400)
+    if kind is DatabaseProblem.CONFLICT:
+        log.warning("database_conflict", error=str(exc).splitlines()[0][:300])
+        return JSONResponse(
+            {"detail": "The change conflicts with a concurrent one; retry the request."}, 409
+        )
+    if kind is DatabaseProblem.UNREACHABLE:
+        log.error("database_unavailable", error=str(exc)[:500])
+        return JSONResponse(
+            {"detail": "The database is unavailable; retry later."},
+            503,
+            headers={"Retry-After": str(retry_after_seconds)},
+        )
+    log.exception("database_error", exc_info=exc)
+    return JSONResponse({"detail": "Internal error (database); it was logged."}, 500)
 
 
 class DatabaseProblem(enum.Enum):

@@ -193,3 +193,30 @@ def _wrapped(orig: BaseException, *, invalidated: bool = False) -> DBAPIError:
 )
 def test_database_errors_are_classified(error: BaseException, expected: DatabaseProblem) -> None:
     assert classify_database_error(error) is expected
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        # the request guard looks the token up (a registration call, before the body)
+        ("POST", "/api/event-subscriptions/"),
+        # the route's dependency looks it up (a GET passes the guard unauthenticated)
+        ("GET", "/api/event-subscriptions/"),
+    ],
+)
+async def test_an_agent_call_while_the_database_is_unreachable_is_a_503(
+    settings: Settings, make_client: Any, tmp_path: Any, method: str, path: str
+) -> None:
+    if settings.is_sqlite:
+        url = f"sqlite+aiosqlite:///{tmp_path}/missing/dir/db.sqlite"
+    else:
+        parts = urlsplit(settings.database_url)
+        url = settings.database_url.replace(
+            f"{parts.hostname}:{parts.port or 5432}", f"127.0.0.1:{closed_port()}"
+        )
+    http = await make_client(database_url=url, relay_enabled=False, scheduler_enabled=False)
+    body = {"description": "x"} if method == "POST" else None
+    response = await http.request(method, path, json=body, headers={"Authorization": "Token abc"})
+    assert response.status_code == 503, response.text
+    assert response.headers["Retry-After"] == str(settings.retry_after_seconds)
+    assert "database" in response.json()["detail"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from typing import Any
 
 import aio_pika
 import httpx
@@ -14,12 +13,11 @@ import respx
 import structlog
 from fastapi import FastAPI
 from prometheus_client import REGISTRY
-from sqlalchemy import event
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from tests.brokers import BROKER
-from tests.helpers import Backend
+from tests.helpers import Backend, database_statements
 from tests.stomp_client import StompConsumer
 
 EXPECTED_ARGUMENTS = {
@@ -59,17 +57,8 @@ async def test_a_repeat_call_reads_the_database_twice(app: FastAPI, backend: Bac
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
     assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 201
-    engine = app.state.queuekeeper.engine.sync_engine
-    statements: list[str] = []
-
-    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        statements.append(statement)
-
-    event.listen(engine, "before_cursor_execute", count)
-    try:
+    with database_statements(app.state.queuekeeper.engine) as statements:
         again = await agent.create_queue(subscription["uuid"], offering)
-    finally:
-        event.remove(engine, "before_cursor_execute", count)
     assert again.status_code == 200
     assert len(statements) == 2, [s[:120] for s in statements]
     assert sum("users.token_hash" in s for s in statements) == 1

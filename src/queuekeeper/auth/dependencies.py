@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Scope
 
 from queuekeeper.auth.repository import user_with_token
@@ -15,7 +15,7 @@ from queuekeeper.auth.tokens import is_service_token
 from queuekeeper.config import Settings
 from queuekeeper.exceptions import Forbidden, Unauthorized
 from queuekeeper.models import User
-from queuekeeper.state import SessionDep, SessionsDep, SettingsDep
+from queuekeeper.state import SessionDep, StateDep
 
 # Declared as an API key header so /docs offers an "Authorize" box; parsed by hand
 # because agents send `Token <t>` (Waldur's scheme) and the backend `Bearer <t>`.
@@ -40,10 +40,10 @@ def credentials(header: str | None) -> str:
     return token.strip()
 
 
-async def authenticate_agent(session: AsyncSession, token: str, settings: Settings) -> User:
-    """The active user whose unexpired API token this is; else Unauthorized (Forbidden for a
-    service token)."""
-    user = await user_with_token(session, token)
+async def authenticate_agent(engine: AsyncEngine, token: str, settings: Settings) -> User:
+    """The active user whose unexpired API token this is, detached; else Unauthorized
+    (Forbidden for a service token)."""
+    user = await user_with_token(engine, token)
     if user is None:
         if is_service_token(token, settings.service_tokens):
             raise Forbidden("A service token cannot act as an agent; use an agent's API token.")
@@ -55,12 +55,12 @@ async def authenticate_agent(session: AsyncSession, token: str, settings: Settin
     return user
 
 
-async def authenticate_service(session: AsyncSession, token: str, settings: Settings) -> None:
+async def authenticate_service(engine: AsyncEngine, token: str, settings: Settings) -> None:
     """A configured service token passes; an agent's token is Forbidden, anything else
     Unauthorized."""
     if is_service_token(token, settings.service_tokens):
         return
-    if await user_with_token(session, token) is not None:
+    if await user_with_token(engine, token) is not None:
         raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
     raise Unauthorized("Invalid service token.", scheme="Bearer")
 
@@ -76,37 +76,30 @@ def hand_over(scope: Scope, user: User) -> None:
 
 
 async def current_user(
-    request: Request, header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
+    request: Request, header: AuthorizationHeader, session: SessionDep, state: StateDep
 ) -> User:
-    guarded: User | None = getattr(request.state, _GUARDED_USER, None)
-    if guarded is None:
-        user = await authenticate_agent(session, credentials(header), settings)
-    else:
-        # Into this request's session as it was read, without a query.
-        user = await session.merge(guarded, load=False)
+    user: User | None = getattr(request.state, _GUARDED_USER, None)
+    if user is None:
+        user = await authenticate_agent(state.engine, credentials(header), state.settings)
+    # Into this request's session as it was read, without a query.
+    user = await session.merge(user, load=False)
     request.state.user_uuid = user.uuid
     return user
 
 
-async def service_caller(
-    header: AuthorizationHeader, sessions: SessionsDep, settings: SettingsDep
-) -> None:
-    token = credentials(header)
+async def service_caller(header: AuthorizationHeader, state: StateDep) -> None:
     # Only a refused token needs the database (to say which refusal): the backend's calls,
-    # single events at its pace among them, cost no session.
-    if is_service_token(token, settings.service_tokens):
-        return
-    async with sessions() as session:
-        await authenticate_service(session, token, settings)
+    # single events at its pace among them, cost no query.
+    await authenticate_service(state.engine, credentials(header), state.settings)
 
 
 async def agent_or_service(
-    request: Request, header: AuthorizationHeader, session: SessionDep, settings: SettingsDep
+    request: Request, header: AuthorizationHeader, session: SessionDep, state: StateDep
 ) -> User | None:
     """An agent (its user) or the backend/an operator (None) with a service token."""
-    if is_service_token(credentials(header), settings.service_tokens):
+    if is_service_token(credentials(header), state.settings.service_tokens):
         return None
-    return await current_user(request, header, session, settings)
+    return await current_user(request, header, session, state)
 
 
 CurrentUser = Annotated[User, Depends(current_user)]

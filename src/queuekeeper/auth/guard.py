@@ -28,10 +28,10 @@ import enum
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from queuekeeper import db
 from queuekeeper.auth.dependencies import (
     authenticate_agent,
     authenticate_service,
@@ -41,7 +41,7 @@ from queuekeeper.auth.dependencies import (
 from queuekeeper.auth.ratelimit import RegistrationLimiter
 from queuekeeper.auth.tokens import is_service_token, token_digest
 from queuekeeper.config import Settings
-from queuekeeper.errors import domain_error_response
+from queuekeeper.errors import DATABASE_ERRORS, database_error_response, domain_error_response
 from queuekeeper.exceptions import DomainError, TooLarge, Unavailable
 from queuekeeper.state import AppState
 
@@ -181,6 +181,11 @@ class RequestGuard:
             response = domain_error_response(exc, self.settings.retry_after_seconds)
             await response(scope, receive, send)
             return
+        except DATABASE_ERRORS as exc:
+            # Raised here, outside the app, its exception handlers would not see it.
+            failed = database_error_response(Request(scope), exc, self.settings.retry_after_seconds)
+            await failed(scope, receive, send)
+            return
         if (length is not None and not streamed) or not _routed(scope):
             # The server delivers no more than Content-Length bytes; an unknown route reads none.
             await self.app(scope, receive, send)
@@ -192,12 +197,10 @@ class RequestGuard:
         if rule.caller is Caller.SERVICE and is_service_token(token, self.settings.service_tokens):
             return  # the backend's calls, single events among them, cost no session
         state: AppState = scope["app"].state.queuekeeper
-        async with state.sessions() as session:
-            await db.read_without_transaction(session)
-            if rule.caller is Caller.SERVICE:
-                await authenticate_service(session, token, self.settings)
-                return
-            hand_over(scope, await authenticate_agent(session, token, self.settings))
+        if rule.caller is Caller.SERVICE:
+            await authenticate_service(state.engine, token, self.settings)
+            return
+        hand_over(scope, await authenticate_agent(state.engine, token, self.settings))
         if rule.registration and _routed(scope):
             await self.limiter.hit(token_digest(token))
 

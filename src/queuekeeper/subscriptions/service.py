@@ -244,16 +244,15 @@ async def create_queue(
     body: QueueCreate,
 ) -> tuple[EventSubscriptionQueue, bool]:
     """Register a queue of the caller's subscription; True when its row is new."""
-    # One read, and no transaction held open while we wait on the broker.
-    await db.read_without_transaction(session)
+    # One read, on no session: no transaction held open while we wait on the broker.
+    engine = db.engine_of(session)
     known = await find_by_path_uuid(
         subscription_uuid,
         "Event subscription",
         lambda parsed: repository.queue_context(
-            session, owner.uuid, parsed, body.offering_uuid, body.object_type
+            engine, owner.uuid, parsed, body.offering_uuid, body.object_type
         ),
     )
-    await session.commit()
     try:
         queue, inserted, outcome = await _register_queue(
             session, provisioner, settings, owner, known, body
@@ -280,7 +279,7 @@ async def _register_queue(
     body: QueueCreate,
 ) -> tuple[EventSubscriptionQueue, bool, QueueOutcome]:
     """Returns (queue, created row?, what the broker needed)."""
-    subscription, offering_uuid = known.subscription, body.offering_uuid
+    subscription_uuid, offering_uuid = known.subscription_uuid, body.offering_uuid
     if not known.offering_known:
         raise BadRequest(
             f"Unknown offering {offering_uuid.hex}: the backend has not pushed it.",
@@ -292,7 +291,7 @@ async def _register_queue(
         return await _ensure_registered(session, provisioner, known.registered)
     check_quota(settings, "max_queues_per_user", known.queues_held, "queues")
 
-    name = topology.queue_name(subscription.uuid, offering_uuid, body.object_type)
+    name = topology.queue_name(subscription_uuid, offering_uuid, body.object_type)
     vhost = topology.vhost_name(owner.uuid)
     # The broker queue exists before its row does. Reconcile deletes `subscription_*`
     # queues without a row, but only while holding this lock exclusively and
@@ -304,7 +303,7 @@ async def _register_queue(
 
         queue = EventSubscriptionQueue(
             uuid=uuid.uuid4(),
-            subscription_uuid=subscription.uuid,
+            subscription_uuid=subscription_uuid,
             offering_uuid=offering_uuid,
             object_type=body.object_type,
             queue_name=name,
@@ -330,7 +329,7 @@ async def _register_queue(
             ) from exc
     if not inserted:
         existing = await repository.find_queue(
-            session, subscription.uuid, offering_uuid, body.object_type
+            session, subscription_uuid, offering_uuid, body.object_type
         )
         if existing is None:  # deleted between our insert attempt and this read
             raise NotFound("The queue was deleted while it was being registered; call again.")

@@ -1,0 +1,104 @@
+"""One token lookup four ways, in one run: what `db.DriverRead` buys.
+
+The agent token lookup (`auth/repository.py`) on a fresh, migrated PostgreSQL database, in
+alternating blocks of 500, CPU of this process per read (`time.process_time`): through an ORM
+session as the code did until `DriverRead` (its `read_without_transaction`, then the ORM
+select), through a SQLAlchemy Core connection, through `DriverRead` as the code does now,
+and asyncpg's `fetchrow` on a connection of its own (the floor). Not part of `make bench`:
+
+    python -m bench._reads
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import asyncpg
+from sqlalchemy import bindparam, select
+
+from bench._support import bench_database
+from queuekeeper import db
+from queuekeeper.auth.repository import USER_WITH_TOKEN
+from queuekeeper.auth.tokens import token_digest
+from queuekeeper.config import Settings
+from queuekeeper.models import User
+
+BLOCK = 500
+BLOCKS = int(os.environ.get("BENCH_BLOCKS", "10"))
+ORM_SELECT = select(User).where(User.token_hash == bindparam("digest"))
+
+
+async def _block(read: Callable[[], Awaitable[object]]) -> float:
+    """CPU ms per read over one block; every read must find the user."""
+    started = time.process_time()
+    for _ in range(BLOCK):
+        assert await read() is not None
+    return 1000 * (time.process_time() - started) / BLOCK
+
+
+async def _run(url: str) -> None:
+    settings = Settings(database_url=url)
+    engine = db.create_engine(settings)
+    sessions = db.create_sessionmaker(engine)
+    token = secrets.token_hex(20)
+    digest = token_digest(token)
+    async with sessions() as session:
+        session.add(User(uuid=uuid.uuid4(), username="bench", token_hash=digest))
+        await session.commit()
+    floor = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    core_statement = USER_WITH_TOKEN.statement
+    sql = str(core_statement.compile(dialect=engine.dialect))
+
+    async def orm_session() -> object:
+        async with sessions() as session:
+            await db.read_without_transaction(session)
+            return await session.scalar(ORM_SELECT, {"digest": digest})
+
+    async def core_connection() -> object:
+        async with engine.connect() as connection:
+            autocommit = await connection.execution_options(isolation_level="AUTOCOMMIT")
+            return (await autocommit.execute(core_statement, {"digest": digest})).first()
+
+    async def driver_read() -> object:
+        return await USER_WITH_TOKEN.first(engine, {"digest": digest})
+
+    async def plain_asyncpg() -> object:
+        return await floor.fetchrow(sql, digest)
+
+    reads = {
+        "ORM session (until DriverRead)": orm_session,
+        "Core connection": core_connection,
+        "DriverRead (now)": driver_read,
+        "asyncpg fetchrow, own connection": plain_asyncpg,
+    }
+    results: dict[str, list[float]] = {name: [] for name in reads}
+    try:
+        for read in reads.values():  # warm up the pool and the statement caches
+            await _block(read)
+        for _ in range(BLOCKS):
+            for name, read in reads.items():
+                results[name].append(await _block(read))
+    finally:
+        await floor.close()
+        await engine.dispose()
+    print(f"One token lookup, {BLOCKS} blocks of {BLOCK} reads each, CPU per read:")
+    for name, figures in results.items():
+        print(
+            f"  {name:34s} median {statistics.median(figures):.3f} ms "
+            f"(blocks {min(figures):.3f}-{max(figures):.3f})"
+        )
+
+
+def main() -> None:
+    with bench_database() as url:
+        asyncio.run(_run(url))
+
+
+if __name__ == "__main__":
+    main()
