@@ -65,6 +65,10 @@ async def get_session(state: StateDep) -> AsyncIterator[AsyncSession]:
         yield session
 
 
+async def get_engine(state: StateDep) -> AsyncEngine:
+    return state.engine
+
+
 async def get_sessions(state: StateDep) -> async_sessionmaker[AsyncSession]:
     return state.sessions
 
@@ -98,6 +102,8 @@ async def get_job_context(state: StateDep) -> JobContext:
 
 
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
+# For what runs on no session: `db.DriverRead`s, and a Core connection's transaction.
+EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
 SessionsDep = Annotated[async_sessionmaker[AsyncSession], Depends(get_sessions)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 ProvisionerDep = Annotated[Provisioner, Depends(get_provisioner)]

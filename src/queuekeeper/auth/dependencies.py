@@ -15,7 +15,7 @@ from queuekeeper.auth.tokens import is_service_token
 from queuekeeper.config import Settings
 from queuekeeper.exceptions import Forbidden, Unauthorized
 from queuekeeper.models import User
-from queuekeeper.state import SessionDep, StateDep
+from queuekeeper.state import EngineDep, SessionDep, SettingsDep
 
 # Declared as an API key header so /docs offers an "Authorize" box; parsed by hand
 # because agents send `Token <t>` (Waldur's scheme) and the backend `Bearer <t>`.
@@ -66,7 +66,7 @@ async def authenticate_service(engine: AsyncEngine, token: str, settings: Settin
 
 
 # Where the request guard leaves the user it authenticated (every agent POST and PUT, before
-# the body is read), so that `current_user` does not look the same token up a second time.
+# the body is read), so that `current_agent` does not look the same token up a second time.
 _GUARDED_USER = "guarded_user"
 
 
@@ -75,31 +75,44 @@ def hand_over(scope: Scope, user: User) -> None:
     scope.setdefault("state", {})[_GUARDED_USER] = user
 
 
-async def current_user(
-    request: Request, header: AuthorizationHeader, session: SessionDep, state: StateDep
+async def current_agent(
+    request: Request, header: AuthorizationHeader, engine: EngineDep, settings: SettingsDep
 ) -> User:
+    """The calling agent's user, detached: for a route that needs no session."""
     user: User | None = getattr(request.state, _GUARDED_USER, None)
     if user is None:
-        user = await authenticate_agent(state.engine, credentials(header), state.settings)
-    # Into this request's session as it was read, without a query.
-    user = await session.merge(user, load=False)
+        user = await authenticate_agent(engine, credentials(header), settings)
     request.state.user_uuid = user.uuid
     return user
 
 
-async def service_caller(header: AuthorizationHeader, state: StateDep) -> None:
+CurrentAgent = Annotated[User, Depends(current_agent)]
+
+
+async def current_user(user: CurrentAgent, session: SessionDep) -> User:
+    """The calling agent's user in this request's session, as it was read, without a query."""
+    return await session.merge(user, load=False)
+
+
+async def service_caller(
+    header: AuthorizationHeader, engine: EngineDep, settings: SettingsDep
+) -> None:
     # Only a refused token needs the database (to say which refusal): the backend's calls,
     # single events at its pace among them, cost no query.
-    await authenticate_service(state.engine, credentials(header), state.settings)
+    await authenticate_service(engine, credentials(header), settings)
 
 
 async def agent_or_service(
-    request: Request, header: AuthorizationHeader, session: SessionDep, state: StateDep
+    request: Request,
+    header: AuthorizationHeader,
+    engine: EngineDep,
+    session: SessionDep,
+    settings: SettingsDep,
 ) -> User | None:
     """An agent (its user) or the backend/an operator (None) with a service token."""
-    if is_service_token(credentials(header), state.settings.service_tokens):
+    if is_service_token(credentials(header), settings.service_tokens):
         return None
-    return await current_user(request, header, session, state)
+    return await current_user(await current_agent(request, header, engine, settings), session)
 
 
 CurrentUser = Annotated[User, Depends(current_user)]

@@ -16,7 +16,7 @@ and stalled every request for 3 s. So, in front of the app:
   down (measured: the service's own part of an answer reached 0.3-0.4 s at 600-1,500/s
   offered with 128 client connections; docs/benchmarks.md).
 
-The guard hands the agent it authenticated to the `current_user` dependency, which then
+The guard hands the agent it authenticated to the `current_agent` dependency, which then
 needs no second lookup; a request the guard did not authenticate (an agent's GET) is
 authenticated by the dependency. The backend's two accept routes have no dependency: this
 guard is their authentication.

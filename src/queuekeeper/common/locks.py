@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from sqlalchemy import BigInteger, bindparam, func, select
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from queuekeeper.db import is_postgres
+from queuekeeper.db import Executor, is_postgres
 
 # create_subscription holds this shared while a broker user exists without its
 # row; deleting orphan broker users takes it exclusive.
@@ -104,8 +104,8 @@ _XACT_LOCK = {
 
 
 @asynccontextmanager
-async def guard(session: AsyncSession, name: str, *, exclusive: bool) -> AsyncIterator[None]:
-    """Hold the lock `name` until the session's transaction ends.
+async def guard(session: Executor, name: str, *, exclusive: bool) -> AsyncIterator[None]:
+    """Hold the lock `name` until the transaction of `session` (or of a connection) ends.
 
     Commit or roll back inside the block: that releases the lock. A transaction
     still open when the block ends is rolled back. Shared holders do not wait for

@@ -7,10 +7,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 
-from queuekeeper.auth.dependencies import CurrentUser
+from queuekeeper.auth.dependencies import CurrentAgent, CurrentUser
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
-from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
+from queuekeeper.state import EngineDep, ProvisionerDep, SessionDep, SettingsDep
 from queuekeeper.subscriptions import service
 from queuekeeper.subscriptions.schemas import (
     QueueCreate,
@@ -139,13 +139,13 @@ async def create_queue(
     subscription_uuid: str,
     body: QueueCreate,
     response: Response,
-    user: CurrentUser,
-    session: SessionDep,
+    user: CurrentAgent,
+    engine: EngineDep,
     provisioner: ProvisionerDep,
     settings: SettingsDep,
 ) -> QueueOut:
     queue, created = await service.create_queue(
-        session, provisioner, settings, user, subscription_uuid, body
+        engine, provisioner, settings, user, subscription_uuid, body
     )
     if not created:
         response.status_code = status.HTTP_200_OK

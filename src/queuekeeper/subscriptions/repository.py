@@ -113,7 +113,7 @@ _ACCESS_LOCKED = _ACCESS.with_for_update(read=True)
 
 
 async def has_access(
-    session: AsyncSession, user_uuid: uuid.UUID, offering_uuid: uuid.UUID, *, lock: bool = False
+    session: db.Executor, user_uuid: uuid.UUID, offering_uuid: uuid.UUID, *, lock: bool = False
 ) -> bool:
     parameters = {"user": user_uuid, "offering": offering_uuid}
     statement = _ACCESS_LOCKED if lock else _ACCESS
@@ -142,7 +142,7 @@ _QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
 _INSERT_QUEUE = InsertIfAbsent.of(_QUEUES, _QUEUES.c.uuid)
 
 
-async def insert_queue_if_absent(session: AsyncSession, queue: EventSubscriptionQueue) -> bool:
+async def insert_queue_if_absent(session: db.Executor, queue: EventSubscriptionQueue) -> bool:
     """Insert unless (subscription, offering, type) exists; True when this call inserted.
 
     ON CONFLICT DO NOTHING lets two concurrent create_queue calls both succeed:
@@ -252,25 +252,36 @@ async def queue_context(
     )
 
 
-QUEUE_EXISTS = select(EventSubscriptionQueue.uuid).where(
-    EventSubscriptionQueue.uuid == bindparam("queue")
+# On the driver, like the context read: create_queue runs on no session.
+_QUEUE_EXISTS = db.DriverRead(
+    select(EventSubscriptionQueue.uuid.label("uuid")).where(
+        EventSubscriptionQueue.uuid == bindparam("queue")
+    )
+)
+_QUEUE_OF = db.DriverRead(
+    select(*_QUEUE_COLUMNS).where(
+        EventSubscriptionQueue.subscription_uuid == bindparam("subscription"),
+        EventSubscriptionQueue.offering_uuid == bindparam("offering"),
+        EventSubscriptionQueue.object_type == bindparam("object_type"),
+    )
 )
 
 
-async def queue_exists(session: AsyncSession, queue_uuid: uuid.UUID) -> bool:
-    return await session.scalar(QUEUE_EXISTS, {"queue": queue_uuid}) is not None
+async def queue_exists(engine: AsyncEngine, queue_uuid: uuid.UUID) -> bool:
+    return await _QUEUE_EXISTS.first(engine, {"queue": queue_uuid}) is not None
 
 
 async def find_queue(
-    session: AsyncSession, subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_type: str
+    engine: AsyncEngine, subscription_uuid: uuid.UUID, offering_uuid: uuid.UUID, object_type: str
 ) -> EventSubscriptionQueue | None:
-    return await session.scalar(
-        select(EventSubscriptionQueue).where(
-            EventSubscriptionQueue.subscription_uuid == subscription_uuid,
-            EventSubscriptionQueue.offering_uuid == offering_uuid,
-            EventSubscriptionQueue.object_type == object_type,
-        )
-    )
+    """The queue's row, detached."""
+    parameters = {
+        "subscription": subscription_uuid,
+        "offering": offering_uuid,
+        "object_type": object_type,
+    }
+    row = await _QUEUE_OF.first(engine, parameters)
+    return db.detached(EventSubscriptionQueue, row) if row is not None else None
 
 
 async def queues_of_subscriptions(

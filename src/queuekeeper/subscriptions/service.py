@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 
 import structlog
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
-from queuekeeper import db
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import Provisioner, QueueConflict, QueueOutcome, best_effort
@@ -236,16 +235,18 @@ async def delete_subscription(
 
 
 async def create_queue(
-    session: AsyncSession,
+    engine: AsyncEngine,
     provisioner: Provisioner,
     settings: Settings,
     owner: User,
     subscription_uuid: str,
     body: QueueCreate,
 ) -> tuple[EventSubscriptionQueue, bool]:
-    """Register a queue of the caller's subscription; True when its row is new."""
-    # One read, on no session: no transaction held open while we wait on the broker.
-    engine = db.engine_of(session)
+    """Register a queue of the caller's subscription; True when its row is new.
+
+    On no ORM session: its reads are `DriverRead`s (an agent starting up calls once per
+    offering and object type), and a new row is one transaction on a plain connection."""
+    # One read, in no transaction: nothing held open while we wait on the broker.
     known = await find_by_path_uuid(
         subscription_uuid,
         "Event subscription",
@@ -255,7 +256,7 @@ async def create_queue(
     )
     try:
         queue, inserted, outcome = await _register_queue(
-            session, provisioner, settings, owner, known, body
+            engine, provisioner, settings, owner, known, body
         )
     except QueueConflict:
         CREATE_QUEUE.labels(outcome="conflict").inc()
@@ -271,7 +272,7 @@ async def create_queue(
 
 
 async def _register_queue(
-    session: AsyncSession,
+    engine: AsyncEngine,
     provisioner: Provisioner,
     settings: Settings,
     owner: User,
@@ -288,48 +289,50 @@ async def _register_queue(
     if not known.has_access:
         raise Forbidden(f"You have no access to offering {offering_uuid.hex}.")
     if known.registered is not None:  # registering an existing queue again is not one more
-        return await _ensure_registered(session, provisioner, known.registered)
+        return await _ensure_registered(engine, provisioner, known.registered)
     check_quota(settings, "max_queues_per_user", known.queues_held, "queues")
 
     name = topology.queue_name(subscription_uuid, offering_uuid, body.object_type)
     vhost = topology.vhost_name(owner.uuid)
+    queue = EventSubscriptionQueue(
+        uuid=uuid.uuid4(),
+        subscription_uuid=subscription_uuid,
+        offering_uuid=offering_uuid,
+        object_type=body.object_type,
+        queue_name=name,
+        vhost=vhost,
+        created=utcnow(),
+    )
     # The broker queue exists before its row does. Reconcile deletes `subscription_*`
     # queues without a row, but only while holding this lock exclusively and
     # re-checking the rows; holding it shared from before the declare until the
     # commit makes sure it never sees this queue without seeing its row.
-    async with locks.guard(session, locks.vhost_key(vhost), exclusive=False):
+    async with (
+        engine.connect() as connection,
+        locks.guard(connection, locks.vhost_key(vhost), exclusive=False),
+    ):
         # An agent must start even while its queue waits to change type (a migration).
         outcome = await provisioner.ensure_queue(vhost, name, keep_other_type=True)
-
-        queue = EventSubscriptionQueue(
-            uuid=uuid.uuid4(),
-            subscription_uuid=subscription_uuid,
-            offering_uuid=offering_uuid,
-            object_type=body.object_type,
-            queue_name=name,
-            vhost=vhost,
-            created=utcnow(),
-        )
         try:
             # Access again, locked (FOR SHARE) until the commit: revoke_access locks the
             # grant before it lists the queues to delete, so either it sees this row or
             # this sees the grant gone.
-            if not await repository.has_access(session, owner.uuid, offering_uuid, lock=True):
-                await session.rollback()
+            if not await repository.has_access(connection, owner.uuid, offering_uuid, lock=True):
+                await connection.rollback()
                 await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
                 raise Forbidden(f"Your access to offering {offering_uuid.hex} was revoked.")
-            inserted = await repository.insert_queue_if_absent(session, queue)
-            await session.commit()
+            inserted = await repository.insert_queue_if_absent(connection, queue)
+            await connection.commit()
         except IntegrityError as exc:
             # The subscription, offering or grant went away while we were at the broker.
-            await session.rollback()
+            await connection.rollback()
             await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
             raise NotFound(
                 "The subscription or the offering was deleted while the queue was being created."
             ) from exc
     if not inserted:
         existing = await repository.find_queue(
-            session, subscription_uuid, offering_uuid, body.object_type
+            engine, subscription_uuid, offering_uuid, body.object_type
         )
         if existing is None:  # deleted between our insert attempt and this read
             raise NotFound("The queue was deleted while it was being registered; call again.")
@@ -345,7 +348,7 @@ async def _register_queue(
 
 
 async def _ensure_registered(
-    session: AsyncSession, provisioner: Provisioner, queue: EventSubscriptionQueue
+    engine: AsyncEngine, provisioner: Provisioner, queue: EventSubscriptionQueue
 ) -> tuple[EventSubscriptionQueue, bool, QueueOutcome]:
     """A repeat call (an agent starting again): the row exists, so only the broker's queue
     is ensured. No advisory lock: reconcile never deletes a queue whose row it can see.
@@ -358,7 +361,7 @@ async def _ensure_registered(
         queue.vhost, queue.queue_name, keep_other_type=True, known=True
     )
     if outcome is not QueueOutcome.VERIFIED:
-        await _check_still_registered(session, provisioner, queue)
+        await _check_still_registered(engine, provisioner, queue)
     log.info(
         "queue_registered",
         queue=queue.queue_name,
@@ -370,20 +373,17 @@ async def _ensure_registered(
 
 
 async def _check_still_registered(
-    session: AsyncSession, provisioner: Provisioner, queue: EventSubscriptionQueue
+    engine: AsyncEngine, provisioner: Provisioner, queue: EventSubscriptionQueue
 ) -> None:
     """After declaring the queue of an existing row: NotFound, and the queue removed
     again, when a revoke or a delete took the row meanwhile."""
-    await db.read_without_transaction(session)
-    if not await repository.queue_exists(session, queue.uuid):
-        await session.rollback()
+    if not await repository.queue_exists(engine, queue.uuid):
         await best_effort(
             "delete_queue",
             provisioner.delete_queue(queue.vhost, queue.queue_name),
             queue=queue.queue_name,
         )
         raise NotFound("The queue was deleted while it was being registered; call again.")
-    await session.commit()
 
 
 async def list_queues(
