@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -85,6 +85,24 @@ class InsertIfAbsent:
         return cls(
             postgresql.insert(table).on_conflict_do_nothing().returning(returning),
             sqlite.insert(table).on_conflict_do_nothing().returning(returning),
+        )
+
+    @classmethod
+    def from_select(
+        cls, table: Table, names: Sequence[str], rows: Select[Any], returning: ColumnElement[Any]
+    ) -> InsertIfAbsent:
+        """`INSERT ... SELECT ...`: the rows `rows` selects into the columns `names`, each
+        unless it conflicts. SQLite needs a WHERE in `rows` to read the statement's ON
+        CONFLICT as the insert's."""
+        return cls(
+            postgresql.insert(table)
+            .from_select(names, rows)
+            .on_conflict_do_nothing()
+            .returning(returning),
+            sqlite.insert(table)
+            .from_select(names, rows)
+            .on_conflict_do_nothing()
+            .returning(returning),
         )
 
     def on(self, executor: Executor) -> ReturningInsert[Any]:

@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client import REGISTRY
-from sqlalchemy import event
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.publisher import AmqpPublisher
@@ -25,7 +24,7 @@ from tests.events.support import (
     queue_depth,
     register,
 )
-from tests.helpers import Agent, Backend
+from tests.helpers import Agent, Backend, database_statements
 
 
 async def consumer_for(agent: Agent, offering: uuid.UUID, types: list[str] | None = None) -> str:
@@ -177,12 +176,6 @@ async def test_a_copy_whose_consumer_was_deleted_is_given_up(
 async def test_recipients_stay_three_statements_with_consumers(
     app: Any, client: httpx.AsyncClient, backend: Backend
 ) -> None:
-    engine = app.state.queuekeeper.engine.sync_engine
-    statements: list[str] = []
-
-    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        statements.append(statement)
-
     small, small_offering = await backend.agent_with_offering()
     await consumer_for(small, small_offering)
     large = await backend.put_offering()
@@ -195,16 +188,13 @@ async def test_recipients_stay_three_statements_with_consumers(
     def batch(offering: uuid.UUID) -> list[dict[str, Any]]:
         return [order_event(offering) for _ in range(10)] + [resource_event(offering)]
 
-    event.listen(engine, "before_cursor_execute", count)
-    try:
+    with database_statements(app.state.queuekeeper.engine) as statements:
         statements.clear()
         assert (await post_batch(client, batch(small_offering))).status_code == 202
         few = len(statements)
         statements.clear()
         response = await post_batch(client, batch(large) + batch(small_offering))
         many = len(statements)
-    finally:
-        event.remove(engine, "before_cursor_execute", count)
     answers = response.json()["events"]
     assert [a["queued"] for a in answers[:11]] == [5] * 10 + [0]
     assert [a["queued"] for a in answers[11:]] == [1] * 11

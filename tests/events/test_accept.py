@@ -8,7 +8,6 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from sqlalchemy import event
 from structlog.testing import capture_logs
 
 from queuekeeper.events.payloads import PAYLOAD_MODELS
@@ -20,7 +19,7 @@ from tests.events.support import (
     post_event,
     register,
 )
-from tests.helpers import Backend
+from tests.helpers import Backend, database_statements
 
 pytestmark = pytest.mark.settings(relay_enabled=False)
 
@@ -325,12 +324,6 @@ async def test_recipients_and_unregistered_subscribers(
 async def test_recipient_lookup_costs_the_same_queries_for_any_fan_out(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
-    engine = app.state.queuekeeper.engine.sync_engine
-    statements: list[str] = []
-
-    def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        statements.append(statement)
-
     small = await register(backend)
     large = await register(backend)
     for _ in range(6):  # six more users, each with two subscriptions with queues
@@ -354,8 +347,7 @@ async def test_recipient_lookup_costs_the_same_queries_for_any_fan_out(
         ]
         return events
 
-    event.listen(engine, "before_cursor_execute", count)
-    try:
+    with database_statements(app.state.queuekeeper.engine) as statements:
         statements.clear()
         response = await post_batch(client, batch(small.offering))
         assert response.status_code == 202
@@ -365,8 +357,6 @@ async def test_recipient_lookup_costs_the_same_queries_for_any_fan_out(
         response = await post_batch(client, mixed)
         assert response.status_code == 202
         many = len(statements)
-    finally:
-        event.remove(engine, "before_cursor_execute", count)
     answers = response.json()["events"]
     assert [a["queued"] for a in answers[:21]] == [7] * 20 + [6]
     # The four subscriptions of `lister`, and each user's resource subscription (it lists

@@ -135,17 +135,24 @@ async def _refused_payload(backend: Backend, envelope: str, constant: str) -> No
     assert _fields(batch) == {"events.0.payload.price"}
 
 
+def _unreachable_database(settings: Settings, tmp_path: Any) -> str:
+    """A URL of the suite's kind of database that cannot be opened."""
+    if settings.is_sqlite:
+        return f"sqlite+aiosqlite:///{tmp_path}/missing/dir/db.sqlite"
+    parts = urlsplit(settings.database_url)
+    return settings.database_url.replace(
+        f"{parts.hostname}:{parts.port or 5432}", f"127.0.0.1:{closed_port()}"
+    )
+
+
 async def test_an_unreachable_database_is_a_503_with_retry_after(
     settings: Settings, make_client: Any, tmp_path: Any
 ) -> None:
-    if settings.is_sqlite:
-        url = f"sqlite+aiosqlite:///{tmp_path}/missing/dir/db.sqlite"
-    else:
-        parts = urlsplit(settings.database_url)
-        url = settings.database_url.replace(
-            f"{parts.hostname}:{parts.port or 5432}", f"127.0.0.1:{closed_port()}"
-        )
-    http = await make_client(database_url=url, relay_enabled=False, scheduler_enabled=False)
+    http = await make_client(
+        database_url=_unreachable_database(settings, tmp_path),
+        relay_enabled=False,
+        scheduler_enabled=False,
+    )
     response = await http.get(
         "/api/admin/reconcile-runs/",
         headers={"Authorization": "Bearer service-token-primary-0123456789"},
@@ -207,14 +214,11 @@ def test_database_errors_are_classified(error: BaseException, expected: Database
 async def test_an_agent_call_while_the_database_is_unreachable_is_a_503(
     settings: Settings, make_client: Any, tmp_path: Any, method: str, path: str
 ) -> None:
-    if settings.is_sqlite:
-        url = f"sqlite+aiosqlite:///{tmp_path}/missing/dir/db.sqlite"
-    else:
-        parts = urlsplit(settings.database_url)
-        url = settings.database_url.replace(
-            f"{parts.hostname}:{parts.port or 5432}", f"127.0.0.1:{closed_port()}"
-        )
-    http = await make_client(database_url=url, relay_enabled=False, scheduler_enabled=False)
+    http = await make_client(
+        database_url=_unreachable_database(settings, tmp_path),
+        relay_enabled=False,
+        scheduler_enabled=False,
+    )
     body = {"description": "x"} if method == "POST" else None
     response = await http.request(method, path, json=body, headers={"Authorization": "Token abc"})
     assert response.status_code == 503, response.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from typing import Any
 
 import aio_pika
 import httpx
@@ -16,6 +17,7 @@ from prometheus_client import REGISTRY
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
+from queuekeeper.subscriptions import repository as subscription_repository
 from tests.brokers import BROKER
 from tests.helpers import Backend, database_statements
 from tests.stomp_client import StompConsumer
@@ -162,6 +164,62 @@ async def test_concurrent_identical_calls_give_one_201_and_200s(
     assert len({response.json()["uuid"] for response in responses}) == 1
     listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
     assert len(listed.json()) == 1
+
+
+async def test_a_new_queue_is_four_statements(app: FastAPI, backend: Backend) -> None:
+    """The token, the context read, then the new row's transaction: the advisory lock and
+    the insert, which re-checks the grant itself (BEGIN and COMMIT are the driver's, not
+    statements). SQLite has no advisory lock: an in-process mutex stands in."""
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    with database_statements(app.state.queuekeeper.engine) as statements:
+        created = await agent.create_queue(subscription["uuid"], offering)
+    assert created.status_code == 201
+    expected = 3 if app.state.queuekeeper.settings.is_sqlite else 4
+    assert len(statements) == expected, [s[:120] for s in statements]
+    assert "FROM offering_access" in statements[-1]
+
+
+async def test_access_revoked_while_the_queue_is_declared_is_a_403_and_leaves_nothing(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, management: ManagementClient
+) -> None:
+    """The backend revokes the grant while create_queue is at the broker: the insert, which
+    re-checks the grant, finds it gone, so no row is committed and the queue just declared is
+    deleted again; revoke_access (which waits for the vhost lock to clean up) then ends."""
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    state = app.state.queuekeeper
+    provisioner = state.provisioner
+    declare = provisioner.ensure_queue
+    revoking: list[asyncio.Task[httpx.Response]] = []
+
+    async def declare_then_revoke(*args: Any, **kwargs: Any) -> Any:
+        outcome = await declare(*args, **kwargs)
+        revoking.append(
+            asyncio.create_task(
+                client.delete(
+                    f"/api/internal/offerings/{offering}/users/{agent.uuid}/",
+                    headers=backend.headers,
+                )
+            )
+        )
+        async with asyncio.timeout(10):  # until the revoke has committed
+            while True:
+                async with state.sessions() as session:
+                    if not await subscription_repository.has_access(session, agent.uuid, offering):
+                        return outcome
+                await asyncio.sleep(0.02)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(provisioner, "ensure_queue", declare_then_revoke)
+        response = await agent.create_queue(subscription["uuid"], offering)
+    assert response.status_code == 403, response.text
+    assert "was revoked" in response.json()["detail"]
+    assert (await revoking[0]).status_code == 204
+    name = f"subscription_{subscription['uuid']}_offering_{offering.hex}_order"
+    assert await management.get_queue(agent.vhost, name) is None
+    listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
+    assert listed.json() == []
 
 
 async def test_queue_auto_created_without_arguments_is_repaired(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,18 +138,48 @@ async def registered_queue_names(
 
 
 _QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
+
+
+def _insert_queue_statement() -> InsertIfAbsent:
+    granted = (
+        select(OfferingAccess.user_uuid)
+        .where(
+            OfferingAccess.user_uuid == bindparam("user"),
+            OfferingAccess.offering_uuid == bindparam("offering_uuid"),
+        )
+        .with_for_update(read=True)
+    )
+    row = select(
+        *(bindparam(column.key, type_=column.type).label(column.key) for column in _QUEUES.c)
+    ).where(granted.exists())
+    return InsertIfAbsent.from_select(_QUEUES, _QUEUES.c.keys(), row, _QUEUES.c.uuid)
+
+
 # On the table rather than the mapped class: the ORM's bulk insert path and a statement built
-# per call were a tenth of a new create_queue's CPU (py-spy).
-_INSERT_QUEUE = InsertIfAbsent.of(_QUEUES, _QUEUES.c.uuid)
+# per call were a tenth of a new create_queue's CPU (py-spy). The access re-check rides in
+# the insert (one round trip of five).
+_INSERT_QUEUE = _insert_queue_statement()
 
 
-async def insert_queue_if_absent(session: db.Executor, queue: EventSubscriptionQueue) -> bool:
-    """Insert unless (subscription, offering, type) exists; True when this call inserted.
+class QueueInsert(enum.Enum):
+    INSERTED = "inserted"
+    EXISTS = "exists"  # a concurrent call inserted it first
+    NO_ACCESS = "no_access"  # the owner's grant to the offering is gone
+
+
+async def insert_queue_with_access(
+    connection: db.Executor, owner_uuid: uuid.UUID, queue: EventSubscriptionQueue
+) -> QueueInsert:
+    """Insert the queue's row unless (subscription, offering, type) exists, and only while
+    the owner has access to the offering: the grant is locked (FOR SHARE) until the commit,
+    as revoke_access locks it before it lists the queues to delete, so either it sees this
+    row or this sees the grant gone.
 
     ON CONFLICT DO NOTHING lets two concurrent create_queue calls both succeed:
     one inserts (201), the other finds the row (200), neither sees an error.
     """
     values = {
+        "user": owner_uuid,
         "uuid": queue.uuid,
         "subscription_uuid": queue.subscription_uuid,
         "offering_uuid": queue.offering_uuid,
@@ -157,8 +188,12 @@ async def insert_queue_if_absent(session: db.Executor, queue: EventSubscriptionQ
         "vhost": queue.vhost,
         "created": queue.created,
     }
-    inserted = await session.scalar(_INSERT_QUEUE.on(session), values)
-    return inserted is not None
+    if await connection.scalar(_INSERT_QUEUE.on(connection), values) is not None:
+        return QueueInsert.INSERTED
+    # Nothing inserted: a conflict or no grant. Which, the locked read tells (rare).
+    if await has_access(connection, owner_uuid, queue.offering_uuid, lock=True):
+        return QueueInsert.EXISTS
+    return QueueInsert.NO_ACCESS
 
 
 @dataclass(frozen=True)

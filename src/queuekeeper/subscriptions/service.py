@@ -314,15 +314,14 @@ async def _register_queue(
         # An agent must start even while its queue waits to change type (a migration).
         outcome = await provisioner.ensure_queue(vhost, name, keep_other_type=True)
         try:
-            # Access again, locked (FOR SHARE) until the commit: revoke_access locks the
-            # grant before it lists the queues to delete, so either it sees this row or
-            # this sees the grant gone.
-            if not await repository.has_access(connection, owner.uuid, offering_uuid, lock=True):
+            # Access is checked again in the insert, the grant locked until the commit.
+            insert = await repository.insert_queue_with_access(connection, owner.uuid, queue)
+            if insert is repository.QueueInsert.NO_ACCESS:
                 await connection.rollback()
                 await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
                 raise Forbidden(f"Your access to offering {offering_uuid.hex} was revoked.")
-            inserted = await repository.insert_queue_if_absent(connection, queue)
             await connection.commit()
+            inserted = insert is repository.QueueInsert.INSERTED
         except IntegrityError as exc:
             # The subscription, offering or grant went away while we were at the broker.
             await connection.rollback()
