@@ -118,6 +118,8 @@ class _DriverStatement:
     sql: str
     names: tuple[str, ...]  # the positional parameters' keys, in order
     binds: tuple[Processor, ...]
+    # What a parameter the caller does not pass is bound to: the statement's own literals.
+    literals: dict[str, Any]
     results: tuple[tuple[str, Processor], ...]  # each column's key and result processor
 
 
@@ -126,8 +128,8 @@ class DriverRead:
     SQLAlchemy's pool; on SQLite through SQLAlchemy Core.
 
     For the reads on every agent call (the token lookup; create_queue's context): through an
-    ORM session one costs 0.5 ms of CPU here, through a Core connection 0.3 ms, and on the
-    driver 0.13 ms (`bench/_reads.py`). The statement is still written once, in SQLAlchemy,
+    ORM session one cost 0.42 ms of CPU here, through a Core connection 0.27 ms, and on the
+    driver 0.12 ms (`python -m bench._reads`). The statement is still written once, in SQLAlchemy,
     and compiled once by its dialect; the column types' own bind and result processors are
     applied, so a row reads the same on both paths. Only what SQLAlchemy adds per call (its
     execution context, the result's cursor wrapping, the session's unit of work) is skipped.
@@ -147,13 +149,20 @@ class DriverRead:
                 compiled.binds[name].type.dialect_impl(dialect).bind_processor(dialect)
                 for name in names
             )
+            literals = {
+                name: compiled.binds[name].effective_value
+                for name in names
+                if not compiled.binds[name].required
+            }
             results = []
             for column in self.statement.selected_columns:
                 if column.key is None:
                     raise TypeError(f"label every column of a DriverRead: {column}")
                 impl = column.type.dialect_impl(dialect)
                 results.append((column.key, impl.result_processor(dialect, None)))
-            self._compiled = _DriverStatement(compiled.string, names, binds, tuple(results))
+            self._compiled = _DriverStatement(
+                compiled.string, names, binds, literals, tuple(results)
+            )
         return self._compiled
 
     async def first(
@@ -164,8 +173,9 @@ class DriverRead:
                 row = (await connection.execute(self.statement, parameters)).mappings().first()
             return dict(row) if row is not None else None
         statement = self._for(engine)
+        values = statement.literals | dict(parameters)
         arguments = [
-            process(parameters[name]) if process else parameters[name]
+            process(values[name]) if process else values[name]
             for name, process in zip(statement.names, statement.binds, strict=True)
         ]
         pooled = await engine.raw_connection()
