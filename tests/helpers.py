@@ -6,6 +6,7 @@ import secrets
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,23 +140,23 @@ def database_statements(engine: AsyncEngine) -> Iterator[list[str]]:
     `before_cursor_execute` event) and the reads that go straight to the driver
     (`db.DriverRead`), each counted once on either database."""
     statements: list[str] = []
-    in_driver_read = False
+    # Per task: another task's statement during a DriverRead is still counted.
+    in_driver_read: ContextVar[bool] = ContextVar("in_driver_read", default=False)
     original = db.DriverRead.first
 
     def through_sqlalchemy(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if not in_driver_read:  # on SQLite a DriverRead runs through SQLAlchemy
+        if not in_driver_read.get():  # on SQLite a DriverRead runs through SQLAlchemy
             statements.append(statement)
 
     async def driver_read(
         read: db.DriverRead, bound: AsyncEngine, parameters: Mapping[str, Any]
     ) -> dict[str, Any] | None:
-        nonlocal in_driver_read
         statements.append(str(read.statement))
-        in_driver_read = True
+        token = in_driver_read.set(True)
         try:
             return await original(read, bound, parameters)
         finally:
-            in_driver_read = False
+            in_driver_read.reset(token)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(db.DriverRead, "first", driver_read)

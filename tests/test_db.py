@@ -3,9 +3,11 @@ failure raised as SQLAlchemy's so the error handlers answer it."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -17,6 +19,7 @@ from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
 from queuekeeper.models import User
+from tests.pg_refusing import refusing_postgres
 
 BY_DIGEST = db.DriverRead(
     select(*db.columns_of(User), literal("fixed").label("constant")).where(
@@ -76,14 +79,106 @@ async def test_a_lost_connection_is_a_dbapi_error_and_the_pool_recovers(
     first = await pids.first(engine, {})
     assert first is not None
     # From outside the pool, whose one connection is the one terminated.
-    admin = await asyncpg.connect(settings.database_url.replace("+asyncpg", ""))
-    try:
-        await admin.execute("SELECT pg_terminate_backend($1)", first["pid"])
-    finally:
-        await admin.close()
+    await _terminate(settings, [first["pid"]])
     with pytest.raises(DBAPIError) as raised:
         await BY_DIGEST.first(engine, {"digest": "e" * 64})
     assert raised.value.connection_invalidated
     assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
     # The dead connection left the pool: the next read gets a live one.
     assert await BY_DIGEST.first(engine, {"digest": "e" * 64}) is not None
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "message"),
+    [("57P03", "the database system is starting up"), ("53300", "too many clients already")],
+)
+async def test_a_refused_connection_is_a_dbapi_error_read_as_unreachable(
+    settings: Settings, sqlstate: str, message: str
+) -> None:
+    """What PostgreSQL answers while it restarts or is full: a 503, never a 500."""
+    if settings.is_sqlite:
+        pytest.skip("PostgreSQL's refusals")
+    async with refusing_postgres(sqlstate, message) as port:
+        parts = urlsplit(settings.database_url)
+        url = settings.database_url.replace(f"{parts.hostname}:{parts.port}", f"127.0.0.1:{port}")
+        engine = db.create_engine(settings.model_copy(update={"database_url": url}))
+        try:
+            with pytest.raises(DBAPIError) as raised:
+                await BY_DIGEST.first(engine, {"digest": "x"})
+        finally:
+            await engine.dispose()
+    assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
+
+
+async def test_every_connection_as_old_as_a_dead_one_is_replaced(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """After a server restart every pooled connection is dead: one read fails, not one per
+    pooled connection (as SQLAlchemy's own statements do)."""
+    if settings.is_sqlite:
+        pytest.skip("an SQLite connection cannot be terminated from outside")
+    await _user(engine, token_hash="f" * 64)
+    pids = db.DriverRead(
+        select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.2).label("slept"))
+    )
+    rows = await asyncio.gather(*(pids.first(engine, {}) for _ in range(3)))
+    await _terminate(settings, [row["pid"] for row in rows if row is not None])
+    outcomes = []
+    for _ in range(3):
+        try:
+            await BY_DIGEST.first(engine, {"digest": "f" * 64})
+            outcomes.append("ok")
+        except DBAPIError:
+            outcomes.append("failed")
+    assert outcomes == ["failed", "ok", "ok"]
+
+
+async def test_reads_past_the_pool_size_leave_no_connection_behind(settings: Settings) -> None:
+    """A connection beyond the pool's size (an overflow) is closed when it is returned, not
+    left open on the server."""
+    if settings.is_sqlite:
+        pytest.skip("PostgreSQL's backends")
+    engine = db.create_engine(settings, pool_size=1)
+    reads = db.DriverRead(
+        select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.05).label("slept"))
+    )
+    pids: set[int] = set()
+    try:
+        for _ in range(5):
+            rows = await asyncio.gather(*(reads.first(engine, {}) for _ in range(2)))
+            pids.update(row["pid"] for row in rows if row is not None)
+    finally:
+        await engine.dispose()
+    assert len(pids) > 1  # the bursts did go past the pool's one connection
+    alive = await _alive(settings, pids)
+    for _ in range(40):  # a closed connection's server process takes a moment to exit
+        if not alive:
+            break
+        await asyncio.sleep(0.05)
+        alive = await _alive(settings, pids)
+    assert alive == set()
+
+
+async def _admin(settings: Settings) -> asyncpg.Connection:
+    return await asyncpg.connect(settings.database_url.replace("+asyncpg", ""))
+
+
+async def _terminate(settings: Settings, pids: list[int]) -> None:
+    admin = await _admin(settings)
+    try:
+        for pid in pids:
+            await admin.execute("SELECT pg_terminate_backend($1)", pid)
+    finally:
+        await admin.close()
+
+
+async def _alive(settings: Settings, pids: set[int]) -> set[int]:
+    """Which of these server processes still serve a client."""
+    admin = await _admin(settings)
+    try:
+        rows = await admin.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE pid = any($1::int[])", list(pids)
+        )
+        return {row["pid"] for row in rows}
+    finally:
+        await admin.close()

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, Select, Table, event, inspect
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
@@ -128,13 +129,16 @@ class DriverRead:
     SQLAlchemy's pool; on SQLite through SQLAlchemy Core.
 
     For the reads on every agent call (the token lookup; create_queue's context): through an
-    ORM session one cost 0.42 ms of CPU here, through a Core connection 0.27 ms, and on the
-    driver 0.12 ms (`python -m bench._reads`). The statement is still written once, in SQLAlchemy,
-    and compiled once by its dialect; the column types' own bind and result processors are
-    applied, so a row reads the same on both paths. Only what SQLAlchemy adds per call (its
-    execution context, the result's cursor wrapping, the session's unit of work) is skipped.
-    Errors are raised as SQLAlchemy's `DBAPIError`, a dead connection is invalidated, so the
-    caller and the error handlers see what any other statement would raise."""
+    ORM session one cost 0.42-0.45 ms of CPU here, through a Core connection 0.27-0.31 ms,
+    and as a DriverRead 0.20 ms (`python -m bench._reads`). The statement is still written
+    once, in SQLAlchemy, and compiled once by its dialect; the column types' own bind and
+    result processors are applied, so a row reads the same on both paths. What is skipped
+    is what SQLAlchemy adds per statement (its execution context, the result's cursor
+    wrapping, the session's unit of work). The connection's life is SQLAlchemy's: checked
+    out and returned through a Core connection (a refused connect is its DBAPIError, an
+    overflow connection is closed properly), and a disconnect invalidates the pool as
+    SQLAlchemy's own statements do. A failed statement is raised as `DBAPIError`, so the
+    error handlers answer it as any other."""
 
     def __init__(self, statement: Select[Any]) -> None:
         self.statement = statement
@@ -178,28 +182,40 @@ class DriverRead:
             process(values[name]) if process else values[name]
             for name, process in zip(statement.names, statement.binds, strict=True)
         ]
-        pooled = await engine.raw_connection()
-        driver: Any = pooled.driver_connection
-        try:
-            record = await driver.fetchrow(statement.sql, *arguments)
-        except Exception as exc:
-            lost = driver.is_closed()
-            if lost:
-                pooled.invalidate(exc)
-            raise DBAPIError(
-                statement.sql, None, exc, hide_parameters=True, connection_invalidated=lost
-            ) from exc
-        except BaseException:
-            pooled.invalidate()  # cancelled mid-statement: the connection's state is unknown
-            raise
-        finally:
-            pooled.close()
+        # Checked out and returned through a Core connection, not `raw_connection()`: that
+        # wraps a refused connect as DBAPIError and closes an overflow connection in the
+        # greenlet asyncpg's adapter needs (outside it the pool logs and leaks it).
+        async with engine.connect() as connection:
+            pooled = await connection.get_raw_connection()
+            driver: Any = pooled.driver_connection
+            try:
+                record = await driver.fetchrow(statement.sql, *arguments)
+            except Exception as exc:
+                lost = driver.is_closed()
+                if lost:
+                    # What SQLAlchemy does on a disconnect: every connection as old as this
+                    # one is replaced at its next checkout (a server restart killed them all).
+                    await connection.run_sync(_invalidate_pool, exc)
+                    await connection.invalidate(exc)
+                raise DBAPIError(
+                    statement.sql, None, exc, hide_parameters=True, connection_invalidated=lost
+                ) from exc
+            except BaseException:
+                await connection.invalidate()  # cancelled mid-statement: its state is unknown
+                raise
         if record is None:
             return None
         return {
             key: process(value) if process else value
             for (key, process), value in zip(statement.results, record, strict=True)
         }
+
+
+def _invalidate_pool(connection: Connection, exc: BaseException) -> None:
+    pooled = connection.connection
+    # SQLAlchemy's own disconnect handling calls it so (Connection._handle_dbapi_exception);
+    # the pool has no public spelling of it.
+    connection.engine.pool._invalidate(pooled, exc, _checkin=False)
 
 
 def detached(model: type[M], row: Mapping[str, Any]) -> M:

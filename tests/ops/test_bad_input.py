@@ -17,6 +17,7 @@ from queuekeeper.common.pagination import MAX_PAGE
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
 from tests.helpers import Backend
+from tests.pg_refusing import refusing_postgres
 from tests.proxy import closed_port
 
 HUGE = "11945584113270350860971166138368"
@@ -224,3 +225,21 @@ async def test_an_agent_call_while_the_database_is_unreachable_is_a_503(
     assert response.status_code == 503, response.text
     assert response.headers["Retry-After"] == str(settings.retry_after_seconds)
     assert "database" in response.json()["detail"]
+
+
+async def test_an_agent_call_while_postgres_starts_up_is_a_503(
+    settings: Settings, make_client: Any
+) -> None:
+    """PostgreSQL refuses connections while it starts (57P03): the guard's token lookup
+    answers 503 like any unreachable database."""
+    if settings.is_sqlite:
+        pytest.skip("PostgreSQL's refusal")
+    async with refusing_postgres("57P03", "the database system is starting up") as port:
+        parts = urlsplit(settings.database_url)
+        url = settings.database_url.replace(f"{parts.hostname}:{parts.port}", f"127.0.0.1:{port}")
+        http = await make_client(database_url=url, relay_enabled=False, scheduler_enabled=False)
+        response = await http.post(
+            "/api/event-subscriptions/", json={}, headers={"Authorization": "Token abc"}
+        )
+    assert response.status_code == 503, response.text
+    assert response.headers["Retry-After"] == str(settings.retry_after_seconds)

@@ -222,6 +222,45 @@ async def test_access_revoked_while_the_queue_is_declared_is_a_403_and_leaves_no
     assert listed.json() == []
 
 
+async def test_a_revoke_after_the_insert_waits_for_the_commit_and_then_takes_the_queue(
+    app: FastAPI,
+    settings: Settings,
+    client: httpx.AsyncClient,
+    backend: Backend,
+    management: ManagementClient,
+) -> None:
+    """The insert locks the grant (FOR SHARE) until the commit; revoke_access locks it too
+    before it lists the queues to delete, so it waits, then sees the new row and removes it
+    with its queue."""
+    if settings.is_sqlite:
+        pytest.skip("SQLite has no row locks; one instance, a narrower race (docs/architecture.md)")
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    insert = subscription_repository.insert_queue_with_access
+    revoking: list[asyncio.Task[httpx.Response]] = []
+
+    async def insert_then_revoke(*args: Any) -> Any:
+        inserted = await insert(*args)
+        revoke = asyncio.create_task(
+            client.delete(
+                f"/api/internal/offerings/{offering}/users/{agent.uuid}/", headers=backend.headers
+            )
+        )
+        revoking.append(revoke)
+        await asyncio.sleep(0.5)
+        assert not revoke.done(), "the revoke did not wait for the locked grant"
+        return inserted
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subscription_repository, "insert_queue_with_access", insert_then_revoke)
+        response = await agent.create_queue(subscription["uuid"], offering)
+    assert response.status_code == 201, response.text
+    assert (await revoking[0]).status_code == 204
+    assert await management.get_queue(agent.vhost, response.json()["queue_name"]) is None
+    listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
+    assert listed.json() == []
+
+
 async def test_queue_auto_created_without_arguments_is_repaired(
     backend: Backend, management: ManagementClient
 ) -> None:

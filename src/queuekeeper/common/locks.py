@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from sqlalchemy import BigInteger, bindparam, func, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from queuekeeper.db import Executor, is_postgres
 
@@ -126,6 +126,25 @@ async def guard(session: Executor, name: str, *, exclusive: bool) -> AsyncIterat
         finally:
             if session.in_transaction():
                 await session.rollback()
+
+
+@asynccontextmanager
+async def connection_holding(
+    engine: AsyncEngine, name: str, *, exclusive: bool
+) -> AsyncIterator[AsyncConnection]:
+    """A connection whose transaction holds the lock `name` (as `guard`), for a unit of work
+    on no session. On SQLite the in-process lock is taken first: a caller waiting for it
+    holds no connection of the pool meanwhile."""
+    if engine.dialect.name == "postgresql":
+        async with engine.connect() as connection, guard(connection, name, exclusive=exclusive):
+            yield connection
+        return
+    async with _local_locks().hold(name), engine.connect() as connection:
+        try:
+            yield connection
+        finally:
+            if connection.in_transaction():
+                await connection.rollback()
 
 
 @asynccontextmanager

@@ -307,10 +307,9 @@ async def _register_queue(
     # queues without a row, but only while holding this lock exclusively and
     # re-checking the rows; holding it shared from before the declare until the
     # commit makes sure it never sees this queue without seeing its row.
-    async with (
-        engine.connect() as connection,
-        locks.guard(connection, locks.vhost_key(vhost), exclusive=False),
-    ):
+    async with locks.connection_holding(
+        engine, locks.vhost_key(vhost), exclusive=False
+    ) as connection:
         # An agent must start even while its queue waits to change type (a migration).
         outcome = await provisioner.ensure_queue(vhost, name, keep_other_type=True)
         try:
