@@ -8,8 +8,15 @@ import asyncio
 import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 _SSL_REQUEST = 80877103
+
+
+def at_port(database_url: str, port: int) -> str:
+    """`database_url` pointed at 127.0.0.1:`port`, same database, user and driver."""
+    parts = urlsplit(database_url)
+    return database_url.replace(f"{parts.hostname}:{parts.port or 5432}", f"127.0.0.1:{port}")
 
 
 def _error(sqlstate: str, message: str) -> bytes:

@@ -7,7 +7,6 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -19,7 +18,7 @@ from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
 from queuekeeper.models import User
-from tests.pg_refusing import refusing_postgres
+from tests.pg_refusing import at_port, refusing_postgres
 
 BY_DIGEST = db.DriverRead(
     select(*db.columns_of(User), literal("fixed").label("constant")).where(
@@ -99,8 +98,7 @@ async def test_a_refused_connection_is_a_dbapi_error_read_as_unreachable(
     if settings.is_sqlite:
         pytest.skip("PostgreSQL's refusals")
     async with refusing_postgres(sqlstate, message) as port:
-        parts = urlsplit(settings.database_url)
-        url = settings.database_url.replace(f"{parts.hostname}:{parts.port}", f"127.0.0.1:{port}")
+        url = at_port(settings.database_url, port)
         engine = db.create_engine(settings.model_copy(update={"database_url": url}))
         try:
             with pytest.raises(DBAPIError) as raised:

@@ -177,7 +177,8 @@ class DriverRead:
                 row = (await connection.execute(self.statement, parameters)).mappings().first()
             return dict(row) if row is not None else None
         statement = self._for(engine)
-        values = statement.literals | dict(parameters)
+        # A copy only for a statement that carries literals (none of ours on the hot path).
+        values = {**statement.literals, **parameters} if statement.literals else parameters
         arguments = [
             process(values[name]) if process else values[name]
             for name, process in zip(statement.names, statement.binds, strict=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import sqlite3
 import uuid
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ from queuekeeper.common.pagination import MAX_PAGE
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
 from tests.helpers import Backend
-from tests.pg_refusing import refusing_postgres
+from tests.pg_refusing import at_port, refusing_postgres
 from tests.proxy import closed_port
 
 HUGE = "11945584113270350860971166138368"
@@ -140,10 +139,7 @@ def _unreachable_database(settings: Settings, tmp_path: Any) -> str:
     """A URL of the suite's kind of database that cannot be opened."""
     if settings.is_sqlite:
         return f"sqlite+aiosqlite:///{tmp_path}/missing/dir/db.sqlite"
-    parts = urlsplit(settings.database_url)
-    return settings.database_url.replace(
-        f"{parts.hostname}:{parts.port or 5432}", f"127.0.0.1:{closed_port()}"
-    )
+    return at_port(settings.database_url, closed_port())
 
 
 async def test_an_unreachable_database_is_a_503_with_retry_after(
@@ -235,9 +231,11 @@ async def test_an_agent_call_while_postgres_starts_up_is_a_503(
     if settings.is_sqlite:
         pytest.skip("PostgreSQL's refusal")
     async with refusing_postgres("57P03", "the database system is starting up") as port:
-        parts = urlsplit(settings.database_url)
-        url = settings.database_url.replace(f"{parts.hostname}:{parts.port}", f"127.0.0.1:{port}")
-        http = await make_client(database_url=url, relay_enabled=False, scheduler_enabled=False)
+        http = await make_client(
+            database_url=at_port(settings.database_url, port),
+            relay_enabled=False,
+            scheduler_enabled=False,
+        )
         response = await http.post(
             "/api/event-subscriptions/", json={}, headers={"Authorization": "Token abc"}
         )
