@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,29 +136,20 @@ class Operator:
 @contextmanager
 def database_statements(engine: AsyncEngine) -> Iterator[list[str]]:
     """Every statement sent to the database while inside: those through SQLAlchemy (its
-    `before_cursor_execute` event) and the reads that go straight to the driver
-    (`db.DriverRead`), each counted once on either database."""
+    `before_cursor_execute` event) and those sent to asyncpg itself (`db.driver_fetch`:
+    `DriverRead`, and a `db.transaction`'s on PostgreSQL)."""
     statements: list[str] = []
-    # Per task: another task's statement during a DriverRead is still counted.
-    in_driver_read: ContextVar[bool] = ContextVar("in_driver_read", default=False)
-    original = db.DriverRead.first
+    original = db.driver_fetch
 
     def through_sqlalchemy(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        if not in_driver_read.get():  # on SQLite a DriverRead runs through SQLAlchemy
-            statements.append(statement)
+        statements.append(statement)
 
-    async def driver_read(
-        read: db.DriverRead, bound: AsyncEngine, parameters: Mapping[str, Any]
-    ) -> dict[str, Any] | None:
-        statements.append(str(read.statement))
-        token = in_driver_read.set(True)
-        try:
-            return await original(read, bound, parameters)
-        finally:
-            in_driver_read.reset(token)
+    async def to_the_driver(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
+        statements.append(sql)
+        return await original(driver, sql, arguments)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(db.DriverRead, "first", driver_read)
+        patch.setattr(db, "driver_fetch", to_the_driver)
         event.listen(engine.sync_engine, "before_cursor_execute", through_sqlalchemy)
         try:
             yield statements

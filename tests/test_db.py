@@ -1,5 +1,6 @@
-"""`db.DriverRead`: the same row as SQLAlchemy gives, on either database, and a database
-failure raised as SQLAlchemy's so the error handlers answer it."""
+"""`db.DriverRead` and `db.transaction`: the same rows as SQLAlchemy gives and takes, on
+either database, and a database failure raised as SQLAlchemy's so the error handlers (and
+the intake's retry on a constraint) answer it."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from datetime import UTC, datetime
 import asyncpg
 import pytest
 from sqlalchemy import bindparam, func, literal, select
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
+from queuekeeper.events.repository import EVENTS
 from queuekeeper.models import User
+from tests.helpers import database_statements
 from tests.pg_refusing import at_port, refusing_postgres
 
 BY_DIGEST = db.DriverRead(
@@ -155,6 +158,136 @@ async def test_reads_past_the_pool_size_leave_no_connection_behind(settings: Set
         await asyncio.sleep(0.05)
         alive = await _alive(settings, pids)
     assert alive == set()
+
+
+EVENT_COLUMNS = [
+    "event_id",
+    "offering_uuid",
+    "object_type",
+    "payload",
+    "user_uuids",
+    "queued",
+    "skipped_unregistered",
+    "accepted",
+]
+NEW_EVENTS = db.DriverInsert(
+    EVENTS,
+    EVENT_COLUMNS,
+    returning=[EVENTS.c.event_id, EVENTS.c.payload, EVENTS.c.user_uuids, EVENTS.c.accepted],
+    if_absent=True,
+)
+EVENTS_STRICTLY = db.DriverInsert(EVENTS, EVENT_COLUMNS)
+
+
+def _event(event_id: str, user_uuids: list[str] | None = None) -> dict[str, object]:
+    return {
+        "event_id": event_id,
+        "offering_uuid": uuid.uuid4(),
+        "object_type": "order",
+        "payload": {"order": {"uuid": "x", "items": [1, "two", None]}},
+        "user_uuids": user_uuids,
+        "queued": 2,
+        "skipped_unregistered": 0,
+        "accepted": datetime(2030, 1, 2, 3, 4, 5, 678000, tzinfo=UTC),
+    }
+
+
+async def _stored(engine: AsyncEngine) -> dict[str, dict[str, object]]:
+    async with engine.connect() as connection:
+        rows = (await connection.execute(select(*(EVENTS.c[c] for c in EVENT_COLUMNS)))).mappings()
+        return {row["event_id"]: dict(row) for row in rows}
+
+
+async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
+    engine: AsyncEngine,
+) -> None:
+    rows = [_event("a", ["u1", "u2"]), _event("b"), _event("c", [])]
+    with database_statements(engine) as statements:
+        async with db.transaction(engine) as unit:
+            returned = await unit.insert(NEW_EVENTS, rows)
+    assert len(statements) == 1  # three rows, one statement, on either database
+    stored = await _stored(engine)
+    assert stored == {row["event_id"]: row for row in rows}
+    # A JSON value that is itself a list stays one value (not an array dimension).
+    assert stored["a"]["user_uuids"] == ["u1", "u2"]
+    assert stored["b"]["user_uuids"] is None
+    by_id = {row["event_id"]: row for row in returned}
+    assert by_id["a"] == {key: rows[0][key] for key in by_id["a"]}
+    # ON CONFLICT DO NOTHING: only the new row comes back.
+    async with db.transaction(engine) as unit:
+        again = await unit.insert(NEW_EVENTS, [_event("a"), _event("d")])
+        assert await unit.insert(NEW_EVENTS, []) == []
+    assert [row["event_id"] for row in again] == ["d"]
+
+
+async def test_a_block_that_raises_leaves_nothing(engine: AsyncEngine) -> None:
+    async def failing() -> None:
+        async with db.transaction(engine) as unit:
+            await unit.insert(NEW_EVENTS, [_event("gone")])
+            raise RuntimeError("the caller failed after its statement")
+
+    with pytest.raises(RuntimeError):
+        await failing()
+    assert await _stored(engine) == {}
+
+
+async def test_a_constraint_violation_is_an_integrity_error_and_rolls_back(
+    engine: AsyncEngine,
+) -> None:
+    """What the intake retries on (a recipient deleted under it), on either database."""
+    async with db.transaction(engine) as unit:
+        await unit.insert(EVENTS_STRICTLY, [_event("taken")])
+
+    async def conflicting() -> None:
+        async with db.transaction(engine) as unit:
+            await unit.insert(EVENTS_STRICTLY, [_event("new")])
+            await unit.insert(EVENTS_STRICTLY, [_event("taken")])
+
+    with pytest.raises(IntegrityError):
+        await conflicting()
+    assert set(await _stored(engine)) == {"taken"}
+    async with db.transaction(engine) as unit:  # the connection went back usable
+        await unit.insert(EVENTS_STRICTLY, [_event("later")])
+    assert set(await _stored(engine)) == {"taken", "later"}
+
+
+def test_an_insert_names_every_column_with_a_default() -> None:
+    with pytest.raises(TypeError, match="queued, skipped_unregistered"):
+        db.DriverInsert(EVENTS, ["event_id", "offering_uuid", "object_type", "payload"])
+
+
+async def test_each_autocommit_statement_stands_alone(engine: AsyncEngine) -> None:
+    async def failing() -> None:
+        async with db.autocommit(engine) as statements:
+            await statements.insert(NEW_EVENTS, [_event("kept")])
+            raise RuntimeError("the caller failed after its statement")
+
+    with pytest.raises(RuntimeError):
+        await failing()
+    assert set(await _stored(engine)) == {"kept"}
+
+
+async def test_a_connection_lost_in_a_transaction_is_a_dbapi_error_and_the_pool_recovers(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    if settings.is_sqlite:
+        pytest.skip("an SQLite connection cannot be terminated from outside")
+    pid = db.DriverQuery(select(func.pg_backend_pid().label("pid")))
+
+    async def cut_off() -> None:
+        async with db.transaction(engine) as unit:
+            await unit.insert(NEW_EVENTS, [_event("lost")])
+            (row,) = await unit.all(pid, {})
+            await _terminate(settings, [row["pid"]])
+            await unit.insert(NEW_EVENTS, [_event("after")])
+
+    with pytest.raises(DBAPIError) as raised:
+        await cut_off()
+    assert raised.value.connection_invalidated
+    assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
+    async with db.transaction(engine) as unit:
+        await unit.insert(NEW_EVENTS, [_event("recovered")])
+    assert set(await _stored(engine)) == {"recovered"}
 
 
 async def _admin(settings: Settings) -> asyncpg.Connection:

@@ -31,10 +31,11 @@ from typing import Any, Protocol
 
 import structlog
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, async_sessionmaker
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
+from queuekeeper.db import Transaction, transaction
 from queuekeeper.events import repository
 from queuekeeper.events.outbox import Claimed
 from queuekeeper.events.recipients import RecipientIndex, Recipients, find_recipients
@@ -169,8 +170,8 @@ class Intake:
             if relay is not None and relay.takes_handoff():
                 lease = (relay.id, now + timedelta(seconds=self.settings.relay_lease_seconds))
             try:
-                async with self.engine.begin() as connection:
-                    stored = await _store(connection, group, now, lease)
+                async with transaction(self.engine) as unit:
+                    stored = await _store(unit, group, now, lease)
             except IntegrityError:
                 if attempt + 1 == ATTEMPTS:
                     raise
@@ -186,14 +187,14 @@ class Intake:
 
 
 async def _store(
-    connection: AsyncConnection,
+    unit: Transaction,
     group: list[_Request],
     now: datetime,
     lease: tuple[str, datetime] | None,
 ) -> _Group:
     offerings = {event.offering_uuid for request in group for event in request.events}
     object_types = {event.object_type for request in group for event in request.events}
-    index = await find_recipients(connection, offerings, object_types, now)
+    index = await find_recipients(unit, offerings, object_types, now)
     stored = _Group()
     valid: list[tuple[int, _Request]] = []
     for slot, request in enumerate(group):
@@ -234,7 +235,7 @@ async def _store(
                     "accepted": now,
                 }
             )
-    inserted = await repository.insert_new_events(connection, event_rows)
+    inserted = await repository.insert_new_events(unit, event_rows)
     copies = [
         (event_id, copy)
         for event_id in first_of
@@ -243,7 +244,7 @@ async def _store(
     ]
     claimed_by, lease_until = lease if lease else (None, now)
     delivery_ids = await repository.insert_deliveries(
-        connection,
+        unit,
         [
             {
                 "event_id": event_id,
@@ -285,7 +286,7 @@ async def _store(
             )
             for event_id, copy in copies
         ]
-    earlier = await repository.event_counts(connection, set(first_of) - inserted)
+    earlier = await repository.event_counts(unit, set(first_of) - inserted)
 
     for r, (slot, request) in enumerate(valid):
         answers = []

@@ -1,7 +1,8 @@
 """The relay's statements on the outbox (the `deliveries` table): claim, settle, prune.
 
 Each statement stands alone and is guarded by the row's state, so the relay runs
-them on autocommit connections (`Executor`); none needs the ORM.
+them on autocommit connections (`Executor`; a settlement, `db.autocommit`); none needs the
+ORM.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sqlalchemy import (
     update,
 )
 
-from queuekeeper.db import is_postgres
+from queuekeeper.db import DriverQuery, Transaction, is_postgres, one_of
 from queuekeeper.events.repository import DELIVERIES, EVENTS, Executor
 from queuekeeper.models import DeliveryState, EventConsumer, EventSubscriptionQueue
 
@@ -148,7 +149,7 @@ async def claim(
     return claimed
 
 
-def _finish_statement(with_error: bool) -> Update:
+def _finish_statement(*, with_error: bool, array: bool) -> Update:
     values: dict[str, Any] = {
         "state": bindparam("b_state"),
         "finished": bindparam("b_finished", type_=_WHEN),
@@ -159,50 +160,38 @@ def _finish_statement(with_error: bool) -> Update:
         values["last_error"] = bindparam("b_error")
     return (
         update(DELIVERIES)
-        .where(
-            DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
-            DELIVERIES.c.state == PENDING,
-        )
+        .where(one_of(DELIVERIES.c.id, "b_ids", array=array), DELIVERIES.c.state == PENDING)
         .values(values)
     )
 
 
-_FINISH = _finish_statement(with_error=False)
-_FINISH_WITH_ERROR = _finish_statement(with_error=True)
+def _finish(*, with_error: bool) -> DriverQuery:
+    return DriverQuery(
+        _finish_statement(with_error=with_error, array=False),
+        postgresql=_finish_statement(with_error=with_error, array=True),
+    )
+
+
+_FINISH = _finish(with_error=False)
+_FINISH_WITH_ERROR = _finish(with_error=True)
 
 
 async def finish(
-    session: Executor,
+    statements: Transaction,
     ids: Collection[int],
     state: DeliveryState,
     now: datetime,
     error: str | None = None,
 ) -> None:
-    """Settle deliveries (published, rejected, given_up). A settled row stays settled."""
+    """Settle deliveries (published, rejected, given_up). A settled row stays settled.
+    One per settled batch of the relay: on PostgreSQL it runs on the driver (`db.autocommit`)."""
     if not ids:
         return
     params = {"b_ids": list(ids), "b_state": state, "b_finished": now}
     if error is None:
-        await session.execute(_FINISH, params)
+        await statements.execute(_FINISH, params)
     else:
-        await session.execute(_FINISH_WITH_ERROR, {**params, "b_error": error})
-
-
-async def give_up(session: Executor, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
-    if not reasons:
-        return
-    statement = (
-        update(DELIVERIES)
-        .where(DELIVERIES.c.id == bindparam("b_id"), DELIVERIES.c.state == PENDING)
-        .values(
-            state=DeliveryState.GIVEN_UP,
-            finished=now,
-            claimed_by=None,
-            claimed_until=None,
-            last_error=bindparam("b_error"),
-        )
-    )
-    await session.execute(statement, [{"b_id": i, "b_error": reason} for i, reason in reasons])
+        await statements.execute(_FINISH_WITH_ERROR, {**params, "b_error": error})
 
 
 async def reschedule(

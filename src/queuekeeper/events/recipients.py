@@ -38,9 +38,9 @@ from sqlalchemy import (
     select,
     union_all,
 )
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from queuekeeper.common.schemas import as_uuid
+from queuekeeper.db import DriverQuery, Transaction, one_of
 from queuekeeper.models import Base
 
 OFFERINGS: Table = Base.metadata.tables["offerings"]
@@ -94,10 +94,10 @@ class _Row:
     vhost: str | None
 
 
-def _reachable_owner() -> ColumnElement[bool]:
+def _reachable_owner(array: bool) -> ColumnElement[bool]:
     """The grant's user is active and their token has not expired."""
     return and_(
-        ACCESS.c.offering_uuid.in_(bindparam("access_offerings", expanding=True)),
+        one_of(ACCESS.c.offering_uuid, "access_offerings", array=array),
         USERS.c.is_active.is_(True),
         or_(
             USERS.c.token_expires_at.is_(None),
@@ -106,7 +106,7 @@ def _reachable_owner() -> ColumnElement[bool]:
     )
 
 
-def _recipients_statement() -> Select[Any]:
+def _recipients_statement(*, array: bool) -> Select[Any]:
     subscriptions = select(
         literal(SUBSCRIPTION, String).label("kind"),
         ACCESS.c.offering_uuid,
@@ -125,7 +125,7 @@ def _recipients_statement() -> Select[Any]:
             and_(
                 QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
                 QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
-                QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
+                one_of(QUEUES.c.object_type, "object_types", array=array),
             ),
         )
     )
@@ -151,7 +151,7 @@ def _recipients_statement() -> Select[Any]:
         )
     )
     reachable = union_all(
-        subscriptions.where(_reachable_owner()), consumers.where(_reachable_owner())
+        subscriptions.where(_reachable_owner(array)), consumers.where(_reachable_owner(array))
     ).subquery("reachable")
     return (
         select(
@@ -166,16 +166,19 @@ def _recipients_statement() -> Select[Any]:
             reachable.c.vhost,
         )
         .select_from(OFFERINGS.outerjoin(reachable, reachable.c.offering_uuid == OFFERINGS.c.uuid))
-        .where(OFFERINGS.c.uuid.in_(bindparam("offerings", expanding=True)))
+        .where(one_of(OFFERINGS.c.uuid, "offerings", array=array))
     )
 
 
-# Built once: constructing this join per request cost more than running it.
-_RECIPIENTS = _recipients_statement()
+# Built once: constructing this join per request cost more than running it. PostgreSQL
+# binds the lists as arrays, so the driver runs one statement compiled once.
+_RECIPIENTS = DriverQuery(
+    _recipients_statement(array=False), postgresql=_recipients_statement(array=True)
+)
 
 
 async def find_recipients(
-    session: AsyncSession | AsyncConnection,
+    transaction: Transaction,
     offering_uuids: Collection[uuid.UUID],
     object_types: Collection[str],
     now: datetime,
@@ -187,7 +190,7 @@ async def find_recipients(
     (`RecipientIndex.known` tells them apart).
     """
     offerings = list(offering_uuids)
-    result = await session.execute(
+    result = await transaction.all(
         _RECIPIENTS,
         {
             "offerings": offerings,
@@ -198,7 +201,8 @@ async def find_recipients(
     )
     known: set[uuid.UUID] = set()
     rows: list[_Row] = []
-    for offering, kind, recipient, *rest in result:
+    for found in result:
+        offering, kind, recipient, *rest = found.values()
         known.add(offering)
         if recipient is not None:
             owner, filter_, queue, object_type, name, vhost = rest

@@ -44,7 +44,7 @@ from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConfl
 from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing, Result
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
-from queuekeeper.db import listen
+from queuekeeper.db import autocommit, listen
 from queuekeeper.events import outbox
 from queuekeeper.events.outbox import Claimed
 from queuekeeper.models import DeliveryState, utcnow
@@ -448,13 +448,17 @@ class Relay:
     async def _settle(self, settlement: _Settlement) -> None:
         now = utcnow()
         rejected = sum(len(ids) for ids in settlement.rejected.values())
-        async with self.engine.connect() as connection:
-            await outbox.finish(connection, settlement.published, DeliveryState.PUBLISHED, now)
+        given_up: dict[str, list[int]] = defaultdict(list)
+        for id_, reason in settlement.given_up:
+            given_up[reason].append(id_)
+        async with autocommit(self.engine) as statements:
+            await outbox.finish(statements, settlement.published, DeliveryState.PUBLISHED, now)
             for error, ids in settlement.rejected.items():
-                await outbox.finish(connection, ids, DeliveryState.REJECTED, now, error)
-            await outbox.give_up(connection, settlement.given_up, now)
-            # Counted as soon as written (each statement commits on its own), before the
-            # connection's release lets a `?wait=true` waiter see the rows and answer.
+                await outbox.finish(statements, ids, DeliveryState.REJECTED, now, error)
+            for reason, ids in given_up.items():
+                await outbox.finish(statements, ids, DeliveryState.GIVEN_UP, now, reason)
+            # Counted as soon as written (each statement commits on its own), with no await
+            # between, so a `?wait=true` waiter never sees the rows before the counters.
             DELIVERIES.labels(outcome="published").inc(len(settlement.published))
             COPIES.labels(kind="consumer", stage="published").inc(settlement.published_to_consumers)
             COPIES.labels(kind="legacy", stage="published").inc(
@@ -462,7 +466,9 @@ class Relay:
             )
             DELIVERIES.labels(outcome="rejected").inc(rejected)
             DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
-            await outbox.reschedule(connection, self.id, settlement.retries)
+        if settlement.retries:
+            async with self.engine.connect() as connection:
+                await outbox.reschedule(connection, self.id, settlement.retries)
         if rejected or settlement.given_up:
             log.warning(
                 "deliveries_not_published",

@@ -1,7 +1,8 @@
 """Event records: the events the backend handed over and their outbox copies (`deliveries`).
 
 Written and read with Core statements on the tables: accepting a batch inserts
-thousands of rows in one statement and needs no ORM identity tracking. The relay's
+thousands of rows in one statement and needs no ORM identity tracking. The intake's
+statements run in a `db.transaction` (on PostgreSQL, on the driver itself). The relay's
 statements on the same tables are in `outbox.py`; who gets a copy, in `recipients.py`.
 """
 
@@ -11,10 +12,10 @@ import uuid
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from sqlalchemy import Row, Table, select
+from sqlalchemy import Row, Select, Table, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from queuekeeper.db import InsertIfAbsent
+from queuekeeper.db import DriverInsert, DriverQuery, Transaction, one_of
 from queuekeeper.models import Base, DeliveryState, Event
 
 EVENTS: Table = Base.metadata.tables["events"]
@@ -23,54 +24,89 @@ DELIVERIES: Table = Base.metadata.tables["deliveries"]
 # The relay runs its statements on autocommit connections, the API in sessions.
 Executor = AsyncSession | AsyncConnection
 
-_INSERT_NEW_EVENTS = InsertIfAbsent.of(EVENTS, EVENTS.c.event_id)
+_INSERT_NEW_EVENTS = DriverInsert(
+    EVENTS,
+    [
+        "event_id",
+        "offering_uuid",
+        "object_type",
+        "payload",
+        "user_uuids",
+        "queued",
+        "skipped_unregistered",
+        "accepted",
+    ],
+    returning=[EVENTS.c.event_id],
+    if_absent=True,
+)
 
 
-async def insert_new_events(session: Executor, rows: Sequence[dict[str, Any]]) -> set[str]:
+async def insert_new_events(transaction: Transaction, rows: Sequence[dict[str, Any]]) -> set[str]:
     """Insert the events whose id is new; returns the ids this call inserted.
 
     ON CONFLICT DO NOTHING makes a concurrent repeat wait for the first insert and
     then see the conflict, so each event_id is accepted exactly once.
     """
-    if not rows:
-        return set()
-    result = await session.execute(_INSERT_NEW_EVENTS.on(session), list(rows))
-    return set(result.scalars())
+    return {row["event_id"] for row in await transaction.insert(_INSERT_NEW_EVENTS, rows)}
 
 
-async def event_counts(session: Executor, event_ids: Collection[str]) -> dict[str, tuple[int, int]]:
+def _event_counts(*, array: bool) -> Select[Any]:
+    return select(EVENTS.c.event_id, EVENTS.c.queued, EVENTS.c.skipped_unregistered).where(
+        one_of(EVENTS.c.event_id, "event_ids", array=array)
+    )
+
+
+_EVENT_COUNTS = DriverQuery(_event_counts(array=False), postgresql=_event_counts(array=True))
+
+
+async def event_counts(
+    transaction: Transaction, event_ids: Collection[str]
+) -> dict[str, tuple[int, int]]:
     """(queued, skipped_unregistered) of events accepted before, by id."""
     if not event_ids:
         return {}
-    rows = await session.execute(
-        select(EVENTS.c.event_id, EVENTS.c.queued, EVENTS.c.skipped_unregistered).where(
-            EVENTS.c.event_id.in_(event_ids)
-        )
-    )
-    return {event_id: (queued, skipped) for event_id, queued, skipped in rows}
+    rows = await transaction.all(_EVENT_COUNTS, {"event_ids": list(event_ids)})
+    return {row["event_id"]: (row["queued"], row["skipped_unregistered"]) for row in rows}
 
 
-_INSERT_DELIVERIES = DELIVERIES.insert()
+_DELIVERY_COLUMNS = [
+    "event_id",
+    "queue_uuid",
+    "consumer_uuid",
+    "queue_name",
+    "vhost",
+    "state",
+    "attempts",
+    "claimed_by",
+    "claimed_until",
+    "next_attempt_at",
+    "created",
+]
+_INSERT_DELIVERIES = DriverInsert(DELIVERIES, _DELIVERY_COLUMNS)
 # RETURNING without asking for parameter order: SQLite would then insert row by row.
-_INSERT_DELIVERIES_RETURNING = DELIVERIES.insert().returning(
-    DELIVERIES.c.id, DELIVERIES.c.event_id, DELIVERIES.c.queue_uuid, DELIVERIES.c.consumer_uuid
+_INSERT_DELIVERIES_RETURNING = DriverInsert(
+    DELIVERIES,
+    _DELIVERY_COLUMNS,
+    returning=[
+        DELIVERIES.c.id,
+        DELIVERIES.c.event_id,
+        DELIVERIES.c.queue_uuid,
+        DELIVERIES.c.consumer_uuid,
+    ],
 )
 
 
 async def insert_deliveries(
-    session: Executor, rows: Sequence[dict[str, Any]], *, ids: bool = False
+    transaction: Transaction, rows: Sequence[dict[str, Any]], *, ids: bool = False
 ) -> dict[tuple[str, uuid.UUID | None], int]:
     """Insert outbox copies; with `ids`, returns each one's id by (event_id, target), the
     target being the copy's subscription queue or its consumer (each copy has one)."""
-    if not rows:
-        return {}
     if not ids:
-        await session.execute(_INSERT_DELIVERIES, list(rows))
+        await transaction.insert(_INSERT_DELIVERIES, rows)
         return {}
-    result = await session.execute(_INSERT_DELIVERIES_RETURNING, list(rows))
     return {
-        (event_id, queue_uuid or consumer_uuid): id_
-        for id_, event_id, queue_uuid, consumer_uuid in result
+        (row["event_id"], row["queue_uuid"] or row["consumer_uuid"]): row["id"]
+        for row in await transaction.insert(_INSERT_DELIVERIES_RETURNING, rows)
     }
 
 
