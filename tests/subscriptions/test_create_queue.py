@@ -14,9 +14,11 @@ import respx
 import structlog
 from fastapi import FastAPI
 from prometheus_client import REGISTRY
+from sqlalchemy import delete, select
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
+from queuekeeper.models import EventSubscription, EventSubscriptionQueue
 from queuekeeper.subscriptions import repository as subscription_repository
 from tests.brokers import BROKER
 from tests.helpers import Backend, database_statements
@@ -220,6 +222,42 @@ async def test_access_revoked_while_the_queue_is_declared_is_a_403_and_leaves_no
     assert await management.get_queue(agent.vhost, name) is None
     listed = await client.get("/api/event-subscription-queues/", headers=agent.headers)
     assert listed.json() == []
+
+
+async def test_a_subscription_deleted_while_the_queue_is_declared_is_a_404_and_leaves_nothing(
+    app: FastAPI, backend: Backend, management: ManagementClient
+) -> None:
+    """The subscription's row goes while create_queue is at the broker: the insert fails its
+    foreign key, the transaction is rolled back, and the queue just declared is deleted."""
+    agent, offering = await backend.agent_with_offering()
+    subscription = await agent.create_subscription()
+    state = app.state.queuekeeper
+    provisioner = state.provisioner
+    declare = provisioner.ensure_queue
+
+    async def declare_then_delete(*args: Any, **kwargs: Any) -> Any:
+        outcome = await declare(*args, **kwargs)
+        async with state.sessions() as session:
+            await session.execute(
+                delete(EventSubscription).where(
+                    EventSubscription.uuid == uuid.UUID(subscription["uuid"])
+                )
+            )
+            await session.commit()
+        return outcome
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(provisioner, "ensure_queue", declare_then_delete)
+        response = await agent.create_queue(subscription["uuid"], offering)
+    assert response.status_code == 404, response.text
+    assert "deleted while the queue was being created" in response.json()["detail"]
+    name = f"subscription_{subscription['uuid']}_offering_{offering.hex}_order"
+    assert await management.get_queue(agent.vhost, name) is None
+    async with state.sessions() as session:
+        rows = await session.scalars(
+            select(EventSubscriptionQueue).where(EventSubscriptionQueue.queue_name == name)
+        )
+        assert rows.all() == []
 
 
 async def test_a_revoke_after_the_insert_waits_for_the_commit_and_then_takes_the_queue(

@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from sqlalchemy import BigInteger, bindparam, func, select
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
+from queuekeeper import db
 from queuekeeper.db import Executor, is_postgres
 
 # create_subscription holds this shared while a broker user exists without its
@@ -98,8 +99,8 @@ def _local_locks() -> _KeyedLocks:
 # Built once, keyed by `exclusive`: every create_queue of a new queue takes one.
 _KEY = bindparam("key", type_=BigInteger)
 _XACT_LOCK = {
-    True: select(func.pg_advisory_xact_lock(_KEY)),
-    False: select(func.pg_advisory_xact_lock_shared(_KEY)),
+    True: select(func.pg_advisory_xact_lock(_KEY).label("locked")),
+    False: select(func.pg_advisory_xact_lock_shared(_KEY).label("locked")),
 }
 
 
@@ -128,23 +129,23 @@ async def guard(session: Executor, name: str, *, exclusive: bool) -> AsyncIterat
                 await session.rollback()
 
 
+_XACT_LOCK_QUERY = {flag: db.DriverQuery(statement) for flag, statement in _XACT_LOCK.items()}
+
+
 @asynccontextmanager
-async def connection_holding(
+async def transaction_holding(
     engine: AsyncEngine, name: str, *, exclusive: bool
-) -> AsyncIterator[AsyncConnection]:
-    """A connection whose transaction holds the lock `name` (as `guard`), for a unit of work
-    on no session. On SQLite the in-process lock is taken first: a caller waiting for it
-    holds no connection of the pool meanwhile."""
+) -> AsyncIterator[db.Transaction]:
+    """A `db.transaction` that holds the lock `name` (as `guard`) until it ends: for a unit
+    of work on no session. On SQLite the in-process lock is taken first: a caller waiting
+    for it holds no connection of the pool meanwhile."""
     if engine.dialect.name == "postgresql":
-        async with engine.connect() as connection, guard(connection, name, exclusive=exclusive):
-            yield connection
+        async with db.transaction(engine) as unit:
+            await unit.all(_XACT_LOCK_QUERY[exclusive], {"key": lock_key(name)})
+            yield unit
         return
-    async with _local_locks().hold(name), engine.connect() as connection:
-        try:
-            yield connection
-        finally:
-            if connection.in_transaction():
-                await connection.rollback()
+    async with _local_locks().hold(name), db.transaction(engine) as unit:
+        yield unit
 
 
 @asynccontextmanager

@@ -159,6 +159,8 @@ def _insert_queue_statement() -> InsertIfAbsent:
 # per call were a tenth of a new create_queue's CPU (py-spy). The access re-check rides in
 # the insert (one round trip of five).
 _INSERT_QUEUE = _insert_queue_statement()
+_INSERT_QUEUE_QUERY = db.DriverQuery(_INSERT_QUEUE.sqlite, postgresql=_INSERT_QUEUE.postgresql)
+_ACCESS_LOCKED_QUERY = db.DriverQuery(_ACCESS_LOCKED)
 
 
 class QueueInsert(enum.Enum):
@@ -168,7 +170,7 @@ class QueueInsert(enum.Enum):
 
 
 async def insert_queue_with_access(
-    connection: db.Executor, owner_uuid: uuid.UUID, queue: EventSubscriptionQueue
+    unit: db.Transaction, owner_uuid: uuid.UUID, queue: EventSubscriptionQueue
 ) -> QueueInsert:
     """Insert the queue's row unless (subscription, offering, type) exists, and only while
     the owner has access to the offering: the grant is locked (FOR SHARE) until the commit,
@@ -188,10 +190,11 @@ async def insert_queue_with_access(
         "vhost": queue.vhost,
         "created": queue.created,
     }
-    if await connection.scalar(_INSERT_QUEUE.on(connection), values) is not None:
+    if await unit.all(_INSERT_QUEUE_QUERY, values):
         return QueueInsert.INSERTED
     # Nothing inserted: a conflict or no grant. Which, the locked read tells (rare).
-    if await has_access(connection, owner_uuid, queue.offering_uuid, lock=True):
+    access = {"user": owner_uuid, "offering": queue.offering_uuid}
+    if await unit.all(_ACCESS_LOCKED_QUERY, access):
         return QueueInsert.EXISTS
     return QueueInsert.NO_ACCESS
 

@@ -307,27 +307,26 @@ async def _register_queue(
     # queues without a row, but only while holding this lock exclusively and
     # re-checking the rows; holding it shared from before the declare until the
     # commit makes sure it never sees this queue without seeing its row.
-    async with locks.connection_holding(
-        engine, locks.vhost_key(vhost), exclusive=False
-    ) as connection:
-        # An agent must start even while its queue waits to change type (a migration).
-        outcome = await provisioner.ensure_queue(vhost, name, keep_other_type=True)
-        try:
+    try:
+        async with locks.transaction_holding(
+            engine, locks.vhost_key(vhost), exclusive=False
+        ) as unit:
+            # An agent must start even while its queue waits to change type (a migration).
+            outcome = await provisioner.ensure_queue(vhost, name, keep_other_type=True)
             # Access is checked again in the insert, the grant locked until the commit.
-            insert = await repository.insert_queue_with_access(connection, owner.uuid, queue)
+            insert = await repository.insert_queue_with_access(unit, owner.uuid, queue)
             if insert is repository.QueueInsert.NO_ACCESS:
-                await connection.rollback()
-                await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
-                raise Forbidden(f"Your access to offering {offering_uuid.hex} was revoked.")
-            await connection.commit()
-            inserted = insert is repository.QueueInsert.INSERTED
-        except IntegrityError as exc:
-            # The subscription, offering or grant went away while we were at the broker.
-            await connection.rollback()
-            await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
-            raise NotFound(
-                "The subscription or the offering was deleted while the queue was being created."
-            ) from exc
+                raise _AccessRevoked  # rolls back, releasing the lock, before the delete
+    except _AccessRevoked:
+        await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
+        raise Forbidden(f"Your access to offering {offering_uuid.hex} was revoked.") from None
+    except IntegrityError as exc:
+        # The subscription, offering or grant went away while we were at the broker.
+        await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
+        raise NotFound(
+            "The subscription or the offering was deleted while the queue was being created."
+        ) from exc
+    inserted = insert is repository.QueueInsert.INSERTED
     if not inserted:
         existing = await repository.find_queue(
             engine, subscription_uuid, offering_uuid, body.object_type
@@ -343,6 +342,10 @@ async def _register_queue(
         broker=outcome.value,
     )
     return queue, inserted, outcome
+
+
+class _AccessRevoked(Exception):
+    """The owner's grant went away while the queue was declared (rolls the insert back)."""
 
 
 async def _ensure_registered(
