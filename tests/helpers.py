@@ -144,9 +144,11 @@ def database_statements(engine: AsyncEngine) -> Iterator[list[str]]:
     def through_sqlalchemy(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         statements.append(statement)
 
-    async def to_the_driver(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
+    async def to_the_driver(
+        driver: Any, sql: str, arguments: Sequence[Any], *, first: bool = False
+    ) -> list[Any]:
         statements.append(sql)
-        return await original(driver, sql, arguments)
+        return await original(driver, sql, arguments, first=first)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(db, "driver_fetch", to_the_driver)

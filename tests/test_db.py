@@ -5,13 +5,15 @@ the intake's retry on a constraint) answer it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import asyncpg
 import pytest
-from sqlalchemy import bindparam, func, literal, select
+from sqlalchemy import bindparam, func, literal, select, update
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -19,7 +21,7 @@ from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
 from queuekeeper.events.repository import EVENTS
-from queuekeeper.models import User
+from queuekeeper.models import Base, User
 from tests.helpers import database_statements
 from tests.pg_refusing import at_port, refusing_postgres
 
@@ -288,6 +290,59 @@ async def test_a_connection_lost_in_a_transaction_is_a_dbapi_error_and_the_pool_
     async with db.transaction(engine) as unit:
         await unit.insert(NEW_EVENTS, [_event("recovered")])
     assert set(await _stored(engine)) == {"recovered"}
+
+
+@pytest.mark.parametrize("where", ["in a statement", "between statements"])
+async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
+    engine: AsyncEngine, settings: Settings, where: str
+) -> None:
+    """A request cancelled (its client gone, the process stopping) inside a transaction: the
+    rows are not committed and no pooled connection stays inside the transaction."""
+    started = asyncio.Event()
+
+    async def cancelled() -> None:
+        async with db.transaction(engine) as unit:
+            await unit.insert(NEW_EVENTS, [_event("cancelled")])
+            started.set()
+            if where == "in a statement" and not settings.is_sqlite:
+                await unit.all(db.DriverQuery(select(func.pg_sleep(5).label("slept"))), {})
+            else:
+                await asyncio.sleep(5)
+
+    task = asyncio.create_task(cancelled())
+    await started.wait()
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert await _stored(engine) == {}
+    async with db.transaction(engine) as unit:  # the pool serves a connection that works
+        await unit.insert(NEW_EVENTS, [_event("next")])
+    assert set(await _stored(engine)) == {"next"}
+    if not settings.is_sqlite:
+        admin = await _admin(settings)
+        try:
+            stuck = await admin.fetch(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND state LIKE 'idle in transaction%'"
+            )
+        finally:
+            await admin.close()
+        assert stuck == []
+
+
+def test_a_statement_the_driver_would_run_differently_is_refused(engine: AsyncEngine) -> None:
+    """An expanding IN, or a column SQLAlchemy fills in at execution (an onupdate), would be
+    sent as written by the driver: refused when compiled, on either database's dialect."""
+    users = Base.metadata.tables["users"]
+    expanding = db.DriverQuery(
+        select(users.c.uuid).where(users.c.uuid.in_(bindparam("ids", expanding=True)))
+    )
+    with pytest.raises(TypeError, match="ids"):
+        expanding.compiled(postgresql.dialect())
+    updated = db.DriverQuery(update(users).values(is_active=False).returning(users.c.uuid))
+    with pytest.raises(TypeError, match="modified"):
+        updated.compiled(postgresql.dialect())
 
 
 async def _admin(settings: Settings) -> asyncpg.Connection:

@@ -140,6 +140,12 @@ class _DriverStatement:
     @classmethod
     def of(cls, statement: Select[Any] | UpdateBase, dialect: Dialect) -> _DriverStatement:
         compiled = statement.compile(dialect=dialect)
+        # What SQLAlchemy would add at each execution, which the driver would not: an
+        # expanding list (use `one_of`), a Python-side default or onupdate value.
+        deferred = [b.key for b in compiled.binds.values() if b.expanding or b.literal_execute]
+        deferred += [c.key for c in (*compiled.insert_prefetch, *compiled.update_prefetch)]
+        if deferred:
+            raise TypeError(f"not for the driver, SQLAlchemy fills these in: {deferred}")
         names = tuple(compiled.positiontup or ())
         binds = tuple(
             compiled.binds[name].type.dialect_impl(dialect).bind_processor(dialect)
@@ -173,8 +179,14 @@ class _DriverStatement:
         }
 
 
-async def driver_fetch(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
-    """The one place a statement reaches asyncpg itself (tests count statements here)."""
+async def driver_fetch(
+    driver: Any, sql: str, arguments: Sequence[Any], *, first: bool = False
+) -> list[Any]:
+    """The one place a statement reaches asyncpg itself (tests count statements here).
+    With `first`, at most the first row is transferred."""
+    if first:
+        record = await driver.fetchrow(sql, *arguments)
+        return [] if record is None else [record]
     return cast(list[Any], await driver.fetch(sql, *arguments))
 
 
@@ -195,11 +207,12 @@ class _Driver:
         self.connection = connection
         self.driver = driver
 
-    async def run(self, statement: _DriverStatement, parameters: Mapping[str, Any]) -> list[Any]:
-        return await self.call(
-            driver_fetch(self.driver, statement.sql, statement.arguments(parameters)),
-            statement.sql,
-        )
+    async def run(
+        self, statement: _DriverStatement, parameters: Mapping[str, Any], *, first: bool = False
+    ) -> list[Any]:
+        arguments = statement.arguments(parameters)
+        fetched = driver_fetch(self.driver, statement.sql, arguments, first=first)
+        return await self.call(fetched, statement.sql)
 
     async def call(self, step: Awaitable[T], sql: str) -> T:
         try:
@@ -221,47 +234,21 @@ class _Driver:
 async def _driver(engine: AsyncEngine) -> AsyncIterator[_Driver]:
     async with engine.connect() as connection:
         pooled = await connection.get_raw_connection()
-        yield _Driver(connection, pooled.driver_connection)
-
-
-class DriverRead:
-    """A single-row SELECT that runs, on PostgreSQL, straight on asyncpg's connection from
-    SQLAlchemy's pool; on SQLite through SQLAlchemy Core.
-
-    For the reads on every agent call (the token lookup; create_queue's context): through an
-    ORM session one cost 0.42-0.45 ms of CPU here, through a Core connection 0.27-0.31 ms,
-    and as a DriverRead 0.20 ms (`python -m bench._reads`). The statement is still written
-    once, in SQLAlchemy, and compiled once by its dialect; the column types' own bind and
-    result processors are applied, so a row reads the same on both paths. What is skipped
-    is what SQLAlchemy adds per statement (its execution context, the result's cursor
-    wrapping, the session's unit of work). The connection's life is SQLAlchemy's (`_Driver`),
-    and a disconnect invalidates the pool as SQLAlchemy's own statements do. A failed
-    statement is raised as `DBAPIError`, so the error handlers answer it as any other."""
-
-    def __init__(self, statement: Select[Any]) -> None:
-        self.statement = statement
-        self._compiled: _DriverStatement | None = None
-
-    def _for(self, engine: AsyncEngine) -> _DriverStatement:
-        if self._compiled is None:
-            self._compiled = _DriverStatement.of(self.statement, engine.dialect)
-        return self._compiled
-
-    async def first(
-        self, engine: AsyncEngine, parameters: Mapping[str, Any]
-    ) -> dict[str, Any] | None:
-        if engine.dialect.name != "postgresql":
-            async with engine.connect() as connection:
-                row = (await connection.execute(self.statement, parameters)).mappings().first()
-            return dict(row) if row is not None else None
-        statement = self._for(engine)
-        async with _driver(engine) as driver:
-            records = await driver.run(statement, parameters)
-        return statement.row(records[0]) if records else None
+        driver = _Driver(connection, pooled.driver_connection)
+        try:
+            yield driver
+        finally:
+            # SQLAlchemy's reset on return rolls back only the transactions it began: one
+            # left open on the driver (a failed BEGIN, a cancelled ROLLBACK) must not go back.
+            raw = driver.driver
+            if not connection.invalidated and not raw.is_closed() and raw.is_in_transaction():
+                await connection.invalidate()
 
 
 class DriverQuery:
-    """A statement returning rows (a SELECT, or DML with RETURNING) for a `Transaction`.
+    """A statement returning rows (a SELECT, or DML with RETURNING), written once in
+    SQLAlchemy, that runs on PostgreSQL straight on asyncpg (compiled once, the column types'
+    bind and result processors applied) and on SQLite through SQLAlchemy Core.
 
     `postgresql` is the same statement spelled for the driver where the portable spelling
     needs SQLAlchemy at each execution (an expanding `IN`: see `one_of`)."""
@@ -280,6 +267,29 @@ class DriverQuery:
         if self._compiled is None:
             self._compiled = _DriverStatement.of(self.postgresql, dialect)
         return self._compiled
+
+
+class DriverRead(DriverQuery):
+    """A single-row read outside any transaction, for the reads on every agent call (the
+    token lookup; create_queue's context): through an ORM session one cost 0.42-0.45 ms of
+    CPU here, through a Core connection 0.27-0.31 ms, and as a DriverRead 0.20 ms (`python
+    -m bench._reads`). What is skipped is what SQLAlchemy adds per statement (its execution
+    context, the result's cursor wrapping, the session's unit of work). The connection's
+    life is SQLAlchemy's (`_Driver`), and a disconnect invalidates the pool as SQLAlchemy's
+    own statements do. A failed statement is raised as `DBAPIError`, so the error handlers
+    answer it as any other."""
+
+    async def first(
+        self, engine: AsyncEngine, parameters: Mapping[str, Any]
+    ) -> dict[str, Any] | None:
+        if engine.dialect.name != "postgresql":
+            async with engine.connect() as connection:
+                row = (await connection.execute(self.statement, parameters)).mappings().first()
+            return dict(row) if row is not None else None
+        statement = self.compiled(engine.dialect)
+        async with _driver(engine) as driver:
+            records = await driver.run(statement, parameters, first=True)
+        return statement.row(records[0]) if records else None
 
 
 def one_of(column: ColumnElement[Any], name: str, *, array: bool) -> ColumnElement[bool]:
@@ -322,21 +332,16 @@ class DriverInsert:
         if if_absent:
             driver = driver.on_conflict_do_nothing()
             core = sqlite.insert(table).on_conflict_do_nothing()
-        self.driver: Insert | ReturningInsert[Any] = (
-            driver.returning(*returning) if returning else driver
-        )
-        self.core: Insert | ReturningInsert[Any] = core.returning(*returning) if returning else core
         self.returns = bool(returning)
-        self._compiled: _DriverStatement | None = None
-
-    def compiled(self, dialect: Dialect) -> _DriverStatement:
-        if self._compiled is None:
-            self._compiled = _DriverStatement.of(self.driver, dialect)
-        return self._compiled
+        self.query = DriverQuery(
+            core.returning(*returning) if returning else core,
+            postgresql=driver.returning(*returning) if returning else driver,
+        )
 
 
 class Transaction(Protocol):
-    """One unit of work on either database: `transaction(engine)` opens it."""
+    """One unit of work on either database: `transaction(engine)` opens it. Usable only
+    inside its block."""
 
     async def all(self, query: DriverQuery, parameters: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Every row of `query`, each a dict keyed by column."""
@@ -364,9 +369,8 @@ class _DriverTransaction:
     ) -> list[dict[str, Any]]:
         if not rows:
             return []
-        statement = insert.compiled(self.dialect)
         columns = {name: [row[name] for row in rows] for name in insert.columns}
-        return [statement.row(record) for record in await self.driver.run(statement, columns)]
+        return await self.all(insert.query, columns)
 
     async def execute(self, query: DriverQuery, parameters: Mapping[str, Any]) -> None:
         await self.driver.run(query.compiled(self.dialect), parameters)
@@ -385,7 +389,7 @@ class _CoreTransaction:
     ) -> list[dict[str, Any]]:
         if not rows:
             return []
-        result = await self.connection.execute(insert.core, list(rows))
+        result = await self.connection.execute(insert.query.statement, list(rows))
         return [dict(row) for row in result.mappings()] if insert.returns else []
 
     async def execute(self, query: DriverQuery, parameters: Mapping[str, Any]) -> None:
@@ -397,23 +401,31 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[Transaction]:
     """A transaction for statements written once in SQLAlchemy (`DriverQuery`,
     `DriverInsert`), committed when the block ends and rolled back if it raises.
 
-    On PostgreSQL the statements and the transaction run on asyncpg itself: for one single
-    event, the intake's transaction cost 1.6 ms of CPU through SQLAlchemy Core and 0.4 ms
-    on the driver (docs/benchmarks.md, change 30). On SQLite, SQLAlchemy Core."""
+    On PostgreSQL the statements and the transaction run on asyncpg itself: one single
+    event's store cost 1.6 ms of CPU through SQLAlchemy Core and 1.0 ms on the driver,
+    against 0.4 ms for asyncpg alone (`python -m bench._store`; docs/benchmarks.md, change
+    30). On SQLite, SQLAlchemy Core."""
     if engine.dialect.name != "postgresql":
         async with engine.begin() as connection:
             yield _CoreTransaction(connection)
         return
     async with _driver(engine) as driver:
         raw = driver.driver.transaction()
-        await driver.call(raw.start(), "BEGIN")
+        try:
+            await driver.call(raw.start(), "BEGIN")
+        except BaseException:
+            # asyncpg keeps a failed BEGIN as the connection's transaction: its next would
+            # be a SAVEPOINT. Never hand it out again.
+            if not driver.connection.invalidated:
+                await driver.connection.invalidate()
+            raise
         try:
             yield _DriverTransaction(driver)
         except BaseException:
             if not driver.driver.is_closed():
                 try:
                     await raw.rollback()
-                except Exception:  # its state is unknown: never hand it out again
+                except BaseException:  # failed or cancelled: never hand it out again
                     await driver.connection.invalidate()
             raise
         await driver.call(raw.commit(), "COMMIT")

@@ -194,6 +194,23 @@ async def finish(
         await statements.execute(_FINISH_WITH_ERROR, {**params, "b_error": error})
 
 
+async def give_up(session: Executor, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
+    if not reasons:
+        return
+    statement = (
+        update(DELIVERIES)
+        .where(DELIVERIES.c.id == bindparam("b_id"), DELIVERIES.c.state == PENDING)
+        .values(
+            state=DeliveryState.GIVEN_UP,
+            finished=now,
+            claimed_by=None,
+            claimed_until=None,
+            last_error=bindparam("b_error"),
+        )
+    )
+    await session.execute(statement, [{"b_id": i, "b_error": reason} for i, reason in reasons])
+
+
 async def reschedule(
     session: Executor, relay_id: str, retries: Sequence[tuple[int, datetime, str]]
 ) -> None:

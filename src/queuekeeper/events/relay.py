@@ -448,26 +448,23 @@ class Relay:
     async def _settle(self, settlement: _Settlement) -> None:
         now = utcnow()
         rejected = sum(len(ids) for ids in settlement.rejected.values())
-        given_up: dict[str, list[int]] = defaultdict(list)
-        for id_, reason in settlement.given_up:
-            given_up[reason].append(id_)
+        published = len(settlement.published)
+        # Each counter moves right after its statement commits (each stands alone), with
+        # no await between, so a `?wait=true` waiter never sees rows not yet counted.
         async with autocommit(self.engine) as statements:
             await outbox.finish(statements, settlement.published, DeliveryState.PUBLISHED, now)
-            for error, ids in settlement.rejected.items():
-                await outbox.finish(statements, ids, DeliveryState.REJECTED, now, error)
-            for reason, ids in given_up.items():
-                await outbox.finish(statements, ids, DeliveryState.GIVEN_UP, now, reason)
-            # Counted as soon as written (each statement commits on its own), with no await
-            # between, so a `?wait=true` waiter never sees the rows before the counters.
-            DELIVERIES.labels(outcome="published").inc(len(settlement.published))
+            DELIVERIES.labels(outcome="published").inc(published)
             COPIES.labels(kind="consumer", stage="published").inc(settlement.published_to_consumers)
             COPIES.labels(kind="legacy", stage="published").inc(
-                len(settlement.published) - settlement.published_to_consumers
+                published - settlement.published_to_consumers
             )
-            DELIVERIES.labels(outcome="rejected").inc(rejected)
-            DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
-        if settlement.retries:
+            for error, ids in settlement.rejected.items():
+                await outbox.finish(statements, ids, DeliveryState.REJECTED, now, error)
+                DELIVERIES.labels(outcome="rejected").inc(len(ids))
+        if settlement.given_up or settlement.retries:  # rare: on SQLAlchemy Core
             async with self.engine.connect() as connection:
+                await outbox.give_up(connection, settlement.given_up, now)
+                DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
                 await outbox.reschedule(connection, self.id, settlement.retries)
         if rejected or settlement.given_up:
             log.warning(
