@@ -402,8 +402,8 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[Transaction]:
     `DriverInsert`), committed when the block ends and rolled back if it raises.
 
     On PostgreSQL the statements and the transaction run on asyncpg itself: one single
-    event's store cost 1.6 ms of CPU through SQLAlchemy Core and 1.0 ms on the driver,
-    against 0.4 ms for asyncpg alone (`python -m bench._store`; docs/benchmarks.md, change
+    event's store cost 1.39 ms of CPU through SQLAlchemy Core and 0.88 ms on the driver,
+    against 0.39 ms for asyncpg alone (`python -m bench._store`; docs/benchmarks.md, change
     30). On SQLite, SQLAlchemy Core."""
     if engine.dialect.name != "postgresql":
         async with engine.begin() as connection:

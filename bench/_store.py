@@ -1,0 +1,170 @@
+"""The intake's transaction for one single event, against asyncpg alone: what change 30 bought.
+
+On a fresh, migrated PostgreSQL database with one offering, one agent with access and one
+registered queue: the intake's `_store` for one event (the recipients query, the event row,
+its delivery, BEGIN and COMMIT) in alternating blocks of 300, CPU of this process per event
+(`time.process_time`), beside the same three statements written by hand on a connection of
+asyncpg's own (the floor). Run on an older checkout (`PYTHONPATH=<checkout>/src`), whose
+intake stored through SQLAlchemy Core in `engine.begin()`, it times that instead. Not part
+of `make bench`:
+
+    python -m bench._store
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import asyncpg
+from sqlalchemy import insert
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from bench._support import bench_database
+from queuekeeper import db
+from queuekeeper.config import Settings
+from queuekeeper.events import intake
+from queuekeeper.events.schemas import EventIn
+from queuekeeper.logging import configure_logging
+from queuekeeper.models import Base, utcnow
+
+BLOCK = 300
+BLOCKS = int(os.environ.get("BENCH_BLOCKS", "8"))
+TABLES = Base.metadata.tables
+PAYLOAD = {"order_uuid": uuid.uuid4().hex, "padding": "x" * 600}
+
+RECIPIENTS = """
+SELECT o.uuid, s.uuid, q.uuid, q.queue_name, q.vhost
+FROM offerings o
+LEFT JOIN offering_access a ON a.offering_uuid = o.uuid
+JOIN users u ON u.uuid = a.user_uuid AND u.is_active
+  AND (u.token_expires_at IS NULL OR u.token_expires_at > $2)
+JOIN event_subscriptions s ON s.user_uuid = a.user_uuid
+LEFT JOIN event_subscription_queues q ON q.subscription_uuid = s.uuid
+  AND q.offering_uuid = o.uuid AND q.object_type = ANY($3)
+WHERE o.uuid = ANY($1)
+"""
+INSERT_EVENT = """
+INSERT INTO events (event_id, offering_uuid, object_type, payload, user_uuids, queued,
+  skipped_unregistered, accepted)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING RETURNING event_id
+"""
+INSERT_DELIVERY = """
+INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost, state,
+  attempts, claimed_by, claimed_until, next_attempt_at, created)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+RETURNING id, event_id, queue_uuid, consumer_uuid
+"""
+
+
+async def _seed(engine: AsyncEngine) -> uuid.UUID:
+    offering, user, subscription = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
+    now = utcnow()
+    async with engine.begin() as connection:
+        await connection.execute(insert(TABLES["users"]).values(uuid=user, username="bench"))
+        await connection.execute(insert(TABLES["offerings"]).values(uuid=offering, name="o"))
+        await connection.execute(
+            insert(TABLES["offering_access"]).values(user_uuid=user, offering_uuid=offering)
+        )
+        await connection.execute(
+            insert(TABLES["event_subscriptions"]).values(
+                uuid=subscription, user_uuid=user, observable_objects=[], broker_state="ok"
+            )
+        )
+        await connection.execute(
+            insert(TABLES["event_subscription_queues"]).values(
+                uuid=uuid.uuid4(),
+                subscription_uuid=subscription,
+                offering_uuid=offering,
+                object_type="order",
+                queue_name="subscription_bench",
+                vhost="bench",
+                created=now,
+            )
+        )
+    return offering
+
+
+async def _block(store: Callable[[], Awaitable[None]]) -> float:
+    started = time.process_time()
+    for _ in range(BLOCK):
+        await store()
+    return 1000 * (time.process_time() - started) / BLOCK
+
+
+async def _run(url: str) -> None:
+    engine = db.create_engine(Settings(database_url=url))
+    offering = await _seed(engine)
+    floor = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    loop = asyncio.get_running_loop()
+    transaction: Any = getattr(db, "transaction", None)
+
+    async def service() -> None:
+        event = EventIn(
+            event_id=uuid.uuid4().hex, offering_uuid=offering, object_type="order", payload=PAYLOAD
+        )
+        group = [intake._Request([event], [PAYLOAD], "", loop.create_future(), 0.0)]
+        lease = ("bench", utcnow() + timedelta(seconds=30))
+        opened = transaction(engine) if transaction else engine.begin()
+        async with opened as unit:
+            await intake._store(unit, group, utcnow(), lease)
+
+    async def raw() -> None:
+        event_id, now = uuid.uuid4().hex, utcnow()
+        async with floor.transaction():
+            rows = await floor.fetch(RECIPIENTS, [offering], now, ["order"])
+            await floor.fetch(
+                INSERT_EVENT, event_id, offering, "order", json.dumps(PAYLOAD), None, 1, 0, now
+            )
+            await floor.fetch(
+                INSERT_DELIVERY,
+                event_id,
+                rows[0][2],
+                None,
+                rows[0][3],
+                rows[0][4],
+                "pending",
+                1,
+                "bench",
+                now,
+                now,
+                now,
+            )
+
+    ways = {
+        "the intake's _store" if transaction else "the intake's _store (engine.begin())": service,
+        "asyncpg alone, own connection": raw,
+    }
+    results: dict[str, list[float]] = {name: [] for name in ways}
+    try:
+        for store in ways.values():  # warm up the pool and the statement caches
+            await _block(store)
+        for _ in range(BLOCKS):
+            for name, store in ways.items():
+                results[name].append(await _block(store))
+    finally:
+        await floor.close()
+        await engine.dispose()
+    print(f"One single event stored, {BLOCKS} blocks of {BLOCK} each, CPU per event:")
+    for name, figures in results.items():
+        print(
+            f"  {name:40s} median {statistics.median(figures):.3f} ms "
+            f"(blocks {min(figures):.3f}-{max(figures):.3f})"
+        )
+
+
+def main() -> None:
+    with open(os.devnull, "w") as sink, bench_database() as url:
+        configure_logging(level="INFO", stream=sink)  # the intake's DEBUG lines cost nothing
+        asyncio.run(_run(url))
+
+
+if __name__ == "__main__":
+    main()
