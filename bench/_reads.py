@@ -14,15 +14,13 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import statistics
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 
 import asyncpg
 from sqlalchemy import bindparam, select
 
-from bench._support import bench_database
+from bench._support import alternating_blocks, bench_database, print_medians
 from queuekeeper import db
 from queuekeeper.auth.repository import USER_WITH_TOKEN
 from queuekeeper.auth.tokens import token_digest
@@ -32,14 +30,6 @@ from queuekeeper.models import User
 BLOCK = 500
 BLOCKS = int(os.environ.get("BENCH_BLOCKS", "10"))
 ORM_SELECT = select(User).where(User.token_hash == bindparam("digest"))
-
-
-async def _block(read: Callable[[], Awaitable[object]]) -> float:
-    """CPU ms per read over one block; every read must find the user."""
-    started = time.process_time()
-    for _ in range(BLOCK):
-        assert await read() is not None
-    return 1000 * (time.process_time() - started) / BLOCK
 
 
 async def _run(url: str) -> None:
@@ -78,22 +68,23 @@ async def _run(url: str) -> None:
         "DriverRead (now)": driver_read,
         "asyncpg fetchrow, own connection": plain_asyncpg,
     }
-    results: dict[str, list[float]] = {name: [] for name in reads}
     try:
-        for read in reads.values():  # warm up the pool and the statement caches
-            await _block(read)
-        for _ in range(BLOCKS):
-            for name, read in reads.items():
-                results[name].append(await _block(read))
+        results = await alternating_blocks(
+            {name: _finding(read) for name, read in reads.items()}, block=BLOCK, blocks=BLOCKS
+        )
     finally:
         await floor.close()
         await engine.dispose()
-    print(f"One token lookup, {BLOCKS} blocks of {BLOCK} reads each, CPU per read:")
-    for name, figures in results.items():
-        print(
-            f"  {name:34s} median {statistics.median(figures):.3f} ms "
-            f"(blocks {min(figures):.3f}-{max(figures):.3f})"
-        )
+    print_medians(
+        f"One token lookup, {BLOCKS} blocks of {BLOCK} reads each, CPU per read:", results
+    )
+
+
+def _finding(read: Callable[[], Awaitable[object]]) -> Callable[[], Awaitable[None]]:
+    async def checked() -> None:
+        assert await read() is not None  # every read must find the user
+
+    return checked
 
 
 def main() -> None:

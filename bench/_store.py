@@ -16,10 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
-import time
 import uuid
-from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +24,7 @@ import asyncpg
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from bench._support import bench_database
+from bench._support import alternating_blocks, bench_database, print_medians
 from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.events import intake
@@ -92,13 +89,6 @@ async def _seed(engine: AsyncEngine) -> uuid.UUID:
     return offering
 
 
-async def _block(store: Callable[[], Awaitable[None]]) -> float:
-    started = time.process_time()
-    for _ in range(BLOCK):
-        await store()
-    return 1000 * (time.process_time() - started) / BLOCK
-
-
 async def _run(url: str) -> None:
     engine = db.create_engine(Settings(database_url=url))
     offering = await _seed(engine)
@@ -142,22 +132,14 @@ async def _run(url: str) -> None:
         "the intake's _store" if transaction else "the intake's _store (engine.begin())": service,
         "asyncpg alone, own connection": raw,
     }
-    results: dict[str, list[float]] = {name: [] for name in ways}
     try:
-        for store in ways.values():  # warm up the pool and the statement caches
-            await _block(store)
-        for _ in range(BLOCKS):
-            for name, store in ways.items():
-                results[name].append(await _block(store))
+        results = await alternating_blocks(ways, block=BLOCK, blocks=BLOCKS)
     finally:
         await floor.close()
         await engine.dispose()
-    print(f"One single event stored, {BLOCKS} blocks of {BLOCK} each, CPU per event:")
-    for name, figures in results.items():
-        print(
-            f"  {name:40s} median {statistics.median(figures):.3f} ms "
-            f"(blocks {min(figures):.3f}-{max(figures):.3f})"
-        )
+    print_medians(
+        f"One single event stored, {BLOCKS} blocks of {BLOCK} each, CPU per event:", results
+    )
 
 
 def main() -> None:

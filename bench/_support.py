@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -150,3 +150,35 @@ async def remove_broker_objects(settings: Settings) -> tuple[int, int]:
         return len(vhosts), len(users)
     finally:
         await management.aclose()
+
+
+async def alternating_blocks(
+    ways: dict[str, Callable[[], Awaitable[object]]], *, block: int, blocks: int
+) -> dict[str, list[float]]:
+    """CPU ms of this process per call of each way, over `blocks` rounds in which each way
+    runs `block` calls in turn (after one block each to warm pools and statement caches): a
+    VM whose speed drifts moves every way alike."""
+
+    async def timed(way: Callable[[], Awaitable[object]]) -> float:
+        started = time.process_time()
+        for _ in range(block):
+            await way()
+        return 1000 * (time.process_time() - started) / block
+
+    for way in ways.values():
+        await timed(way)
+    results: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(blocks):
+        for name, way in ways.items():
+            results[name].append(await timed(way))
+    return results
+
+
+def print_medians(title: str, results: dict[str, list[float]]) -> None:
+    print(title)
+    width = max(map(len, results))
+    for name, figures in results.items():
+        print(
+            f"  {name:{width}s} median {statistics.median(figures):.3f} ms "
+            f"(blocks {min(figures):.3f}-{max(figures):.3f})"
+        )

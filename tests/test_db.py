@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
-from queuekeeper.events.repository import EVENTS
+from queuekeeper.events.repository import EVENT_COLUMNS, EVENTS
 from queuekeeper.models import Base, User
 from tests.helpers import database_statements
 from tests.pg_refusing import at_port, refusing_postgres
@@ -162,16 +162,6 @@ async def test_reads_past_the_pool_size_leave_no_connection_behind(settings: Set
     assert alive == set()
 
 
-EVENT_COLUMNS = [
-    "event_id",
-    "offering_uuid",
-    "object_type",
-    "payload",
-    "user_uuids",
-    "queued",
-    "skipped_unregistered",
-    "accepted",
-]
 NEW_EVENTS = db.DriverInsert(
     EVENTS,
     EVENT_COLUMNS,

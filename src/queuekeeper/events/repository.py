@@ -24,20 +24,19 @@ DELIVERIES: Table = Base.metadata.tables["deliveries"]
 # The relay runs its statements on autocommit connections, the API in sessions.
 Executor = AsyncSession | AsyncConnection
 
+# What the intake writes of an event: every column.
+EVENT_COLUMNS = (
+    "event_id",
+    "offering_uuid",
+    "object_type",
+    "payload",
+    "user_uuids",
+    "queued",
+    "skipped_unregistered",
+    "accepted",
+)
 _INSERT_NEW_EVENTS = DriverInsert(
-    EVENTS,
-    [
-        "event_id",
-        "offering_uuid",
-        "object_type",
-        "payload",
-        "user_uuids",
-        "queued",
-        "skipped_unregistered",
-        "accepted",
-    ],
-    returning=[EVENTS.c.event_id],
-    if_absent=True,
+    EVENTS, EVENT_COLUMNS, returning=[EVENTS.c.event_id], if_absent=True
 )
 
 
