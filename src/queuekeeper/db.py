@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, cast
 
 from sqlalchemy import (
+    Boolean,
     ColumnElement,
     Insert,
     Select,
@@ -31,9 +32,12 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.orm import make_transient_to_detached
-from sqlalchemy.sql.dml import ReturningInsert, UpdateBase
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.dml import UpdateBase
 from sqlalchemy.sql.elements import Label
+from sqlalchemy.sql.visitors import InternalTraversal
 
 from queuekeeper.config import Settings
 
@@ -83,44 +87,6 @@ Executor = AsyncSession | AsyncConnection
 def is_postgres(executor: Executor) -> bool:
     bind = executor if isinstance(executor, AsyncConnection) else executor.get_bind()
     return bind.dialect.name == "postgresql"
-
-
-@dataclass(frozen=True)
-class InsertIfAbsent:
-    """`INSERT ... ON CONFLICT DO NOTHING RETURNING <column>`, which each of our two dialects
-    spells with its own insert construct. Built once: for a single row, building the
-    statement cost more than running it."""
-
-    postgresql: ReturningInsert[Any]
-    sqlite: ReturningInsert[Any]
-
-    @classmethod
-    def of(cls, table: Table, returning: ColumnElement[Any]) -> InsertIfAbsent:
-        return cls(
-            postgresql.insert(table).on_conflict_do_nothing().returning(returning),
-            sqlite.insert(table).on_conflict_do_nothing().returning(returning),
-        )
-
-    @classmethod
-    def from_select(
-        cls, table: Table, names: Sequence[str], rows: Select[Any], returning: ColumnElement[Any]
-    ) -> InsertIfAbsent:
-        """`INSERT ... SELECT ...`: the rows `rows` selects into the columns `names`, each
-        unless it conflicts. SQLite needs a WHERE in `rows` to read the statement's ON
-        CONFLICT as the insert's."""
-        return cls(
-            postgresql.insert(table)
-            .from_select(names, rows)
-            .on_conflict_do_nothing()
-            .returning(returning),
-            sqlite.insert(table)
-            .from_select(names, rows)
-            .on_conflict_do_nothing()
-            .returning(returning),
-        )
-
-    def on(self, executor: Executor) -> ReturningInsert[Any]:
-        return self.postgresql if is_postgres(executor) else self.sqlite
 
 
 Processor = Callable[[Any], Any] | None
@@ -250,8 +216,8 @@ class DriverQuery:
     SQLAlchemy, that runs on PostgreSQL straight on asyncpg (compiled once, the column types'
     bind and result processors applied) and on SQLite through SQLAlchemy Core.
 
-    `postgresql` is the same statement spelled for the driver where the portable spelling
-    needs SQLAlchemy at each execution (an expanding `IN`: see `one_of`)."""
+    `postgresql` is the same statement spelled with PostgreSQL's own constructs where the
+    two dialects need different ones (`insert_if_absent`)."""
 
     def __init__(
         self,
@@ -292,12 +258,45 @@ class DriverRead(DriverQuery):
         return statement.row(records[0]) if records else None
 
 
-def one_of(column: ColumnElement[Any], name: str, *, array: bool) -> ColumnElement[bool]:
-    """`column IN (:name)`, the list expanded at each execution (SQLite), or with `array`
-    PostgreSQL's `column = ANY(:name)`: one array parameter, compiled once for any length."""
-    if array:
-        return column == any_(bindparam(name, type_=ARRAY(column.type)))
-    return column.in_(bindparam(name, expanding=True))
+class one_of(ColumnElement[bool]):
+    """`column` is one of the list bound as `name`: on PostgreSQL `column = ANY(:name)`, one
+    array parameter, so the statement is compiled once for any length and can run on the
+    driver; elsewhere `column IN (:name)`, the list expanded at each execution."""
+
+    type = Boolean()
+    _is_implicitly_boolean = True  # a comparison: never written `... = 1` in a WHERE
+    _traverse_internals = [
+        ("column", InternalTraversal.dp_clauseelement),
+        ("name", InternalTraversal.dp_string),
+    ]
+
+    def __init__(self, column: ColumnElement[Any], name: str) -> None:
+        self.column = column
+        self.name = name
+
+
+@compiles(one_of)
+def _expanding_in(element: one_of, compiler: SQLCompiler, **kw: Any) -> str:
+    return compiler.process(element.column.in_(bindparam(element.name, expanding=True)), **kw)
+
+
+@compiles(one_of, "postgresql")
+def _any_of_array(element: one_of, compiler: SQLCompiler, **kw: Any) -> str:
+    array = bindparam(element.name, type_=ARRAY(element.column.type))
+    return compiler.process(element.column == any_(array), **kw)
+
+
+def insert_if_absent(
+    table: Table, names: Sequence[str], rows: Select[Any], returning: ColumnElement[Any]
+) -> DriverQuery:
+    """`INSERT ... SELECT ... ON CONFLICT DO NOTHING RETURNING`: the rows `rows` selects into
+    the columns `names`, each unless it conflicts, spelled with each dialect's own insert
+    construct. SQLite needs a WHERE in `rows` to read ON CONFLICT as the insert's."""
+    spelled = [
+        dialect.insert(table).from_select(names, rows).on_conflict_do_nothing().returning(returning)
+        for dialect in (sqlite, postgresql)
+    ]
+    return DriverQuery(spelled[0], postgresql=spelled[1])
 
 
 class DriverInsert:

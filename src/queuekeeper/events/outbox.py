@@ -149,7 +149,7 @@ async def claim(
     return claimed
 
 
-def _finish_statement(*, with_error: bool, array: bool) -> Update:
+def _finish_statement(*, with_error: bool) -> Update:
     values: dict[str, Any] = {
         "state": bindparam("b_state"),
         "finished": bindparam("b_finished", type_=_WHEN),
@@ -160,20 +160,13 @@ def _finish_statement(*, with_error: bool, array: bool) -> Update:
         values["last_error"] = bindparam("b_error")
     return (
         update(DELIVERIES)
-        .where(one_of(DELIVERIES.c.id, "b_ids", array=array), DELIVERIES.c.state == PENDING)
+        .where(one_of(DELIVERIES.c.id, "b_ids"), DELIVERIES.c.state == PENDING)
         .values(values)
     )
 
 
-def _finish(*, with_error: bool) -> DriverQuery:
-    return DriverQuery(
-        _finish_statement(with_error=with_error, array=False),
-        postgresql=_finish_statement(with_error=with_error, array=True),
-    )
-
-
-_FINISH = _finish(with_error=False)
-_FINISH_WITH_ERROR = _finish(with_error=True)
+_FINISH = DriverQuery(_finish_statement(with_error=False))
+_FINISH_WITH_ERROR = DriverQuery(_finish_statement(with_error=True))
 
 
 async def finish(

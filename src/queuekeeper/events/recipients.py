@@ -94,10 +94,10 @@ class _Row:
     vhost: str | None
 
 
-def _reachable_owner(array: bool) -> ColumnElement[bool]:
+def _reachable_owner() -> ColumnElement[bool]:
     """The grant's user is active and their token has not expired."""
     return and_(
-        one_of(ACCESS.c.offering_uuid, "access_offerings", array=array),
+        one_of(ACCESS.c.offering_uuid, "access_offerings"),
         USERS.c.is_active.is_(True),
         or_(
             USERS.c.token_expires_at.is_(None),
@@ -106,7 +106,7 @@ def _reachable_owner(array: bool) -> ColumnElement[bool]:
     )
 
 
-def _recipients_statement(*, array: bool) -> Select[Any]:
+def _recipients_statement() -> Select[Any]:
     subscriptions = select(
         literal(SUBSCRIPTION, String).label("kind"),
         ACCESS.c.offering_uuid,
@@ -125,7 +125,7 @@ def _recipients_statement(*, array: bool) -> Select[Any]:
             and_(
                 QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
                 QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
-                one_of(QUEUES.c.object_type, "object_types", array=array),
+                one_of(QUEUES.c.object_type, "object_types"),
             ),
         )
     )
@@ -151,7 +151,7 @@ def _recipients_statement(*, array: bool) -> Select[Any]:
         )
     )
     reachable = union_all(
-        subscriptions.where(_reachable_owner(array)), consumers.where(_reachable_owner(array))
+        subscriptions.where(_reachable_owner()), consumers.where(_reachable_owner())
     ).subquery("reachable")
     return (
         select(
@@ -166,15 +166,13 @@ def _recipients_statement(*, array: bool) -> Select[Any]:
             reachable.c.vhost,
         )
         .select_from(OFFERINGS.outerjoin(reachable, reachable.c.offering_uuid == OFFERINGS.c.uuid))
-        .where(one_of(OFFERINGS.c.uuid, "offerings", array=array))
+        .where(one_of(OFFERINGS.c.uuid, "offerings"))
     )
 
 
 # Built once: constructing this join per request cost more than running it. PostgreSQL
-# binds the lists as arrays, so the driver runs one statement compiled once.
-_RECIPIENTS = DriverQuery(
-    _recipients_statement(array=False), postgresql=_recipients_statement(array=True)
-)
+# binds the lists as arrays (`one_of`), so the driver runs one statement compiled once.
+_RECIPIENTS = DriverQuery(_recipients_statement())
 
 
 async def find_recipients(

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from sqlalchemy import Row, Select, Table, select
+from sqlalchemy import Row, Table, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from queuekeeper.db import DriverInsert, DriverQuery, Transaction, one_of
@@ -49,13 +49,11 @@ async def insert_new_events(transaction: Transaction, rows: Sequence[dict[str, A
     return {row["event_id"] for row in await transaction.insert(_INSERT_NEW_EVENTS, rows)}
 
 
-def _event_counts(*, array: bool) -> Select[Any]:
-    return select(EVENTS.c.event_id, EVENTS.c.queued, EVENTS.c.skipped_unregistered).where(
-        one_of(EVENTS.c.event_id, "event_ids", array=array)
+_EVENT_COUNTS = DriverQuery(
+    select(EVENTS.c.event_id, EVENTS.c.queued, EVENTS.c.skipped_unregistered).where(
+        one_of(EVENTS.c.event_id, "event_ids")
     )
-
-
-_EVENT_COUNTS = DriverQuery(_event_counts(array=False), postgresql=_event_counts(array=True))
+)
 
 
 async def event_counts(

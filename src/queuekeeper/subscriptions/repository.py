@@ -14,7 +14,6 @@ from sqlalchemy.orm import aliased
 
 from queuekeeper import db
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
-from queuekeeper.db import InsertIfAbsent
 from queuekeeper.models import (
     Base,
     EventConsumer,
@@ -140,7 +139,7 @@ async def registered_queue_names(
 _QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
 
 
-def _insert_queue_statement() -> InsertIfAbsent:
+def _insert_queue() -> db.DriverQuery:
     granted = (
         select(OfferingAccess.user_uuid)
         .where(
@@ -152,14 +151,13 @@ def _insert_queue_statement() -> InsertIfAbsent:
     row = select(
         *(bindparam(column.key, type_=column.type).label(column.key) for column in _QUEUES.c)
     ).where(granted.exists())
-    return InsertIfAbsent.from_select(_QUEUES, _QUEUES.c.keys(), row, _QUEUES.c.uuid)
+    return db.insert_if_absent(_QUEUES, _QUEUES.c.keys(), row, _QUEUES.c.uuid)
 
 
 # On the table rather than the mapped class: the ORM's bulk insert path and a statement built
 # per call were a tenth of a new create_queue's CPU (py-spy). The access re-check rides in
 # the insert (one round trip of five).
-_INSERT_QUEUE = _insert_queue_statement()
-_INSERT_QUEUE_QUERY = db.DriverQuery(_INSERT_QUEUE.sqlite, postgresql=_INSERT_QUEUE.postgresql)
+_INSERT_QUEUE = _insert_queue()
 _ACCESS_LOCKED_QUERY = db.DriverQuery(_ACCESS_LOCKED)
 
 
@@ -190,7 +188,7 @@ async def insert_queue_with_access(
         "vhost": queue.vhost,
         "created": queue.created,
     }
-    if await unit.all(_INSERT_QUEUE_QUERY, values):
+    if await unit.all(_INSERT_QUEUE, values):
         return QueueInsert.INSERTED
     # Nothing inserted: a conflict or no grant. Which, the locked read tells (rare).
     access = {"user": owner_uuid, "offering": queue.offering_uuid}
