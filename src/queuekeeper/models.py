@@ -253,6 +253,11 @@ class EventConsumer(Base):
     """
 
     __tablename__ = "event_consumers"
+    # A repeat of /api/event-consumers/register/ for the same offerings finds the same row;
+    # identical calls in parallel cannot make two (docs/decisions/001-owner-lock.md).
+    __table_args__ = (
+        Index("uq_event_consumers_user_scope_key", "user_uuid", "scope_key", unique=True),
+    )
 
     uuid: Mapped[UUID] = mapped_column(primary_key=True)
     user_uuid: Mapped[UUID] = mapped_column(
@@ -263,6 +268,9 @@ class EventConsumer(Base):
     agent_identity_uuid: Mapped[UUID | None] = mapped_column(
         ForeignKey("agent_identities.uuid", ondelete="CASCADE"), unique=True
     )
+    # consumers_repository.scope_key of the offerings it was registered for through
+    # /api/event-consumers/register/; None for an identity's (its key is the identity).
+    scope_key: Mapped[str | None] = mapped_column(String(64))
     # The object types it receives; empty means every type.
     object_types: Mapped[list[Any]] = mapped_column(default=list)
     queue_name: Mapped[str] = mapped_column(String(255), unique=True)

@@ -244,3 +244,17 @@ async def test_deletion_is_not_blocked_by_a_broker_outage(
         assert listed.status_code == 401  # the user, and so its token, is gone
     else:
         assert listed.json() == []
+
+
+async def test_a_token_expiry_out_of_range_in_utc_is_a_400_naming_the_field(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """Stored in UTC, 0001-01-01T00:00:00+14:00 falls before year 1: a 400, not a 500."""
+    response = await client.put(
+        f"/api/internal/users/{uuid.uuid4()}/",
+        json={"username": "x", "token_expires_at": "0001-01-01T00:00:00+14:00"},
+        headers=backend.headers,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["errors"][0]["field"] == "token_expires_at"
+    assert "out of range" in response.json()["errors"][0]["message"]

@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client import REGISTRY
 
 from queuekeeper.broker.management import ManagementClient
@@ -286,3 +287,25 @@ async def test_deleting_an_identity_removes_what_it_registered(
         assert await management.get_user(subscription_uuid) is None
     # They were the user's only subscriptions, so the vhost (and its queues) went too.
     assert await management.get_vhost(agent.vhost) is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00", "0001-01-01T05:00:00+05:01"],
+)
+async def test_last_restarted_out_of_range_in_utc_is_a_400_naming_the_field(
+    backend: Backend, value: str
+) -> None:
+    """Each is a valid datetime whose UTC form falls outside years 1-9999 (was a 500)."""
+    agent, offering = await backend.agent_with_offering()
+    created = await register(agent, offering.hex, last_restarted=value)
+    assert created.status_code == 400, created.text
+    assert created.json()["errors"][0]["field"] == "last_restarted"
+    identity = (await register(agent, offering.hex)).json()["uuid"]
+    updated = await agent.client.put(
+        f"{IDENTITIES}{identity}/",
+        json=agent_body(offering.hex, last_restarted=value),
+        headers=agent.headers,
+    )
+    assert updated.status_code == 400, updated.text
+    assert updated.json()["errors"][0]["field"] == "last_restarted"

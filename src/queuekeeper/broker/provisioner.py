@@ -251,6 +251,20 @@ class Provisioner:
             await self.ensure_vhost(vhost)
             await self.management.put_permissions(vhost, name, permissions)
 
+    async def holds_password(self, name: str, password_hash: str | None) -> bool | None:
+        """Whether the broker user `name` holds this password hash (None: no password
+        login); None when there is no such user."""
+        info = await self.management.get_user(name)
+        if info is None:
+            return None
+        return info.password_hash == (password_hash or "")
+
+    async def login_hashes(self) -> dict[str, str]:
+        """Every broker user of ours and the password hash it holds ("" for none): one
+        listing, for comparing what the broker holds with what the rows want."""
+        users = await self.management.list_users(columns="name,tags,password_hash")
+        return {info.name: info.password_hash for info in users if self.owns(info)}
+
     async def _user_intact(self, vhost: str, name: str) -> bool:
         """The broker user exists and holds permissions in the vhost."""
         if await self.management.get_user(name) is None:

@@ -1,4 +1,5 @@
-"""Advisory locks: one run of a job at a time, and no deletion racing a registration.
+"""Advisory locks: one run of a job at a time, no deletion racing a registration, and one
+writer at a time for a user's broker credentials and objects (`user_key`).
 
 PostgreSQL: transaction-level advisory locks (`pg_*advisory_xact_lock*`), released
 by the database when the transaction ends, so a crashed process never leaves one
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import uuid
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -30,6 +32,13 @@ BROKER_USERS_KEY = "broker-users"
 def lock_key(name: str) -> int:
     digest = hashlib.sha256(f"queuekeeper:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def user_key(user_uuid: uuid.UUID) -> str:
+    """The owner lock (docs/decisions/001-owner-lock.md): every writer of a user's broker
+    users, vhost or consumer rows holds it exclusively across "read the current rows and
+    token hash -> broker calls -> commit", so the last writer is the database's truth."""
+    return f"user:{user_uuid.hex}"
 
 
 def vhost_key(vhost: str) -> str:

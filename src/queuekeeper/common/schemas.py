@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, PlainSerializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer
 
 from queuekeeper.exceptions import NotFound
 
@@ -27,6 +27,23 @@ def _drf_datetime(value: datetime) -> str:
 # Accepts hex, dashed, any case (pydantic's UUID parsing); written as 32-char hex.
 HexUUID = Annotated[uuid.UUID, PlainSerializer(_hex, return_type=str, when_used="json")]
 UTCDateTime = Annotated[datetime, PlainSerializer(_drf_datetime, return_type=str, when_used="json")]
+
+
+def _storable(value: datetime) -> datetime:
+    """Datetimes are stored in UTC: one whose offset takes it outside years 1-9999 there
+    (0001-01-01T00:00:00+14:00) is refused as the field's error, not a 500 at the insert."""
+    if value.tzinfo is None:
+        return value  # taken as UTC as it is
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(
+            "out of range: in UTC this is before 0001-01-01 or after 9999-12-31"
+        ) from None
+
+
+# An input datetime that can be stored (see _storable).
+InputDateTime = Annotated[datetime, AfterValidator(_storable)]
 
 
 class Schema(BaseModel):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Collection, Sequence
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper.broker import topology
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
 from queuekeeper.models import AgentIdentity, EventConsumer, EventConsumerScope, User
 
@@ -62,27 +64,30 @@ async def of_identity(session: AsyncSession, identity_uuid: uuid.UUID) -> EventC
     return found
 
 
-async def with_scopes(
-    session: AsyncSession, owner_uuid: uuid.UUID, offerings: Collection[uuid.UUID]
+def scope_key(offerings: Collection[uuid.UUID]) -> str:
+    """The key of a set of offerings (sha256 of their sorted hex): unique per owner among
+    the consumers registered through /api/event-consumers/register/."""
+    joined = ",".join(sorted(offering.hex for offering in offerings))
+    return hashlib.sha256(joined.encode("ascii")).hexdigest()
+
+
+async def with_scope_key(
+    session: AsyncSession, owner_uuid: uuid.UUID, key: str
 ) -> EventConsumer | None:
-    """The owner's consumer (not an agent identity's) bound to exactly these offerings."""
-    wanted = set(offerings)
-    bound = select(EventConsumerScope.consumer_uuid).where(
-        EventConsumerScope.offering_uuid.in_(wanted)
-    )
-    candidates = await session.scalars(
-        select(EventConsumer)
-        .where(
-            EventConsumer.user_uuid == owner_uuid,
-            EventConsumer.agent_identity_uuid.is_(None),
-            EventConsumer.uuid.in_(bound),
+    """The owner's consumer registered for the set of offerings whose scope_key this is."""
+    found: EventConsumer | None = await session.scalar(
+        select(EventConsumer).where(
+            EventConsumer.user_uuid == owner_uuid, EventConsumer.scope_key == key
         )
-        .order_by(EventConsumer.created, EventConsumer.uuid)
     )
-    for consumer in candidates:
-        if {scope.offering_uuid for scope in consumer.scopes} == wanted:
-            return consumer
-    return None
+    return found
+
+
+async def identity_exists(session: AsyncSession, identity_uuid: uuid.UUID) -> bool:
+    found = await session.scalar(
+        select(AgentIdentity.uuid).where(AgentIdentity.uuid == identity_uuid)
+    )
+    return found is not None
 
 
 async def of_owner(session: AsyncSession, owner_uuid: uuid.UUID) -> list[EventConsumer]:
@@ -164,12 +169,19 @@ async def existing(session: AsyncSession, consumer_uuids: Collection[uuid.UUID])
 
 
 async def needing_password(
-    session: AsyncSession, owner_uuid: uuid.UUID, password_hash: str | None
+    session: AsyncSession,
+    owner_uuid: uuid.UUID,
+    password_hash: str | None,
+    *,
+    also: Collection[str] = (),
 ) -> list[EventConsumer]:
-    """The owner's consumers whose broker user does not have the owner's current password."""
+    """The owner's consumers whose row says another password than the owner's current one,
+    and those whose broker user is named in `also` (found wrong on the broker)."""
+    differs = EventConsumer.broker_password_hash.is_distinct_from(password_hash)
+    named = [found for found in (topology.uuid_of(name) for name in also) if found is not None]
     rows = await session.scalars(
         consumers(owner_uuid).where(
-            EventConsumer.broker_password_hash.is_distinct_from(password_hash)
+            or_(differs, EventConsumer.uuid.in_(named)) if named else differs
         )
     )
     return list(rows)

@@ -24,7 +24,7 @@ from sqlalchemy.orm.exc import StaleDataError
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementError
-from queuekeeper.broker.provisioner import Provisioner, QueueConflict, best_effort
+from queuekeeper.broker.provisioner import Provisioner, QueueConflict
 from queuekeeper.common import locks
 from queuekeeper.common.pagination import Page, Paged
 from queuekeeper.common.quotas import check_quota
@@ -43,7 +43,13 @@ from queuekeeper.models import (
 )
 from queuekeeper.observability.metrics import CONSUMER_REGISTRATIONS
 from queuekeeper.subscriptions import repository as subscriptions_repository
-from queuekeeper.subscriptions.service import BrokerLeftovers, remove_leftovers
+from queuekeeper.subscriptions.service import (
+    BrokerLeftovers,
+    owner_locked,
+    owner_login_hash,
+    remove_leftovers_held,
+    unmake,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +62,7 @@ class _Wanted:
     offerings: list[uuid.UUID]
     object_types: list[str] | None  # None: keep the current filter
     identity_uuid: uuid.UUID | None
+    owner_uuid: uuid.UUID  # read once: a rollback expires `owner`
 
 
 async def register_queue(
@@ -90,9 +97,9 @@ async def register_queue(
         offerings=[identity.offering_uuid],
         object_types=body.object_types,
         identity_uuid=identity.uuid,
+        owner_uuid=user.uuid,
     )
-    existing = await repository.of_identity(session, identity.uuid)
-    return await _register(session, provisioner, settings, "register_queue", wanted, existing)
+    return await _register(session, provisioner, settings, "register_queue", wanted)
 
 
 async def register(
@@ -105,10 +112,13 @@ async def register(
     """`POST /api/event-consumers/register/`: the caller's consumer for these offerings."""
     offerings = [scope.uuid for scope in body.scopes]
     wanted = _Wanted(
-        owner=user, offerings=offerings, object_types=body.object_types, identity_uuid=None
+        owner=user,
+        offerings=offerings,
+        object_types=body.object_types,
+        identity_uuid=None,
+        owner_uuid=user.uuid,
     )
-    existing = await repository.with_scopes(session, user.uuid, offerings)
-    return await _register(session, provisioner, settings, "api", wanted, existing)
+    return await _register(session, provisioner, settings, "api", wanted)
 
 
 async def _check_offerings(
@@ -132,13 +142,9 @@ async def _register(
     settings: Settings,
     route: str,
     wanted: _Wanted,
-    existing: EventConsumer | None,
 ) -> tuple[EventConsumer, bool]:
-    if existing is None:
-        held = await repository.count_of_owner(session, wanted.owner.uuid)
-        check_quota(settings, "max_consumers_per_user", held, "event consumers")
     try:
-        consumer, created = await _make_real(session, provisioner, wanted, existing)
+        consumer, created = await _make_real(session, provisioner, settings, wanted)
     except QueueConflict:
         CONSUMER_REGISTRATIONS.labels(route=route, outcome="conflict").inc()
         raise
@@ -158,29 +164,52 @@ async def _register(
     return consumer, created
 
 
+async def _existing(session: AsyncSession, wanted: _Wanted) -> EventConsumer | None:
+    """The consumer this registration is a repeat of: the identity's, or the owner's for the
+    same set of offerings. Both are unique keys in the database."""
+    if wanted.identity_uuid is not None:
+        return await repository.of_identity(session, wanted.identity_uuid)
+    return await repository.with_scope_key(
+        session, wanted.owner_uuid, repository.scope_key(wanted.offerings)
+    )
+
+
 async def _make_real(
     session: AsyncSession,
     provisioner: Provisioner,
+    settings: Settings,
     wanted: _Wanted,
-    existing: EventConsumer | None,
 ) -> tuple[EventConsumer, bool]:
-    owner = wanted.owner
-    owner_uuid, password_hash = owner.uuid, owner.broker_password_hash
+    owner, owner_uuid = wanted.owner, wanted.owner_uuid
+    # Refused before any lock is taken or the broker touched; checked again, locked, below.
     await _check_offerings(session, owner, wanted.offerings)
-    # Nothing stays open while we wait on the broker.
     await session.commit()
 
-    consumer_uuid = existing.uuid if existing is not None else uuid.uuid4()
     vhost = topology.vhost_name(owner_uuid)
-    queue_name = topology.consumer_queue_name(consumer_uuid)
-    # Held shared from before the broker objects are made until the row is committed:
-    # reconcile and the deletions take them exclusively and re-check the rows, so they
-    # never take this consumer's queue, user or vhost for an orphan.
-    async with (
-        locks.guard(session, locks.vhost_key(vhost), exclusive=False),
-        locks.guard(session, locks.BROKER_USERS_KEY, exclusive=False),
-    ):
-        try:
+    touched: uuid.UUID | None = None  # the consumer whose broker objects this call wrote
+    # The owner lock, from the look-up, the quota count and the read of the owner's token
+    # to the commit: identical calls find the first one's row, parallel ones cannot pass
+    # the quota together, and the broker user gets the token the database holds when the
+    # row lands (docs/decisions/001-owner-lock.md). The vhost and broker-users locks,
+    # shared: reconcile takes them exclusively and re-checks the rows, so it never takes
+    # this consumer's queue, user or vhost for an orphan.
+    try:
+        async with (
+            owner_locked(session, owner_uuid, vhost_exclusive=False),
+            locks.guard(session, locks.BROKER_USERS_KEY, exclusive=False),
+        ):
+            existing = await _existing(session, wanted)
+            if existing is None:
+                if wanted.identity_uuid is not None and not await repository.identity_exists(
+                    session, wanted.identity_uuid
+                ):
+                    raise _Gone
+                held = await repository.count_of_owner(session, owner_uuid)
+                check_quota(settings, "max_consumers_per_user", held, "event consumers")
+            password_hash = await owner_login_hash(session, owner_uuid)
+            consumer_uuid = existing.uuid if existing is not None else uuid.uuid4()
+            queue_name = topology.consumer_queue_name(consumer_uuid)
+            touched = consumer_uuid
             await provisioner.ensure_vhost(vhost)
             await provisioner.ensure_consumer_user(vhost, consumer_uuid, password_hash)
             await provisioner.ensure_queue(vhost, queue_name, known=existing is not None)
@@ -190,6 +219,9 @@ async def _make_real(
                     uuid=consumer_uuid,
                     user_uuid=owner_uuid,
                     agent_identity_uuid=wanted.identity_uuid,
+                    scope_key=None
+                    if wanted.identity_uuid is not None
+                    else repository.scope_key(wanted.offerings),
                     object_types=list(wanted.object_types or []),
                     queue_name=queue_name,
                     vhost=vhost,
@@ -202,30 +234,28 @@ async def _make_real(
                 consumer = existing
                 _update(consumer, wanted, password_hash)
             await session.commit()
-        except (IntegrityError, StaleDataError) as exc:
-            await session.rollback()
-            if existing is None:
-                await _unmake(provisioner, vhost, consumer_uuid)
-            winner = (
-                await repository.of_identity(session, wanted.identity_uuid)
-                if wanted.identity_uuid is not None
-                else None
-            )
-            if winner is None:
-                raise NotFound(
-                    "The identity, an offering or the consumer was deleted while the queue "
-                    "was being registered; register again."
-                ) from exc
-            # A concurrent first registration of the same identity committed first. End the
-            # read with a commit: the guard's rollback would expire what is returned.
-            await session.commit()
-            return winner, False
-        except BaseException:
-            await session.rollback()
-            if existing is None:
-                await _unmake(provisioner, vhost, consumer_uuid)
-            raise
+    except (IntegrityError, StaleDataError, _Gone) as exc:
+        if touched is not None:
+            await _unmake(session, provisioner, owner_uuid, touched)
+        # The unique keys are the last word: a row that won them is this call's answer.
+        winner = await _existing(session, wanted)
+        if winner is None:
+            raise NotFound(
+                "The identity, an offering or the consumer was deleted while the queue "
+                "was being registered; register again."
+            ) from exc
+        # End the read with a commit: a rollback would expire what is returned.
+        await session.commit()
+        return winner, False
+    except BaseException:
+        if touched is not None:
+            await _unmake(session, provisioner, owner_uuid, touched)
+        raise
     return consumer, existing is None
+
+
+class _Gone(Exception):
+    """The identity went before its consumer was made."""
 
 
 def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None) -> None:
@@ -240,13 +270,18 @@ def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None)
     consumer.modified = utcnow()
 
 
-async def _unmake(provisioner: Provisioner, vhost: str, consumer_uuid: uuid.UUID) -> None:
-    """Remove what a registration made for a consumer whose row was never committed."""
-    await best_effort(
-        "delete_user", provisioner.delete_consumer_user(consumer_uuid), consumer=consumer_uuid.hex
+async def _unmake(
+    session: AsyncSession, provisioner: Provisioner, owner_uuid: uuid.UUID, consumer_uuid: uuid.UUID
+) -> None:
+    """After a registration that wrote the broker and did not commit: its broker user and
+    queue go unless a row has them, and the owner's vhost unless a row uses it."""
+    await unmake(
+        session,
+        provisioner,
+        owner_uuid,
+        consumers=[consumer_uuid],
+        queues=[topology.consumer_queue_name(consumer_uuid)],
     )
-    name = topology.consumer_queue_name(consumer_uuid)
-    await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
 
 
 # --- reading and deleting -------------------------------------------------------------------
@@ -275,19 +310,18 @@ async def get_consumer(
 async def delete_consumer(
     session: AsyncSession, provisioner: Provisioner, caller: User | None, consumer_uuid: str
 ) -> None:
-    consumer = await get_consumer(session, caller, consumer_uuid)
-    await delete_consumers(session, provisioner, [consumer])
-
-
-async def delete_consumers(
-    session: AsyncSession, provisioner: Provisioner, consumers: Sequence[EventConsumer]
-) -> None:
-    """Delete the rows, then their queues and broker users (and the vhost if it emptied)."""
-    if not consumers:
-        return
-    leftovers = BrokerLeftovers().add_consumers(consumers)
-    for consumer in consumers:
-        await session.delete(consumer)
+    """Delete the row and, under the owner lock before it commits, its queue and broker user
+    (and the vhost if it emptied): a registration in flight cannot make them again."""
+    found = await get_consumer(session, caller, consumer_uuid)
+    owner_uuid, key = found.user_uuid, found.uuid
     await session.commit()
-    log.info("consumers_deleted", consumers=[consumer.uuid.hex for consumer in consumers])
-    await remove_leftovers(session, provisioner, leftovers)
+    async with owner_locked(session, owner_uuid, vhost_exclusive=True):
+        consumer = await repository.get(session, key)
+        if consumer is None:
+            raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
+        leftovers = BrokerLeftovers().add_consumers([consumer])
+        await session.delete(consumer)
+        await session.flush()
+        await remove_leftovers_held(session, provisioner, leftovers)
+        await session.commit()
+    log.info("consumers_deleted", consumers=[key.hex])

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import exists, or_, select
+from sqlalchemy import or_, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper.broker import topology
 from queuekeeper.models import (
     EventConsumer,
     EventSubscription,
@@ -33,12 +36,21 @@ async def subscriptions_of_user(
 
 
 async def subscriptions_needing_password(
-    session: AsyncSession, user_uuid: uuid.UUID, password_hash: str | None
+    session: AsyncSession,
+    user_uuid: uuid.UUID,
+    password_hash: str | None,
+    *,
+    also: Collection[str] = (),
 ) -> list[EventSubscription]:
+    """The user's subscriptions whose row says another hash, and those whose broker user
+    is named in `also` (found wrong on the broker)."""
+    differs = EventSubscription.broker_password_hash.is_distinct_from(password_hash)
+    named = [topology.uuid_of(name) for name in also]
+    named_uuids = [found for found in named if found is not None]
     rows = await session.scalars(
         select(EventSubscription).where(
             EventSubscription.user_uuid == user_uuid,
-            EventSubscription.broker_password_hash.is_distinct_from(password_hash),
+            or_(differs, EventSubscription.uuid.in_(named_uuids)) if named_uuids else differs,
         )
     )
     return list(rows)
@@ -67,27 +79,25 @@ async def queues_of_offering(
     return list(rows)
 
 
-async def users_with_revoked_logins(session: AsyncSession, now: datetime) -> list[User]:
-    """Inactive users, or users whose token has expired, that still have a subscription
-    whose broker user holds a password: their logins are to be taken away."""
-    rows = await session.scalars(
-        select(User)
-        .where(
-            or_(
-                User.is_active.is_(False),
-                User.token_expires_at.is_not(None) & (User.token_expires_at <= now),
-            ),
-            or_(
-                exists().where(
-                    EventSubscription.user_uuid == User.uuid,
-                    EventSubscription.broker_password_hash.is_not(None),
-                ),
-                exists().where(
-                    EventConsumer.user_uuid == User.uuid,
-                    EventConsumer.broker_password_hash.is_not(None),
-                ),
-            ),
+@dataclass(frozen=True)
+class BrokerLogin:
+    """A subscription's or a consumer's broker user, and the hash its owner wants it to hold."""
+
+    owner_uuid: uuid.UUID
+    name: str
+    wanted: str | None
+
+
+async def broker_logins(session: AsyncSession, now: datetime) -> list[BrokerLogin]:
+    """Every broker login the rows describe (two queries, whatever the number of users)."""
+    found: list[BrokerLogin] = []
+    wanted = User.broker_login_hash_sql(now)
+    for table, name in (
+        (EventSubscription, topology.subscription_user_name),
+        (EventConsumer, topology.consumer_user_name),
+    ):
+        rows = await session.execute(
+            select(table.uuid, table.user_uuid, wanted).join(User, User.uuid == table.user_uuid)
         )
-        .order_by(User.uuid)
-    )
-    return list(rows)
+        found.extend(BrokerLogin(owner, name(row_uuid), hash_) for row_uuid, owner, hash_ in rows)
+    return found

@@ -1,11 +1,10 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
+from queuekeeper.common.schemas import HexUUID, InputDateTime, Schema, UTCDateTime
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
 from queuekeeper.models import Offering, OfferingAccess, User
@@ -34,7 +33,7 @@ class UserPut(BaseModel):
     full_name: str | None = Field(default=None, max_length=255)
     email: str | None = Field(default=None, max_length=320)
     token: str | None = Field(default=None, min_length=8, max_length=512)
-    token_expires_at: datetime | None = None
+    token_expires_at: InputDateTime | None = None
     is_active: bool | None = None
 
 

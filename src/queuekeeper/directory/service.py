@@ -6,18 +6,20 @@ Every call is idempotent, so the backend can simply retry after a 503.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from functools import partial
 
 import structlog
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper.auth.repository import UserGone, login_hash_now
 from queuekeeper.auth.tokens import token_digest
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import BrokerUnavailable, ManagementError
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.common import locks
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.directory import repository
@@ -35,7 +37,9 @@ from queuekeeper.models import (
 from queuekeeper.subscriptions.service import (
     BrokerLeftovers,
     collect_leftovers,
+    owner_locked,
     remove_leftovers,
+    remove_leftovers_held,
 )
 
 log = structlog.get_logger(__name__)
@@ -107,57 +111,86 @@ async def put_user(
             if attempt:  # a concurrent PUT created the same user: update it instead
                 raise
     log.info("user_saved", user=user_uuid.hex, created=created, token_changed=token_changed)
-    await sync_broker_passwords(session, provisioner, user)
+    await sync_broker_passwords(session, provisioner, user_uuid)
     return user, created
 
 
-async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner, user: User) -> int:
+async def sync_broker_passwords(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    user_uuid: uuid.UUID,
+    *,
+    wrong_on_broker: Collection[str] = (),
+) -> int:
     """Give every broker user of the user (its subscriptions' and consumers') the password it
     should have now (its token's, or none while inactive or expired), then close their open
     connections, so a changed, removed or expired token stops working on the broker at once;
     returns how many changed.
+
+    Under the owner lock, from the read of the token to the commit: a registration in
+    flight either ran before (its row is then listed here, as needing the new password) or
+    runs after and reads the new token itself (docs/decisions/001-owner-lock.md). The rows
+    say what was last written; `wrong_on_broker` names broker users found holding something
+    else (revoke_expired compares with the broker's own listing), set again whatever the
+    rows say.
     """
-    wanted = user.broker_login_hash(utcnow())
-    subscriptions = await repository.subscriptions_needing_password(session, user.uuid, wanted)
-    consumers = await consumers_repository.needing_password(session, user.uuid, wanted)
-    # (row, broker user, change)
-    changes: list[tuple[EventSubscription | EventConsumer, str, Callable[[], Awaitable[None]]]] = [
-        (
-            s,
-            topology.subscription_user_name(s.uuid),
-            partial(provisioner.set_subscription_password, s.uuid, wanted),
+    async with locks.guard(session, locks.user_key(user_uuid), exclusive=True):
+        try:
+            wanted = await login_hash_now(session, user_uuid)
+        except UserGone:
+            await session.commit()
+            return 0
+        # Looked at again under the lock: what the listing saw may have been set right since
+        # (a PUT in flight), and a login that holds the right password stays open.
+        wrong_on_broker = [
+            name
+            for name in wrong_on_broker
+            if await provisioner.holds_password(name, wanted) is False
+        ]
+        subscriptions = await repository.subscriptions_needing_password(
+            session, user_uuid, wanted, also=wrong_on_broker
         )
-        for s in subscriptions
-    ] + [
-        (
-            c,
-            topology.consumer_user_name(c.uuid),
-            partial(provisioner.set_consumer_password, c.uuid, wanted),
+        consumers = await consumers_repository.needing_password(
+            session, user_uuid, wanted, also=wrong_on_broker
         )
-        for c in consumers
-    ]
-    # No transaction stays open across the broker calls.
-    await session.commit()
-    done: list[str] = []
-    try:
-        for row, broker_user, change in changes:
-            await change()
-            row.broker_password_hash = wanted
-            done.append(broker_user)
-    except (BrokerUnavailable, ManagementError) as exc:
-        raise Unavailable(
-            "The user was saved, but RabbitMQ could not be given the new token as the "
-            f"broker password ({exc}); repeat the same PUT to finish."
-        ) from exc
-    finally:
-        await session.commit()
-        # Connections opened with the old password keep working until closed: close them,
-        # also when only some passwords could be changed.
-        await provisioner.close_connections(done)
+        # (row, broker user, change)
+        changes: list[
+            tuple[EventSubscription | EventConsumer, str, Callable[[], Awaitable[None]]]
+        ] = [
+            (
+                s,
+                topology.subscription_user_name(s.uuid),
+                partial(provisioner.set_subscription_password, s.uuid, wanted),
+            )
+            for s in subscriptions
+        ] + [
+            (
+                c,
+                topology.consumer_user_name(c.uuid),
+                partial(provisioner.set_consumer_password, c.uuid, wanted),
+            )
+            for c in consumers
+        ]
+        done: list[str] = []
+        try:
+            for row, broker_user, change in changes:
+                await change()
+                row.broker_password_hash = wanted
+                done.append(broker_user)
+        except (BrokerUnavailable, ManagementError) as exc:
+            raise Unavailable(
+                "The user was saved, but RabbitMQ could not be given the new token as the "
+                f"broker password ({exc}); repeat the same PUT to finish."
+            ) from exc
+        finally:
+            await session.commit()
+            # Connections opened with the old password keep working until closed: close them,
+            # also when only some passwords could be changed.
+            await provisioner.close_connections(done)
     if changes:
         log.info(
             "broker_passwords_updated",
-            user=user.uuid.hex,
+            user=user_uuid.hex,
             subscriptions=len(subscriptions),
             consumers=len(consumers),
             login=wanted is not None,
@@ -166,48 +199,61 @@ async def sync_broker_passwords(session: AsyncSession, provisioner: Provisioner,
 
 
 async def revoke_expired(context: JobContext, run: Run) -> None:
-    """The `revoke_expired` job: take the broker logins of users whose token has expired (or
-    who were deactivated) while a broker user still holds their password, and close their
-    connections. Run every `token_expiry_interval_seconds`, so an expiry reaches the broker
-    within seconds rather than at the next stale cleanup (which then deletes them)."""
+    """The `revoke_expired` job: compare the password every broker user of ours holds (one
+    listing of the broker's users) with what its owner's row wants now (none when the user
+    is inactive or its token expired, its token's otherwise), and for each owner with a
+    login that does not match, set it again under the owner lock and close its
+    connections. Run every `token_expiry_interval_seconds`: an expiry, and any write that
+    a race left wrong on the broker, is undone within that interval plus one run."""
+    held = await context.provisioner.login_hashes()
     async with context.sessions() as session:
-        users = await repository.users_with_revoked_logins(session, utcnow())
+        logins = await repository.broker_logins(session, utcnow())
         await session.commit()
-        run.find("users_to_revoke", len(users))
-        for user in users:
-            async with run.item(user.uuid.hex):
+        wrong: dict[uuid.UUID, list[str]] = {}
+        for login in logins:
+            actual = held.get(login.name)
+            # A missing broker user is reconcile's to restore; nothing logs in with it.
+            if actual is not None and actual != (login.wanted or ""):
+                wrong.setdefault(login.owner_uuid, []).append(login.name)
+        run.find("users_to_revoke", len(wrong))
+        for owner_uuid, names in sorted(wrong.items()):
+            async with run.item(owner_uuid.hex):
                 await run.apply(
                     "logins_revoked",
                     "revoke_broker_logins",
-                    user.uuid.hex,
-                    partial(sync_broker_passwords, session, context.provisioner, user),
-                    detail=_revoked_because(user),
+                    owner_uuid.hex,
+                    partial(
+                        sync_broker_passwords,
+                        session,
+                        context.provisioner,
+                        owner_uuid,
+                        wrong_on_broker=names,
+                    ),
+                    detail=f"broker users holding another password than the owner's: {names}",
                 )
-
-
-def _revoked_because(user: User) -> str:
-    if not user.is_active:
-        return "user is inactive"
-    expires = user.token_expires_at
-    return f"token expired at {expires.isoformat() if expires else '?'}"
 
 
 async def delete_user(
     session: AsyncSession, provisioner: Provisioner, user_uuid: uuid.UUID
 ) -> None:
-    user = await session.get(User, user_uuid)
-    if user is None:
-        return
-    leftovers = await collect_leftovers(
-        session, await repository.subscriptions_of_user(session, user_uuid)
-    )
-    # Its consumers go by cascade; their queues and broker users are removed below.
-    leftovers.add_consumers(await consumers_repository.of_owner(session, user_uuid))
-    leftovers.owner_uuids.add(user_uuid)
-    await session.delete(user)
-    await session.commit()
+    # Under the owner lock the broker objects go before the rows commit: a registration in
+    # flight waits, then finds no user (docs/decisions/001-owner-lock.md).
+    async with owner_locked(session, user_uuid, vhost_exclusive=True):
+        user = await session.get(User, user_uuid)
+        if user is None:
+            await session.commit()
+            return
+        leftovers = await collect_leftovers(
+            session, await repository.subscriptions_of_user(session, user_uuid)
+        )
+        # Its consumers go by cascade; their queues and broker users are removed below.
+        leftovers.add_consumers(await consumers_repository.of_owner(session, user_uuid))
+        leftovers.owner_uuids.add(user_uuid)
+        await session.delete(user)
+        await session.flush()
+        await remove_leftovers_held(session, provisioner, leftovers)
+        await session.commit()
     log.info("user_deleted", user=user_uuid.hex, subscriptions=len(leftovers.subscription_uuids))
-    await remove_leftovers(session, provisioner, leftovers)
 
 
 def own_record(caller: User, user_uuid: str) -> User:
@@ -295,31 +341,33 @@ async def revoke_access(
     session: AsyncSession, provisioner: Provisioner, user_uuid: uuid.UUID, offering_uuid: uuid.UUID
 ) -> None:
     """Delivery stops at once: the user's queues for the offering go with the grant."""
-    # Locked before the queues are listed: a create_queue in flight holds the grant
-    # FOR SHARE until it commits its row, so the list below includes that row.
-    grant = await repository.get_grant(session, user_uuid, offering_uuid, lock=True)
-    queues = await repository.queues_of_user_for_offering(session, user_uuid, offering_uuid)
-    # The user's consumers bound to this offering alone are deleted; those bound to others
-    # too only lose this scope. register_queue holds the grant FOR SHARE until it commits.
-    consumers = await consumers_repository.scoped_only_to(session, offering_uuid, user_uuid)
-    gone = {consumer.uuid for consumer in consumers}
-    scopes = await consumers_repository.scopes_of_owner_for(session, user_uuid, offering_uuid)
-    if grant is not None:
-        await session.delete(grant)
-    for row in [*queues, *consumers, *(s for s in scopes if s.consumer_uuid not in gone)]:
-        await session.delete(row)
-    await session.commit()
+    # The owner lock, then the vhost lock exclusively (create_queue holds it shared until its
+    # row commits), then the grant: the order every writer takes them in.
+    async with owner_locked(session, user_uuid, vhost_exclusive=True):
+        grant = await repository.get_grant(session, user_uuid, offering_uuid, lock=True)
+        queues = await repository.queues_of_user_for_offering(session, user_uuid, offering_uuid)
+        # The user's consumers bound to this offering alone are deleted; those bound to
+        # others too only lose this scope (and the offering's copies already in their queue:
+        # docs/decisions/002-revoked-scope-copies.md).
+        consumers = await consumers_repository.scoped_only_to(session, offering_uuid, user_uuid)
+        gone = {consumer.uuid for consumer in consumers}
+        scopes = await consumers_repository.scopes_of_owner_for(session, user_uuid, offering_uuid)
+        narrowed = sorted({s.consumer_uuid for s in scopes if s.consumer_uuid not in gone})
+        if grant is not None:
+            await session.delete(grant)
+        for row in [*queues, *consumers, *(s for s in scopes if s.consumer_uuid not in gone)]:
+            await session.delete(row)
+        await session.flush()
+        leftovers = BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
+        await remove_leftovers_held(session, provisioner, leftovers.add_consumers(consumers))
+        await session.commit()
     log.info(
         "access_revoked",
         user=user_uuid.hex,
         offering=offering_uuid.hex,
         queues=len(queues),
         consumers=len(consumers),
-    )
-    await remove_leftovers(
-        session,
-        provisioner,
-        BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues]).add_consumers(consumers),
+        narrowed_consumers=len(narrowed),
     )
     # A consumer of a deleted queue is cancelled by the broker; closing the logins that
     # read the offering's queues also ends anything else they held open for it.

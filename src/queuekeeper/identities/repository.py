@@ -119,3 +119,10 @@ async def subscriptions_with_queues(
         .order_by(EventSubscription.created, EventSubscription.uuid)
     )
     return [(subscription, queue) for subscription, queue in rows.all()]
+
+
+async def subscription_exists(session: AsyncSession, subscription_uuid: uuid.UUID) -> bool:
+    found = await session.scalar(
+        select(EventSubscription.uuid).where(EventSubscription.uuid == subscription_uuid)
+    )
+    return found is not None

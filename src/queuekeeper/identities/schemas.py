@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import QueueInfo
-from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
+from queuekeeper.common.schemas import HexUUID, InputDateTime, Schema, UTCDateTime
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
 from queuekeeper.events.payloads import ObjectType
@@ -65,7 +64,7 @@ class IdentityWrite(BaseModel):
     dependencies: list[Dependency] | None = Field(default=None, max_length=500)
     config_file_path: str | None = Field(default=None, max_length=4096)
     config_file_content: str | None = Field(default=None, max_length=1_000_000)
-    last_restarted: datetime | None = Field(
+    last_restarted: InputDateTime | None = Field(
         default=None,
         description="The agent sends naive local time; a value without an offset is taken as "
         "UTC. Defaults to the time of the request.",

@@ -18,6 +18,7 @@ from sqlalchemy.orm.exc import StaleDataError
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient, QueueInfo
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.common import locks
 from queuekeeper.common.pagination import Page, Paged
 from queuekeeper.common.quotas import check_quota, check_text
 from queuekeeper.common.schemas import find_by_path_uuid
@@ -130,37 +131,39 @@ async def create_identity(
     session: AsyncSession, settings: Settings, user: User, body: IdentityWrite
 ) -> AgentIdentity:
     check_text(settings, name=body.name)
-    held = await repository.count_identities(session, user.uuid)
-    check_quota(settings, "max_identities_per_user", held, "agent identities")
-    offering = await _offering_for(session, user, body)
-    warn_about_offering_form(body.offering, user, body.name)
-    now = utcnow()
-    identity = AgentIdentity(
-        uuid=uuid.uuid4(),
-        offering_uuid=offering.uuid,
-        name=body.name,
-        version=body.version,
-        dependencies=[item.model_dump() for item in body.dependencies or []],
-        config_file_path=body.config_file_path,
-        config_file_content=body.config_file_content,
-        last_restarted=body.last_restarted or now,
-        created_by=user.uuid,
-        created=now,
-        modified=now,
-    )
-    session.add(identity)
-    user_uuid, offering_uuid = user.uuid, offering.uuid  # a rollback expires the objects
-    try:
-        await session.commit()
-    except IntegrityError as exc:
-        await session.rollback()
-        existing = await repository.find_by_name(session, user_uuid, body.name)
-        if existing is not None:
-            raise _name_taken(body.name, existing) from exc
-        raise BadRequest(
-            f"Offering {offering_uuid.hex} was deleted while the identity was being created.",
-            field="offering",
-        ) from exc
+    # Counted and inserted under the owner lock: parallel calls cannot pass the quota together.
+    async with locks.guard(session, locks.user_key(user.uuid), exclusive=True):
+        held = await repository.count_identities(session, user.uuid)
+        check_quota(settings, "max_identities_per_user", held, "agent identities")
+        offering = await _offering_for(session, user, body)
+        warn_about_offering_form(body.offering, user, body.name)
+        now = utcnow()
+        identity = AgentIdentity(
+            uuid=uuid.uuid4(),
+            offering_uuid=offering.uuid,
+            name=body.name,
+            version=body.version,
+            dependencies=[item.model_dump() for item in body.dependencies or []],
+            config_file_path=body.config_file_path,
+            config_file_content=body.config_file_content,
+            last_restarted=body.last_restarted or now,
+            created_by=user.uuid,
+            created=now,
+            modified=now,
+        )
+        session.add(identity)
+        user_uuid, offering_uuid = user.uuid, offering.uuid  # a rollback expires the objects
+        try:
+            await session.commit()
+        except IntegrityError as exc:
+            await session.rollback()
+            existing = await repository.find_by_name(session, user_uuid, body.name)
+            if existing is not None:
+                raise _name_taken(body.name, existing) from exc
+            raise BadRequest(
+                f"Offering {offering_uuid.hex} was deleted while the identity was being created.",
+                field="offering",
+            ) from exc
     log.info(
         "agent_identity_created",
         identity=identity.uuid.hex,
@@ -223,36 +226,55 @@ async def delete_identity(
     """Deletes the identity and the subscriptions registered through it, with their queues
     and broker users, and its consumer (which goes by cascade) with its queue and broker
     user: nothing else would ever clean them up."""
-    identity = await get_identity(session, user, identity_uuid)
-    owned = await repository.subscriptions_of_identity(session, user.uuid, identity.uuid)
-    leftovers = await subscriptions.collect_leftovers(session, owned)
-    leftovers.add_consumers(await consumers_repository.of_identities(session, [identity.uuid]))
-    for subscription in owned:
-        await session.delete(subscription)
-    await session.delete(identity)
-    await session.commit()
+    # Under the owner lock, the broker objects go before the rows commit: no registration in
+    # flight can make them again in between (docs/decisions/001-owner-lock.md).
+    async with subscriptions.owner_locked(session, user.uuid, vhost_exclusive=True):
+        identity = await get_identity(session, user, identity_uuid)
+        owned = await repository.subscriptions_of_identity(session, user.uuid, identity.uuid)
+        leftovers = await subscriptions.collect_leftovers(session, owned)
+        leftovers.add_consumers(await consumers_repository.of_identities(session, [identity.uuid]))
+        for subscription in owned:
+            await session.delete(subscription)
+        await session.delete(identity)
+        await session.flush()
+        await subscriptions.remove_leftovers_held(session, provisioner, leftovers)
+        await session.commit()
     log.info(
         "agent_identity_deleted",
         identity=identity.uuid.hex,
         user=user.uuid.hex,
         subscriptions=[s.uuid.hex for s in owned],
     )
-    await subscriptions.remove_leftovers(session, provisioner, leftovers)
 
 
 async def _reuse(
-    session: AsyncSession, provisioner: Provisioner, user: User, subscription: EventSubscription
-) -> bool:
-    """Give an intact subscription the caller's current token as its password; False if broken."""
+    session: AsyncSession,
+    provisioner: Provisioner,
+    user_uuid: uuid.UUID,
+    subscription: EventSubscription,
+) -> bool | None:
+    """Give an intact subscription the owner's current token as its password; False if
+    broken, None if its row went meanwhile.
+
+    Under the owner lock, the token is read again: a token change or deactivation that
+    committed while this call was in flight is what the broker user gets."""
     if subscription.broker_state == BrokerState.BROKEN:
         return False
-    vhost = topology.vhost_name(user.uuid)
-    if not await provisioner.subscription_user_intact(vhost, subscription.uuid):
-        return False
-    # Also re-asserts the read-only permissions, should they have drifted.
-    await provisioner.ensure_subscription_user(vhost, subscription.uuid, user.broker_password_hash)
-    subscription.broker_password_hash = user.broker_password_hash
-    await session.commit()
+    vhost = topology.vhost_name(user_uuid)
+    async with subscriptions.owner_locked(session, user_uuid, vhost_exclusive=False):
+        # Each way out commits (nothing written) to release the locks: the guard's rollback
+        # would expire the row the caller may still replace.
+        if not await repository.subscription_exists(session, subscription.uuid):
+            await session.commit()
+            return None
+        if not await provisioner.subscription_user_intact(vhost, subscription.uuid):
+            await session.commit()
+            return False
+        password_hash = await subscriptions.owner_login_hash(session, user_uuid)
+        # Also re-asserts the read-only permissions, should they have drifted.
+        await provisioner.ensure_subscription_user(vhost, subscription.uuid, password_hash)
+        subscription.broker_password_hash = password_hash
+        await session.commit()
     return True
 
 
@@ -282,7 +304,10 @@ async def register_event_subscription(
     )
     # Nothing stays open while we wait on the broker.
     await session.commit()
-    if existing is not None and await _reuse(session, provisioner, user, existing):
+    reused = await _reuse(session, provisioner, user_uuid, existing) if existing else None
+    if reused is None:
+        existing = None  # deleted meanwhile: nothing to replace
+    if existing is not None and reused:
         AGENT_REGISTRATIONS.labels(outcome="reused").inc()
         log.info(
             "agent_subscription_reused",

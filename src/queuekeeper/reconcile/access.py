@@ -12,10 +12,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from sqlalchemy.ext.asyncio import AsyncSession
+
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient, UserInfo
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.topology import Permissions
+from queuekeeper.common.locks import guard, user_key
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.repository import ConsumerAccess, SubscriptionAccess
@@ -70,23 +73,40 @@ async def check_service_permissions(
             )
 
 
-async def _settle_password(
-    context: JobContext, subscription: SubscriptionAccess, written: str | None
+async def _write_login(
+    context: JobContext,
+    owner_uuid: uuid.UUID,
+    record: Callable[[AsyncSession, str | None], Awaitable[bool]],
+    write: Callable[[str | None], Awaitable[None]],
 ) -> None:
-    """Record the password now on the broker, catching a token change that raced us.
-
-    The directory commits a new token before it writes the broker, so re-reading
-    the owner after our write is enough: either we see the new hash and write it
-    too, or the directory's write comes after ours.
-    """
-    async with context.sessions() as session:
-        current = await repository.owner_password_hash(session, subscription.owner_uuid)
-        if current != written:
-            await context.provisioner.set_subscription_password(subscription.uuid, current)
-        await repository.set_subscription_broker_state(
-            session, subscription.uuid, broker_state="ok", password_hash=current, set_hash=True
-        )
+    """Record, then write to the broker, the owner's current password hash, under the owner
+    lock every writer of its broker users holds (docs/decisions/001-owner-lock.md): a token
+    change or a deletion racing the run waits, or has committed and is what is read here.
+    Nothing is written for a row deleted meanwhile (`record` answers False)."""
+    async with (
+        context.sessions() as session,
+        guard(session, user_key(owner_uuid), exclusive=True),
+    ):
+        current = await repository.owner_password_hash(session, owner_uuid)
+        if await record(session, current):
+            await write(current)
         await session.commit()
+
+
+def _record_subscription(
+    subscription_uuid: uuid.UUID,
+) -> Callable[[AsyncSession, str | None], Awaitable[bool]]:
+    return lambda session, current: repository.set_subscription_broker_state(
+        session, subscription_uuid, broker_state="ok", password_hash=current, set_hash=True
+    )
+
+
+def _record_consumer(
+    consumer_uuid: uuid.UUID,
+) -> Callable[[AsyncSession, str | None], Awaitable[bool]]:
+    return lambda session, current: repository.set_consumer_password_hash(
+        session, consumer_uuid, current
+    )
 
 
 def _user_problems(access: BrokerAccess, user: UserInfo, owner_hash: str | None) -> list[str]:
@@ -144,15 +164,17 @@ async def check_subscription(
                 )
             return
 
-        async def restore() -> None:
-            await provisioner.ensure_subscription_user(vhost, subscription.uuid, owner_hash)
-            await _settle_password(context, subscription, owner_hash)
-
         await run.apply(
             "users_restored",
             "restore_user",
             item,
-            restore,
+            partial(
+                _write_login,
+                context,
+                subscription.owner_uuid,
+                _record_subscription(subscription.uuid),
+                partial(provisioner.ensure_subscription_user, vhost, subscription.uuid),
+            ),
             detail="re-created with the owner's token as password, and its permissions",
         )
         return
@@ -161,10 +183,13 @@ async def check_subscription(
     if problems:
         run.find("users_wrong")
 
-        async def repair() -> None:
-            await provisioner.set_subscription_password(subscription.uuid, owner_hash)
-            await _settle_password(context, subscription, owner_hash)
-
+        repair = partial(
+            _write_login,
+            context,
+            subscription.owner_uuid,
+            _record_subscription(subscription.uuid),
+            partial(provisioner.set_subscription_password, subscription.uuid),
+        )
         await run.apply("users_restored", "repair_user", item, repair, detail="; ".join(problems))
     elif subscription.broker_state == "broken" and not run.dry_run:
         # Its user is back (restored by an earlier run, or by hand): usable again.
@@ -224,27 +249,19 @@ async def check_consumer(
     if user is None or _user_problems(access, user, owner_hash):
         user, owner_hash = await _look_again(context, name, consumer)
 
-    async def settle() -> None:
-        # A token change racing us: re-read the owner after our write (as for subscriptions).
-        async with context.sessions() as session:
-            current = await repository.owner_password_hash(session, consumer.owner_uuid)
-            if current != owner_hash:
-                await provisioner.set_consumer_password(consumer.uuid, current)
-            await repository.set_consumer_password_hash(session, consumer.uuid, current)
-            await session.commit()
-
     if user is None:
         run.find("users_missing")
-
-        async def restore() -> None:
-            await provisioner.ensure_consumer_user(vhost, consumer.uuid, owner_hash)
-            await settle()
-
         await run.apply(
             "users_restored",
             "restore_user",
             item,
-            restore,
+            partial(
+                _write_login,
+                context,
+                consumer.owner_uuid,
+                _record_consumer(consumer.uuid),
+                partial(provisioner.ensure_consumer_user, vhost, consumer.uuid),
+            ),
             detail="a consumer's broker user was missing; re-created with the owner's token as "
             "password, and its permissions",
         )
@@ -253,10 +270,13 @@ async def check_consumer(
     if problems:
         run.find("users_wrong")
 
-        async def repair() -> None:
-            await provisioner.set_consumer_password(consumer.uuid, owner_hash)
-            await settle()
-
+        repair = partial(
+            _write_login,
+            context,
+            consumer.owner_uuid,
+            _record_consumer(consumer.uuid),
+            partial(provisioner.set_consumer_password, consumer.uuid),
+        )
         await run.apply("users_restored", "repair_user", item, repair, detail="; ".join(problems))
     await _check_permissions(
         context,

@@ -188,12 +188,14 @@ async def _access_of_owners(
 
 async def set_consumer_password_hash(
     session: AsyncSession, consumer_uuid: UUID, password_hash: str | None
-) -> None:
-    await session.execute(
+) -> bool:
+    """True when the row is still there."""
+    result = await session.execute(
         update(EventConsumer)
         .where(EventConsumer.uuid == consumer_uuid)
         .values(broker_password_hash=password_hash, broker_state=BrokerState.OK)
     )
+    return bool(getattr(result, "rowcount", 0))
 
 
 async def owner_password_hash(session: AsyncSession, owner_uuid: UUID) -> str | None:
@@ -210,13 +212,15 @@ async def set_subscription_broker_state(
     broker_state: str,
     password_hash: str | None = None,
     set_hash: bool = False,
-) -> None:
+) -> bool:
+    """True when the row is still there."""
     values: dict[str, Any] = {"broker_state": broker_state}
     if set_hash:
         values["broker_password_hash"] = password_hash
-    await session.execute(
+    result = await session.execute(
         update(EventSubscription).where(EventSubscription.uuid == subscription_uuid).values(values)
     )
+    return bool(getattr(result, "rowcount", 0))
 
 
 async def existing_subscription_users(session: AsyncSession, names: Sequence[str]) -> set[str]:

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from queuekeeper.broker import topology
+from queuekeeper.common.locks import guard, user_key
 from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import utcnow
@@ -46,6 +47,16 @@ async def cleanup_stale(context: JobContext, run: Run) -> None:
 
 
 async def remove_subscriptions_of(
+    context: JobContext, run: Run, owner: uuid.UUID, reason: str
+) -> None:
+    # The owner lock, held (on a connection of its own) until the broker is cleaned too: no
+    # registration of the owner can make again what is being removed
+    # (docs/decisions/001-owner-lock.md).
+    async with context.sessions() as holder, guard(holder, user_key(owner), exclusive=True):
+        await _remove_subscriptions_of(context, run, owner, reason)
+
+
+async def _remove_subscriptions_of(
     context: JobContext, run: Run, owner: uuid.UUID, reason: str
 ) -> None:
     vhost = topology.vhost_name(owner)

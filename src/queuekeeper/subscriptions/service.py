@@ -8,13 +8,15 @@ broker outage never leaves a row that points at nothing and never blocks a delet
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import structlog
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
+from queuekeeper.auth.repository import UserGone, login_hash_now
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import Provisioner, QueueConflict, QueueOutcome, best_effort
@@ -23,7 +25,8 @@ from queuekeeper.common.pagination import Page, Paged
 from queuekeeper.common.quotas import check_quota, check_text
 from queuekeeper.common.schemas import find_by_path_uuid
 from queuekeeper.config import Settings
-from queuekeeper.exceptions import BadRequest, Forbidden, NotFound
+from queuekeeper.consumers import repository as consumers_repository
+from queuekeeper.exceptions import BadRequest, Forbidden, NotFound, Unauthorized
 from queuekeeper.models import (
     BrokerState,
     EventConsumer,
@@ -73,11 +76,98 @@ async def collect_leftovers(
     return BrokerLeftovers.of(subscriptions, queues)
 
 
-async def remove_leftovers(
+@asynccontextmanager
+async def owner_locked(
+    session: AsyncSession, owner_uuid: uuid.UUID, *, vhost_exclusive: bool
+) -> AsyncIterator[None]:
+    """Hold the owner lock, then the owner's vhost lock, until the session's transaction ends
+    (docs/decisions/001-owner-lock.md). Registrations take the vhost lock shared (as
+    create_queue does), deletions exclusively; always in this order, so none deadlock."""
+    vhost = topology.vhost_name(owner_uuid)
+    async with (
+        locks.guard(session, locks.user_key(owner_uuid), exclusive=True),
+        locks.guard(session, locks.vhost_key(vhost), exclusive=vhost_exclusive),
+    ):
+        yield
+
+
+async def owner_login_hash(session: AsyncSession, owner_uuid: uuid.UUID) -> str | None:
+    """The hash the owner's broker users get now, read under the owner lock."""
+    try:
+        return await login_hash_now(session, owner_uuid)
+    except UserGone:
+        raise Unauthorized("Your user was deleted while this call was in flight.") from None
+
+
+async def remove_leftovers_held(
     session: AsyncSession, provisioner: Provisioner, leftovers: BrokerLeftovers
 ) -> None:
-    """Remove from the broker what the committed deletion left behind; failures are logged."""
-    # Deleting a subscription's broker user first also closes the agent's connections.
+    """Remove from the broker what a deletion is about to commit, inside its transaction.
+
+    The caller holds `owner_locked(..., vhost_exclusive=True)` for every owner of
+    `leftovers` and has flushed its deletions; it commits afterwards. No registration of
+    those owners runs meanwhile, so what is removed here cannot be made again before the
+    rows are gone: a deletion that commits leaves nothing of them on the broker. Broker
+    failures are logged (the rows still go; reconcile removes the rest).
+    """
+    await _remove_users(provisioner, leftovers)
+    emptied = set()
+    for owner_uuid in leftovers.owner_uuids:
+        if not await repository.owner_uses_vhost(session, owner_uuid):
+            vhost = topology.vhost_name(owner_uuid)
+            emptied.add(vhost)
+            await best_effort("delete_vhost", provisioner.delete_vhost(vhost), vhost=vhost)
+    for vhost, names in _queues_by_vhost(leftovers, emptied).items():
+        registered = await repository.registered_queue_names(session, vhost, names)
+        for name in names:
+            if name not in registered:
+                await best_effort(
+                    "delete_queue", provisioner.delete_queue(vhost, name), vhost=vhost, queue=name
+                )
+
+
+async def drop_vhost_if_unused(
+    session: AsyncSession, provisioner: Provisioner, owner_uuid: uuid.UUID
+) -> None:
+    """After a refused or failed registration: the owner's vhost goes if no row uses it, so a
+    registration that made nothing leaves no empty vhost behind."""
+    async with owner_locked(session, owner_uuid, vhost_exclusive=True):
+        if not await repository.owner_uses_vhost(session, owner_uuid):
+            vhost = topology.vhost_name(owner_uuid)
+            await best_effort("delete_vhost", provisioner.delete_vhost(vhost), vhost=vhost)
+        await session.commit()  # releases the locks without expiring the caller's objects
+
+
+async def unmake(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    owner_uuid: uuid.UUID,
+    *,
+    subscriptions: Sequence[uuid.UUID] = (),
+    consumers: Sequence[uuid.UUID] = (),
+    queues: Sequence[str] = (),
+) -> None:
+    """Take back what a registration made for rows that were never committed: the broker
+    users, the queues (unless a row has them), and the owner's vhost if no row uses it,
+    under the owner lock and the vhost lock exclusively."""
+    await session.rollback()
+    leftovers = BrokerLeftovers(
+        queues=[(topology.vhost_name(owner_uuid), name) for name in queues],
+        subscription_uuids=list(subscriptions),
+        owner_uuids={owner_uuid},
+        consumer_uuids=list(consumers),
+    )
+    async with owner_locked(session, owner_uuid, vhost_exclusive=True):
+        # Another call of the owner may have committed a row for the same broker objects
+        # (a consumer's queue and user are named after its uuid, reused by a repeat).
+        kept = await consumers_repository.existing(session, leftovers.consumer_uuids)
+        leftovers.consumer_uuids = [c for c in leftovers.consumer_uuids if c not in kept]
+        await remove_leftovers_held(session, provisioner, leftovers)
+        await session.commit()
+
+
+async def _remove_users(provisioner: Provisioner, leftovers: BrokerLeftovers) -> None:
+    # Deleting a broker user also closes its connections.
     for subscription_uuid in leftovers.subscription_uuids:
         await best_effort(
             "delete_user",
@@ -90,6 +180,22 @@ async def remove_leftovers(
             provisioner.delete_consumer_user(consumer_uuid),
             consumer=consumer_uuid.hex,
         )
+
+
+def _queues_by_vhost(leftovers: BrokerLeftovers, emptied: set[str]) -> dict[str, list[str]]:
+    by_vhost: dict[str, list[str]] = {}
+    for vhost, name in leftovers.queues:
+        if vhost not in emptied:  # a deleted vhost took its queues with it
+            by_vhost.setdefault(vhost, []).append(name)
+    return by_vhost
+
+
+async def remove_leftovers(
+    session: AsyncSession, provisioner: Provisioner, leftovers: BrokerLeftovers
+) -> None:
+    """Remove from the broker what a committed deletion of many owners' rows (an offering's)
+    left behind; failures are logged."""
+    await _remove_users(provisioner, leftovers)
     emptied = set()
     for owner_uuid in leftovers.owner_uuids:
         vhost = topology.vhost_name(owner_uuid)
@@ -103,11 +209,7 @@ async def remove_leftovers(
             # Commit (nothing to write) to release the lock: a rollback would expire
             # every object the caller still holds.
             await session.commit()
-    by_vhost: dict[str, list[str]] = {}
-    for vhost, name in leftovers.queues:
-        if vhost not in emptied:  # a deleted vhost took its queues with it
-            by_vhost.setdefault(vhost, []).append(name)
-    for vhost, names in by_vhost.items():
+    for vhost, names in _queues_by_vhost(leftovers, emptied).items():
         await delete_unregistered_queues(session, provisioner, vhost, names)
 
 
@@ -149,36 +251,41 @@ async def create_subscription(
     objects are removed once that has committed.
     """
     check_text(settings, description=body.description)
-    held = await repository.count_subscriptions(session, owner.uuid) - len(replaces)
-    check_quota(settings, "max_subscriptions_per_user", held, "event subscriptions")
+    owner_uuid = owner.uuid
     subscription_uuid = uuid.uuid4()
-    vhost = topology.vhost_name(owner.uuid)
-    # From before the vhost and broker user are made until the row is committed, hold
-    # shared the locks under which reconcile deletes unused vhosts and orphan users
-    # (exclusive, re-checking rows): it can never delete what this call is making.
-    async with (
-        locks.guard(session, locks.vhost_key(vhost), exclusive=False),
-        locks.guard(session, locks.BROKER_USERS_KEY, exclusive=False),
-    ):
-        await provisioner.ensure_vhost(vhost)
-        await provisioner.ensure_subscription_user(
-            vhost, subscription_uuid, owner.broker_password_hash
-        )
-        leftovers = await collect_leftovers(session, list(replaces)) if replaces else None
-        subscription = EventSubscription(
-            uuid=subscription_uuid,
-            user_uuid=owner.uuid,
-            description=body.description,
-            observable_objects=[
-                item.model_dump(mode="json", exclude_none=True) for item in body.observable_objects
-            ],
-            source_ip=source_ip,
-            agent_identity_uuid=agent_identity_uuid,
-            observable_object_type=observable_object_type,
-            broker_password_hash=owner.broker_password_hash,
-            broker_state=BrokerState.OK,
-        )
-        try:
+    vhost = topology.vhost_name(owner_uuid)
+    made = False
+    # The owner lock, held from the count and the read of the owner's token to the commit:
+    # the broker user gets the token the database holds when the row lands, and parallel
+    # calls cannot pass the quota together (docs/decisions/001-owner-lock.md). The vhost
+    # and broker-users locks, shared, keep reconcile from taking what this call is making
+    # for an orphan (it takes them exclusively and re-checks the rows).
+    try:
+        async with (
+            owner_locked(session, owner_uuid, vhost_exclusive=False),
+            locks.guard(session, locks.BROKER_USERS_KEY, exclusive=False),
+        ):
+            held = await repository.count_subscriptions(session, owner_uuid) - len(replaces)
+            check_quota(settings, "max_subscriptions_per_user", held, "event subscriptions")
+            password_hash = await owner_login_hash(session, owner_uuid)
+            made = True
+            await provisioner.ensure_vhost(vhost)
+            await provisioner.ensure_subscription_user(vhost, subscription_uuid, password_hash)
+            leftovers = await collect_leftovers(session, list(replaces)) if replaces else None
+            subscription = EventSubscription(
+                uuid=subscription_uuid,
+                user_uuid=owner_uuid,
+                description=body.description,
+                observable_objects=[
+                    item.model_dump(mode="json", exclude_none=True)
+                    for item in body.observable_objects
+                ],
+                source_ip=source_ip,
+                agent_identity_uuid=agent_identity_uuid,
+                observable_object_type=observable_object_type,
+                broker_password_hash=password_hash,
+                broker_state=BrokerState.OK,
+            )
             for old in replaces:
                 await session.delete(old)
             if replaces:
@@ -187,14 +294,10 @@ async def create_subscription(
                 await session.flush()
             session.add(subscription)
             await session.commit()
-        except Exception:
-            await session.rollback()
-            await best_effort(
-                "delete_user",
-                provisioner.delete_subscription_user(subscription_uuid),
-                subscription=subscription_uuid.hex,
-            )
-            raise
+    except BaseException:
+        if made:  # the locks are released: the broker user and an unused vhost go again
+            await unmake(session, provisioner, owner_uuid, subscriptions=[subscription_uuid])
+        raise
     log.info("subscription_created", subscription=subscription_uuid.hex, user=owner.uuid.hex)
     if leftovers is not None:
         log.info(
@@ -226,12 +329,14 @@ async def get_subscription(
 async def delete_subscription(
     session: AsyncSession, provisioner: Provisioner, owner: User, subscription_uuid: str
 ) -> None:
-    subscription = await get_subscription(session, owner, subscription_uuid)
-    leftovers = await collect_leftovers(session, [subscription])
-    await session.delete(subscription)
-    await session.commit()
+    async with owner_locked(session, owner.uuid, vhost_exclusive=True):
+        subscription = await get_subscription(session, owner, subscription_uuid)
+        leftovers = await collect_leftovers(session, [subscription])
+        await session.delete(subscription)
+        await session.flush()
+        await remove_leftovers_held(session, provisioner, leftovers)
+        await session.commit()
     log.info("subscriptions_deleted", subscriptions=[subscription.uuid.hex])
-    await remove_leftovers(session, provisioner, leftovers)
 
 
 async def create_queue(
