@@ -5,8 +5,13 @@ from __future__ import annotations
 import httpx
 
 from queuekeeper.broker.management import ManagementClient
+from tests.conftest import SERVICE_TOKEN
 from tests.consumers.test_register_queue import new_identity, register_queue
+from tests.events.support import drain, order_event, post_event, queue_depth
 from tests.helpers import Agent, Backend
+from tests.security.test_races import amqp_login
+
+SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
 
 CONSUMERS = "/api/event-consumers/"
 
@@ -98,3 +103,37 @@ async def test_a_consumer_keeps_the_vhost_when_the_last_subscription_goes(
     assert response.status_code == 204
     assert await management.get_vhost(agent.vhost) is not None
     assert await management.get_queue(agent.vhost, answer["queue_name"]) is not None
+
+
+async def test_a_revoked_offerings_copies_leave_a_consumer_that_keeps_other_scopes(
+    backend: Backend, client: httpx.AsyncClient
+) -> None:
+    """A consumer scoped to X and Z keeps Z when the grant of X is revoked, and X's copies
+    already in its queue go (docs/decisions/002-revoked-scope-copies.md); Z's stay, in
+    order, and its login works again afterwards. Before: X's event was still delivered."""
+    agent, revoked = await backend.agent_with_offering()
+    kept = await backend.put_offering()
+    await backend.grant(agent, kept)
+    scopes = [{"type": "offering", "uuid": str(o)} for o in (revoked, kept)]
+    answer = await agent.client.post(
+        "/api/event-consumers/register/", json={"scopes": scopes}, headers=agent.headers
+    )
+    assert answer.status_code == 201, answer.text
+    queue, login = answer.json()["queue_name"], answer.json()["rmq_username"]
+    sent = []
+    for offering in (kept, revoked, kept, revoked, kept):
+        response = await post_event(client, order_event(offering), wait=True)
+        assert response.status_code in (200, 201, 202), response.text
+        sent.append((offering, response.json()["event_id"]))
+    assert await queue_depth(agent.vhost, queue) == 5
+
+    response = await client.delete(
+        f"/api/internal/offerings/{revoked}/users/{agent.uuid}/", headers=SERVICE
+    )
+    assert response.status_code == 204, response.text
+    left = await drain(agent.vhost, queue)
+    assert [m.message_id for m in left] == [event for o, event in sent if o == kept]
+    assert {(m.headers or {}).get("offering_uuid") for m in left} == {kept.hex}
+    consumers = (await client.get(f"/api/event-consumers/{login}/", headers=SERVICE)).json()
+    assert [scope["uuid"] for scope in consumers["scopes"]] == [kept.hex]
+    assert await amqp_login(agent.vhost, login, agent.token)

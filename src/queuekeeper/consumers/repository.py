@@ -5,13 +5,22 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Collection, Sequence
+from datetime import datetime
 
-from sqlalchemy import Select, func, or_, select
+from sqlalchemy import Select, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
-from queuekeeper.models import AgentIdentity, EventConsumer, EventConsumerScope, User
+from queuekeeper.models import (
+    AgentIdentity,
+    Delivery,
+    DeliveryState,
+    Event,
+    EventConsumer,
+    EventConsumerScope,
+    User,
+)
 
 
 def consumers(owner_uuid: uuid.UUID | None) -> Select[EventConsumer]:
@@ -185,3 +194,34 @@ async def needing_password(
         )
     )
     return list(rows)
+
+
+async def give_up_pending_copies(
+    session: AsyncSession,
+    consumer_uuids: Collection[uuid.UUID],
+    offering_uuid: uuid.UUID,
+    reason: str,
+    now: datetime,
+) -> int:
+    """Give up the copies of this offering's events still waiting for these consumers."""
+    if not consumer_uuids:
+        return 0
+    result = await session.execute(
+        update(Delivery)
+        .where(
+            Delivery.consumer_uuid.in_(list(consumer_uuids)),
+            Delivery.state == DeliveryState.PENDING,
+            Delivery.event_id.in_(
+                select(Event.event_id).where(Event.offering_uuid == offering_uuid)
+            ),
+        )
+        .values(
+            state=DeliveryState.GIVEN_UP,
+            finished=now,
+            claimed_by=None,
+            claimed_until=None,
+            last_error=reason,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)

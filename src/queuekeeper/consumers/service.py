@@ -22,9 +22,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
-from queuekeeper.broker import topology
+from queuekeeper.auth.repository import UserGone, login_hash_now
+from queuekeeper.broker import sieve, topology
 from queuekeeper.broker.management import ManagementError
-from queuekeeper.broker.provisioner import Provisioner, QueueConflict
+from queuekeeper.broker.provisioner import Provisioner, QueueConflict, best_effort
 from queuekeeper.common import locks
 from queuekeeper.common.pagination import Page, Paged
 from queuekeeper.common.quotas import check_quota
@@ -325,3 +326,61 @@ async def delete_consumer(
         await remove_leftovers_held(session, provisioner, leftovers)
         await session.commit()
     log.info("consumers_deleted", consumers=[key.hex])
+
+
+async def remove_revoked_copies(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    owner_uuid: uuid.UUID,
+    consumer_uuid: uuid.UUID,
+    offering_uuid: uuid.UUID,
+) -> None:
+    """A consumer that lost `offering_uuid` as a scope (its owner's grant was revoked) and
+    kept others: take that offering's copies out of its queue, keeping the others
+    (docs/decisions/002-revoked-scope-copies.md).
+
+    Under the owner lock, its broker login is switched off and its connections closed
+    (what the agent held unacked goes back to the queue) while the queue is read through,
+    then given the owner's current password again. A failure is logged: the revocation
+    has committed, the copies stay."""
+    name = topology.consumer_user_name(consumer_uuid)
+    async with owner_locked(session, owner_uuid, vhost_exclusive=False):
+        consumer = await repository.get(session, consumer_uuid)
+        if consumer is None:
+            await session.commit()
+            return
+        vhost, queue = consumer.vhost, consumer.queue_name
+        sieved: sieve.Sieved | None = None
+        try:
+            await provisioner.set_consumer_password(consumer_uuid, None)
+            await provisioner.close_connections([name])
+            sieved = await sieve.remove_offering_copies(
+                provisioner.settings, vhost, queue, offering_uuid
+            )
+        except Exception as exc:  # never turns the committed revocation into an error
+            log.warning(
+                "revoked_copies_not_removed",
+                consumer=consumer_uuid.hex,
+                offering=offering_uuid.hex,
+                error=repr(exc),
+            )
+        finally:
+            try:
+                password_hash = await login_hash_now(session, owner_uuid)
+            except UserGone:
+                password_hash = None
+            await best_effort(
+                "set_password",
+                provisioner.set_consumer_password(consumer_uuid, password_hash),
+                consumer=consumer_uuid.hex,
+            )
+            consumer.broker_password_hash = password_hash
+            await session.commit()
+    if sieved is not None:
+        log.info(
+            "revoked_copies_removed",
+            consumer=consumer_uuid.hex,
+            offering=offering_uuid.hex,
+            removed=sieved.removed,
+            kept=sieved.kept,
+        )

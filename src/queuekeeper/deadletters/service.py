@@ -21,14 +21,12 @@ A run handles the messages that were in the queue when it reached the vhost
 from __future__ import annotations
 
 import asyncio
-import uuid
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from typing import Any, Literal
 
-import aio_pika
 import structlog
 from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
 from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishError
@@ -37,6 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from queuekeeper.broker import topology
 from queuekeeper.broker.amqp import amqp_nodes, amqp_ssl_context, connect_vhost
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.broker.sieve import copy_of
 from queuekeeper.config import Settings
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
@@ -288,21 +287,7 @@ class VhostRedrive:
         headers: dict[str, Any] = dict(message.headers or {})
         # A string: RabbitMQ's STOMP adapter passes string headers on to agents, not numbers.
         headers[REDRIVE_HEADER] = str(_int(headers.get(REDRIVE_HEADER)) + 1)
-        copy = aio_pika.Message(
-            body=message.body,
-            headers=headers,
-            content_type=message.content_type,
-            content_encoding=message.content_encoding,
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            priority=message.priority,
-            correlation_id=message.correlation_id,
-            reply_to=message.reply_to,
-            # aio-pika matches a mandatory return to its publish by message_id.
-            message_id=message.message_id or f"queuekeeper-redrive-{uuid.uuid4().hex}",
-            timestamp=message.timestamp,
-            type=message.type,
-            app_id=message.app_id,
-        )
+        copy = copy_of(message, headers)
         await channel.default_exchange.publish(
             copy, routing_key=origin, mandatory=True, timeout=self.settings.management_timeout
         )

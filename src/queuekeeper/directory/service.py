@@ -22,6 +22,7 @@ from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.common import locks
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.consumers import repository as consumers_repository
+from queuekeeper.consumers import service as consumers_service
 from queuekeeper.directory import repository
 from queuekeeper.directory.schemas import OfferingPut, UserPut
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
@@ -358,6 +359,13 @@ async def revoke_access(
         for row in [*queues, *consumers, *(s for s in scopes if s.consumer_uuid not in gone)]:
             await session.delete(row)
         await session.flush()
+        await consumers_repository.give_up_pending_copies(
+            session,
+            narrowed,
+            offering_uuid,
+            "the owner's access to the offering was revoked",
+            utcnow(),
+        )
         leftovers = BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
         await remove_leftovers_held(session, provisioner, leftovers.add_consumers(consumers))
         await session.commit()
@@ -369,6 +377,10 @@ async def revoke_access(
         consumers=len(consumers),
         narrowed_consumers=len(narrowed),
     )
+    for consumer_uuid in narrowed:
+        await consumers_service.remove_revoked_copies(
+            session, provisioner, user_uuid, consumer_uuid, offering_uuid
+        )
     # A consumer of a deleted queue is cancelled by the broker; closing the logins that
     # read the offering's queues also ends anything else they held open for it.
     await provisioner.close_connections(
