@@ -15,11 +15,12 @@ import asyncio
 import hashlib
 import uuid
 import weakref
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
-from sqlalchemy import BigInteger, bindparam, func, select
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy import BigInteger, Select, bindparam, func, select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper import db
 from queuekeeper.db import Executor, is_postgres
@@ -131,6 +132,52 @@ async def guard(session: Executor, name: str, *, exclusive: bool) -> AsyncIterat
         return
     # SQLite: one instance, and one writer at a time anyway; a plain mutex will do.
     async with _local_locks().hold(name):
+        try:
+            yield
+        finally:
+            if session.in_transaction():
+                await session.rollback()
+
+
+_LOCK_FUNCTION = {True: func.pg_advisory_xact_lock, False: func.pg_advisory_xact_lock_shared}
+_GUARD_ALL: dict[tuple[bool, ...], Select[Any]] = {}
+
+
+def _lock_all(flags: tuple[bool, ...]) -> Select[Any]:
+    """One statement taking every lock, in order (PostgreSQL evaluates a select list left
+    to right): one round trip however many locks a unit of work needs."""
+    statement = _GUARD_ALL.get(flags)
+    if statement is None:
+        statement = _GUARD_ALL[flags] = select(
+            *(
+                _LOCK_FUNCTION[exclusive](bindparam(f"k{index}", type_=BigInteger)).label(
+                    f"l{index}"
+                )
+                for index, exclusive in enumerate(flags)
+            )
+        )
+    return statement
+
+
+@asynccontextmanager
+async def guard_all(
+    session: AsyncSession, locks: Sequence[tuple[str, bool]]
+) -> AsyncIterator[None]:
+    """`guard` for several locks (name, exclusive), taken in the order given, in one
+    statement on PostgreSQL; every caller must list shared keys in the same order."""
+    if is_postgres(session):
+        flags = tuple(exclusive for _name, exclusive in locks)
+        keys = {f"k{index}": lock_key(name) for index, (name, _e) in enumerate(locks)}
+        try:
+            await session.execute(_lock_all(flags), keys)
+            yield
+        finally:
+            if session.in_transaction():
+                await session.rollback()
+        return
+    async with AsyncExitStack() as stack:
+        for name, _exclusive in locks:
+            await stack.enter_async_context(_local_locks().hold(name))
         try:
             yield
         finally:

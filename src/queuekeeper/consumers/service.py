@@ -26,7 +26,6 @@ from queuekeeper.auth.repository import UserGone, login_hash_now
 from queuekeeper.broker import sieve, topology
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import Provisioner, QueueConflict, best_effort
-from queuekeeper.common import locks
 from queuekeeper.common.pagination import Page, Paged
 from queuekeeper.common.quotas import check_quota
 from queuekeeper.common.schemas import find_by_path_uuid, parse_path_uuid
@@ -195,10 +194,7 @@ async def _make_real(
     # shared: reconcile takes them exclusively and re-checks the rows, so it never takes
     # this consumer's queue, user or vhost for an orphan.
     try:
-        async with (
-            owner_locked(session, owner_uuid, vhost_exclusive=False),
-            locks.guard(session, locks.BROKER_USERS_KEY, exclusive=False),
-        ):
+        async with owner_locked(session, owner_uuid, vhost_exclusive=False, broker_users=True):
             existing = await _existing(session, wanted)
             if existing is None:
                 if wanted.identity_uuid is not None and not await repository.identity_exists(

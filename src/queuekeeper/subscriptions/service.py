@@ -78,16 +78,24 @@ async def collect_leftovers(
 
 @asynccontextmanager
 async def owner_locked(
-    session: AsyncSession, owner_uuid: uuid.UUID, *, vhost_exclusive: bool
+    session: AsyncSession,
+    owner_uuid: uuid.UUID,
+    *,
+    vhost_exclusive: bool,
+    broker_users: bool = False,
 ) -> AsyncIterator[None]:
-    """Hold the owner lock, then the owner's vhost lock, until the session's transaction ends
-    (docs/decisions/001-owner-lock.md). Registrations take the vhost lock shared (as
-    create_queue does), deletions exclusively; always in this order, so none deadlock."""
-    vhost = topology.vhost_name(owner_uuid)
-    async with (
-        locks.guard(session, locks.user_key(owner_uuid), exclusive=True),
-        locks.guard(session, locks.vhost_key(vhost), exclusive=vhost_exclusive),
-    ):
+    """Hold the owner lock, then the owner's vhost lock (and, for a registration making a
+    broker user, the broker-users lock shared) until the session's transaction ends, taken
+    in one statement (docs/decisions/001-owner-lock.md). Registrations take the vhost lock
+    shared (as create_queue does), deletions exclusively; always in this order, so none
+    deadlock."""
+    wanted = [
+        (locks.user_key(owner_uuid), True),
+        (locks.vhost_key(topology.vhost_name(owner_uuid)), vhost_exclusive),
+    ]
+    if broker_users:
+        wanted.append((locks.BROKER_USERS_KEY, False))
+    async with locks.guard_all(session, wanted):
         yield
 
 
@@ -261,10 +269,7 @@ async def create_subscription(
     # and broker-users locks, shared, keep reconcile from taking what this call is making
     # for an orphan (it takes them exclusively and re-checks the rows).
     try:
-        async with (
-            owner_locked(session, owner_uuid, vhost_exclusive=False),
-            locks.guard(session, locks.BROKER_USERS_KEY, exclusive=False),
-        ):
+        async with owner_locked(session, owner_uuid, vhost_exclusive=False, broker_users=True):
             held = await repository.count_subscriptions(session, owner_uuid) - len(replaces)
             check_quota(settings, "max_subscriptions_per_user", held, "event subscriptions")
             password_hash = await owner_login_hash(session, owner_uuid)
