@@ -1,8 +1,11 @@
 """Per-user quotas and free-text bounds, checked by the services before anything is made.
 
 Each refusal names the limit and its setting, so the agent's operator knows what to ask for.
-A quota is counted before the row is written, so calls racing each other can pass it by at
-most their number; the broker's own limits (docs/operations.md, Security) are the hard stop.
+Identities, subscriptions and consumers are counted under the owner lock in the transaction
+that inserts (docs/decisions/001-owner-lock.md), so parallel calls cannot pass them together;
+queues are counted before the insert, so parallel create_queue calls can pass theirs by at
+most their number, and the broker's own `max-queues` (docs/operations.md, Security) is the
+hard stop.
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """Consumers (SPEC 9): one queue, one broker user, many object types, scoped to offerings.
 
-Registration works like create_queue: validate (access, body) before the broker
-is touched; then, holding the owner's vhost lock and the broker-users lock
-shared, make the broker side real (vhost and dead-letter queue, broker user with
-the owner's token as password and read on this one queue only, the queue with
-the spec's arguments read back); then re-check access locked and commit the row.
-A new consumer whose row cannot be committed has its broker user and queue
-removed again, so nothing half-made is left. Names are derived from the
-consumer's uuid, which is stable per identity: a restarting agent gets the same
-queue, and messages queued while it was away are still there.
+Registration: validate (access, body) before any lock or broker call; then, holding
+the owner lock with the owner's vhost lock and the broker-users lock shared
+(docs/decisions/001-owner-lock.md), find the consumer this call repeats (by identity,
+or by owner and set of offerings: both unique in the database), count the quota, read
+the owner's current token, and make the broker side real (vhost and dead-letter queue,
+broker user with that token as password and read on this one queue only, the queue
+with the spec's arguments read back); then re-check access locked and commit the row.
+A registration whose row cannot be committed has its broker user and queue removed
+again unless a row has them (and the vhost unless a row uses it), so nothing half-made
+is left. Names are derived from the consumer's uuid, which is stable per identity: a
+restarting agent gets the same queue, and messages queued while it was away are still
+there.
 """
 
 from __future__ import annotations

@@ -8,7 +8,13 @@ from sqlalchemy import Select, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
-from queuekeeper.models import AgentIdentity, EventSubscription, EventSubscriptionQueue, User
+from queuekeeper.models import (
+    AgentIdentity,
+    EventSubscription,
+    EventSubscriptionQueue,
+    User,
+    utcnow,
+)
 
 
 def owned_identities(user_uuid: uuid.UUID) -> Select[AgentIdentity]:
@@ -121,8 +127,21 @@ async def subscriptions_with_queues(
     return [(subscription, queue) for subscription, queue in rows.all()]
 
 
-async def subscription_exists(session: AsyncSession, subscription_uuid: uuid.UUID) -> bool:
-    found = await session.scalar(
-        select(EventSubscription.uuid).where(EventSubscription.uuid == subscription_uuid)
-    )
-    return found is not None
+async def registered_subscription_and_login(
+    session: AsyncSession, owner_uuid: uuid.UUID, identity_uuid: uuid.UUID, object_type: str
+) -> tuple[EventSubscription, str | None] | None:
+    """`registered_subscription` and, in the same statement, the hash its broker user must
+    hold now (`User.broker_login_hash`): what a repeat registration reads under the owner
+    lock."""
+    row = (
+        await session.execute(
+            select(EventSubscription, User.broker_login_hash_sql(utcnow()))
+            .join(User, User.uuid == EventSubscription.user_uuid)
+            .where(
+                EventSubscription.user_uuid == owner_uuid,
+                EventSubscription.agent_identity_uuid == identity_uuid,
+                EventSubscription.observable_object_type == object_type,
+            )
+        )
+    ).first()
+    return (row[0], row[1]) if row is not None else None

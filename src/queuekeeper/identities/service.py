@@ -251,31 +251,37 @@ async def _reuse(
     session: AsyncSession,
     provisioner: Provisioner,
     user_uuid: uuid.UUID,
-    subscription: EventSubscription,
-) -> bool | None:
-    """Give an intact subscription the owner's current token as its password; False if
-    broken, None if its row went meanwhile.
+    identity_uuid: uuid.UUID,
+    object_type: str,
+) -> tuple[EventSubscription | None, bool]:
+    """The subscription registered for (identity, type), and True when it was intact and
+    its broker user now holds the owner's current token; False when there is none or it is
+    broken (to be replaced).
 
-    Under the owner lock, the token is read again: a token change or deactivation that
-    committed while this call was in flight is what the broker user gets."""
-    if subscription.broker_state == BrokerState.BROKEN:
-        return False
+    Read under the owner lock, with the owner's token in the same statement: a token change
+    or deactivation that committed while this call was in flight is what the broker user
+    gets (docs/decisions/001-owner-lock.md)."""
     vhost = topology.vhost_name(user_uuid)
     async with subscriptions.owner_locked(session, user_uuid, vhost_exclusive=False):
+        found = await repository.registered_subscription_and_login(
+            session, user_uuid, identity_uuid, object_type
+        )
         # Each way out commits (nothing written) to release the locks: the guard's rollback
         # would expire the row the caller may still replace.
-        if not await repository.subscription_exists(session, subscription.uuid):
+        if found is None:
             await session.commit()
-            return None
-        if not await provisioner.subscription_user_intact(vhost, subscription.uuid):
+            return None, False
+        subscription, password_hash = found
+        if subscription.broker_state == BrokerState.BROKEN or not (
+            await provisioner.subscription_user_intact(vhost, subscription.uuid)
+        ):
             await session.commit()
-            return False
-        password_hash = await subscriptions.owner_login_hash(session, user_uuid)
+            return subscription, False
         # Also re-asserts the read-only permissions, should they have drifted.
         await provisioner.ensure_subscription_user(vhost, subscription.uuid, password_hash)
         subscription.broker_password_hash = password_hash
         await session.commit()
-    return True
+    return subscription, True
 
 
 async def register_event_subscription(
@@ -299,14 +305,8 @@ async def register_event_subscription(
     await require_access(session, user, identity)
     object_type = body.observable_object_type
     user_uuid, identity_key = user.uuid, identity.uuid  # a rollback expires the objects
-    existing = await repository.registered_subscription(
-        session, user_uuid, identity_key, object_type
-    )
-    # Nothing stays open while we wait on the broker.
     await session.commit()
-    reused = await _reuse(session, provisioner, user_uuid, existing) if existing else None
-    if reused is None:
-        existing = None  # deleted meanwhile: nothing to replace
+    existing, reused = await _reuse(session, provisioner, user_uuid, identity_key, object_type)
     if existing is not None and reused:
         AGENT_REGISTRATIONS.labels(outcome="reused").inc()
         log.info(

@@ -1,8 +1,10 @@
 """Event subscriptions and their queues: the database rows and the broker objects behind them.
 
-Order of work everywhere: validate, then change the broker, then commit the row;
-deletions the other way round (commit, then clean the broker best-effort), so a
-broker outage never leaves a row that points at nothing and never blocks a delete.
+Order of work everywhere: validate, then change the broker, then commit the row, so a
+broker outage never leaves a row that points at nothing. A user's registrations and
+deletions hold its owner lock throughout (docs/decisions/001-owner-lock.md); a deletion
+removes the broker objects (best-effort: a broker outage never blocks it) before it
+commits, so no registration can make them again in between.
 """
 
 from __future__ import annotations
