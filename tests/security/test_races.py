@@ -23,6 +23,7 @@ from typing import Any
 import aio_pika
 import httpx
 import pytest
+from fastapi import FastAPI
 from sqlalchemy import select
 
 from queuekeeper.broker import topology
@@ -34,7 +35,7 @@ from queuekeeper.models import AgentIdentity, EventConsumer, EventSubscription
 from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.consumers.test_register_queue import new_identity, register_queue
-from tests.helpers import Agent, Backend
+from tests.helpers import Agent, Backend, database_statements
 from tests.identities.test_identities import IDENTITIES, agent_body
 from tests.stomp_client import StompConsumer
 
@@ -385,3 +386,49 @@ async def test_refused_registrations_racing_a_deletion_leave_no_empty_vhost(
         assert {a.status_code for a in answers} <= {200, 201, 404}, [a.text for a in answers]
         rows = await assert_broker_matches_rows(settings, management, agent.uuid)
         assert not rows["users"]
+
+
+# --- the cost of a registration stays O(1) ---------------------------------------------
+
+
+async def test_a_repeat_registration_costs_the_same_however_much_its_owner_holds(
+    app: FastAPI, backend: Backend
+) -> None:
+    """The owner lock adds one statement, never one per row the owner holds: a repeat
+    register_queue and register_event_subscription send as many statements and Management
+    API calls with one identity as with nine (docs/benchmarks.md has the timings)."""
+    state = app.state.queuekeeper
+    agent, offering = await backend.agent_with_offering()
+    calls: list[str] = []
+    send = state.management._request
+
+    async def counted(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
+        calls.append(f"{method} {path}")
+        return await send(method, path, *args, **kwargs)
+
+    async def cost(identity: str) -> dict[str, tuple[int, int]]:
+        found = {}
+        for route in ("register_queue", "register_event_subscription"):
+            call = register_queue if route == "register_queue" else register_subscription
+            calls.clear()
+            with (
+                pytest.MonkeyPatch.context() as patch,
+                database_statements(state.engine) as statements,
+            ):
+                patch.setattr(state.management, "_request", counted)
+                response = await call(agent, identity)
+            assert response.status_code == 200, response.text
+            found[route] = (len(statements), len(calls))
+        return found
+
+    first = await new_identity(agent, offering, name="agent-0")
+    for _ in range(2):  # made, then the repeat whose cost is measured
+        await register_queue(agent, first)
+        await register_subscription(agent, first)
+    alone = await cost(first)
+    for index in range(1, 9):
+        identity = await new_identity(agent, offering, name=f"agent-{index}")
+        assert (await register_queue(agent, identity)).status_code == 201
+        assert (await register_subscription(agent, identity)).status_code == 201
+    print(f"repeat cost (statements, Management API calls): {alone}")
+    assert await cost(first) == alone
