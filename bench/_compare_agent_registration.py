@@ -12,20 +12,18 @@ each server's `/metrics` (queuekeeper_management_api_calls_total). Not part of `
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import secrets
 import statistics
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import httpx
 
-from bench._compare_registration import _cpu_seconds
-from bench._support import SERVICE_TOKEN, bench_database, live_process, remove_broker_objects
+from bench._compare_registration import _cpu_seconds, run_side_by_side
+from bench._support import SERVICE_TOKEN
 from queuekeeper.config import Settings
 
 BLOCK = 20
@@ -98,7 +96,7 @@ class _Server:
             )
 
 
-async def _run(servers: dict[str, tuple[str, int]]) -> None:
+async def _run(servers: dict[str, tuple[str, int]], _settings: Settings) -> None:
     clients: dict[str, _Server] = {}
     for label, (base, pid) in servers.items():
         clients[label] = _Server(httpx.AsyncClient(base_url=base, timeout=30), pid)
@@ -123,28 +121,14 @@ async def _run(servers: dict[str, tuple[str, int]]) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m bench._compare_agent_registration <old checkout's src>")
-    with bench_database() as url:
-        settings = Settings(
-            database_url=url,
-            instance_name=f"qk-bench-{uuid.uuid4().hex[:8]}",
-            service_tokens=[SERVICE_TOKEN],
-        )
-        room = str(BLOCKS * BLOCK + 10)
-        limits = {
-            "QUEUEKEEPER_MAX_IDENTITIES_PER_USER": room,
-            "QUEUEKEEPER_MAX_CONSUMERS_PER_USER": room,
-            "QUEUEKEEPER_MAX_SUBSCRIPTIONS_PER_USER": room,
-        }
-        try:
-            with (
-                live_process(settings, PYTHONPATH=sys.argv[1], **limits) as (old_base, old),
-                live_process(settings, **limits) as (new_base, new),
-            ):
-                asyncio.run(_run({"old": (old_base, old.pid), "new": (new_base, new.pid)}))
-        finally:
-            asyncio.run(remove_broker_objects(settings))
+    room = str(BLOCKS * BLOCK + 10)
+    run_side_by_side(
+        "usage: python -m bench._compare_agent_registration <old checkout's src directory>",
+        _run,
+        QUEUEKEEPER_MAX_IDENTITIES_PER_USER=room,
+        QUEUEKEEPER_MAX_CONSUMERS_PER_USER=room,
+        QUEUEKEEPER_MAX_SUBSCRIPTIONS_PER_USER=room,
+    )
 
 
 if __name__ == "__main__":

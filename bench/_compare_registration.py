@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,9 +133,15 @@ async def _run(servers: dict[str, tuple[str, int]], settings: Settings) -> None:
         )
 
 
-def main() -> None:
+def run_side_by_side(
+    usage: str,
+    run: Callable[[dict[str, tuple[str, int]], Settings], Awaitable[None]],
+    **env: str,
+) -> None:
+    """`run` against two `queuekeeper serve` processes on one bench database: the old code
+    (the `src` directory named on the command line) and this checkout's."""
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m bench._compare_registration <old checkout's src directory>")
+        sys.exit(usage)
     with bench_database() as url:
         settings = Settings(
             database_url=url,
@@ -143,13 +150,19 @@ def main() -> None:
         )
         try:
             with (
-                live_process(settings, PYTHONPATH=sys.argv[1]) as (old_base, old),
-                live_process(settings) as (new_base, new),
+                live_process(settings, PYTHONPATH=sys.argv[1], **env) as (old_base, old),
+                live_process(settings, **env) as (new_base, new),
             ):
                 servers = {"old": (old_base, old.pid), "new": (new_base, new.pid)}
-                asyncio.run(_run(servers, settings))
+                asyncio.run(run(servers, settings))
         finally:
             asyncio.run(remove_broker_objects(settings))
+
+
+def main() -> None:
+    run_side_by_side(
+        "usage: python -m bench._compare_registration <old checkout's src directory>", _run
+    )
 
 
 if __name__ == "__main__":

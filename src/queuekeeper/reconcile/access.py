@@ -93,6 +93,21 @@ async def _write_login(
         await session.commit()
 
 
+async def _repair_password(
+    context: JobContext,
+    run: Run,
+    item: str,
+    problems: list[str],
+    owner_uuid: uuid.UUID,
+    record: Callable[[AsyncSession, str | None], Awaitable[bool]],
+    write: Callable[[str | None], Awaitable[None]],
+) -> None:
+    """A broker user whose password or tag is wrong: written again under the owner lock."""
+    run.find("users_wrong")
+    repair = partial(_write_login, context, owner_uuid, record, write)
+    await run.apply("users_restored", "repair_user", item, repair, detail="; ".join(problems))
+
+
 def _record_subscription(
     subscription_uuid: uuid.UUID,
 ) -> Callable[[AsyncSession, str | None], Awaitable[bool]]:
@@ -181,16 +196,15 @@ async def check_subscription(
 
     problems = _user_problems(access, user, owner_hash)
     if problems:
-        run.find("users_wrong")
-
-        repair = partial(
-            _write_login,
+        await _repair_password(
             context,
+            run,
+            item,
+            problems,
             subscription.owner_uuid,
             _record_subscription(subscription.uuid),
             partial(provisioner.set_subscription_password, subscription.uuid),
         )
-        await run.apply("users_restored", "repair_user", item, repair, detail="; ".join(problems))
     elif subscription.broker_state == "broken" and not run.dry_run:
         # Its user is back (restored by an earlier run, or by hand): usable again.
         async with context.sessions() as session:
@@ -268,16 +282,15 @@ async def check_consumer(
         return
     problems = _user_problems(access, user, owner_hash)
     if problems:
-        run.find("users_wrong")
-
-        repair = partial(
-            _write_login,
+        await _repair_password(
             context,
+            run,
+            item,
+            problems,
             consumer.owner_uuid,
             _record_consumer(consumer.uuid),
             partial(provisioner.set_consumer_password, consumer.uuid),
         )
-        await run.apply("users_restored", "repair_user", item, repair, detail="; ".join(problems))
     await _check_permissions(
         context,
         run,
