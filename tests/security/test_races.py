@@ -436,3 +436,28 @@ async def test_a_repeat_registration_costs_the_same_however_much_its_owner_holds
         assert (await register_subscription(agent, identity)).status_code == 201
     print(f"repeat cost (statements, Management API calls): {alone}")
     assert await cost(first) == alone
+
+
+@pytest.mark.settings(max_queues_per_user=5, registration_rate_limit="10000/second")
+async def test_parallel_create_queue_calls_never_pass_the_queue_quota(
+    backend: Backend, settings: Settings, management: ManagementClient
+) -> None:
+    """Holding 2 queues (limit 5), 12 parallel create_queue calls for new queues: 3 are made,
+    9 refused, and no refused call leaves a broker queue. Before: all 12 were made."""
+    for _ in range(RACE_TRIALS):
+        agent, offering = await backend.agent_with_offering()
+        subscription = (await agent.create_subscription())["uuid"]
+        types = ["order", "resource", "offering_user", "user_role", "importable_resources"]
+        others = [await backend.put_offering() for _ in range(3)]
+        for other in others:
+            await backend.grant(agent, other)
+        pairs = [(o, t) for o in (offering, *others) for t in types[:4]][:14]
+        for held in pairs[:2]:
+            assert (await agent.create_queue(subscription, *held)).status_code == 201
+        answers = await asyncio.gather(*(agent.create_queue(subscription, *p) for p in pairs[2:]))
+        assert sorted(a.status_code for a in answers) == [201] * 3 + [409] * 9, [
+            a.text for a in answers if a.status_code not in (201, 409)
+        ]
+        page = await management.list_queues_page(agent.vhost, page=1, page_size=100)
+        made = {q.name for q in page.items if q.name.startswith("subscription_")}
+        assert len(made) == 5, made

@@ -185,23 +185,31 @@ async def guard_all(
                 await session.rollback()
 
 
-_XACT_LOCK_QUERY = {flag: db.DriverQuery(statement) for flag, statement in _XACT_LOCK.items()}
+_LOCK_ALL_QUERY: dict[tuple[bool, ...], db.DriverQuery] = {}
 
 
 @asynccontextmanager
 async def transaction_holding(
-    engine: AsyncEngine, name: str, *, exclusive: bool
+    engine: AsyncEngine, locks: Sequence[tuple[str, bool]]
 ) -> AsyncIterator[db.Transaction]:
-    """A `db.transaction` that holds the lock `name` (as `guard`) until it ends: for a unit
-    of work on no session. On SQLite the in-process lock is taken first: a caller waiting
-    for it holds no connection of the pool meanwhile."""
+    """A `db.transaction` that holds the locks (name, exclusive), in the order given and in
+    one statement (as `guard_all`), until it ends: for a unit of work on no session. On
+    SQLite the in-process locks are taken first: a caller waiting for them holds no
+    connection of the pool meanwhile."""
     if engine.dialect.name == "postgresql":
+        flags = tuple(exclusive for _name, exclusive in locks)
+        query = _LOCK_ALL_QUERY.get(flags)
+        if query is None:
+            query = _LOCK_ALL_QUERY[flags] = db.DriverQuery(_lock_all(flags))
+        keys = {f"k{index}": lock_key(name) for index, (name, _e) in enumerate(locks)}
         async with db.transaction(engine) as unit:
-            await unit.all(_XACT_LOCK_QUERY[exclusive], {"key": lock_key(name)})
+            await unit.all(query, keys)
             yield unit
         return
-    async with _local_locks().hold(name), db.transaction(engine) as unit:
-        yield unit
+    async with AsyncExitStack() as stack:
+        for name, _exclusive in locks:
+            await stack.enter_async_context(_local_locks().hold(name))
+        yield await stack.enter_async_context(db.transaction(engine))
 
 
 @asynccontextmanager

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Select, Table, bindparam, exists, func, or_, select
+from sqlalchemy import Integer, Select, Table, bindparam, exists, func, literal, or_, select
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import aliased
 
@@ -139,6 +139,19 @@ async def registered_queue_names(
 _QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
 
 
+def _queues_held(owner: Any) -> Any:
+    """The owner's queue rows, counted (a scalar subquery)."""
+    # Aliased: the count is over all the owner's subscriptions, not correlated to any one.
+    counted, of = aliased(EventSubscriptionQueue), aliased(EventSubscription)
+    return (
+        select(func.count())
+        .select_from(counted)
+        .join(of, of.uuid == counted.subscription_uuid)
+        .where(of.user_uuid == owner)
+        .scalar_subquery()
+    )
+
+
 def _insert_queue() -> db.DriverQuery:
     granted = (
         select(OfferingAccess.user_uuid)
@@ -148,9 +161,10 @@ def _insert_queue() -> db.DriverQuery:
         )
         .with_for_update(read=True)
     )
+    owner = bindparam("user", type_=EventSubscription.user_uuid.type)
     row = select(
         *(bindparam(column.key, type_=column.type).label(column.key) for column in _QUEUES.c)
-    ).where(granted.exists())
+    ).where(granted.exists(), _queues_held(owner) < bindparam("limit", type_=Integer()))
     return db.insert_if_absent(_QUEUES, _QUEUES.c.keys(), row, _QUEUES.c.uuid)
 
 
@@ -159,21 +173,38 @@ def _insert_queue() -> db.DriverQuery:
 # the insert (one round trip of five).
 _INSERT_QUEUE = _insert_queue()
 _ACCESS_LOCKED_QUERY = db.DriverQuery(_ACCESS_LOCKED)
+_AT_QUOTA = db.DriverQuery(
+    select(literal(1).label("full")).where(
+        _queues_held(bindparam("user", type_=EventSubscription.user_uuid.type))
+        >= bindparam("limit", type_=Integer())
+    )
+)
+
+
+# A subscription queue's name registered in the vhost (consumer queues are named apart).
+QUEUE_NAME_REGISTERED = db.DriverQuery(
+    select(EventSubscriptionQueue.uuid).where(
+        EventSubscriptionQueue.vhost == bindparam("vhost"),
+        EventSubscriptionQueue.queue_name == bindparam("name"),
+    )
+)
 
 
 class QueueInsert(enum.Enum):
     INSERTED = "inserted"
     EXISTS = "exists"  # a concurrent call inserted it first
     NO_ACCESS = "no_access"  # the owner's grant to the offering is gone
+    AT_QUOTA = "at_quota"  # the owner holds `max_queues_per_user` queues already
 
 
 async def insert_queue_with_access(
-    unit: db.Transaction, owner_uuid: uuid.UUID, queue: EventSubscriptionQueue
+    unit: db.Transaction, owner_uuid: uuid.UUID, queue: EventSubscriptionQueue, limit: int
 ) -> QueueInsert:
     """Insert the queue's row unless (subscription, offering, type) exists, and only while
-    the owner has access to the offering: the grant is locked (FOR SHARE) until the commit,
-    as revoke_access locks it before it lists the queues to delete, so either it sees this
-    row or this sees the grant gone.
+    the owner has access to the offering and holds fewer than `limit` queues: the grant is
+    locked (FOR SHARE) until the commit, as revoke_access locks it before it lists the
+    queues to delete, so either it sees this row or this sees the grant gone; the caller
+    holds the owner lock, so the count is not raced by the owner's other registrations.
 
     ON CONFLICT DO NOTHING lets two concurrent create_queue calls both succeed:
     one inserts (201), the other finds the row (200), neither sees an error.
@@ -187,14 +218,17 @@ async def insert_queue_with_access(
         "queue_name": queue.queue_name,
         "vhost": queue.vhost,
         "created": queue.created,
+        "limit": limit,
     }
     if await unit.all(_INSERT_QUEUE, values):
         return QueueInsert.INSERTED
-    # Nothing inserted: a conflict or no grant. Which, the locked read tells (rare).
+    # Nothing inserted: a conflict, no grant or the quota. Which, the reads tell (rare).
     access = {"user": owner_uuid, "offering": queue.offering_uuid}
-    if await unit.all(_ACCESS_LOCKED_QUERY, access):
-        return QueueInsert.EXISTS
-    return QueueInsert.NO_ACCESS
+    if not await unit.all(_ACCESS_LOCKED_QUERY, access):
+        return QueueInsert.NO_ACCESS
+    if await unit.all(_AT_QUOTA, {"user": owner_uuid, "limit": limit}):
+        return QueueInsert.AT_QUOTA  # or a conflict too: the caller looks for the row
+    return QueueInsert.EXISTS
 
 
 @dataclass(frozen=True)
@@ -214,15 +248,7 @@ _QUEUE_COLUMNS = db.columns_of(EventSubscriptionQueue)
 def _queue_context_statement() -> Select[Any]:
     owner = bindparam("owner", type_=EventSubscription.user_uuid.type)
     offering = bindparam("offering", type_=Offering.uuid.type)
-    # Aliased: the count is over all the owner's subscriptions, not correlated to this one.
-    counted, of = aliased(EventSubscriptionQueue), aliased(EventSubscription)
-    held = (
-        select(func.count())
-        .select_from(counted)
-        .join(of, of.uuid == counted.subscription_uuid)
-        .where(of.user_uuid == owner)
-        .scalar_subquery()
-    )
+    held = _queues_held(owner)
     # The queue's columns under their own names; the others prefixed so none collides.
     return (
         select(

@@ -28,7 +28,7 @@ from queuekeeper.common.quotas import check_quota, check_text
 from queuekeeper.common.schemas import find_by_path_uuid
 from queuekeeper.config import Settings
 from queuekeeper.consumers import repository as consumers_repository
-from queuekeeper.exceptions import BadRequest, Forbidden, NotFound, Unauthorized
+from queuekeeper.exceptions import BadRequest, Forbidden, NotFound, QuotaExceeded, Unauthorized
 from queuekeeper.models import (
     BrokerState,
     EventConsumer,
@@ -416,19 +416,23 @@ async def _register_queue(
         created=utcnow(),
     )
     # The broker queue exists before its row does. Reconcile deletes `subscription_*`
-    # queues without a row, but only while holding this lock exclusively and
+    # queues without a row, but only while holding the vhost lock exclusively and
     # re-checking the rows; holding it shared from before the declare until the
-    # commit makes sure it never sees this queue without seeing its row.
+    # commit makes sure it never sees this queue without seeing its row. The owner lock
+    # (docs/decisions/001-owner-lock.md), taken first in the same statement, makes the
+    # quota count in the insert exact against the owner's parallel calls.
+    limit = settings.max_queues_per_user
     try:
         async with locks.transaction_holding(
-            engine, locks.vhost_key(vhost), exclusive=False
+            engine, [(locks.user_key(owner.uuid), True), (locks.vhost_key(vhost), False)]
         ) as unit:
             # An agent must start even while its queue waits to change type (a migration).
             outcome = await provisioner.ensure_queue(vhost, name, keep_other_type=True)
-            # Access is checked again in the insert, the grant locked until the commit.
-            insert = await repository.insert_queue_with_access(unit, owner.uuid, queue)
+            # Access and the quota are checked again in the insert, the grant locked until
+            # the commit.
+            insert = await repository.insert_queue_with_access(unit, owner.uuid, queue, limit)
             if insert is repository.QueueInsert.NO_ACCESS:
-                raise _AccessRevoked  # rolls back, releasing the lock, before the delete
+                raise _AccessRevoked  # rolls back, releasing the locks, before the delete
     except _AccessRevoked:
         await best_effort("delete_queue", provisioner.delete_queue(vhost, name), queue=name)
         raise Forbidden(f"Your access to offering {offering_uuid.hex} was revoked.") from None
@@ -443,6 +447,14 @@ async def _register_queue(
         existing = await repository.find_queue(
             engine, subscription_uuid, offering_uuid, body.object_type
         )
+        if existing is None and insert is repository.QueueInsert.AT_QUOTA:
+            # The owner's parallel calls took the last places: nothing of ours stays.
+            await best_effort(
+                "delete_unregistered_queues",
+                _drop_unregistered(engine, provisioner, vhost, name),
+                queue=name,
+            )
+            raise QuotaExceeded("queues", limit, "max_queues_per_user")
         if existing is None:  # deleted between our insert attempt and this read
             raise NotFound("The queue was deleted while it was being registered; call again.")
         queue = existing
@@ -454,6 +466,16 @@ async def _register_queue(
         broker=outcome.value,
     )
     return queue, inserted, outcome
+
+
+async def _drop_unregistered(
+    engine: AsyncEngine, provisioner: Provisioner, vhost: str, name: str
+) -> None:
+    """Delete the broker queue `name` unless a row registers it (under the vhost lock held
+    exclusively, as every deletion of a queue)."""
+    async with locks.transaction_holding(engine, [(locks.vhost_key(vhost), True)]) as unit:
+        if not await unit.all(repository.QUEUE_NAME_REGISTERED, {"vhost": vhost, "name": name}):
+            await provisioner.delete_queue(vhost, name)
 
 
 class _AccessRevoked(Exception):
