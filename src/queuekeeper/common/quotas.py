@@ -1,11 +1,8 @@
 """Per-user quotas and free-text bounds, checked by the services before anything is made.
 
 Each refusal names the limit and its setting, so the agent's operator knows what to ask for.
-Identities, subscriptions and consumers are counted under the owner lock in the transaction
-that inserts (docs/decisions/001-owner-lock.md), so parallel calls cannot pass them together;
-queues are counted before the insert, so parallel create_queue calls can pass theirs by at
-most their number, and the broker's own `max-queues` (docs/operations.md, Security) is the
-hard stop.
+Each is counted again under the owner lock in the transaction that inserts (for queues, in
+the insert itself; docs/decisions/001-owner-lock.md), so parallel calls never pass it together.
 """
 
 from __future__ import annotations
