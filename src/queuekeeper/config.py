@@ -189,6 +189,14 @@ class Settings(BaseSettings):
         "connections; restored by reconcile.",
     )
 
+    # --- agents (SPEC 10) ------------------------------------------------------------------
+    minimum_agent_version: str = Field(
+        default="1.0.5",
+        description="Oldest waldur-site-agent version reported `compatible` in every identity "
+        "answer's `compatibility` (older: `incompatible`; none or unparsable: `unknown`). "
+        "Default: the oldest release the test suite runs end to end.",
+    )
+
     # --- queue arguments (SPEC 3) -------------------------------------------------------
     queue_type: Literal["classic", "quorum"] = Field(
         default="classic",
@@ -404,6 +412,14 @@ class Settings(BaseSettings):
 
         parse_many(value)  # a ValueError here names the setting at start-up
         return value
+
+    @field_validator("minimum_agent_version")
+    @classmethod
+    def _agent_version(cls, value: str) -> str:
+        from packaging.version import Version
+
+        Version(value)  # an InvalidVersion here names the setting at start-up
+        return value.strip()
 
     @field_validator("amqp_url", "management_url")
     @classmethod

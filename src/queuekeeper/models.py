@@ -273,12 +273,17 @@ class EventConsumer(Base):
     broker_state: Mapped[BrokerState] = mapped_column(
         StateColumn(BrokerState), default=BrokerState.OK
     )
+    # The first characters of the API token that last registered it (at most 8, and at
+    # most a quarter of the token): `auth_token_prefix` of client 8.1.3's EventConsumer.
+    auth_token_prefix: Mapped[str] = mapped_column(String(8), default="")
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     # Loaded with the consumer (one more query per listing, not per row).
     scopes: Mapped[list[EventConsumerScope]] = relationship(
         lazy="selectin", cascade="all, delete-orphan", passive_deletes=True
     )
+    # Its owner's username and name are part of every answer (client 8.1.3).
+    owner: Mapped[User] = relationship(lazy="selectin", viewonly=True)
 
 
 class EventConsumerScope(Base):
@@ -298,7 +303,10 @@ class Event(Base):
     __tablename__ = "events"
 
     event_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # An event sent with `offering_uuids` (SPEC 10) keeps the first here and the whole
+    # list in `offering_uuids` (hex); each of its copies names its own offering.
     offering_uuid: Mapped[UUID] = mapped_column(Uuid(as_uuid=True), index=True)
+    offering_uuids: Mapped[list[Any] | None] = mapped_column(JSON)
     object_type: Mapped[str] = mapped_column(String(64))
     payload: Mapped[dict[str, Any]] = mapped_column()
     user_uuids: Mapped[list[Any] | None] = mapped_column(JSON)
@@ -339,6 +347,9 @@ class Delivery(Base):
     )
     queue_name: Mapped[str] = mapped_column(String(255))
     vhost: Mapped[str] = mapped_column(String(64))
+    # A copy of an event sent to several offerings (`offering_uuids`): the offering of the
+    # queue it goes to, which its body and headers carry. Null: the event's offering.
+    offering_uuid: Mapped[UUID | None] = mapped_column(Uuid(as_uuid=True))
     state: Mapped[DeliveryState] = mapped_column(
         StateColumn(DeliveryState), default=DeliveryState.PENDING
     )

@@ -116,6 +116,14 @@ async def agent_or_service(
 
 
 CurrentUser = Annotated[User, Depends(current_user)]
+
+
+def caller_token(header: AuthorizationHeader) -> str:
+    """The token the request came with (for what a registration records of it)."""
+    return credentials(header)
+
+
+CallerToken = Annotated[str, Depends(caller_token)]
 # None for a service token: routes that show an agent its own things show an operator all.
 AgentOrService = Annotated[User | None, Depends(agent_or_service)]
 ServiceCaller = Depends(service_caller)

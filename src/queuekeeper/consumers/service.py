@@ -31,7 +31,12 @@ from queuekeeper.common.quotas import check_quota
 from queuekeeper.common.schemas import find_by_path_uuid, parse_path_uuid
 from queuekeeper.config import Settings
 from queuekeeper.consumers import repository
-from queuekeeper.consumers.schemas import ConsumerRegistration, QueueRegistration
+from queuekeeper.consumers.schemas import (
+    ConsumerFilters,
+    ConsumerRegistration,
+    QueueRegistration,
+    token_prefix,
+)
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.models import (
     BrokerState,
@@ -56,6 +61,7 @@ class _Wanted:
     offerings: list[uuid.UUID]
     object_types: list[str] | None  # None: keep the current filter
     identity_uuid: uuid.UUID | None
+    token_prefix: str  # of the token this registration came with
 
 
 async def register_queue(
@@ -63,6 +69,7 @@ async def register_queue(
     provisioner: Provisioner,
     settings: Settings,
     user: User,
+    token: str,
     identity_uuid: str,
     body: QueueRegistration,
 ) -> tuple[EventConsumer, bool]:
@@ -90,6 +97,7 @@ async def register_queue(
         offerings=[identity.offering_uuid],
         object_types=body.object_types,
         identity_uuid=identity.uuid,
+        token_prefix=token_prefix(token),
     )
     existing = await repository.of_identity(session, identity.uuid)
     return await _register(session, provisioner, settings, "register_queue", wanted, existing)
@@ -100,12 +108,17 @@ async def register(
     provisioner: Provisioner,
     settings: Settings,
     user: User,
+    token: str,
     body: ConsumerRegistration,
 ) -> tuple[EventConsumer, bool]:
     """`POST /api/event-consumers/register/`: the caller's consumer for these offerings."""
     offerings = [scope.uuid for scope in body.scopes]
     wanted = _Wanted(
-        owner=user, offerings=offerings, object_types=body.object_types, identity_uuid=None
+        owner=user,
+        offerings=offerings,
+        object_types=body.object_types,
+        identity_uuid=None,
+        token_prefix=token_prefix(token),
     )
     existing = await repository.with_scopes(session, user.uuid, offerings)
     return await _register(session, provisioner, settings, "api", wanted, existing)
@@ -195,6 +208,7 @@ async def _make_real(
                     vhost=vhost,
                     broker_password_hash=password_hash,
                     broker_state=BrokerState.OK,
+                    auth_token_prefix=wanted.token_prefix,
                     scopes=[EventConsumerScope(offering_uuid=o) for o in wanted.offerings],
                 )
                 session.add(consumer)
@@ -237,6 +251,7 @@ def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None)
         consumer.scopes = [EventConsumerScope(offering_uuid=o) for o in wanted.offerings]
     consumer.broker_password_hash = password_hash
     consumer.broker_state = BrokerState.OK
+    consumer.auth_token_prefix = wanted.token_prefix
     consumer.modified = utcnow()
 
 
@@ -251,14 +266,16 @@ async def _unmake(provisioner: Provisioner, vhost: str, consumer_uuid: uuid.UUID
 
 # --- reading and deleting -------------------------------------------------------------------
 async def list_consumers(
-    session: AsyncSession, caller: User | None, page: Page
+    session: AsyncSession, caller: User | None, filters: ConsumerFilters, page: Page
 ) -> Paged[EventConsumer]:
     """The caller's consumers; every consumer for a service token (`caller` None)."""
-    return await repository.page(session, caller.uuid if caller else None, page)
+    return await repository.page(session, caller.uuid if caller else None, filters, page)
 
 
-async def count_consumers(session: AsyncSession, caller: User | None) -> int:
-    return await repository.count(session, caller.uuid if caller else None)
+async def count_consumers(
+    session: AsyncSession, caller: User | None, filters: ConsumerFilters
+) -> int:
+    return await repository.count(session, caller.uuid if caller else None, filters)
 
 
 async def get_consumer(

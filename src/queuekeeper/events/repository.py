@@ -28,6 +28,7 @@ Executor = AsyncSession | AsyncConnection
 EVENT_COLUMNS = (
     "event_id",
     "offering_uuid",
+    "offering_uuids",
     "object_type",
     "payload",
     "user_uuids",
@@ -72,6 +73,7 @@ _DELIVERY_COLUMNS = [
     "consumer_uuid",
     "queue_name",
     "vhost",
+    "offering_uuid",
     "state",
     "attempts",
     "claimed_by",

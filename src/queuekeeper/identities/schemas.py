@@ -14,6 +14,7 @@ from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
 from queuekeeper.events.payloads import ObjectType
+from queuekeeper.identities.compatibility import Compatibility, assess
 from queuekeeper.models import AgentIdentity, BrokerState, EventConsumer, EventSubscription, User
 
 COLLECTION = "marketplace-site-agent-identities"
@@ -102,6 +103,11 @@ class IdentityOut(Schema):
                     "services": [],
                     "created": "2026-11-21T22:25:36.857310Z",
                     "modified": "2026-11-21T22:25:36.857310Z",
+                    "compatibility": {
+                        "status": "compatible",
+                        "message": "waldur-site-agent 1.0.5 is supported (minimum 1.0.5).",
+                        "minimum_required": "1.0.5",
+                    },
                 }
             ]
         }
@@ -124,6 +130,11 @@ class IdentityOut(Schema):
     )
     created: UTCDateTime
     modified: UTCDateTime
+    # Required by waldur-api-client 8.1.3 (agent 1.0.8), ignored by older clients.
+    compatibility: Compatibility = Field(
+        description="The reported `version` against the server's minimum agent version "
+        "(setting `QUEUEKEEPER_MINIMUM_AGENT_VERSION`)."
+    )
 
     @classmethod
     def from_row(cls, identity: AgentIdentity, settings: Settings) -> IdentityOut:
@@ -141,6 +152,7 @@ class IdentityOut(Schema):
             services=[],
             created=identity.created,
             modified=identity.modified,
+            compatibility=assess(identity.version, settings.minimum_agent_version),
         )
 
 
