@@ -83,7 +83,22 @@ def valid_payload(object_type: str) -> dict[str, Any]:
             "api_key_uuid": _hex(),
             "client_id": "client-1",
         },
+        "service_provider_project_group": {
+            "action": "create",
+            "service_provider_uuid": _hex(),
+            "customer_uuid": _hex(),
+            "project_group_uuid": _hex(),
+            "project_uuid": _hex(),
+            "name": "pg_x",
+            "gid": 20001,
+        },
     }
+    if object_type not in payloads:
+        raise AssertionError(
+            f"The agent subscribes to {object_type!r}, which has no test payload yet: add one "
+            "to tests/agents/harness.py valid_payload (and a model to events/payloads.py if "
+            "the agent reads fields of it)."
+        )
     return payloads[object_type]
 
 
