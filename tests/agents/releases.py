@@ -57,6 +57,27 @@ RELEASES = [
     Release("1.0.8rc12", "unified", tuple(AGENT_108_TYPES), "client-individual", 1),
 ]
 NEWEST_ENV = "QK_AGENT_VERSION"
+# waldur-api-client lines no agent of RELEASES pins exactly, parsed as well: 8.1.3 final
+# (1.0.8rc12 pins 8.1.3rc23, whose models are the same for everything queuekeeper serves).
+EXTRA_CLIENTS = ["8.1.3"]
+
+
+@dataclass(frozen=True)
+class ClientSource:
+    """Where a waldur-api-client version is installed: an agent's virtualenv (the client
+    it pins) or a virtualenv of the client alone."""
+
+    agent: str | None = None
+    client: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"agent-{self.agent}" if self.agent else f"client-{self.client}"
+
+
+CLIENTS = [ClientSource(agent=r.version) for r in RELEASES] + [
+    ClientSource(client=version) for version in EXTRA_CLIENTS
+]
 
 
 def releases_under_test() -> list[Release]:
