@@ -22,6 +22,19 @@ from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 
 RUNNER = Path(__file__).with_name("agent_runner.py")
+# What waldur-site-agent 1.0.5 sets up with every feature on, in its order: its
+# ObservableObjectTypeEnum (site-agent-contract.md, section 1).
+AGENT_105_TYPES = [
+    "order",
+    "user_role",
+    "resource",
+    "service_account",
+    "course_account",
+    "offering_user",
+    "offering_resources_sync",
+    "importable_resources",
+    "resource_periodic_limits",
+]
 # What waldur-site-agent 1.0.7 asks register_queue for with every feature on, in its order
 # (site-agent-1.0.7-contract.md, section 1).
 AGENT_107_TYPES = [
@@ -257,6 +270,26 @@ async def start_agent(
 
 
 Publisher = Callable[[str, dict[str, Any]], Awaitable[str]]
+
+
+async def publish_event(
+    http: httpx.AsyncClient, offering: uuid.UUID, object_type: str, payload: dict[str, Any]
+) -> dict[str, Any]:
+    """As the backend does: POST /api/internal/events/?wait=true; the answer."""
+    response = await http.post(
+        "/api/internal/events/",
+        params={"wait": "true"},
+        json={
+            "event_id": f"e2e-{object_type}-{uuid.uuid4().hex[:8]}",
+            "offering_uuid": offering.hex,
+            "object_type": object_type,
+            "payload": payload,
+        },
+        headers={"Authorization": f"Bearer {SERVICE_TOKEN}"},
+    )
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 def publisher_for(

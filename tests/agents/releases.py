@@ -14,20 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from tests.agents.harness import AGENT_107_TYPES
+from tests.agents.harness import AGENT_105_TYPES, AGENT_107_TYPES
 
-# 1.0.5: one subscription and queue per type (site-agent-contract.md, section 1).
-AGENT_105_TYPES = [
-    "order",
-    "user_role",
-    "resource",
-    "service_account",
-    "course_account",
-    "offering_user",
-    "offering_resources_sync",
-    "importable_resources",
-    "resource_periodic_limits",
-]
 # 1.0.8: 1.0.7's, with `service_provider_project_group` after the membership types when
 # the username backend writes project groups (event_processing/utils.py).
 AGENT_108_TYPES = [

@@ -30,6 +30,7 @@ from tests.agents.harness import (
     Server,
     agent_config,
     broker_snapshot,
+    publish_event,
     start_agent,
     valid_payload,
 )
@@ -37,7 +38,7 @@ from tests.agents.releases import RELEASES, Release, releases_under_test
 from tests.agents.site_agent_venv import ensure_site_agent_venv
 from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
-from tests.helpers import Backend
+from tests.helpers import Agent, Backend
 
 IDENTITIES = "/api/marketplace-site-agent-identities/"
 PROJECT_GROUPS = "service_provider_project_group"
@@ -46,6 +47,15 @@ RELEASE_IDS = [release.version for release in releases_under_test()]
 
 async def agent_python(release: Release) -> Path:
     return await asyncio.to_thread(ensure_site_agent_venv, release.version)
+
+
+async def site(
+    http: httpx.AsyncClient, server: Server, tmp_path: Path
+) -> tuple[Agent, uuid.UUID, Path]:
+    """A user with access to an offering, and the agent configuration for them."""
+    agent, offering = await Backend(http, SERVICE_TOKEN).agent_with_offering()
+    config = agent_config(tmp_path / "agent.yaml", f"{server.url}/api/", agent.token, offering.hex)
+    return agent, offering, config
 
 
 def runner_flags(release: Release) -> list[str]:
@@ -78,24 +88,7 @@ def queues_by_type(status: dict[str, Any], offering: uuid.UUID) -> dict[str, str
     return found
 
 
-async def publish(
-    http: httpx.AsyncClient, offering: uuid.UUID, object_type: str, payload: dict[str, Any]
-) -> dict[str, Any]:
-    """As the backend does: POST /api/internal/events/?wait=true."""
-    response = await http.post(
-        "/api/internal/events/",
-        params={"wait": "true"},
-        json={
-            "event_id": f"e2e-{object_type}-{uuid.uuid4().hex[:8]}",
-            "offering_uuid": offering.hex,
-            "object_type": object_type,
-            "payload": payload,
-        },
-        headers={"Authorization": f"Bearer {SERVICE_TOKEN}"},
-    )
-    assert response.status_code == 200, response.text
-    answer: dict[str, Any] = response.json()
-    return answer
+publish = publish_event
 
 
 async def publish_every_type(
@@ -172,11 +165,7 @@ async def test_published_agent_sets_up_receives_every_type_once_and_restarts_ide
 ) -> None:
     python = await agent_python(release)
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-        backend = Backend(http, SERVICE_TOKEN)
-        agent, offering = await backend.agent_with_offering()
-        config = agent_config(
-            tmp_path / "agent.yaml", f"{server.url}/api/", agent.token, offering.hex
-        )
+        agent, offering, config = await site(http, server, tmp_path)
 
         # --- first start ---------------------------------------------------------------
         first, status = await start(python, config, tmp_path, "first", release)
@@ -240,11 +229,7 @@ async def test_an_unacked_message_is_redelivered_after_a_reconnect_and_prefetch_
 ) -> None:
     python = await agent_python(release)
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-        backend = Backend(http, SERVICE_TOKEN)
-        agent, offering = await backend.agent_with_offering()
-        config = agent_config(
-            tmp_path / "agent.yaml", f"{server.url}/api/", agent.token, offering.hex
-        )
+        agent, offering, config = await site(http, server, tmp_path)
         running, status = await start(python, config, tmp_path, "acks", release)
         try:
             (consumer,) = status["consumers"]

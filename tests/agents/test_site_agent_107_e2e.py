@@ -26,6 +26,7 @@ from tests.agents.harness import (
     Server,
     agent_config,
     broker_snapshot,
+    publish_event,
     start_agent,
     valid_payload,
 )
@@ -53,24 +54,7 @@ def expected_sequence(first_start: bool, identity: str) -> list[tuple[str, str, 
     ]
 
 
-async def publish(
-    http: httpx.AsyncClient, offering: uuid.UUID, object_type: str, payload: dict[str, Any]
-) -> dict[str, Any]:
-    """As the backend does: POST /api/internal/events/?wait=true."""
-    response = await http.post(
-        "/api/internal/events/",
-        params={"wait": "true"},
-        json={
-            "event_id": f"e2e-{object_type}-{uuid.uuid4().hex[:8]}",
-            "offering_uuid": offering.hex,
-            "object_type": object_type,
-            "payload": payload,
-        },
-        headers={"Authorization": f"Bearer {SERVICE_TOKEN}"},
-    )
-    assert response.status_code == 200, response.text
-    answer: dict[str, Any] = response.json()
-    return answer
+publish = publish_event
 
 
 async def publish_every_type(

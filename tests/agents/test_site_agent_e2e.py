@@ -24,6 +24,7 @@ from prometheus_client import REGISTRY
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from tests.agents.harness import (
+    AGENT_105_TYPES,
     Publisher,
     RunningAgent,
     Server,
@@ -37,18 +38,7 @@ from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Backend
 
-# 1.0.5's ObservableObjectTypeEnum, in the order the agent sets them up (contract 1).
-AGENT_TYPES = [
-    "order",
-    "user_role",
-    "resource",
-    "service_account",
-    "course_account",
-    "offering_user",
-    "offering_resources_sync",
-    "importable_resources",
-    "resource_periodic_limits",
-]
+AGENT_TYPES = AGENT_105_TYPES
 
 
 def expected_sequence(first_start: bool, identity: str, subscriptions: list[str]) -> list[Any]:

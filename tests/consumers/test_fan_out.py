@@ -10,23 +10,22 @@ import httpx
 
 from tests.consumers.test_delivery import consumer_for
 from tests.events.support import drain, event_detail, post_batch, post_event, register
-from tests.helpers import Backend
+from tests.events.test_accept import MINIMAL_PAYLOADS
+from tests.helpers import Agent, Backend
 
-U = "6f1c2a3b4d5e4f60a1b2c3d4e5f60718"
+
+async def agent_with_two_offerings(backend: Backend) -> tuple[Agent, uuid.UUID, uuid.UUID]:
+    agent, first = await backend.agent_with_offering()
+    second = await backend.put_offering()
+    await backend.grant(agent, second)
+    return agent, first, second
 
 
 def group_event(offerings: list[uuid.UUID], **extra: object) -> dict[str, object]:
     return {
         "offering_uuids": [o.hex for o in offerings],
         "object_type": "service_provider_project_group",
-        "payload": {
-            "action": "create",
-            "service_provider_uuid": U,
-            "customer_uuid": U,
-            "project_group_uuid": U,
-            "name": "pg_1",
-            "gid": 20001,
-        },
+        "payload": MINIMAL_PAYLOADS["service_provider_project_group"],
         **extra,
     }
 
@@ -34,9 +33,7 @@ def group_event(offerings: list[uuid.UUID], **extra: object) -> dict[str, object
 async def test_one_event_reaches_each_offerings_queue_with_its_own_offering(
     client: httpx.AsyncClient, backend: Backend
 ) -> None:
-    agent, first = await backend.agent_with_offering()
-    second = await backend.put_offering()
-    await backend.grant(agent, second)
+    agent, first, second = await agent_with_two_offerings(backend)
     unrelated = await backend.put_offering()  # named in the event, nobody listens there
     first_queue = await consumer_for(agent, first, ["service_provider_project_group"])
     second_queue = await consumer_for(agent, second, [])  # every type
@@ -75,9 +72,7 @@ async def test_one_event_reaches_each_offerings_queue_with_its_own_offering(
 async def test_a_consumer_scoped_to_several_of_the_offerings_gets_one_copy(
     client: httpx.AsyncClient, backend: Backend
 ) -> None:
-    agent, first = await backend.agent_with_offering()
-    second = await backend.put_offering()
-    await backend.grant(agent, second)
+    agent, first, second = await agent_with_two_offerings(backend)
     registered = await agent.client.post(
         "/api/event-consumers/register/",
         json={"scopes": [{"type": "offering", "uuid": o.hex} for o in (first, second)]},
