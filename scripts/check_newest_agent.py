@@ -37,11 +37,10 @@ def newest_version() -> str:
 
 
 def main() -> int:
-    version = os.environ.get("QK_AGENT_VERSION") or newest_version()
-    print(
-        f"check-newest-agent: trying {PACKAGE} {version} (newest on PyPI, pre-releases included)",
-        flush=True,
-    )
+    asked = os.environ.get("QK_AGENT_VERSION")
+    version = asked or newest_version()
+    why = "as QK_AGENT_VERSION asks" if asked else "newest on PyPI, pre-releases included"
+    print(f"check-newest-agent: trying {PACKAGE} {version} ({why})", flush=True)
     run = subprocess.run(
         [
             sys.executable,
