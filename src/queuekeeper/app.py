@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import structlog
 from fastapi import Depends, FastAPI
@@ -35,8 +37,10 @@ from queuekeeper.events.endpoints import internal_router as events_router
 from queuekeeper.events.intake import Intake
 from queuekeeper.events.relay import Relay
 from queuekeeper.health.endpoints import router as health_router
+from queuekeeper.health.service import refresh_survey
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
+from queuekeeper.installation import service as installation
 from queuekeeper.jobs.endpoints import router as runs_router
 from queuekeeper.jobs.runs import Job, JobContext, JobRunner, JobSpec, JobTable
 from queuekeeper.jobs.scheduler import JobScheduler
@@ -125,7 +129,9 @@ def build_state(settings: Settings) -> AppState:
     engine = create_engine(settings)
     management = ManagementClient(settings, observer=observe_management_call)
     sessions = create_sessionmaker(engine)
-    provisioner = Provisioner(management, settings)
+    provisioner = Provisioner(
+        management, settings, identity=partial(installation.identity, sessions)
+    )
     context = JobContext(settings, engine, sessions, management, provisioner)
     signals = OutboxSignals()
     return AppState(
@@ -164,6 +170,9 @@ def start_scheduler(state: AppState) -> JobScheduler:
 
 async def shutdown(state: AppState) -> None:
     """Stop what started, last started first: jobs, relay, then the connections they used."""
+    if state.survey_task is not None:
+        state.survey_task.cancel()
+        await asyncio.gather(state.survey_task, return_exceptions=True)
     if state.scheduler is not None:
         await state.scheduler.stop()
         state.scheduler = None
@@ -206,7 +215,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings, relay=settings.relay_enabled, scheduler=settings.scheduler_enabled
         ) as state:
             app.state.queuekeeper = state
-            log.info("queuekeeper_started", instance=settings.instance_name, pid=os.getpid())
+            log.info(
+                "queuekeeper_started",
+                instance=settings.instance_name,
+                pid=os.getpid(),
+                url=settings.public_url,
+                docs=f"{settings.public_url}/docs",
+            )
+            if not settings.service_tokens:
+                # Every internal and admin call is refused then, and the backend's pushes
+                # come first: say so where the operator looks (README, Quickstart).
+                log.warning(
+                    "no_service_token_configured",
+                    detail="every /api/internal/ and /api/admin/ call will answer 401: set "
+                    "QUEUEKEEPER_SERVICE_TOKENS (comma-separated) and restart",
+                )
+            # In the background: a broker or database still starting does not delay serving.
+            state.survey_task = asyncio.create_task(refresh_survey(state), name="survey")
             yield
         if os.environ.get(MULTIPROC_ENV):
             # Drops this worker's live gauges (pool size, outbox depth) from the totals.

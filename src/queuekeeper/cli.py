@@ -350,13 +350,19 @@ def reconcile(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Report what would change; change nothing."
     ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Delete even when the run would delete more than the deletion guard allows "
+        "(QUEUEKEEPER_RECONCILE_MAX_DELETIONS, QUEUEKEEPER_RECONCILE_MAX_DELETE_SHARE).",
+    ),
 ) -> None:
     """Bring the broker in line with the database now (what the scheduled job does)."""
     from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
         lambda jobs, progress: jobs.run(
-            Job.RECONCILE, Trigger.CLI, dry_run=dry_run, progress=progress
+            Job.RECONCILE, Trigger.CLI, dry_run=dry_run, force=force, progress=progress
         )
     )
 
@@ -364,13 +370,19 @@ def reconcile(
 @app.command("cleanup-stale")
 def cleanup_stale(
     dry_run: bool = typer.Option(False, "--dry-run", help="Report what would go; remove nothing."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Delete even when the run would delete more than the deletion guard allows "
+        "(QUEUEKEEPER_RECONCILE_MAX_DELETIONS, QUEUEKEEPER_RECONCILE_MAX_DELETE_SHARE).",
+    ),
 ) -> None:
     """Remove subscriptions of inactive users and expired tokens, with their broker objects."""
     from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
         lambda jobs, progress: jobs.run(
-            Job.CLEANUP_STALE, Trigger.CLI, dry_run=dry_run, progress=progress
+            Job.CLEANUP_STALE, Trigger.CLI, dry_run=dry_run, force=force, progress=progress
         )
     )
 

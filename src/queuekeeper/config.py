@@ -32,8 +32,9 @@ class Settings(BaseSettings):
     # --- identity of this installation -----------------------------------------------
     instance_name: str = Field(
         default="queuekeeper",
-        description="Vhosts and broker users are tagged `queuekeeper:<instance_name>`; "
-        "queuekeeper only ever touches objects carrying its own tag.",
+        description="Vhosts and broker users are tagged `queuekeeper:<instance_name>` (for "
+        "people) and with this database's installation identity, which decides what is "
+        "ours. One name per installation: two installations sharing a broker need two names.",
     )
 
     # --- connections ---------------------------------------------------------------
@@ -278,6 +279,28 @@ class Settings(BaseSettings):
         description="Orphan queues a reconcile run deletes at the same time (the Management "
         "API has no bulk delete; one at a time made a run deleting 1,000 orphans three times "
         "as long as its listing).",
+    )
+    reconcile_max_deletions: int = Field(
+        default=100,
+        ge=0,
+        description="Deletion guard: a reconcile or stale-cleanup run that would delete more "
+        "broker objects than this (orphan queues, vhosts and the queues in them, broker "
+        "users) deletes nothing and reports why, unless run with `--force` / `?force=true`.",
+    )
+    reconcile_max_delete_share: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        description="Deletion guard: the same when a run would delete more than this share "
+        "of the broker objects this installation owns (a database restored from an older "
+        "backup makes everything registered since look orphaned), and more than "
+        "`reconcile_deletions_always_allowed`.",
+    )
+    reconcile_deletions_always_allowed: int = Field(
+        default=2,
+        ge=0,
+        description="Deletion guard: a run deleting at most this many objects is never held "
+        "for their share (a small installation's stray orphan queue or broker user).",
     )
     reconcile_page_size: int = Field(
         default=500, ge=1, le=500, description="Queues per Management API page (broker max 500)."

@@ -154,9 +154,9 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
     async def _foreign_vhost(_request: Request, exc: ForeignVhost) -> JSONResponse:
         return JSONResponse(
             {
-                "detail": f"vhost {exc.vhost!r} exists on the broker but is not tagged "
-                f"{settings.instance_tag!r}, so this queuekeeper will not use it "
-                f"(its tags: {exc.tags}). Delete it or tag it, then retry.",
+                "detail": f"vhost {exc.vhost!r} exists on the broker but is not this "
+                f"installation's: {exc.reason}. This queuekeeper will not use it "
+                "(docs/operations.md, One instance name per installation).",
             },
             409,
         )

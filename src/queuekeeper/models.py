@@ -388,3 +388,18 @@ class GivenUpDeadLetter(Base):
     message_id: Mapped[str | None] = mapped_column(String(255))
     body_size: Mapped[int] = mapped_column(Integer, default=0)
     recorded: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Installation(Base):
+    """This database's installation identity (one row, made by `migrate` or the first start).
+
+    Every vhost and broker user queuekeeper makes carries it as a tag next to the instance
+    name, so two installations sharing a broker, or a database restored from an older
+    backup, can tell their objects apart (docs/decisions/009-installation-identity.md).
+    """
+
+    __tablename__ = "installation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    uuid: Mapped[UUID] = mapped_column(unique=True, default=uuid4)
+    created: Mapped[datetime] = mapped_column(default=utcnow)

@@ -25,6 +25,26 @@ NOTHING = "^$"
 EVERYTHING = ".*"
 
 
+# Every vhost and broker user queuekeeper makes carries two tags: `queuekeeper:<instance
+# name>` for people, and this one with the installation's uuid, which decides ownership
+# (docs/decisions/009-installation-identity.md).
+INSTALLATION_TAG_PREFIX = "queuekeeper-installation:"
+
+
+def installation_tag(installation: uuid.UUID) -> str:
+    return f"{INSTALLATION_TAG_PREFIX}{installation.hex}"
+
+
+def installations_of(tags: tuple[str, ...] | list[str]) -> list[str]:
+    """The installation uuids (hex) an object's tags name; empty for an object made before
+    installations had identities."""
+    return [
+        tag.removeprefix(INSTALLATION_TAG_PREFIX)
+        for tag in tags
+        if tag.startswith(INSTALLATION_TAG_PREFIX)
+    ]
+
+
 def vhost_name(owner_uuid: uuid.UUID) -> str:
     """One vhost per user: the agent connects with `host = <user uuid hex>`."""
     return owner_uuid.hex

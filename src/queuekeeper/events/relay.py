@@ -419,7 +419,7 @@ class Relay:
             except QueueConflict as exc:
                 failures[key] = f"queue could not be re-declared: {exc.reason}"
             except ForeignVhost as exc:
-                failures[key] = f"vhost {exc.vhost!r} is not tagged as ours; not touched"
+                failures[key] = f"vhost {exc.vhost!r} is not ours ({exc.reason}); not touched"
             except ManagementError as exc:
                 failures[key] = f"queue could not be re-declared: {exc}"
             except Exception as exc:  # anything else: retried with backoff, reason kept
