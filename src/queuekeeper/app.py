@@ -83,13 +83,37 @@ DESCRIPTION = """\
 queuekeeper owns the RabbitMQ queues through which a marketplace backend sends events to
 remote site agents.
 
-* **Agents** (`agents`) create an event subscription, register one queue per (offering,
-  object type) with `create_queue`, then subscribe over STOMP to `/amq/queue/<queue_name>`
-  in vhost `<user uuid hex>`, logging in as `<subscription uuid hex>` with their API token.
-* **The backend** (`internal`) pushes users, offerings and access grants, and publishes
-  events; an accepted event is never lost.
+* **Agents** (`agents`, `Authorization: Token <api token>`) create an event subscription,
+  register one queue per (offering, object type) with `create_queue` (waldur-site-agent
+  1.0.7: one queue per identity with `register_queue`), then subscribe over STOMP to
+  `/amq/queue/<queue_name>` in vhost `<user uuid hex>`, logging in as
+  `<subscription uuid hex>` with their API token.
+* **The backend** (`internal`, `Authorization: Bearer <service token>`) pushes users,
+  offerings and access grants, and publishes events; an accepted event is never lost.
 * **Operators** (`admin`, `health`) see every queue's state, reconcile the broker with the
   database, redrive dead letters, and scrape `/metrics`.
+
+## Quickstart
+
+1. **A service token.** Set `QUEUEKEEPER_SERVICE_TOKENS` (comma-separated, for rotation)
+   before starting the server; without one every `internal` and `admin` call answers 401
+   and the start-up log says so. Use it here with **Authorize**: `Bearer <service token>`.
+2. **The backend's pushes come first**, with the service token:
+   `PUT /api/internal/users/{user_uuid}/` `{"username": "alice", "token": "<api token>"}`,
+   `PUT /api/internal/offerings/{offering_uuid}/` `{"name": "HPC"}`,
+   `PUT /api/internal/offerings/{offering_uuid}/users/{user_uuid}/`.
+3. **The agent**, with `Token <api token>`: `POST /api/event-subscriptions/` `{}` (its
+   `uuid` is the STOMP login), then
+   `POST /api/event-subscriptions/{uuid}/create_queue/`
+   `{"offering_uuid": "...", "object_type": "order"}` (its `queue_name` is the destination).
+4. **Publish**, with the service token: `POST /api/internal/events/?wait=true`
+   `{"offering_uuid": "...", "object_type": "order", "payload": {"order_uuid": "...",
+   "order_state": "executing"}}`.
+5. **Consume** over STOMP: RabbitMQ's `ws://<broker>:15674/ws` (WebSocket; plain STOMP on
+   61613), vhost = the user's uuid hex, login = the subscription's uuid hex, passcode = the
+   API token, `SUBSCRIBE` to `/amq/queue/<queue_name>`.
+
+The README's Quickstart has these as commands to paste, with a ten-line consumer.
 
 Every error answers with `{"detail": "...", "errors": [{"field", "message"}]?}`. A request
 may carry `X-Request-ID`; the response always does, and every log line of the request has it.
