@@ -28,8 +28,6 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # locals would print settings, tokens included
 )
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-PACKAGE_DIR = Path(__file__).resolve().parent
 # Also in observability/endpoints.py; not imported from there, so that commands which do not
 # serve stay quick to start (the container's HEALTHCHECK runs one every 15 s).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -38,13 +36,6 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 def fail(message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
-
-
-def migrations_dir() -> Path:
-    """`migrations/` of a source checkout, or the copy packaged into the wheel."""
-    if PACKAGE_DIR == PROJECT_ROOT / "src" / "queuekeeper":
-        return PROJECT_ROOT / "migrations"
-    return PACKAGE_DIR / "_migrations"
 
 
 def _freeze_startup_objects() -> None:
@@ -58,14 +49,26 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def _alembic_config(database_url: str | None = None) -> object:
-    from alembic.config import Config
+def _ready_database(settings: Settings, *, serving: bool = False) -> None:
+    """Stop with one line when the database is missing, unmigrated or unreachable (a server
+    starts anyway when it is only unreachable: it answers 503 until the database is up)."""
+    import structlog
 
-    ini = PROJECT_ROOT / "alembic.ini"
-    config = Config(str(ini)) if ini.exists() else Config()
-    config.set_main_option("script_location", str(migrations_dir()))
-    config.attributes["database_url"] = database_url or get_settings().database_url
-    return config
+    from queuekeeper.preflight import (
+        DatabaseNotReady,
+        DatabaseUnreachable,
+        check_database,
+        head_revision,
+    )
+
+    try:
+        asyncio.run(check_database(settings, head_revision()))
+    except DatabaseUnreachable as exc:
+        if not serving:
+            raise fail(str(exc)) from None
+        structlog.get_logger("queuekeeper.cli").warning("database_unreachable", detail=str(exc))
+    except DatabaseNotReady as exc:
+        raise fail(str(exc)) from None
 
 
 @app.command()
@@ -76,11 +79,12 @@ def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> 
 
     from queuekeeper.common.redact import redact_url
     from queuekeeper.logging import configure_logging
+    from queuekeeper.preflight import alembic_config
 
     settings = get_settings()
     configure_logging(settings)
     try:
-        command.upgrade(_alembic_config(), revision)  # type: ignore[arg-type]
+        command.upgrade(alembic_config(settings.database_url), revision)
     except (SQLAlchemyError, OSError) as exc:
         raise fail(
             f"migration failed on {redact_url(settings.database_url)}: {type(exc).__name__}: "
@@ -126,6 +130,7 @@ def serve(
 
     settings = get_settings()
     configure_logging(settings)
+    _ready_database(settings, serving=True)
     if workers > 1 or os.environ.get(MULTIPROC_ENV):
         directory = _prepare_multiprocess_dir()
         structlog.get_logger("queuekeeper.cli").info(
@@ -285,6 +290,7 @@ def import_directory(
     settings = get_settings()
     configure_logging(settings, level="WARNING")
     data = _read_directory_file(file)
+    _ready_database(settings)
 
     async def run() -> ImportReport:
         async with running(settings) as state:
@@ -316,6 +322,7 @@ def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
     from queuekeeper.logging import configure_logging
 
     configure_logging(get_settings(), level="WARNING")  # each change is in the run record below
+    _ready_database(get_settings())
 
     async def main(on_progress: Phases) -> Any:
         async with running(get_settings()) as state:
@@ -421,6 +428,7 @@ def queues(
     from queuekeeper.reconcile.view import QueueFilter, queue_states
 
     configure_logging(get_settings(), level="WARNING")
+    _ready_database(get_settings())
     try:
         wanted = QueueFilter(vhost=vhost, state=QueueState(state_filter) if state_filter else None)
     except ValueError as exc:
@@ -490,6 +498,7 @@ def relay() -> None:
 
     settings = get_settings()
     configure_logging(settings)
+    _ready_database(settings)
     _freeze_startup_objects()
 
     async def run() -> None:
