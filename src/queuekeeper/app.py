@@ -35,6 +35,7 @@ from queuekeeper.events.endpoints import accept_router
 from queuekeeper.events.endpoints import admin_router as outbox_router
 from queuekeeper.events.endpoints import internal_router as events_router
 from queuekeeper.events.intake import Intake
+from queuekeeper.events.openapi import document_payloads
 from queuekeeper.events.relay import Relay
 from queuekeeper.health.endpoints import router as health_router
 from queuekeeper.health.service import refresh_survey
@@ -276,7 +277,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     install_error_handlers(app, settings)
-    install_openapi(app)
+    install_openapi(app, settings, extend=document_payloads)
     install_docs(app)
     # Added first, so innermost of these: the request is logged with its id and real peer.
     app.add_middleware(RequestGuard, settings=settings)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from sqlalchemy import Row
 
+from queuekeeper.common.openapi import limited_by
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.events.payloads import ObjectType
 from queuekeeper.models import DeliveryState, Event
@@ -72,7 +73,8 @@ class EventBatchIn(BaseModel):
     )
 
     events: list[EventIn] = Field(
-        description="Up to QUEUEKEEPER_EVENTS_BATCH_MAX events, stored in one transaction."
+        description="Events stored in one transaction.",
+        json_schema_extra=limited_by("events_batch_max"),
     )
 
 

@@ -10,6 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import QueueInfo
+from queuekeeper.common.openapi import limited_by
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
@@ -60,7 +61,7 @@ class IdentityWrite(BaseModel):
     )
 
     offering: OfferingText
-    name: str = Field(min_length=1, max_length=255)
+    name: str = Field(min_length=1, max_length=255, json_schema_extra=limited_by("text_max_length"))
     version: str | None = Field(default=None, max_length=64)
     dependencies: list[Dependency] | None = Field(default=None, max_length=500)
     config_file_path: str | None = Field(default=None, max_length=4096)
@@ -159,7 +160,9 @@ class RegisterEventSubscription(BaseModel):
     )
 
     observable_object_type: ObjectType
-    description: str = Field(default="", max_length=10_000)
+    description: str = Field(
+        default="", max_length=10_000, json_schema_extra=limited_by("text_max_length")
+    )
 
 
 class AdminQueue(BaseModel):
