@@ -7,6 +7,7 @@ import json
 import os
 import re
 import secrets
+import sqlite3
 import subprocess
 import sys
 import uuid
@@ -364,3 +365,23 @@ def test_a_wrong_or_unmigrated_database_is_one_line(tmp_path: Path, settings: Se
     )
     assert ran.returncode == 0, ran.stderr
     assert "reconcile (dry run, trigger cli): succeeded" in ran.stdout
+
+
+def test_downgrade_to_the_previous_release_and_back(tmp_path: Path) -> None:
+    """Rolling back a release (docs/operations.md, Upgrading and rolling back)."""
+    url = f"sqlite:///{tmp_path / 'roll.db'}"
+    assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0
+    down = outside_checkout(
+        tmp_path, "downgrade", "0006_announce_due", QUEUEKEEPER_DATABASE_URL=url
+    )
+    assert down.returncode == 0, down.stderr
+    with sqlite3.connect(tmp_path / "roll.db") as connection:
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}
+        (revision,) = connection.execute("SELECT version_num FROM alembic_version").fetchone()
+    assert "installation" not in tables
+    assert revision == "0006_announce_due"
+    # The new release refuses the old schema in one line; migrate brings it back.
+    refused = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=url)
+    assert refused.returncode == 1
+    assert "is at migration 0006_announce_due" in refused.stderr
+    assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0

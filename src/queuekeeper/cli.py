@@ -93,6 +93,33 @@ def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> 
     typer.echo(f"database migrated to {revision}")
 
 
+@app.command()
+def downgrade(
+    revision: str = typer.Argument(
+        ..., help="Revision to go back to, e.g. the previous release's head (see migrations/)."
+    ),
+) -> None:
+    """Undo migrations down to REVISION (rolling back a release; back up first)."""
+    from alembic import command
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from queuekeeper.common.redact import redact_url
+    from queuekeeper.logging import configure_logging
+    from queuekeeper.preflight import alembic_config
+
+    settings = get_settings()
+    configure_logging(settings)
+    _ready_database(settings)
+    try:
+        command.downgrade(alembic_config(settings.database_url), revision)
+    except (SQLAlchemyError, OSError) as exc:
+        raise fail(
+            f"downgrade failed on {redact_url(settings.database_url)}: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from exc
+    typer.echo(f"database downgraded to {revision}")
+
+
 def _prepare_multiprocess_dir() -> str:
     """Several workers share their metrics through files in one directory.
 
