@@ -7,6 +7,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -87,6 +88,8 @@ def test_settings_are_printed_with_secrets_masked(
     assert lines["QUEUEKEEPER_AMQP_URL"] == "amqps://qk:***@rabbit.example.org:5671/"
     assert lines["QUEUEKEEPER_MANAGEMENT_PASSWORD"] == "***"
     assert lines["QUEUEKEEPER_SERVICE_TOKENS"] == "***,***"
+    # Named like a secret, but a number: shown.
+    assert lines["QUEUEKEEPER_TOKEN_EXPIRY_INTERVAL_SECONDS"] == "10"
     assert len(lines) == len(Settings.model_fields)
     for secret in ("mgmt-Secret-4711", "svc-token-aaaaaaaaaaaa", "amqp-Secret-0815"):
         assert secret not in result.output
@@ -365,6 +368,25 @@ def test_a_wrong_or_unmigrated_database_is_one_line(tmp_path: Path, settings: Se
     )
     assert ran.returncode == 0, ran.stderr
     assert "reconcile (dry run, trigger cli): succeeded" in ran.stdout
+
+
+def test_serve_on_a_port_in_use_names_the_setting(tmp_path: Path, database_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = outside_checkout(
+            tmp_path,
+            "serve",
+            QUEUEKEEPER_PORT=str(port),
+            QUEUEKEEPER_DATABASE_URL=database_url,
+        )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"error: address 127.0.0.1:{port} (QUEUEKEEPER_PORT) is already in use (another "
+        "queuekeeper, or `make run` still running?): stop it, or set QUEUEKEEPER_PORT (or pass "
+        "--port) to a free port"
+    ]
 
 
 def test_downgrade_to_the_previous_release_and_back(tmp_path: Path) -> None:

@@ -49,6 +49,27 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def _port_free(host: str, port: int, *, from_option: bool) -> None:
+    """One line naming the setting when the port is taken, instead of uvicorn's bind error."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return  # uvicorn says what else is wrong (an address this host lacks)
+            given = "--port" if from_option else "QUEUEKEEPER_PORT"
+            raise fail(
+                f"address {host}:{port} ({given}) is already in use (another queuekeeper, or "
+                "`make run` still running?): stop it, or set QUEUEKEEPER_PORT (or pass --port) "
+                "to a free port"
+            ) from None
+
+
 def _ready_database(settings: Settings, *, serving: bool = False) -> None:
     """Stop with one line when the database is missing, unmigrated or unreachable (a server
     starts anyway when it is only unreachable: it answers 503 until the database is up)."""
@@ -157,6 +178,7 @@ def serve(
 
     settings = get_settings()
     configure_logging(settings)
+    _port_free(host or settings.host, port or settings.port, from_option=port is not None)
     _ready_database(settings, serving=True)
     if workers > 1 or os.environ.get(MULTIPROC_ENV):
         directory = _prepare_multiprocess_dir()
@@ -192,8 +214,7 @@ def healthcheck(
 
     if url is None:
         settings = get_settings()
-        host = settings.host if settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"  # noqa: S104
-        url = f"http://{host}:{settings.port}"
+        url = f"http://{settings.local_host}:{settings.port}"
     target = url.rstrip("/") + ("/readyz" if ready else "/healthz")
     try:
         response = httpx.get(target, timeout=timeout)
@@ -212,7 +233,8 @@ def masked_settings(settings: Settings) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, field in Settings.model_fields.items():
         value = getattr(settings, name)
-        if is_secret_key(name) and value:
+        # A number or a switch is never a secret (`token_expiry_interval_seconds`).
+        if is_secret_key(name) and value and not isinstance(value, int | float | bool):
             value = [MASK] * len(value) if isinstance(value, list) else MASK
         elif isinstance(value, str) and "://" in value:
             value = redact_url(value)

@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, ValidationInfo, field_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -93,8 +93,10 @@ class Settings(BaseSettings):
         "(several, for rotation).",
     )
     public_url: str = Field(
-        default="http://127.0.0.1:8000",
-        description="Base of the `url` fields in responses (include any path prefix).",
+        default="",
+        description="Base of the `url` fields in responses (include any path prefix). Empty: "
+        "`http://<QUEUEKEEPER_HOST>:<QUEUEKEEPER_PORT><QUEUEKEEPER_ROOT_PATH>` (127.0.0.1 for a "
+        "host of 0.0.0.0 or ::); set it to the address agents use when a proxy is in front.",
     )
     root_path: str = Field(
         default="",
@@ -466,6 +468,17 @@ class Settings(BaseSettings):
         if value and not value.startswith("/"):
             value = "/" + value
         return value
+
+    @model_validator(mode="after")
+    def _public_url_from_address(self) -> Settings:
+        if not self.public_url:
+            self.public_url = f"http://{self.local_host}:{self.port}{self.root_path}"
+        return self
+
+    @property
+    def local_host(self) -> str:
+        """Where this host reaches `serve`: the listen address, loopback for a wildcard."""
+        return self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"  # noqa: S104
 
     @property
     def amqp_urls(self) -> list[str]:

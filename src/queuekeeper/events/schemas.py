@@ -82,6 +82,11 @@ class DeliveryOut(BaseModel):
     queue_name: str
     vhost: str
     state: DeliveryState
+    reason: str | None = Field(
+        default=None,
+        description="A copy not `published` when the wait ended: why (the relay's last "
+        "failure, e.g. the broker unreachable, or that it was not confirmed in time).",
+    )
 
 
 _ACCEPTED_EXAMPLE: dict[str, JsonValue] = {
