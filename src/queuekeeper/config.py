@@ -157,7 +157,7 @@ class Settings(BaseSettings):
     max_consumers_per_user: int = Field(
         default=20,
         ge=1,
-        description="Unified event consumers (SPEC 9) one user may hold; one more is a 409 "
+        description="Unified event consumers (contract §9) one user may hold; one more is a 409 "
         "(for the consumer registration to check with `common.quotas.check_quota`).",
     )
     registration_rate_limit: str = Field(
@@ -192,7 +192,7 @@ class Settings(BaseSettings):
         "connections; restored by reconcile.",
     )
 
-    # --- queue arguments (SPEC 3) -------------------------------------------------------
+    # --- queue arguments (contract §3) -------------------------------------------------------
     queue_type: Literal["classic", "quorum"] = Field(
         default="classic",
         description="`classic`, or `quorum` for a RabbitMQ cluster (replicated; survives a node "
@@ -254,7 +254,7 @@ class Settings(BaseSettings):
         description="Seconds each `/readyz` check (database, AMQP, Management API) may take.",
     )
 
-    # --- reconcile, stale cleanup, dead-letter redrive (SPEC 7) -----------------------------
+    # --- reconcile, stale cleanup, dead-letter redrive (contract §7) -----------------------------
     scheduler_enabled: bool = Field(
         default=True,
         description="Run the scheduled jobs in this process. Switch off on replicas that "
@@ -327,7 +327,7 @@ class Settings(BaseSettings):
         description="Dead letters examined per vhost per redrive run (bounds memory).",
     )
 
-    # --- publishing (SPEC 6) ----------------------------------------------------------------
+    # --- publishing (contract §6) ----------------------------------------------------------------
     events_batch_max: int = Field(
         default=1000, ge=1, description="Most events one POST /api/internal/events/batch/ takes."
     )

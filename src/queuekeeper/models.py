@@ -247,7 +247,7 @@ class EventSubscriptionQueue(Base):
 
 
 class EventConsumer(Base):
-    """One queue that receives many object types (SPEC 9): what waldur-site-agent 1.0.7's
+    """One queue that receives many object types (contract §9): what waldur-site-agent 1.0.7's
     register_queue makes for an agent identity, or /api/event-consumers/register/ for other
     integrations. Queue `consumer_<uuid hex>` and broker user `<uuid hex>` in the owner's vhost.
     """
@@ -333,7 +333,7 @@ class Delivery(Base):
     queue_uuid: Mapped[UUID | None] = mapped_column(
         ForeignKey("event_subscription_queues.uuid", ondelete="SET NULL"), index=True
     )
-    # A consumer's copy (SPEC 9) has this instead of queue_uuid; SET NULL as above.
+    # A consumer's copy (contract §9) has this instead of queue_uuid; SET NULL as above.
     consumer_uuid: Mapped[UUID | None] = mapped_column(
         ForeignKey("event_consumers.uuid", ondelete="SET NULL"), index=True
     )

@@ -23,7 +23,7 @@ from tests.conftest import SERVICE_TOKEN
 
 RUNNER = Path(__file__).with_name("agent_runner.py")
 # What waldur-site-agent 1.0.7 asks register_queue for with every feature on, in its order
-# (site-agent-1.0.7-contract.md, section 1).
+# (agent-protocols 1.0.7 §1).
 AGENT_107_TYPES = [
     "order",
     "resource_api_key_rotation",
@@ -43,7 +43,7 @@ def _hex() -> str:
 
 
 def valid_payload(object_type: str) -> dict[str, Any]:
-    """One payload per type with the fields SPEC 6 (and the agent's handlers) require."""
+    """One payload per type with the fields contract §6 (and the agent's handlers) require."""
     payloads: dict[str, dict[str, Any]] = {
         "order": {"order_uuid": _hex(), "order_state": "executing"},
         "user_role": {

@@ -1,4 +1,5 @@
-"""Payload rules for the types waldur-site-agent 1.0.7 handles (contract 5.2, SPEC 6)."""
+"""Payload rules for the types waldur-site-agent 1.0.7 handles (agent-protocols 1.0.7 §5,
+contract §6)."""
 
 from __future__ import annotations
 

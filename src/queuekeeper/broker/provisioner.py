@@ -1,4 +1,4 @@
-"""Puts the topology of SPEC 3 on the broker, and takes it off again.
+"""Puts the topology of contract §3 on the broker, and takes it off again.
 
 Every `ensure_*` is idempotent and verifies what it asked for by reading it
 back: a 2xx from the Management API does not prove a queue has our arguments.
@@ -286,7 +286,7 @@ class Provisioner:
         """
         return await self._user_intact(vhost, topology.subscription_user_name(subscription_uuid))
 
-    # --- consumer broker users (SPEC 9) ----------------------------------------------------
+    # --- consumer broker users (contract §9) ----------------------------------------------------
     async def ensure_consumer_user(
         self, vhost: str, consumer_uuid: uuid.UUID, password_hash: str | None
     ) -> None:
@@ -436,7 +436,7 @@ class Provisioner:
             return await self._repair_or_keep(vhost, name, exc.reason, keep_other_type)
         if created:
             # 201: the broker found no queue of that name and made it from our body, so it
-            # holds exactly our arguments. SPEC 3's read-back is for the 204, where the broker
+            # holds exactly our arguments. contract §3's read-back is for the 204, where the broker
             # may have kept an older queue and ignored what we sent.
             return QueueOutcome.CREATED
         differences = await self.queue_differences(vhost, name)
@@ -485,7 +485,7 @@ class Provisioner:
         return self.differences(info)
 
     def differences(self, info: QueueInfo) -> list[str]:
-        """How a subscription queue on the broker differs from SPEC 3; empty when right."""
+        """How a subscription queue on the broker differs from contract §3; empty when right."""
         return _differences(self.queue_arguments, info)
 
     def dead_letter_queue_differences(self, info: QueueInfo) -> list[str]:
@@ -540,7 +540,7 @@ def _differences(expected_arguments: dict[str, Any], info: QueueInfo) -> list[st
 async def best_effort(action: str, coro: Any, **context: Any) -> bool:
     """Run a broker clean-up step; log a failure instead of raising it.
 
-    Deletions in the database must not wait on the broker (SPEC 7): whatever is
+    Deletions in the database must not wait on the broker (contract §7): whatever is
     left on the broker is removed by the next reconcile.
     """
     try:

@@ -13,7 +13,7 @@ SUBSCRIPTION_QUEUE_PREFIX = "subscription_"
 QUEUE_NAME_RE = re.compile(
     r"^subscription_(?P<subscription>[0-9a-f]{32})_offering_(?P<offering>[0-9a-f]{32})_(?P<object_type>[a-z_]+)$"
 )
-# SPEC 9: one queue per consumer, named by the server (the agent takes it verbatim).
+# contract §9: one queue per consumer, named by the server (the agent takes it verbatim).
 CONSUMER_QUEUE_PREFIX = "consumer_"
 CONSUMER_QUEUE_RE = re.compile(r"^consumer_(?P<consumer>[0-9a-f]{32})$")
 # Every queue name queuekeeper makes starts with one of these; reconcile and the admin view
@@ -132,7 +132,7 @@ def subscription_permissions(subscription_uuid: uuid.UUID) -> Permissions:
 
 
 def consumer_permissions(consumer_uuid: uuid.UUID) -> Permissions:
-    """Read its one queue, nothing else (Waldur grants `.*` on all three; SPEC 9 does not)."""
+    """Read its one queue, nothing else (Waldur grants `.*` on all three; contract §9 does not)."""
     return Permissions(
         configure=NOTHING,
         write=NOTHING,

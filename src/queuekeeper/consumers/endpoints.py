@@ -1,4 +1,4 @@
-"""Consumer routes (SPEC 9): the 1.0.7 agent's `register_queue`, and `/api/event-consumers/`.
+"""Consumer routes (contract §9): the 1.0.7 agent's `register_queue`, and `/api/event-consumers/`.
 
 waldur-site-agent 1.0.7 accepts 200 or 201 from register_queue and nothing else; it
 does not retry, so every refusal says exactly what to fix.

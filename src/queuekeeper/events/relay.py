@@ -75,7 +75,7 @@ def new_relay_id() -> str:
 
 
 def message_body(item: Claimed) -> bytes:
-    """The stored body; a consumer's copy also says `schema_version: 1` (SPEC 9)."""
+    """The stored body; a consumer's copy also says `schema_version: 1` (contract §9)."""
     if item.consumer_uuid is None:
         return item.body.encode()
     body = json.loads(item.body)
@@ -84,7 +84,7 @@ def message_body(item: Claimed) -> bytes:
 
 
 def event_message(item: Claimed) -> aio_pika.Message:
-    """SPEC 6: the stored body, and the properties consumers rely on."""
+    """contract §6: the stored body, and the properties consumers rely on."""
     offering = item.offering_uuid.hex
     return aio_pika.Message(
         message_body(item),

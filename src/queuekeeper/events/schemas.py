@@ -1,4 +1,4 @@
-"""Bodies and answers of the events API (SPEC 5)."""
+"""Bodies and answers of the events API (contract §5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Agent identities as waldur-site-agent 1.0.5 sends and parses them (site-agent-contract 2-3)."""
+"""Agent identities as waldur-site-agent 1.0.5 sends and parses them.
+
+docs/agent-protocols.md, 1.0.5 §2-§3.
+"""
 
 from __future__ import annotations
 
@@ -206,7 +209,7 @@ class AdminConsumer(BaseModel):
     modified: UTCDateTime
     present: bool | None = Field(description="On the broker; null when the broker was not asked.")
     arguments_ok: bool | None = Field(description="Null when not present or not asked.")
-    differences: list[str] = Field(description="How the broker's queue differs from SPEC 3.")
+    differences: list[str] = Field(description="How the broker's queue differs from contract §3.")
     consumers: int | None = Field(description="0 on a present queue: the agent is not consuming.")
     messages: int | None
 

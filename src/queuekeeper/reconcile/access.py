@@ -230,7 +230,7 @@ async def check_consumer(
     context: JobContext, run: Run, access: BrokerAccess, vhost: str, consumer: ConsumerAccess
 ) -> None:
     """A consumer's broker user exists with the owner's token as password, tagged ours, and
-    may read its one queue and nothing else (SPEC 9). Unlike a subscription it is never
+    may read its one queue and nothing else (contract §9). Unlike a subscription it is never
     marked broken: the owner's next register_queue sets everything again."""
     provisioner = context.provisioner
     name = topology.consumer_user_name(consumer.uuid)
