@@ -25,7 +25,7 @@ import stomp
 from asgi_lifespan import LifespanManager
 from sqlalchemy import text
 
-from bench._support import SERVICE_TOKEN, bench_database, instance_objects
+from bench._support import SERVICE_TOKEN, bench_database, remove_broker_objects
 from queuekeeper.app import create_app
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.passwords import rabbit_password_hash
@@ -148,12 +148,8 @@ async def broker_figures(settings: Settings) -> None:
         report("vhost + dead-letter queue + queue + broker user", before, objects, AGENTS)
         report("web-STOMP connection subscribed to one queue", objects, connected, AGENTS)
     finally:
-        vhosts, users = await instance_objects(management, settings)
-        for vhost in vhosts:
-            await management.delete_vhost(vhost)
-        for user in users:
-            await management.delete_user(user)
         await management.aclose()
+        await remove_broker_objects(settings)
 
 
 def open_stomp(vhost: str, login: str, passcode: str, queue: str) -> stomp.WSStompConnection:

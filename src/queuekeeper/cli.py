@@ -92,9 +92,8 @@ def _ready_database(settings: Settings, *, serving: bool = False) -> None:
         raise fail(str(exc)) from None
 
 
-@app.command()
-def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
-    """Apply database migrations (run before `serve`, and after every upgrade)."""
+def _alembic(step: str, revision: str, *, check_first: bool, done: str, failed: str) -> None:
+    """`alembic upgrade|downgrade revision` on the configured database, failing in one line."""
     from alembic import command
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -104,14 +103,23 @@ def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> 
 
     settings = get_settings()
     configure_logging(settings)
+    if check_first:
+        _ready_database(settings)
     try:
-        command.upgrade(alembic_config(settings.database_url), revision)
+        getattr(command, step)(alembic_config(settings.database_url), revision)
     except (SQLAlchemyError, OSError) as exc:
         raise fail(
-            f"migration failed on {redact_url(settings.database_url)}: {type(exc).__name__}: "
+            f"{failed} failed on {redact_url(settings.database_url)}: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}"
         ) from exc
-    typer.echo(f"database migrated to {revision}")
+    typer.echo(f"database {done} to {revision}")
+
+
+@app.command()
+def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
+    """Apply database migrations (run before `serve`, and after every upgrade)."""
+    # The one command that may create the database (an SQLite file): no check first.
+    _alembic("upgrade", revision, check_first=False, done="migrated", failed="migration")
 
 
 @app.command()
@@ -121,24 +129,7 @@ def downgrade(
     ),
 ) -> None:
     """Undo migrations down to REVISION (rolling back a release; back up first)."""
-    from alembic import command
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from queuekeeper.common.redact import redact_url
-    from queuekeeper.logging import configure_logging
-    from queuekeeper.preflight import alembic_config
-
-    settings = get_settings()
-    configure_logging(settings)
-    _ready_database(settings)
-    try:
-        command.downgrade(alembic_config(settings.database_url), revision)
-    except (SQLAlchemyError, OSError) as exc:
-        raise fail(
-            f"downgrade failed on {redact_url(settings.database_url)}: {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0] if str(exc) else ''}"
-        ) from exc
-    typer.echo(f"database downgraded to {revision}")
+    _alembic("downgrade", revision, check_first=True, done="downgraded", failed="downgrade")
 
 
 def _prepare_multiprocess_dir() -> str:

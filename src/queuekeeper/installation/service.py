@@ -72,20 +72,19 @@ async def survey(provisioner: Provisioner, sessions: async_sessionmaker[AsyncSes
     await provisioner.identify()
     management = provisioner.management
     found = Survey()
-    vhosts: dict[str, VhostInfo] = {}
-    users: dict[str, UserInfo] = {}
-    for info in await management.list_vhosts():
-        ownership = provisioner.ownership(info)
-        if ownership is Ownership.OTHER_INSTALLATION:
-            found.add("vhosts of another installation", info.name, other=True)
-        elif ownership is not Ownership.NOT_OURS:
-            vhosts[info.name] = info
-    for user in await management.list_users():
-        ownership = provisioner.ownership(user)
-        if ownership is Ownership.OTHER_INSTALLATION:
-            found.add("broker users of another installation", user.name, other=True)
-        elif ownership is not Ownership.NOT_OURS:
-            users[user.name] = user
+    candidates: dict[str, list[str]] = {"vhosts": [], "broker users": []}
+    listed: list[tuple[str, list[VhostInfo] | list[UserInfo]]] = [
+        ("vhosts", await management.list_vhosts()),
+        ("broker users", await management.list_users()),
+    ]
+    for kind, infos in listed:
+        for info in infos:
+            ownership = provisioner.ownership(info)
+            if ownership is Ownership.OTHER_INSTALLATION:
+                found.add(f"{kind} of another installation", info.name, other=True)
+            elif ownership is not Ownership.NOT_OURS:
+                candidates[kind].append(info.name)
+    vhosts, users = candidates["vhosts"], candidates["broker users"]
     async with sessions() as session:
         owners = [owner for owner in map(topology.uuid_of, vhosts) if owner is not None]
         known_owners = {owner.hex for owner in await repository.known_users(session, owners)}
