@@ -236,11 +236,24 @@ async def test_objects_made_before_identities_are_adopted_only_with_rows(
     stray = uuid.uuid4().hex
     await management.put_vhost(stray, description="old", tags=legacy)
 
+    # The first start of the new release adopts the vhost (the upgrade path) ...
+    ours = topology.installation_tag(await state.provisioner.identify())
+    async with serve(settings) as (_client, restarted):
+        assert restarted.survey_task is not None
+        await restarted.survey_task
+    adopted_at_start = await management.get_vhost(agent.vhost)
+    assert adopted_at_start is not None
+    assert ours in adopted_at_start.tags
+    stray_info = await management.get_vhost(stray)
+    assert stray_info is not None
+    assert ours not in stray_info.tags
+    # ... and reconcile adopts the broker user (whose password it checks), the vhost again
+    # when it is still unclaimed.
+    await management.put_vhost(agent.vhost, description="old", tags=legacy)
     run = await Operator(client, SERVICE_TOKEN).reconcile(force=True)
     assert run["changed"]["vhosts_adopted"] == 1, run
     assert run["changed"]["users_restored"] == 1, run
     assert "without an installation identity" in failures_of(run)[stray]
-    ours = topology.installation_tag(await state.provisioner.identify())
     adopted_vhost = await management.get_vhost(agent.vhost)
     adopted_user = await management.get_user(user_name)
     assert adopted_vhost is not None

@@ -85,6 +85,10 @@ async def refresh_survey(state: AppState) -> None:
     """Look for objects under our instance name that this database does not know; warn once
     per change. Errors are logged: readiness reports the dependencies themselves."""
     try:
+        if state.survey is None:  # the first look of this process
+            adopted = await installation.adopt_unclaimed_vhosts(state.provisioner, state.sessions)
+            if adopted:
+                log.info("vhosts_adopted", count=len(adopted), vhosts=adopted[:5])
         found = await installation.survey(state.provisioner, state.sessions)
     except Exception as exc:  # the broker or the database down: the next probe tries again
         log.info("broker_survey_failed", error=default_redactor.text(repr(exc))[:300])

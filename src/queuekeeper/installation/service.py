@@ -14,7 +14,7 @@ from queuekeeper.broker import topology
 from queuekeeper.broker.management import UserInfo, VhostInfo
 from queuekeeper.broker.provisioner import Ownership, Provisioner
 from queuekeeper.installation import repository
-from queuekeeper.reconcile.repository import existing_subscription_users
+from queuekeeper.reconcile.repository import existing_subscription_users, subscribed_vhosts
 
 log = structlog.get_logger(__name__)
 
@@ -65,6 +65,30 @@ class Survey:
             "They are never touched; run `queuekeeper reconcile --dry-run` before anything "
             "deletes (docs/operations.md, One instance name per installation)."
         )
+
+
+async def adopt_unclaimed_vhosts(
+    provisioner: Provisioner, sessions: async_sessionmaker[AsyncSession]
+) -> list[str]:
+    """At start-up: vhosts made before installation identities whose owner has subscriptions
+    or consumers in this database become ours (the upgrade path; reconcile does the same, and
+    adopts broker users, whose passwords it checks against the owners' rows). Returns them."""
+    await provisioner.identify()
+    unclaimed = [
+        info
+        for info in await provisioner.management.list_vhosts()
+        if provisioner.ownership(info) is Ownership.UNCLAIMED
+    ]
+    if not unclaimed:
+        return []
+    async with sessions() as session:
+        expected = await subscribed_vhosts(session)
+    adopted = []
+    for info in unclaimed:
+        if info.name in expected:
+            await provisioner.adopt_vhost(info)
+            adopted.append(info.name)
+    return adopted
 
 
 async def survey(provisioner: Provisioner, sessions: async_sessionmaker[AsyncSession]) -> Survey:
