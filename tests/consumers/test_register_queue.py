@@ -200,7 +200,7 @@ async def test_filter_omitted_keeps_empty_means_all_list_replaces(backend: Backe
         ({"object_types": ["order", "orders"]}, "object_types.1", "unknown object type"),
         ({"object_types": ["order", "order"]}, "object_types", "listed twice"),
         ({"object_types": "order"}, "object_types", "list"),
-        (["order"], "body", "dictionary"),
+        (["order"], "body", "must be a JSON object"),
     ],
     ids=["unknown", "duplicate", "not-a-list", "not-an-object"],
 )
