@@ -1,4 +1,4 @@
-"""agents 1.0.8 and client 8.1.3 (SPEC 10): fan-out events, consumers' token prefix
+"""agents 1.0.8 and client 8.1.3 (contract §10): fan-out events, consumers' token prefix
 
 Revision ID: 0007_agents108
 Revises: 0006_announce_due

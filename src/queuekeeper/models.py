@@ -247,7 +247,7 @@ class EventSubscriptionQueue(Base):
 
 
 class EventConsumer(Base):
-    """One queue that receives many object types (SPEC 9): what waldur-site-agent 1.0.7's
+    """One queue that receives many object types (contract §9): what waldur-site-agent 1.0.7's
     register_queue makes for an agent identity, or /api/event-consumers/register/ for other
     integrations. Queue `consumer_<uuid hex>` and broker user `<uuid hex>` in the owner's vhost.
     """
@@ -303,7 +303,7 @@ class Event(Base):
     __tablename__ = "events"
 
     event_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    # An event sent with `offering_uuids` (SPEC 10) keeps the first here and the whole
+    # An event sent with `offering_uuids` (contract §10) keeps the first here and the whole
     # list in `offering_uuids` (hex); each of its copies names its own offering.
     offering_uuid: Mapped[UUID] = mapped_column(Uuid(as_uuid=True), index=True)
     offering_uuids: Mapped[list[Any] | None] = mapped_column(JSON)
@@ -341,7 +341,7 @@ class Delivery(Base):
     queue_uuid: Mapped[UUID | None] = mapped_column(
         ForeignKey("event_subscription_queues.uuid", ondelete="SET NULL"), index=True
     )
-    # A consumer's copy (SPEC 9) has this instead of queue_uuid; SET NULL as above.
+    # A consumer's copy (contract §9) has this instead of queue_uuid; SET NULL as above.
     consumer_uuid: Mapped[UUID | None] = mapped_column(
         ForeignKey("event_consumers.uuid", ondelete="SET NULL"), index=True
     )
@@ -399,3 +399,18 @@ class GivenUpDeadLetter(Base):
     message_id: Mapped[str | None] = mapped_column(String(255))
     body_size: Mapped[int] = mapped_column(Integer, default=0)
     recorded: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Installation(Base):
+    """This database's installation identity (one row, made by `migrate` or the first start).
+
+    Every vhost and broker user queuekeeper makes carries it as a tag next to the instance
+    name, so two installations sharing a broker, or a database restored from an older
+    backup, can tell their objects apart (docs/decisions/009-installation-identity.md).
+    """
+
+    __tablename__ = "installation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    uuid: Mapped[UUID] = mapped_column(unique=True, default=uuid4)
+    created: Mapped[datetime] = mapped_column(default=utcnow)

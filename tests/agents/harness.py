@@ -23,7 +23,7 @@ from tests.conftest import SERVICE_TOKEN
 
 RUNNER = Path(__file__).with_name("agent_runner.py")
 # What waldur-site-agent 1.0.5 sets up with every feature on, in its order: its
-# ObservableObjectTypeEnum (site-agent-contract.md, section 1).
+# ObservableObjectTypeEnum (agent-protocols 1.0.5 §1).
 AGENT_105_TYPES = [
     "order",
     "user_role",
@@ -36,7 +36,7 @@ AGENT_105_TYPES = [
     "resource_periodic_limits",
 ]
 # What waldur-site-agent 1.0.7 asks register_queue for with every feature on, in its order
-# (site-agent-1.0.7-contract.md, section 1).
+# (agent-protocols 1.0.7 §1).
 AGENT_107_TYPES = [
     "order",
     "resource_api_key_rotation",
@@ -56,7 +56,7 @@ def _hex() -> str:
 
 
 def valid_payload(object_type: str) -> dict[str, Any]:
-    """One payload per type with the fields SPEC 6 (and the agent's handlers) require."""
+    """One payload per type with the fields contract §6 (and the agent's handlers) require."""
     payloads: dict[str, dict[str, Any]] = {
         "order": {"order_uuid": _hex(), "order_state": "executing"},
         "user_role": {

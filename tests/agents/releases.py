@@ -1,5 +1,5 @@
 """The published waldur-site-agent releases the suite runs end to end, and the
-waldur-api-client versions whose models parse queuekeeper's answers (SPEC 10).
+waldur-api-client versions whose models parse queuekeeper's answers (contract §10).
 
 Adding the next agent release is one line in RELEASES: its version, what it subscribes
 to with every feature on (in the order it sends them), and how it acknowledges. The

@@ -1,4 +1,4 @@
-"""The compatibility matrix (SPEC 10): every published agent line that sites run, unchanged
+"""The compatibility matrix (contract §10): every published agent line that sites run, unchanged
 but for its message handlers (recorders, tests/agents/agent_runner.py), against queuekeeper
 and RabbitMQ's web-STOMP.
 

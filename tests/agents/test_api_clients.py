@@ -1,6 +1,6 @@
 """Every answer an agent or client reads, parsed by the models of every waldur-api-client
 line a published agent pins (8.0.9.dev348 for 1.0.5, 8.1.2 for 1.0.7, 8.1.3rc23 for
-1.0.8rc12) and of 8.1.3 final (SPEC 10). Each client runs in its own virtualenv
+1.0.8rc12) and of 8.1.3 final (contract §10). Each client runs in its own virtualenv
 (tests/agents/site_agent_venv.py); a missing required field fails naming the field.
 
 Two tests: the answers, captured from queuekeeper, fed to each client's `from_dict`; and

@@ -1,5 +1,5 @@
 """The published waldur-site-agent 1.0.7, unchanged but for its message handlers, against
-queuekeeper and web-STOMP (SPEC 9, site-agent-1.0.7-contract.md).
+queuekeeper and web-STOMP (contract §9, docs/agent-protocols.md 1.0.7).
 
 1.0.7 registers one queue per offering with `register_queue` and routes each message by
 the `object_type` in its body with its own router (`route_message`); only the handlers

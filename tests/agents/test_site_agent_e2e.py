@@ -169,7 +169,8 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
 async def test_an_upper_case_offering_uuid_is_flagged_and_its_agent_receives_nothing(
     server: Server, site_agent_python: Path, tmp_path: Path
 ) -> None:
-    """Why docs/agents.md says to configure the offering uuid in lowercase (contract 4.1)."""
+    """Why docs/agents.md says to configure the offering uuid in lowercase
+    (agent-protocols 1.0.5 §4.1)."""
     metric = "queuekeeper_agent_offering_uuid_not_lowercase_total"
     flagged_before = REGISTRY.get_sample_value(metric) or 0.0
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:

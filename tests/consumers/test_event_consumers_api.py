@@ -1,4 +1,4 @@
-"""/api/event-consumers/ (SPEC 9): for integrations that are not site agents, shaped as
+"""/api/event-consumers/ (contract §9): for integrations that are not site agents, shaped as
 waldur-api-client 8.1.2's EventConsumer* models."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from tests.helpers import Agent, Backend
 
 CONSUMERS = "/api/event-consumers/"
 SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
-# EventConsumer.from_dict needs these (contract 3.4); the rest are queuekeeper's additions.
+# EventConsumer.from_dict needs these (agent-protocols 1.0.7 §3.4); the rest are
+# queuekeeper's additions.
 EVENT_CONSUMER_KEYS = {
     "uuid",
     "object_types",

@@ -1,4 +1,4 @@
-"""An event sent to several offerings (`offering_uuids`, SPEC 10): one event_id, one copy
+"""An event sent to several offerings (`offering_uuids`, contract §10): one event_id, one copy
 per queue, each copy's body and headers carrying the offering of the queue it went to."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What happens to consumers when what they depend on goes away (SPEC 9, lifecycle)."""
+"""What happens to consumers when what they depend on goes away (contract §9, lifecycle)."""
 
 from __future__ import annotations
 

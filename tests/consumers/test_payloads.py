@@ -1,5 +1,5 @@
-"""Payload rules for the types waldur-site-agent 1.0.7 and 1.0.8 handle (contract 5.2, SPEC 6
-and 10)."""
+"""Payload rules for the types waldur-site-agent 1.0.7 and 1.0.8 handle (agent-protocols 1.0.7
+§5, contract §6 and §10)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""register_queue (SPEC 9): what waldur-site-agent 1.0.7 calls once per offering on every start."""
+"""register_queue (contract §9): what waldur-site-agent 1.0.7 calls once per offering on
+every start."""
 
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ async def test_first_start_makes_the_queue_and_user_a_restart_changes_nothing(
 async def test_a_restart_re_creates_a_queue_deleted_behind_our_back(
     backend: Backend, management: ManagementClient
 ) -> None:
-    """A restart reads the queue first; one that is gone is declared again, as SPEC 3 asks."""
+    """A restart reads the queue first; one that is gone is declared again, as contract §3 asks."""
     agent, offering = await backend.agent_with_offering()
     identity = await new_identity(agent, offering)
     name = (await register_queue(agent, identity)).json()["queue_name"]
@@ -204,7 +205,7 @@ async def test_filter_omitted_keeps_empty_means_all_list_replaces(backend: Backe
         ({"object_types": ["order", "orders"]}, "object_types.1", "unknown object type"),
         ({"object_types": ["order", "order"]}, "object_types", "listed twice"),
         ({"object_types": "order"}, "object_types", "list"),
-        (["order"], "body", "dictionary"),
+        (["order"], "body", "must be a JSON object"),
     ],
     ids=["unknown", "duplicate", "not-a-list", "not-an-object"],
 )

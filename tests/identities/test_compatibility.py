@@ -1,4 +1,4 @@
-"""`compatibility` on every identity answer (SPEC 10): waldur-api-client 8.1.3 refuses an
+"""`compatibility` on every identity answer (contract §10): waldur-api-client 8.1.3 refuses an
 identity without it; its status follows the reported version and the configured minimum."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Consumer routes (SPEC 9, 10): the agents' `register_queue` (1.0.7 and later), and
+"""Consumer routes (contract §9, §10): the agents' `register_queue` (1.0.7 and later), and
 `/api/event-consumers/`.
 
 waldur-site-agent accepts 200 or 201 from register_queue and nothing else. 1.0.7 does

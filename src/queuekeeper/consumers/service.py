@@ -1,4 +1,4 @@
-"""Consumers (SPEC 9): one queue, one broker user, many object types, scoped to offerings.
+"""Consumers (contract §9): one queue, one broker user, many object types, scoped to offerings.
 
 Registration works like create_queue: validate (access, body) before the broker
 is touched; then, holding the owner's vhost lock and the broker-users lock

@@ -40,7 +40,7 @@ from queuekeeper.subscriptions.service import (
 
 log = structlog.get_logger(__name__)
 
-# The API token is also the agents' broker password (SPEC 3), guessable over STOMP at the
+# The API token is also the agents' broker password (contract §3), guessable over STOMP at the
 # broker's pace: shorter tokens are logged (docs/operations.md, Security).
 RECOMMENDED_TOKEN_LENGTH = 32
 

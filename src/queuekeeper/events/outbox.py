@@ -50,7 +50,7 @@ class Claimed:
     id: int
     event_id: str
     queue_uuid: uuid.UUID | None
-    consumer_uuid: uuid.UUID | None  # a consumer's copy (SPEC 9) has this instead
+    consumer_uuid: uuid.UUID | None  # a consumer's copy (contract §9) has this instead
     queue_name: str
     vhost: str
     attempts: int

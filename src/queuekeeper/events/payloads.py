@@ -13,7 +13,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 def _uuid_text(value: str) -> str:
@@ -22,7 +22,7 @@ def _uuid_text(value: str) -> str:
 
 
 # Kept as sent (the agent reads these strings), but must parse as a uuid.
-UUIDText = Annotated[str, AfterValidator(_uuid_text)]
+UUIDText = Annotated[str, AfterValidator(_uuid_text), Field(json_schema_extra={"format": "uuid"})]
 
 
 class Payload(BaseModel):
@@ -202,5 +202,7 @@ def _known_object_type(value: str) -> str:
 
 
 ObjectType = Annotated[
-    str, AfterValidator(_known_object_type), {"enum": list(OBJECT_TYPES), "example": "order"}
+    str,
+    AfterValidator(_known_object_type),
+    Field(json_schema_extra={"enum": list(OBJECT_TYPES), "examples": ["order"]}),
 ]

@@ -1,4 +1,4 @@
-"""Bodies and answers of the events API (SPEC 5)."""
+"""Bodies and answers of the events API (contract §5)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from sqlalchemy import Row
 
+from queuekeeper.common.openapi import limited_by
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.events.payloads import ObjectType
 from queuekeeper.models import DeliveryState, Event
@@ -95,7 +96,8 @@ class EventBatchIn(BaseModel):
     )
 
     events: list[EventIn] = Field(
-        description="Up to QUEUEKEEPER_EVENTS_BATCH_MAX events, stored in one transaction."
+        description="Events stored in one transaction.",
+        json_schema_extra=limited_by("events_batch_max"),
     )
 
 
@@ -103,6 +105,11 @@ class DeliveryOut(BaseModel):
     queue_name: str
     vhost: str
     state: DeliveryState
+    reason: str | None = Field(
+        default=None,
+        description="A copy not `published` when the wait ended: why (the relay's last "
+        "failure, e.g. the broker unreachable, or that it was not confirmed in time).",
+    )
 
 
 _ACCEPTED_EXAMPLE: dict[str, JsonValue] = {

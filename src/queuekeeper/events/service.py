@@ -132,6 +132,12 @@ def check_payload_sizes(events: Sequence[EventIn], limit: int) -> None:
             )
 
 
+_NOT_YET = (
+    "not confirmed by the broker within {limit:g} s (QUEUEKEEPER_EVENTS_WAIT_TIMEOUT); it is "
+    "stored and will be delivered: follow it with GET /api/internal/events/{{event_id}}/"
+)
+
+
 async def wait_settled(
     sessions: async_sessionmaker[AsyncSession],
     answers: list[EventAccepted],
@@ -152,7 +158,9 @@ async def wait_settled(
         async with sessions() as session:
             states = await repository.delivery_states(session, event_ids)
         pending = any(
-            state == DeliveryState.PENDING for rows in states.values() for *_, state in rows
+            state == DeliveryState.PENDING
+            for rows in states.values()
+            for _name, _vhost, state, _error in rows
         )
         remaining = deadline - loop.time()
         if not pending or remaining <= 0:
@@ -161,8 +169,17 @@ async def wait_settled(
         interval = min(interval * 1.5, 0.25)
     for answer in answers:
         answer.deliveries = [
-            DeliveryOut(queue_name=name, vhost=vhost, state=state)
-            for name, vhost, state in states[answer.event_id]
+            DeliveryOut(
+                queue_name=name,
+                vhost=vhost,
+                state=state,
+                # Why a copy is still pending (or was given up): the relay's last failure,
+                # or, with none yet, that it was not published within the wait.
+                reason=(last_error or _NOT_YET.format(limit=limit))
+                if state != DeliveryState.PUBLISHED
+                else None,
+            )
+            for name, vhost, state, last_error in states[answer.event_id]
         ]
 
 

@@ -1,7 +1,7 @@
 """`compatibility` of an agent identity: its reported version against the configured minimum.
 
 waldur-api-client 8.1.3 (pinned by waldur-site-agent 1.0.8) refuses an identity answer
-without this object; older clients ignore it (SPEC 10).
+without this object; older clients ignore it (contract §10).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Agent identities as waldur-site-agent 1.0.5 sends and parses them (site-agent-contract 2-3)."""
+"""Agent identities as waldur-site-agent 1.0.5 sends and parses them.
+
+docs/agent-protocols.md, 1.0.5 §2-§3.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import QueueInfo
+from queuekeeper.common.openapi import limited_by
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
@@ -61,7 +65,7 @@ class IdentityWrite(BaseModel):
     )
 
     offering: OfferingText
-    name: str = Field(min_length=1, max_length=255)
+    name: str = Field(min_length=1, max_length=255, json_schema_extra=limited_by("text_max_length"))
     version: str | None = Field(default=None, max_length=64)
     dependencies: list[Dependency] | None = Field(default=None, max_length=500)
     config_file_path: str | None = Field(default=None, max_length=4096)
@@ -171,7 +175,9 @@ class RegisterEventSubscription(BaseModel):
     )
 
     observable_object_type: ObjectType
-    description: str = Field(default="", max_length=10_000)
+    description: str = Field(
+        default="", max_length=10_000, json_schema_extra=limited_by("text_max_length")
+    )
 
 
 class AdminQueue(BaseModel):
@@ -215,7 +221,7 @@ class AdminConsumer(BaseModel):
     modified: UTCDateTime
     present: bool | None = Field(description="On the broker; null when the broker was not asked.")
     arguments_ok: bool | None = Field(description="Null when not present or not asked.")
-    differences: list[str] = Field(description="How the broker's queue differs from SPEC 3.")
+    differences: list[str] = Field(description="How the broker's queue differs from contract §3.")
     consumers: int | None = Field(description="0 on a present queue: the agent is not consuming.")
     messages: int | None
 

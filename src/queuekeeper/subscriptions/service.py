@@ -46,7 +46,7 @@ class BrokerLeftovers:
     queues: list[tuple[str, str]] = field(default_factory=list)  # (vhost, queue name)
     subscription_uuids: list[uuid.UUID] = field(default_factory=list)
     owner_uuids: set[uuid.UUID] = field(default_factory=set)
-    # Consumers (SPEC 9) leave a broker user each; their queues are in `queues`.
+    # Consumers (contract §9) leave a broker user each; their queues are in `queues`.
     consumer_uuids: list[uuid.UUID] = field(default_factory=list)
 
     def add_consumers(self, consumers: Sequence[EventConsumer]) -> BrokerLeftovers:
