@@ -1,7 +1,7 @@
 """installation identity: one row naming this database's installation
 
 Revision ID: 0009_installation
-Revises: 0006_announce_due
+Revises: 0007_agents108
 Create Date: 2026-11-26 09:00:00.000000
 
 Every vhost and broker user queuekeeper creates carries `queuekeeper-installation:<uuid>`
@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0009_installation"
-down_revision: str | None = "0006_announce_due"
+down_revision: str | None = "0007_agents108"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

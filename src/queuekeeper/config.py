@@ -192,7 +192,7 @@ class Settings(BaseSettings):
         "connections; restored by reconcile.",
     )
 
-    # --- agents (contract §10) ------------------------------------------------------------------
+    # --- agents (contract §10) --------------------------------------------------------------
     minimum_agent_version: str = Field(
         default="1.0.5",
         description="Oldest waldur-site-agent version reported `compatible` in every identity "
@@ -200,7 +200,7 @@ class Settings(BaseSettings):
         "Default: the oldest release the test suite runs end to end.",
     )
 
-        # --- queue arguments (contract §3) -------------------------------------------------------
+    # --- queue arguments (contract §3) -------------------------------------------------------
     queue_type: Literal["classic", "quorum"] = Field(
         default="classic",
         description="`classic`, or `quorum` for a RabbitMQ cluster (replicated; survives a node "
