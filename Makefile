@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint typecheck services tools test-postgres test-sqlite test-image test-cluster bench docs clean
+.PHONY: install run test lint typecheck services tools test-postgres test-sqlite test-image test-cluster bench docs clean check-newest-agent
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { \
@@ -63,6 +63,12 @@ test: install services tools lint typecheck test-postgres test-sqlite test-image
 ## are killed; about 10 minutes. Figures: cluster-figures.json.
 test-cluster: install services
 	QK_CLUSTER=1 $(BIN)/pytest -q -s -p no:cacheprovider tests/cluster
+
+## make check-newest-agent: not part of `make test`. Installs the newest waldur-site-agent on
+## PyPI (pre-releases included) into its own virtualenv, runs the end-to-end matrix test
+## against it, and prints the version tried and the verdict (docs/agents.md says when).
+check-newest-agent: install services
+	$(BIN)/python scripts/check_newest_agent.py
 
 bench: install services
 	$(BIN)/python -m bench

@@ -1,5 +1,5 @@
 """The agents' other registrations on two versions of the code side by side, in one run:
-register_queue (SPEC 9) and register_event_subscription, first call (201) and repeat (200).
+register_queue (contract §9) and register_event_subscription, first call (201) and repeat (200).
 
 As `_compare_registration` does for create_queue: two `queuekeeper serve` processes (the
 old one importing from another checkout's `src`) on one database, blocks of 20 calls

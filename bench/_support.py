@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 
 PG_ADMIN_DSN = os.environ.get("QK_BENCH_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -133,16 +134,24 @@ def fmt_ms(stats: dict[str, float]) -> str:
     return "  ".join(f"{key} {stats[key] * 1000:6.2f} ms" for key in ("p50", "p90", "p99"))
 
 
+async def instance_objects(
+    management: ManagementClient, settings: Settings
+) -> tuple[list[str], list[str]]:
+    """The vhosts and broker users tagged with this run's instance name, whichever
+    installation (database) made them."""
+    tag = settings.instance_tag
+    vhosts = [info.name for info in await management.list_vhosts() if tag in info.tags]
+    users = [info.name for info in await management.list_users() if tag in info.tags]
+    return vhosts, users
+
+
 async def remove_broker_objects(settings: Settings) -> tuple[int, int]:
     """Delete every vhost and broker user tagged with this run's instance name."""
     from queuekeeper.broker.management import ManagementClient
-    from queuekeeper.broker.provisioner import Provisioner
 
     management = ManagementClient(settings.model_copy(update={"management_timeout": 60.0}))
-    provisioner = Provisioner(management, settings)
     try:
-        vhosts = await provisioner.owned_vhosts()
-        users = await provisioner.owned_users()
+        vhosts, users = await instance_objects(management, settings)
         for vhost in vhosts:
             await management.delete_vhost(vhost)
         for user in users:

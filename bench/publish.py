@@ -222,7 +222,7 @@ class Service:
 async def raw_baseline(settings: Settings, management: ManagementClient) -> tuple[float, str]:
     """Messages/s of bare aio-pika (persistent 1 KiB, confirms, mandatory, 500 in flight),
     and where the machine's CPU went meanwhile."""
-    provisioner = Provisioner(management, settings)
+    provisioner = Provisioner(management, settings, uuid.uuid4())
     vhost = uuid.uuid4().hex
     await provisioner.ensure_vhost(vhost)
     await provisioner.ensure_queue(vhost, "subscription_raw_baseline")

@@ -37,7 +37,7 @@ import aio_pika
 import httpx
 from sqlalchemy import event
 
-from bench._support import bench_database
+from bench._support import bench_database, instance_objects
 from queuekeeper.app import JOBS
 from queuekeeper.auth.tokens import token_digest
 from queuekeeper.broker import topology
@@ -50,6 +50,7 @@ from queuekeeper.config import Settings
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.events.intake import Intake
 from queuekeeper.events.payloads import OBJECT_TYPES
+from queuekeeper.installation import service as installation
 from queuekeeper.jobs.runs import Job, JobContext, JobRunner, Trigger
 from queuekeeper.logging import configure_logging
 from queuekeeper.models import (
@@ -88,7 +89,7 @@ def _state(settings: Settings, counts: Counts) -> AppState:
 
     management = ManagementClient(settings, observer=observe)
     sessions = create_sessionmaker(engine)
-    provisioner = Provisioner(management, settings)
+    provisioner = Provisioner(management, settings, partial(installation.identity, sessions))
     return AppState(
         settings=settings,
         engine=engine,
@@ -308,14 +309,13 @@ async def timed_run(state: AppState, counts: Counts, *, trace: bool = False) -> 
 
 async def cleanup(settings: Settings) -> None:
     management = ManagementClient(settings.model_copy(update={"management_timeout": 60.0}))
-    provisioner = Provisioner(management, settings)
     try:
         tag = settings.instance_tag
-        vhosts = await provisioner.owned_vhosts()
-        users = await provisioner.owned_users()
+        vhosts, users = await instance_objects(management, settings)
         await _gather_limited(4, [partial(management.delete_vhost, v) for v in vhosts])
         await _gather_limited(16, [partial(management.delete_user, u) for u in users])
-        left = await provisioner.owned_vhosts() + await provisioner.owned_users()
+        left_vhosts, left_users = await instance_objects(management, settings)
+        left = left_vhosts + left_users
         print(
             f"cleaned up {len(vhosts)} vhosts and {len(users)} broker users tagged {tag!r}"
             + (f"; LEFT BEHIND: {left}" if left else "; nothing left")

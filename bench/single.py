@@ -337,7 +337,7 @@ async def _sessions(dsn: str, database: str) -> int:
 async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     database = dsn.rsplit("/", 1)[1]
     management = ManagementClient(settings)
-    provisioner = Provisioner(management, settings)
+    provisioner = Provisioner(management, settings, uuid.uuid4())
     os.environ["BENCH_SERVICE_LOG"] = str(service_log)
     os.environ.setdefault("QUEUEKEEPER_LOG_FORMAT", "json")
     service = Service(settings, port=free_port())

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Makes sure the tools the operations tests use are installed: podman, buildah, runc and
 # debootstrap (the container image test), chromium (the /docs test), promtool (the alert
-# rules). Installs the missing ones with apt when running as root on Debian; otherwise says
+# rules), nginx (the proxy beside Waldur, tests/agents/test_behind_proxy.py). Installs the
+# missing ones with apt when running as root on Debian; otherwise says
 # what is missing and exits 0: those tests then skip, each saying why. Idempotent.
 set -euo pipefail
 
@@ -9,10 +10,10 @@ log() { printf 'ensure-tools: %s\n' "$*" >&2; }
 
 declare -A package_of=(
   [podman]=podman [buildah]=buildah [runc]=runc [debootstrap]=debootstrap
-  [chromium]=chromium [promtool]=prometheus
+  [chromium]=chromium [promtool]=prometheus [nginx]=nginx-light
 )
 missing=()
-for command in podman buildah runc debootstrap chromium promtool; do
+for command in podman buildah runc debootstrap chromium promtool nginx; do
   if ! command -v "$command" >/dev/null 2>&1 && ! [ -x "/usr/sbin/$command" ]; then
     missing+=("${package_of[$command]}")
   fi
@@ -28,8 +29,8 @@ fi
 log "installing ${missing[*]} with apt"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-# The prometheus package would start a server: only its promtool is wanted.
-if printf '%s\n' "${missing[@]}" | grep -qx prometheus; then
+# The prometheus and nginx packages would start a server: only their programs are wanted.
+if printf '%s\n' "${missing[@]}" | grep -qxE 'prometheus|nginx-light'; then
   mkdir -p /usr/sbin && [ -e /usr/sbin/policy-rc.d ] || {
     printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
     trap 'rm -f /usr/sbin/policy-rc.d' EXIT

@@ -24,7 +24,6 @@ from sqlalchemy import text
 
 from queuekeeper.app import create_app
 from queuekeeper.broker.management import ManagementClient
-from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.logging import QueuekeeperHandler
@@ -118,13 +117,16 @@ async def _empty_database(settings: Settings) -> None:
 
 
 async def _remove_broker_objects(settings: Settings) -> None:
+    """Everything named for the test's instance, whichever installation made it."""
     management = ManagementClient(settings)
-    provisioner = Provisioner(management, settings)
+    tag = settings.instance_tag
     try:
-        for vhost in await provisioner.owned_vhosts():
-            await management.delete_vhost(vhost)
-        for user in await provisioner.owned_users():
-            await management.delete_user(user)
+        for vhost in await management.list_vhosts():
+            if tag in vhost.tags:
+                await management.delete_vhost(vhost.name)
+        for user in await management.list_users():
+            if tag in user.tags:
+                await management.delete_user(user.name)
     finally:
         await management.aclose()
 

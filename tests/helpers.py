@@ -97,10 +97,12 @@ class Operator:
         self.client = client
         self.headers = {"Authorization": f"Bearer {service_token}"}
 
-    async def reconcile(self, *, dry_run: bool = False, expect: int = 200) -> dict[str, Any]:
+    async def reconcile(
+        self, *, dry_run: bool = False, force: bool = False, expect: int = 200
+    ) -> dict[str, Any]:
         response = await self.client.post(
             "/api/admin/reconcile/",
-            params={"dry_run": str(dry_run).lower()},
+            params={"dry_run": str(dry_run).lower(), "force": str(force).lower()},
             headers=self.headers,
         )
         assert response.status_code == expect, response.text

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import secrets
+import socket
+import sqlite3
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,6 +88,8 @@ def test_settings_are_printed_with_secrets_masked(
     assert lines["QUEUEKEEPER_AMQP_URL"] == "amqps://qk:***@rabbit.example.org:5671/"
     assert lines["QUEUEKEEPER_MANAGEMENT_PASSWORD"] == "***"
     assert lines["QUEUEKEEPER_SERVICE_TOKENS"] == "***,***"
+    # Named like a secret, but a number: shown.
+    assert lines["QUEUEKEEPER_TOKEN_EXPIRY_INTERVAL_SECONDS"] == "10"
     assert len(lines) == len(Settings.model_fields)
     for secret in ("mgmt-Secret-4711", "svc-token-aaaaaaaaaaaa", "amqp-Secret-0815"):
         assert secret not in result.output
@@ -288,3 +295,115 @@ async def test_imported_token_change_reaches_the_broker_users(
     assert result.exit_code == 0, result.output
     assert await _can_login(agent.vhost, subscription["uuid"], new_token)
     assert not await _can_login(agent.vhost, subscription["uuid"], agent.token)
+
+
+QUEUEKEEPER = str(Path(sys.executable).parent / "queuekeeper")
+
+
+def outside_checkout(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The command as a user runs it from another directory, with only `env` set."""
+    return subprocess.run(
+        [QUEUEKEEPER, *args],
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"], "HOME": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("command", [["reconcile", "--dry-run"], ["queues"], ["serve"], ["relay"]])
+def test_without_a_database_a_command_says_so_in_one_line_and_creates_none(
+    tmp_path: Path, command: list[str]
+) -> None:
+    result = outside_checkout(tmp_path, *command)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: no database at sqlite+aiosqlite:///./queuekeeper.db (file "
+        f"{tmp_path.resolve() / 'queuekeeper.db'}, working directory {tmp_path.resolve()}): "
+        "run `queuekeeper migrate` to create it there, or set QUEUEKEEPER_DATABASE_URL"
+    ]
+    assert list(tmp_path.glob("queuekeeper.db*")) == []
+
+
+def test_a_wrong_or_unmigrated_database_is_one_line(tmp_path: Path, settings: Settings) -> None:
+    port = closed_port()
+    refused = outside_checkout(
+        tmp_path,
+        "cleanup-stale",
+        QUEUEKEEPER_DATABASE_URL=f"postgresql://qk:secret-pw@127.0.0.1:{port}/queuekeeper",
+    )
+    assert refused.returncode == 1
+    assert len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert refused.stderr.startswith(
+        f"error: cannot connect to the database postgresql+asyncpg://qk:***@127.0.0.1:{port}/"
+    ), refused.stderr
+    assert "secret-pw" not in refused.stderr
+
+    not_a_url = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL="queuekeeper")
+    assert not_a_url.returncode == 1
+    assert len(not_a_url.stderr.splitlines()) == 1, not_a_url.stderr
+    assert "is not a database URL" in not_a_url.stderr
+
+    (tmp_path / "empty.db").touch()
+    empty = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL="sqlite:///empty.db")
+    assert empty.stderr.splitlines() == [
+        f"error: the database sqlite+aiosqlite:///empty.db (file {tmp_path.resolve()}/empty.db, "
+        f"working directory {tmp_path.resolve()}) has no queuekeeper tables: run "
+        "`queuekeeper migrate`, or set QUEUEKEEPER_DATABASE_URL"
+    ]
+
+    # Only migrate creates one; then the same command runs.
+    migrated = outside_checkout(tmp_path, "migrate")
+    assert migrated.returncode == 0, migrated.stderr
+    assert (tmp_path / "queuekeeper.db").exists()
+    ran = outside_checkout(
+        tmp_path,
+        "reconcile",
+        "--dry-run",
+        QUEUEKEEPER_INSTANCE_NAME=settings.instance_name,
+        QUEUEKEEPER_AMQP_URL=settings.amqp_url,
+        QUEUEKEEPER_MANAGEMENT_URL=settings.management_url,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert "reconcile (dry run, trigger cli): succeeded" in ran.stdout
+
+
+def test_serve_on_a_port_in_use_names_the_setting(tmp_path: Path, database_url: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = outside_checkout(
+            tmp_path,
+            "serve",
+            QUEUEKEEPER_PORT=str(port),
+            QUEUEKEEPER_DATABASE_URL=database_url,
+        )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"error: address 127.0.0.1:{port} (QUEUEKEEPER_PORT) is already in use (another "
+        "queuekeeper, or `make run` still running?): stop it, or set QUEUEKEEPER_PORT (or pass "
+        "--port) to a free port"
+    ]
+
+
+def test_downgrade_to_the_previous_release_and_back(tmp_path: Path) -> None:
+    """Rolling back a release (docs/operations.md, Upgrading and rolling back)."""
+    url = f"sqlite:///{tmp_path / 'roll.db'}"
+    assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0
+    down = outside_checkout(
+        tmp_path, "downgrade", "0006_announce_due", QUEUEKEEPER_DATABASE_URL=url
+    )
+    assert down.returncode == 0, down.stderr
+    with sqlite3.connect(tmp_path / "roll.db") as connection:
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}
+        (revision,) = connection.execute("SELECT version_num FROM alembic_version").fetchone()
+    assert "installation" not in tables
+    assert revision == "0006_announce_due"
+    # The new release refuses the old schema in one line; migrate brings it back.
+    refused = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=url)
+    assert refused.returncode == 1
+    assert "is at migration 0006_announce_due" in refused.stderr
+    assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0

@@ -175,6 +175,8 @@ def _event(event_id: str, user_uuids: list[str] | None = None) -> dict[str, obje
     return {
         "event_id": event_id,
         "offering_uuid": uuid.uuid4(),
+        # a JSON list column beside user_uuids: one item per row, whether a list or null
+        "offering_uuids": [uuid.uuid4().hex, uuid.uuid4().hex] if user_uuids else None,
         "object_type": "order",
         "payload": {"order": {"uuid": "x", "items": [1, "two", None]}},
         "user_uuids": user_uuids,

@@ -1,4 +1,4 @@
-"""unified event consumers: one queue per agent identity (waldur-site-agent 1.0.7, SPEC 9)
+"""unified event consumers: one queue per agent identity (waldur-site-agent 1.0.7, contract §9)
 
 Revision ID: 0005_consumers
 Revises: 0004_agents

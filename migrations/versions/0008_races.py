@@ -1,12 +1,12 @@
 """event_consumers.scope_key: a repeat of /api/event-consumers/register/ finds the same row
 
 Revision ID: 0008_races
-Revises: 0006_announce_due
+Revises: 0009_installation
 Create Date: 2026-11-26 09:00:00.000000
 
 The sha256 of the sorted offering uuids (hex) a consumer was registered for through
 /api/event-consumers/register/, unique per owner: identical registrations in parallel
-can no longer make one consumer each (docs/decisions/001-owner-lock.md). Filled in for the
+can no longer make one consumer each (docs/decisions/010-owner-lock.md). Filled in for the
 existing consumers of that route; of consumers already made twice for the same set (by
 that race), the oldest keeps the key and the others keep none (they stay as they are,
 and a registration finds the oldest).
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0008_races"
-down_revision: str | None = "0006_announce_due"
+down_revision: str | None = "0009_installation"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 import structlog
+from dotenv import dotenv_values
 from fastapi import Depends, FastAPI
 from prometheus_client import multiprocess
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
@@ -21,6 +24,7 @@ from queuekeeper.common.openapi import install_openapi, operation_id
 from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings, get_settings
+from queuekeeper.config_reference import unknown_settings
 from queuekeeper.consumers.endpoints import router as consumers_router
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.deadletters import service as deadletters
@@ -33,10 +37,13 @@ from queuekeeper.events.endpoints import accept_router
 from queuekeeper.events.endpoints import admin_router as outbox_router
 from queuekeeper.events.endpoints import internal_router as events_router
 from queuekeeper.events.intake import Intake
+from queuekeeper.events.openapi import document_payloads
 from queuekeeper.events.relay import Relay
 from queuekeeper.health.endpoints import router as health_router
+from queuekeeper.health.service import refresh_survey
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
+from queuekeeper.installation import service as installation
 from queuekeeper.jobs.endpoints import router as runs_router
 from queuekeeper.jobs.runs import Job, JobContext, JobRunner, JobSpec, JobTable
 from queuekeeper.jobs.scheduler import JobScheduler
@@ -79,13 +86,37 @@ DESCRIPTION = """\
 queuekeeper owns the RabbitMQ queues through which a marketplace backend sends events to
 remote site agents.
 
-* **Agents** (`agents`) create an event subscription, register one queue per (offering,
-  object type) with `create_queue`, then subscribe over STOMP to `/amq/queue/<queue_name>`
-  in vhost `<user uuid hex>`, logging in as `<subscription uuid hex>` with their API token.
-* **The backend** (`internal`) pushes users, offerings and access grants, and publishes
-  events; an accepted event is never lost.
+* **Agents** (`agents`, `Authorization: Token <api token>`) create an event subscription,
+  register one queue per (offering, object type) with `create_queue` (waldur-site-agent
+  1.0.7: one queue per identity with `register_queue`), then subscribe over STOMP to
+  `/amq/queue/<queue_name>` in vhost `<user uuid hex>`, logging in as
+  `<subscription uuid hex>` with their API token.
+* **The backend** (`internal`, `Authorization: Bearer <service token>`) pushes users,
+  offerings and access grants, and publishes events; an accepted event is never lost.
 * **Operators** (`admin`, `health`) see every queue's state, reconcile the broker with the
   database, redrive dead letters, and scrape `/metrics`.
+
+## Quickstart
+
+1. **A service token.** Set `QUEUEKEEPER_SERVICE_TOKENS` (comma-separated, for rotation)
+   before starting the server; without one every `internal` and `admin` call answers 401
+   and the start-up log says so. Use it here with **Authorize**: `Bearer <service token>`.
+2. **The backend's pushes come first**, with the service token:
+   `PUT /api/internal/users/{user_uuid}/` `{"username": "alice", "token": "<api token>"}`,
+   `PUT /api/internal/offerings/{offering_uuid}/` `{"name": "HPC"}`,
+   `PUT /api/internal/offerings/{offering_uuid}/users/{user_uuid}/`.
+3. **The agent**, with `Token <api token>`: `POST /api/event-subscriptions/` `{}` (its
+   `uuid` is the STOMP login), then
+   `POST /api/event-subscriptions/{uuid}/create_queue/`
+   `{"offering_uuid": "...", "object_type": "order"}` (its `queue_name` is the destination).
+4. **Publish**, with the service token: `POST /api/internal/events/?wait=true`
+   `{"offering_uuid": "...", "object_type": "order", "payload": {"order_uuid": "...",
+   "order_state": "executing"}}`.
+5. **Consume** over STOMP: RabbitMQ's `ws://<broker>:15674/ws` (WebSocket; plain STOMP on
+   61613), vhost = the user's uuid hex, login = the subscription's uuid hex, passcode = the
+   API token, `SUBSCRIBE` to `/amq/queue/<queue_name>`.
+
+The README's Quickstart has these as commands to paste, with a ten-line consumer.
 
 Every error answers with `{"detail": "...", "errors": [{"field", "message"}]?}`. A request
 may carry `X-Request-ID`; the response always does, and every log line of the request has it.
@@ -125,7 +156,9 @@ def build_state(settings: Settings) -> AppState:
     engine = create_engine(settings)
     management = ManagementClient(settings, observer=observe_management_call)
     sessions = create_sessionmaker(engine)
-    provisioner = Provisioner(management, settings)
+    provisioner = Provisioner(
+        management, settings, identity=partial(installation.identity, sessions)
+    )
     context = JobContext(settings, engine, sessions, management, provisioner)
     signals = OutboxSignals()
     return AppState(
@@ -164,6 +197,9 @@ def start_scheduler(state: AppState) -> JobScheduler:
 
 async def shutdown(state: AppState) -> None:
     """Stop what started, last started first: jobs, relay, then the connections they used."""
+    if state.survey_task is not None:
+        state.survey_task.cancel()
+        await asyncio.gather(state.survey_task, return_exceptions=True)
     if state.scheduler is not None:
         await state.scheduler.stop()
         state.scheduler = None
@@ -206,7 +242,33 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings, relay=settings.relay_enabled, scheduler=settings.scheduler_enabled
         ) as state:
             app.state.queuekeeper = state
-            log.info("queuekeeper_started", instance=settings.instance_name, pid=os.getpid())
+            log.info(
+                "queuekeeper_started",
+                instance=settings.instance_name,
+                pid=os.getpid(),
+                url=settings.public_url,
+                docs=f"{settings.public_url}/docs",
+            )
+            # The environment, and the .env file the settings also read.
+            environment = {**dotenv_values(".env"), **os.environ}
+            for name, closest in unknown_settings(environment):
+                log.warning(
+                    "unknown_setting",
+                    variable=name,
+                    closest=closest,
+                    detail=f"{name} is not a queuekeeper setting and is ignored"
+                    + (f"; did you mean {closest}?" if closest else ""),
+                )
+            if not settings.service_tokens:
+                # Every internal and admin call is refused then, and the backend's pushes
+                # come first: say so where the operator looks (README, Quickstart).
+                log.warning(
+                    "no_service_token_configured",
+                    detail="every /api/internal/ and /api/admin/ call will answer 401: set "
+                    "QUEUEKEEPER_SERVICE_TOKENS (comma-separated) and restart",
+                )
+            # In the background: a broker or database still starting does not delay serving.
+            state.survey_task = asyncio.create_task(refresh_survey(state), name="survey")
             yield
         if os.environ.get(MULTIPROC_ENV):
             # Drops this worker's live gauges (pool size, outbox depth) from the totals.
@@ -227,7 +289,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     install_error_handlers(app, settings)
-    install_openapi(app)
+    install_openapi(app, settings, extend=document_payloads)
     install_docs(app)
     # Added first, so innermost of these: the request is logged with its id and real peer.
     app.add_middleware(RequestGuard, settings=settings)

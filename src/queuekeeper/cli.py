@@ -28,8 +28,6 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # locals would print settings, tokens included
 )
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-PACKAGE_DIR = Path(__file__).resolve().parent
 # Also in observability/endpoints.py; not imported from there, so that commands which do not
 # serve stay quick to start (the container's HEALTHCHECK runs one every 15 s).
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -38,13 +36,6 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 def fail(message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
-
-
-def migrations_dir() -> Path:
-    """`migrations/` of a source checkout, or the copy packaged into the wheel."""
-    if PACKAGE_DIR == PROJECT_ROOT / "src" / "queuekeeper":
-        return PROJECT_ROOT / "migrations"
-    return PACKAGE_DIR / "_migrations"
 
 
 def _freeze_startup_objects() -> None:
@@ -58,35 +49,87 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
-def _alembic_config(database_url: str | None = None) -> object:
-    from alembic.config import Config
+def _port_free(host: str, port: int, *, from_option: bool) -> None:
+    """One line naming the setting when the port is taken, instead of uvicorn's bind error."""
+    import errno
+    import socket
 
-    ini = PROJECT_ROOT / "alembic.ini"
-    config = Config(str(ini)) if ini.exists() else Config()
-    config.set_main_option("script_location", str(migrations_dir()))
-    config.attributes["database_url"] = database_url or get_settings().database_url
-    return config
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return  # uvicorn says what else is wrong (an address this host lacks)
+            given = "--port" if from_option else "QUEUEKEEPER_PORT"
+            raise fail(
+                f"address {host}:{port} ({given}) is already in use (another queuekeeper, or "
+                "`make run` still running?): stop it, or set QUEUEKEEPER_PORT (or pass --port) "
+                "to a free port"
+            ) from None
 
 
-@app.command()
-def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
-    """Apply database migrations (run before `serve`, and after every upgrade)."""
+def _ready_database(settings: Settings, *, serving: bool = False) -> None:
+    """Stop with one line when the database is missing, unmigrated or unreachable (a server
+    starts anyway when it is only unreachable: it answers 503 until the database is up)."""
+    import structlog
+
+    from queuekeeper.preflight import (
+        DatabaseNotReady,
+        DatabaseUnreachable,
+        check_database,
+        head_revision,
+    )
+
+    try:
+        asyncio.run(check_database(settings, head_revision()))
+    except DatabaseUnreachable as exc:
+        if not serving:
+            raise fail(str(exc)) from None
+        structlog.get_logger("queuekeeper.cli").warning("database_unreachable", detail=str(exc))
+    except DatabaseNotReady as exc:
+        raise fail(str(exc)) from None
+
+
+def _alembic(step: str, revision: str, *, check_first: bool, done: str, failed: str) -> None:
+    """`alembic upgrade|downgrade revision` on the configured database, failing in one line."""
     from alembic import command
     from sqlalchemy.exc import SQLAlchemyError
 
     from queuekeeper.common.redact import redact_url
     from queuekeeper.logging import configure_logging
+    from queuekeeper.preflight import alembic_config
 
     settings = get_settings()
     configure_logging(settings)
+    if check_first:
+        _ready_database(settings)
     try:
-        command.upgrade(_alembic_config(), revision)  # type: ignore[arg-type]
+        getattr(command, step)(alembic_config(settings.database_url), revision)
     except (SQLAlchemyError, OSError) as exc:
         raise fail(
-            f"migration failed on {redact_url(settings.database_url)}: {type(exc).__name__}: "
+            f"{failed} failed on {redact_url(settings.database_url)}: {type(exc).__name__}: "
             f"{str(exc).splitlines()[0] if str(exc) else ''}"
         ) from exc
-    typer.echo(f"database migrated to {revision}")
+    typer.echo(f"database {done} to {revision}")
+
+
+@app.command()
+def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
+    """Apply database migrations (run before `serve`, and after every upgrade)."""
+    # The one command that may create the database (an SQLite file): no check first.
+    _alembic("upgrade", revision, check_first=False, done="migrated", failed="migration")
+
+
+@app.command()
+def downgrade(
+    revision: str = typer.Argument(
+        ..., help="Revision to go back to, e.g. the previous release's head (see migrations/)."
+    ),
+) -> None:
+    """Undo migrations down to REVISION (rolling back a release; back up first)."""
+    _alembic("downgrade", revision, check_first=True, done="downgraded", failed="downgrade")
 
 
 def _prepare_multiprocess_dir() -> str:
@@ -126,6 +169,8 @@ def serve(
 
     settings = get_settings()
     configure_logging(settings)
+    _port_free(host or settings.host, port or settings.port, from_option=port is not None)
+    _ready_database(settings, serving=True)
     if workers > 1 or os.environ.get(MULTIPROC_ENV):
         directory = _prepare_multiprocess_dir()
         structlog.get_logger("queuekeeper.cli").info(
@@ -160,8 +205,7 @@ def healthcheck(
 
     if url is None:
         settings = get_settings()
-        host = settings.host if settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"  # noqa: S104
-        url = f"http://{host}:{settings.port}"
+        url = f"http://{settings.local_host}:{settings.port}"
     target = url.rstrip("/") + ("/readyz" if ready else "/healthz")
     try:
         response = httpx.get(target, timeout=timeout)
@@ -180,7 +224,8 @@ def masked_settings(settings: Settings) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, field in Settings.model_fields.items():
         value = getattr(settings, name)
-        if is_secret_key(name) and value:
+        # A number or a switch is never a secret (`token_expiry_interval_seconds`).
+        if is_secret_key(name) and value and not isinstance(value, int | float | bool):
             value = [MASK] * len(value) if isinstance(value, list) else MASK
         elif isinstance(value, str) and "://" in value:
             value = redact_url(value)
@@ -285,6 +330,7 @@ def import_directory(
     settings = get_settings()
     configure_logging(settings, level="WARNING")
     data = _read_directory_file(file)
+    _ready_database(settings)
 
     async def run() -> ImportReport:
         async with running(settings) as state:
@@ -316,6 +362,7 @@ def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
     from queuekeeper.logging import configure_logging
 
     configure_logging(get_settings(), level="WARNING")  # each change is in the run record below
+    _ready_database(get_settings())
 
     async def main(on_progress: Phases) -> Any:
         async with running(get_settings()) as state:
@@ -350,13 +397,19 @@ def reconcile(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Report what would change; change nothing."
     ),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Delete even when the run would delete more than the deletion guard allows "
+        "(QUEUEKEEPER_RECONCILE_MAX_DELETIONS, QUEUEKEEPER_RECONCILE_MAX_DELETE_SHARE).",
+    ),
 ) -> None:
     """Bring the broker in line with the database now (what the scheduled job does)."""
     from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
         lambda jobs, progress: jobs.run(
-            Job.RECONCILE, Trigger.CLI, dry_run=dry_run, progress=progress
+            Job.RECONCILE, Trigger.CLI, dry_run=dry_run, force=force, progress=progress
         )
     )
 
@@ -364,13 +417,19 @@ def reconcile(
 @app.command("cleanup-stale")
 def cleanup_stale(
     dry_run: bool = typer.Option(False, "--dry-run", help="Report what would go; remove nothing."),
+    force: bool = typer.Option(
+        False,
+        "--force",
+        help="Delete even when the run would delete more than the deletion guard allows "
+        "(QUEUEKEEPER_RECONCILE_MAX_DELETIONS, QUEUEKEEPER_RECONCILE_MAX_DELETE_SHARE).",
+    ),
 ) -> None:
     """Remove subscriptions of inactive users and expired tokens, with their broker objects."""
     from queuekeeper.jobs.runs import Job, Trigger
 
     _run_command(
         lambda jobs, progress: jobs.run(
-            Job.CLEANUP_STALE, Trigger.CLI, dry_run=dry_run, progress=progress
+            Job.CLEANUP_STALE, Trigger.CLI, dry_run=dry_run, force=force, progress=progress
         )
     )
 
@@ -409,6 +468,7 @@ def queues(
     from queuekeeper.reconcile.view import QueueFilter, queue_states
 
     configure_logging(get_settings(), level="WARNING")
+    _ready_database(get_settings())
     try:
         wanted = QueueFilter(vhost=vhost, state=QueueState(state_filter) if state_filter else None)
     except ValueError as exc:
@@ -478,6 +538,7 @@ def relay() -> None:
 
     settings = get_settings()
     configure_logging(settings)
+    _ready_database(settings)
     _freeze_startup_objects()
 
     async def run() -> None:

@@ -10,7 +10,7 @@ from functools import lru_cache
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, ValidationInfo, field_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -32,8 +32,9 @@ class Settings(BaseSettings):
     # --- identity of this installation -----------------------------------------------
     instance_name: str = Field(
         default="queuekeeper",
-        description="Vhosts and broker users are tagged `queuekeeper:<instance_name>`; "
-        "queuekeeper only ever touches objects carrying its own tag.",
+        description="Vhosts and broker users are tagged `queuekeeper:<instance_name>` (for "
+        "people) and with this database's installation identity, which decides what is "
+        "ours. One name per installation: two installations sharing a broker need two names.",
     )
 
     # --- connections ---------------------------------------------------------------
@@ -92,8 +93,10 @@ class Settings(BaseSettings):
         "(several, for rotation).",
     )
     public_url: str = Field(
-        default="http://127.0.0.1:8000",
-        description="Base of the `url` fields in responses (include any path prefix).",
+        default="",
+        description="Base of the `url` fields in responses (include any path prefix). Empty: "
+        "`http://<QUEUEKEEPER_HOST>:<QUEUEKEEPER_PORT><QUEUEKEEPER_ROOT_PATH>` (127.0.0.1 for a "
+        "host of 0.0.0.0 or ::); set it to the address agents use when a proxy is in front.",
     )
     root_path: str = Field(
         default="",
@@ -154,7 +157,7 @@ class Settings(BaseSettings):
     max_consumers_per_user: int = Field(
         default=20,
         ge=1,
-        description="Unified event consumers (SPEC 9) one user may hold; one more is a 409 "
+        description="Unified event consumers (contract §9) one user may hold; one more is a 409 "
         "(for the consumer registration to check with `common.quotas.check_quota`).",
     )
     registration_rate_limit: str = Field(
@@ -189,7 +192,15 @@ class Settings(BaseSettings):
         "connections; restored by reconcile.",
     )
 
-    # --- queue arguments (SPEC 3) -------------------------------------------------------
+    # --- agents (contract §10) --------------------------------------------------------------
+    minimum_agent_version: str = Field(
+        default="1.0.5",
+        description="Oldest waldur-site-agent version reported `compatible` in every identity "
+        "answer's `compatibility` (older: `incompatible`; none or unparsable: `unknown`). "
+        "Default: the oldest release the test suite runs end to end.",
+    )
+
+    # --- queue arguments (contract §3) -------------------------------------------------------
     queue_type: Literal["classic", "quorum"] = Field(
         default="classic",
         description="`classic`, or `quorum` for a RabbitMQ cluster (replicated; survives a node "
@@ -251,7 +262,7 @@ class Settings(BaseSettings):
         description="Seconds each `/readyz` check (database, AMQP, Management API) may take.",
     )
 
-    # --- reconcile, stale cleanup, dead-letter redrive (SPEC 7) -----------------------------
+    # --- reconcile, stale cleanup, dead-letter redrive (contract §7) -----------------------------
     scheduler_enabled: bool = Field(
         default=True,
         description="Run the scheduled jobs in this process. Switch off on replicas that "
@@ -279,6 +290,28 @@ class Settings(BaseSettings):
         "API has no bulk delete; one at a time made a run deleting 1,000 orphans three times "
         "as long as its listing).",
     )
+    reconcile_max_deletions: int = Field(
+        default=100,
+        ge=0,
+        description="Deletion guard: a reconcile or stale-cleanup run that would delete more "
+        "broker objects than this (orphan queues, vhosts and the queues in them, broker "
+        "users) deletes nothing and reports why, unless run with `--force` / `?force=true`.",
+    )
+    reconcile_max_delete_share: float = Field(
+        default=0.25,
+        ge=0,
+        le=1,
+        description="Deletion guard: the same when a run would delete more than this share "
+        "of the broker objects this installation owns (a database restored from an older "
+        "backup makes everything registered since look orphaned), and more than "
+        "`reconcile_deletions_always_allowed`.",
+    )
+    reconcile_deletions_always_allowed: int = Field(
+        default=2,
+        ge=0,
+        description="Deletion guard: a run deleting at most this many objects is never held "
+        "for their share (a small installation's stray orphan queue or broker user).",
+    )
     reconcile_page_size: int = Field(
         default=500, ge=1, le=500, description="Queues per Management API page (broker max 500)."
     )
@@ -302,7 +335,7 @@ class Settings(BaseSettings):
         description="Dead letters examined per vhost per redrive run (bounds memory).",
     )
 
-    # --- publishing (SPEC 6) ----------------------------------------------------------------
+    # --- publishing (contract §6) ----------------------------------------------------------------
     events_batch_max: int = Field(
         default=1000, ge=1, description="Most events one POST /api/internal/events/batch/ takes."
     )
@@ -405,6 +438,14 @@ class Settings(BaseSettings):
         parse_many(value)  # a ValueError here names the setting at start-up
         return value
 
+    @field_validator("minimum_agent_version")
+    @classmethod
+    def _agent_version(cls, value: str) -> str:
+        from packaging.version import Version
+
+        Version(value)  # an InvalidVersion here names the setting at start-up
+        return value.strip()
+
     @field_validator("amqp_url", "management_url")
     @classmethod
     def _node_list(cls, value: str, info: ValidationInfo) -> str:
@@ -443,6 +484,17 @@ class Settings(BaseSettings):
         if value and not value.startswith("/"):
             value = "/" + value
         return value
+
+    @model_validator(mode="after")
+    def _public_url_from_address(self) -> Settings:
+        if not self.public_url:
+            self.public_url = f"http://{self.local_host}:{self.port}{self.root_path}"
+        return self
+
+    @property
+    def local_host(self) -> str:
+        """Where this host reaches `serve`: the listen address, loopback for a wildcard."""
+        return self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"  # noqa: S104
 
     @property
     def amqp_urls(self) -> list[str]:

@@ -7,7 +7,9 @@ markers; a test fails when a committed table differs from what this module gener
 
 from __future__ import annotations
 
+import difflib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,3 +118,20 @@ def write_table(path: Path) -> bool:
         return False
     path.write_text(updated, encoding="utf-8")
     return True
+
+
+def unknown_settings(environ: Mapping[str, str | None]) -> list[tuple[str, str | None]]:
+    """`QUEUEKEEPER_*` variables that are not settings (a typo is silently ignored by the
+    settings loader), each with the closest setting's name when one is close."""
+    known = sorted(name for name in all_env_names() if name.startswith(ENV_PREFIX))
+    found = []
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            # Compared without the prefix, which every name shares.
+            suffixes = [candidate.removeprefix(ENV_PREFIX) for candidate in known]
+            suffix = name.removeprefix(ENV_PREFIX)
+            close = difflib.get_close_matches(suffix, suffixes, n=1, cutoff=0.6)
+            if not close:  # a prefix of a setting (QUEUEKEEPER_INSTANCE for _INSTANCE_NAME)
+                close = [candidate for candidate in suffixes if candidate.startswith(suffix)][:1]
+            found.append((name, ENV_PREFIX + close[0] if close else None))
+    return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -69,6 +70,29 @@ def _field_name(location: tuple[Any, ...]) -> str:
     return ".".join(parts) or str(location[-1] if location else "body")
 
 
+JSON_MEDIA = "application/json"
+SEND_JSON = f"send JSON with Content-Type: {JSON_MEDIA}"
+
+
+def _body_not_json(request: Request, errors: Sequence[Any]) -> str | None:
+    """The whole body was not a JSON object: say what to send, once, instead of pydantic's
+    words (or, for malformed JSON, a character offset reported as the field name)."""
+    if len(errors) != 1:
+        return None
+    error = errors[0]
+    location = tuple(error.get("loc", ()))
+    if error.get("type") == "json_invalid":
+        at = location[1] if len(location) > 1 else "?"
+        reason = (error.get("ctx") or {}).get("error", "invalid JSON")
+        return f"The body is not valid JSON ({reason} at character {at}): {SEND_JSON}."
+    if location != ("body",) or error.get("type") not in ("model_attributes_type", "dict_type"):
+        return None
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media == JSON_MEDIA:
+        return f"The body must be a JSON object: {SEND_JSON}."
+    return f"The body is {media or 'not declared (no Content-Type)'}: {SEND_JSON}."
+
+
 def _validation_message(error: dict[str, Any]) -> str:
     message = str(error.get("msg", "invalid value"))
     # pydantic prefixes custom errors with "Value error, "; the rest reads well alone.
@@ -103,8 +127,13 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
         return domain_error_response(exc, settings.retry_after_seconds)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         found = exc.errors()
+        body_error = _body_not_json(request, found)
+        if body_error is not None:
+            return JSONResponse(
+                {"detail": body_error, "errors": [{"field": "body", "message": body_error}]}, 400
+            )
         errors = [
             {
                 "field": truncated(_field_name(tuple(error.get("loc", ())))),
@@ -154,9 +183,9 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
     async def _foreign_vhost(_request: Request, exc: ForeignVhost) -> JSONResponse:
         return JSONResponse(
             {
-                "detail": f"vhost {exc.vhost!r} exists on the broker but is not tagged "
-                f"{settings.instance_tag!r}, so this queuekeeper will not use it "
-                f"(its tags: {exc.tags}). Delete it or tag it, then retry.",
+                "detail": f"vhost {exc.vhost!r} exists on the broker but is not this "
+                f"installation's: {exc.reason}. This queuekeeper will not use it "
+                "(docs/operations.md, One instance name per installation).",
             },
             409,
         )

@@ -247,14 +247,14 @@ class EventSubscriptionQueue(Base):
 
 
 class EventConsumer(Base):
-    """One queue that receives many object types (SPEC 9): what waldur-site-agent 1.0.7's
+    """One queue that receives many object types (contract §9): what waldur-site-agent 1.0.7's
     register_queue makes for an agent identity, or /api/event-consumers/register/ for other
     integrations. Queue `consumer_<uuid hex>` and broker user `<uuid hex>` in the owner's vhost.
     """
 
     __tablename__ = "event_consumers"
     # A repeat of /api/event-consumers/register/ for the same offerings finds the same row;
-    # identical calls in parallel cannot make two (docs/decisions/001-owner-lock.md).
+    # identical calls in parallel cannot make two (docs/decisions/010-owner-lock.md).
     __table_args__ = (
         Index("uq_event_consumers_user_scope_key", "user_uuid", "scope_key", unique=True),
     )
@@ -281,12 +281,17 @@ class EventConsumer(Base):
     broker_state: Mapped[BrokerState] = mapped_column(
         StateColumn(BrokerState), default=BrokerState.OK
     )
+    # The first characters of the API token that last registered it (at most 8, and at
+    # most a quarter of the token): `auth_token_prefix` of client 8.1.3's EventConsumer.
+    auth_token_prefix: Mapped[str] = mapped_column(String(8), default="")
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     # Loaded with the consumer (one more query per listing, not per row).
     scopes: Mapped[list[EventConsumerScope]] = relationship(
         lazy="selectin", cascade="all, delete-orphan", passive_deletes=True
     )
+    # Its owner's username and name are part of every answer (client 8.1.3).
+    owner: Mapped[User] = relationship(lazy="selectin", viewonly=True)
 
 
 class EventConsumerScope(Base):
@@ -306,7 +311,10 @@ class Event(Base):
     __tablename__ = "events"
 
     event_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    # An event sent with `offering_uuids` (contract §10) keeps the first here and the whole
+    # list in `offering_uuids` (hex); each of its copies names its own offering.
     offering_uuid: Mapped[UUID] = mapped_column(Uuid(as_uuid=True), index=True)
+    offering_uuids: Mapped[list[Any] | None] = mapped_column(JSON)
     object_type: Mapped[str] = mapped_column(String(64))
     payload: Mapped[dict[str, Any]] = mapped_column()
     user_uuids: Mapped[list[Any] | None] = mapped_column(JSON)
@@ -341,12 +349,15 @@ class Delivery(Base):
     queue_uuid: Mapped[UUID | None] = mapped_column(
         ForeignKey("event_subscription_queues.uuid", ondelete="SET NULL"), index=True
     )
-    # A consumer's copy (SPEC 9) has this instead of queue_uuid; SET NULL as above.
+    # A consumer's copy (contract §9) has this instead of queue_uuid; SET NULL as above.
     consumer_uuid: Mapped[UUID | None] = mapped_column(
         ForeignKey("event_consumers.uuid", ondelete="SET NULL"), index=True
     )
     queue_name: Mapped[str] = mapped_column(String(255))
     vhost: Mapped[str] = mapped_column(String(64))
+    # A copy of an event sent to several offerings (`offering_uuids`): the offering of the
+    # queue it goes to, which its body and headers carry. Null: the event's offering.
+    offering_uuid: Mapped[UUID | None] = mapped_column(Uuid(as_uuid=True))
     state: Mapped[DeliveryState] = mapped_column(
         StateColumn(DeliveryState), default=DeliveryState.PENDING
     )
@@ -396,3 +407,18 @@ class GivenUpDeadLetter(Base):
     message_id: Mapped[str | None] = mapped_column(String(255))
     body_size: Mapped[int] = mapped_column(Integer, default=0)
     recorded: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Installation(Base):
+    """This database's installation identity (one row, made by `migrate` or the first start).
+
+    Every vhost and broker user queuekeeper makes carries it as a tag next to the instance
+    name, so two installations sharing a broker, or a database restored from an older
+    backup, can tell their objects apart (docs/decisions/009-installation-identity.md).
+    """
+
+    __tablename__ = "installation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    uuid: Mapped[UUID] = mapped_column(unique=True, default=uuid4)
+    created: Mapped[datetime] = mapped_column(default=utcnow)

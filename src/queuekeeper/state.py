@@ -7,6 +7,7 @@ signature says what it uses.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from queuekeeper.broker.publisher import AmqpPublisher
     from queuekeeper.events.intake import Intake
     from queuekeeper.events.relay import Relay
+    from queuekeeper.installation.service import Survey
     from queuekeeper.jobs.scheduler import JobScheduler
 
 
@@ -49,6 +51,10 @@ class AppState:
     # What readiness last reported down, so a change is logged once, not per probe.
     readiness_down: tuple[str, ...] = ()
     readiness_nodes_down: tuple[str, ...] = ()
+    # What the broker holds under our instance name that this database does not know
+    # (installation/service.py); taken at start-up and again when /readyz finds it old.
+    survey: Survey | None = None
+    survey_task: asyncio.Task[None] | None = None
 
 
 async def get_state(request: Request) -> AppState:

@@ -13,7 +13,16 @@ each object type: instead of acting on a backend, it appends what it received
 (`route_message`) still picks the handler from the body.
 
 Usage: python agent_runner.py CONFIG RECORD STATUS [--setup-timeout S] [--lifetime S]
-       [--initial-processing]
+       [--initial-processing] [--project-groups]
+
+`--project-groups` (1.0.8 and later) answers the agent's question "does the username
+backend write project groups?" with yes, as a directory plugin (LDAP, say) would, so the
+agent subscribes to `service_provider_project_group`; no such plugin is installed here.
+
+A recorded body carrying `"e2e_hold": true` that is not a redelivery keeps its handler
+running until the file RECORD.release exists (at most two minutes): with 1.0.8's
+`client-individual` acks the message stays unacknowledged meanwhile, which the ack-mode
+test observes on the broker.
 
 STATUS receives one JSON document once set-up returned (or timed out). The
 runner then waits for a line "stop" on stdin (or end of input, or the lifetime),
@@ -41,6 +50,17 @@ def _write_json(path: Path, document: dict[str, Any]) -> None:
     partial.replace(path)  # the test never reads half a document
 
 
+HOLD_LIMIT = 120.0
+
+
+def _holds(body: str) -> bool:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(parsed, dict) and parsed.get("e2e_hold") is True
+
+
 def _recorder(record: Path, object_type: str, lock: threading.Lock) -> Any:
     def on_message(frame: Any, offering: Any, user_agent: str, *_args: Any) -> None:
         line = json.dumps(
@@ -54,6 +74,11 @@ def _recorder(record: Path, object_type: str, lock: threading.Lock) -> Any:
         )
         with lock, record.open("a", encoding="utf-8") as stream:
             stream.write(line + "\n")
+        if frame.headers.get("redelivered") != "true" and _holds(frame.body):
+            release = record.with_suffix(".release")
+            deadline = time.monotonic() + HOLD_LIMIT
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     return on_message
 
@@ -86,6 +111,7 @@ def main() -> None:
     parser.add_argument("--setup-timeout", type=float, default=90.0)
     parser.add_argument("--lifetime", type=float, default=300.0)
     parser.add_argument("--initial-processing", action="store_true")
+    parser.add_argument("--project-groups", action="store_true")
     args = parser.parse_args()
 
     from waldur_site_agent.common import utils as common_utils
@@ -96,6 +122,9 @@ def main() -> None:
     handlers = event_subscription_manager.OBJECT_TYPE_TO_HANDLER_STOMP
     for object_type in list(handlers):
         handlers[object_type] = _recorder(args.record, str(object_type.value), lock)
+
+    if args.project_groups:
+        event_utils._username_backend_reconciles_project_groups = lambda _offering: True
 
     configuration = common_utils.load_configuration(str(args.config), "event_process")
     imported = time.monotonic()

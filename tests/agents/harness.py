@@ -22,8 +22,21 @@ from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 
 RUNNER = Path(__file__).with_name("agent_runner.py")
+# What waldur-site-agent 1.0.5 sets up with every feature on, in its order: its
+# ObservableObjectTypeEnum (agent-protocols 1.0.5 §1).
+AGENT_105_TYPES = [
+    "order",
+    "user_role",
+    "resource",
+    "service_account",
+    "course_account",
+    "offering_user",
+    "offering_resources_sync",
+    "importable_resources",
+    "resource_periodic_limits",
+]
 # What waldur-site-agent 1.0.7 asks register_queue for with every feature on, in its order
-# (site-agent-1.0.7-contract.md, section 1).
+# (agent-protocols 1.0.7 §1).
 AGENT_107_TYPES = [
     "order",
     "resource_api_key_rotation",
@@ -43,7 +56,7 @@ def _hex() -> str:
 
 
 def valid_payload(object_type: str) -> dict[str, Any]:
-    """One payload per type with the fields SPEC 6 (and the agent's handlers) require."""
+    """One payload per type with the fields contract §6 (and the agent's handlers) require."""
     payloads: dict[str, dict[str, Any]] = {
         "order": {"order_uuid": _hex(), "order_state": "executing"},
         "user_role": {
@@ -83,7 +96,22 @@ def valid_payload(object_type: str) -> dict[str, Any]:
             "api_key_uuid": _hex(),
             "client_id": "client-1",
         },
+        "service_provider_project_group": {
+            "action": "create",
+            "service_provider_uuid": _hex(),
+            "customer_uuid": _hex(),
+            "project_group_uuid": _hex(),
+            "project_uuid": _hex(),
+            "name": "pg_x",
+            "gid": 20001,
+        },
     }
+    if object_type not in payloads:
+        raise AssertionError(
+            f"The agent subscribes to {object_type!r}, which has no test payload yet: add one "
+            "to tests/agents/harness.py valid_payload (and a model to events/payloads.py if "
+            "the agent reads fields of it)."
+        )
     return payloads[object_type]
 
 
@@ -242,6 +270,26 @@ async def start_agent(
 
 
 Publisher = Callable[[str, dict[str, Any]], Awaitable[str]]
+
+
+async def publish_event(
+    http: httpx.AsyncClient, offering: uuid.UUID, object_type: str, payload: dict[str, Any]
+) -> dict[str, Any]:
+    """As the backend does: POST /api/internal/events/?wait=true; the answer."""
+    response = await http.post(
+        "/api/internal/events/",
+        params={"wait": "true"},
+        json={
+            "event_id": f"e2e-{object_type}-{uuid.uuid4().hex[:8]}",
+            "offering_uuid": offering.hex,
+            "object_type": object_type,
+            "payload": payload,
+        },
+        headers={"Authorization": f"Bearer {SERVICE_TOKEN}"},
+    )
+    assert response.status_code == 200, response.text
+    answer: dict[str, Any] = response.json()
+    return answer
 
 
 def publisher_for(

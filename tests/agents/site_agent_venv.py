@@ -34,26 +34,22 @@ def venv_path(version: str) -> Path:
     return BUILD / f"site-agent-venv-{version}"
 
 
-def _ready(version: str) -> bool:
-    path = venv_path(version)
+def _ready(path: Path, requirement: str) -> bool:
     marker = path / ".queuekeeper-installed"
-    requirement = f"waldur-site-agent=={version}"
     return marker.is_file() and marker.read_text().strip() == requirement and _python(path).exists()
 
 
-def ensure_site_agent_venv(version: str = LEGACY_VERSION) -> Path:
-    """The python of a virtualenv with waldur-site-agent `version`; builds it when missing."""
-    path = venv_path(version)
-    if _ready(version):
+def ensure_venv(path: Path, requirement: str, *pip_options: str) -> Path:
+    """The python of a virtualenv at `path` holding `requirement`; builds it when missing."""
+    if _ready(path, requirement):
         return _python(path)
-    requirement = f"waldur-site-agent=={version}"
     BUILD.mkdir(exist_ok=True)
-    with FileLock(str(BUILD / f"site-agent-venv-{version}.lock"), timeout=900):
-        if _ready(version):  # another run built it while we waited for the lock
+    with FileLock(str(path.with_name(path.name + ".lock")), timeout=900):
+        if _ready(path, requirement):  # another run built it while we waited for the lock
             return _python(path)
         venv.EnvBuilder(clear=True, with_pip=True).create(path)
         result = subprocess.run(
-            [str(_python(path)), "-m", "pip", "install", "--quiet", requirement],
+            [str(_python(path)), "-m", "pip", "install", "--quiet", *pip_options, requirement],
             capture_output=True,
             text=True,
             timeout=INSTALL_TIMEOUT,
@@ -66,6 +62,17 @@ def ensure_site_agent_venv(version: str = LEGACY_VERSION) -> Path:
             )
         (path / ".queuekeeper-installed").write_text(requirement + "\n")
     return _python(path)
+
+
+def ensure_site_agent_venv(version: str = LEGACY_VERSION) -> Path:
+    """The python of a virtualenv with waldur-site-agent `version`; builds it when missing."""
+    return ensure_venv(venv_path(version), f"waldur-site-agent=={version}")
+
+
+def ensure_api_client_venv(version: str) -> Path:
+    """The python of a virtualenv with waldur-api-client `version` alone (a client line no
+    published agent pins exactly, e.g. 8.1.3 final beside 1.0.8rc12's 8.1.3rc23)."""
+    return ensure_venv(BUILD / f"api-client-venv-{version}", f"waldur-api-client=={version}")
 
 
 if __name__ == "__main__":  # python -m tests.agents.site_agent_venv 1.0.7

@@ -1,5 +1,5 @@
 """The published waldur-site-agent 1.0.7, unchanged but for its message handlers, against
-queuekeeper and web-STOMP (SPEC 9, site-agent-1.0.7-contract.md).
+queuekeeper and web-STOMP (contract §9, docs/agent-protocols.md 1.0.7).
 
 1.0.7 registers one queue per offering with `register_queue` and routes each message by
 the `object_type` in its body with its own router (`route_message`); only the handlers
@@ -26,6 +26,7 @@ from tests.agents.harness import (
     Server,
     agent_config,
     broker_snapshot,
+    publish_event,
     start_agent,
     valid_payload,
 )
@@ -53,24 +54,7 @@ def expected_sequence(first_start: bool, identity: str) -> list[tuple[str, str, 
     ]
 
 
-async def publish(
-    http: httpx.AsyncClient, offering: uuid.UUID, object_type: str, payload: dict[str, Any]
-) -> dict[str, Any]:
-    """As the backend does: POST /api/internal/events/?wait=true."""
-    response = await http.post(
-        "/api/internal/events/",
-        params={"wait": "true"},
-        json={
-            "event_id": f"e2e-{object_type}-{uuid.uuid4().hex[:8]}",
-            "offering_uuid": offering.hex,
-            "object_type": object_type,
-            "payload": payload,
-        },
-        headers={"Authorization": f"Bearer {SERVICE_TOKEN}"},
-    )
-    assert response.status_code == 200, response.text
-    answer: dict[str, Any] = response.json()
-    return answer
+publish = publish_event
 
 
 async def publish_every_type(

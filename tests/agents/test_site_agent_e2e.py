@@ -24,6 +24,7 @@ from prometheus_client import REGISTRY
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from tests.agents.harness import (
+    AGENT_105_TYPES,
     Publisher,
     RunningAgent,
     Server,
@@ -37,18 +38,7 @@ from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Backend
 
-# 1.0.5's ObservableObjectTypeEnum, in the order the agent sets them up (contract 1).
-AGENT_TYPES = [
-    "order",
-    "user_role",
-    "resource",
-    "service_account",
-    "course_account",
-    "offering_user",
-    "offering_resources_sync",
-    "importable_resources",
-    "resource_periodic_limits",
-]
+AGENT_TYPES = AGENT_105_TYPES
 
 
 def expected_sequence(first_start: bool, identity: str, subscriptions: list[str]) -> list[Any]:
@@ -179,7 +169,8 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
 async def test_an_upper_case_offering_uuid_is_flagged_and_its_agent_receives_nothing(
     server: Server, site_agent_python: Path, tmp_path: Path
 ) -> None:
-    """Why docs/agents.md says to configure the offering uuid in lowercase (contract 4.1)."""
+    """Why docs/agents.md says to configure the offering uuid in lowercase
+    (agent-protocols 1.0.5 §4.1)."""
     metric = "queuekeeper_agent_offering_uuid_not_lowercase_total"
     flagged_before = REGISTRY.get_sample_value(metric) or 0.0
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:

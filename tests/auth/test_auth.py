@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
 from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
 
 import httpx
+from structlog.testing import capture_logs
 
 from tests.conftest import SERVICE_TOKEN, SERVICE_TOKEN_OLD
 from tests.helpers import Backend
@@ -119,3 +122,40 @@ async def test_token_expiry_with_an_offset_is_honoured_on_every_database(
     minus_five = past.astimezone(timezone(timedelta(hours=-5))).isoformat()
     expired = await backend.put_user(token_expires_at=minus_five)
     assert (await client.get("/api/users/me/", headers=expired.headers)).status_code == 401
+
+
+async def test_internal_and_admin_routes_name_the_service_header(
+    client: httpx.AsyncClient,
+) -> None:
+    """The backend's and operators' routes say which header they want (not the agents')."""
+    for method, path in (
+        ("PUT", f"/api/internal/offerings/{uuid.uuid4()}/"),
+        ("POST", "/api/internal/events/"),
+        ("POST", "/api/admin/reconcile/"),
+        ("GET", "/api/admin/queues/"),
+    ):
+        response = await client.request(method, path, json={"name": "x"})
+        assert response.status_code == 401, (path, response.text)
+        assert "`Authorization: Bearer <service token>`" in response.json()["detail"], path
+        assert response.headers["www-authenticate"] == "Bearer", path
+    response = await client.get(
+        "/api/admin/queues/", headers={"Authorization": "Bearer unknown-token-123"}
+    )
+    assert response.status_code == 401
+    assert "QUEUEKEEPER_SERVICE_TOKENS" in response.json()["detail"]
+
+
+async def test_without_a_service_token_the_start_up_log_and_the_401_say_so(
+    make_client: Any,
+) -> None:
+    with capture_logs() as logs:
+        client = await make_client(service_tokens=[])
+    assert "no_service_token_configured" in [entry["event"] for entry in logs]
+    response = await client.put(
+        f"/api/internal/offerings/{uuid.uuid4()}/",
+        json={"name": "x"},
+        headers={"Authorization": "Bearer anything-at-all-123"},
+    )
+    assert response.status_code == 401
+    assert "No service token is configured on this server" in response.json()["detail"]
+    assert "QUEUEKEEPER_SERVICE_TOKENS" in response.json()["detail"]

@@ -85,7 +85,7 @@ def test_a_failed_node_rests_behind_the_others_then_is_preferred_again() -> None
 
 @pytest.fixture
 def provisioner(settings: Settings, clean_state: None, management: ManagementClient) -> Provisioner:
-    return Provisioner(management, settings)
+    return Provisioner(management, settings, uuid.uuid4())
 
 
 async def _vhost(provisioner: Provisioner) -> str:

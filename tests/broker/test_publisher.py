@@ -23,7 +23,7 @@ QUEUE = "subscription_publisher_test"
 @pytest.fixture
 def provisioner(settings: Settings, clean_state: None, management: ManagementClient) -> Provisioner:
     """Vhosts made with it carry the test's tag, so clean_state removes them afterwards."""
-    return Provisioner(management, settings)
+    return Provisioner(management, settings, uuid.uuid4())
 
 
 async def _vhost_with_queue(provisioner: Provisioner, *queues: str) -> str:
@@ -42,7 +42,9 @@ async def test_outcomes_confirmed_rejected_returned(
     settings: Settings, provisioner: Provisioner
 ) -> None:
     settings = settings.model_copy(update={"queue_max_length": 1})
-    vhost = await _vhost_with_queue(Provisioner(provisioner.management, settings))
+    vhost = await _vhost_with_queue(
+        Provisioner(provisioner.management, settings, provisioner.installation)
+    )
     publisher = AmqpPublisher(settings)
     try:
         results = await publisher.publish(
@@ -66,7 +68,9 @@ async def test_a_nack_is_judged_by_the_queue_on_the_broker_and_kept_when_it_cann
     Management API unreachable the nack cannot be judged: the copy is kept for a retry, and
     the batch's other outcomes stand."""
     one = settings.model_copy(update={"queue_max_length": 1})
-    vhost = await _vhost_with_queue(Provisioner(provisioner.management, one))
+    vhost = await _vhost_with_queue(
+        Provisioner(provisioner.management, one, provisioner.installation)
+    )
     ten = settings.model_copy(update={"queue_max_length": 10})
     down = settings.model_copy(update={"management_url": f"http://127.0.0.1:{free_port()}"})
     outcomes = {}

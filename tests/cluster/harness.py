@@ -1,6 +1,6 @@
 """A 3-node RabbitMQ cluster on loopback, beside the machine's main broker, never touching it.
 
-Follows ../shared/rabbitmq-cluster-on-loopback.md (measured on this machine):
+How (each point measured on this machine; docs/scaling.md, section 2, has the figures):
 
 - the real scripts in /usr/lib/rabbitmq/bin (the /usr/sbin wrappers `su` to the rabbitmq
   user, whose HOME holds the *main* node's cookie, and write the main node's startup logs);

@@ -1,7 +1,7 @@
 """Agents do not follow redirects and derive their base URL by stripping characters.
 
 waldur-site-agent's client has `follow_redirects=False` and treats a 3xx as a
-failure; it sends `<waldur_api_url>.rstrip("/api") + "/api/..."` (contract 6.1).
+failure; it sends `<waldur_api_url>.rstrip("/api") + "/api/..."` (agent-protocols 1.0.5 §6).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from queuekeeper.app import create_app
 from queuekeeper.config import Settings
 from tests.helpers import Agent, Backend
 
-# Every request the agent makes during its event-processing set-up (contract 2).
+# Every request the agent makes during its event-processing set-up (agent-protocols 1.0.5 §2).
 AGENT_REQUESTS = [
     ("GET", "/api/marketplace-site-agent-identities/?name=agent-x"),
     ("POST", "/api/marketplace-site-agent-identities/"),

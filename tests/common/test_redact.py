@@ -42,6 +42,10 @@ def test_secret_shapes_are_masked(text: str, secret: str) -> None:
         "token_hash 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
         "http://127.0.0.1:15672/api/queues/x",
         "Malformed Authorization header: expected `Token <token>` or `Bearer <token>`.",
+        "Authentication credentials were not provided: send "
+        "`Authorization: Bearer <service token>`.",
+        "Invalid service token. Send `Authorization: Bearer <service token>` with one of "
+        "QUEUEKEEPER_SERVICE_TOKENS.",
     ],
 )
 def test_ordinary_text_is_left_alone(text: str) -> None:

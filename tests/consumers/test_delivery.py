@@ -1,4 +1,4 @@
-"""Delivery to consumers (SPEC 9): one copy per matching consumer, filtered by type, owner
+"""Delivery to consumers (contract §9): one copy per matching consumer, filtered by type, owner
 access re-checked, `user_uuids` honoured, legacy copies suppressed for the consumer's owner."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""/api/event-consumers/ (SPEC 9): for integrations that are not site agents, shaped as
+"""/api/event-consumers/ (contract §9): for integrations that are not site agents, shaped as
 waldur-api-client 8.1.2's EventConsumer* models."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from tests.helpers import Agent, Backend
 
 CONSUMERS = "/api/event-consumers/"
 SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
-# EventConsumer.from_dict needs these (contract 3.4); the rest are queuekeeper's additions.
+# EventConsumer.from_dict needs these (agent-protocols 1.0.7 §3.4); the rest are
+# queuekeeper's additions.
 EVENT_CONSUMER_KEYS = {
     "uuid",
     "object_types",
@@ -23,6 +24,16 @@ EVENT_CONSUMER_KEYS = {
     "queue_created",
     "created",
     "modified",
+    # required by waldur-api-client 8.1.3's EventConsumer
+    "user_uuid",
+    "user_username",
+    "user_full_name",
+    "user_is_staff",
+    "auth_kind",
+    "auth_token_prefix",
+    "auth_token_name",
+    "authorized_via",
+    "delivery_blocked_reason",
 }
 
 
@@ -51,7 +62,7 @@ async def test_register_list_get_delete(
     again = await register(agent, {"object_types": [], "scopes": scopes[::-1]})
     assert again.status_code == 200
     assert again.json()["queue_name"] == answer["queue_name"]
-    assert len(again.json()["observable_object_types"]) == 14
+    assert len(again.json()["observable_object_types"]) == 18
     # Other offerings: another consumer.
     single = await register(agent, {"scopes": scopes[:1]})
     assert single.status_code == 201
@@ -132,3 +143,53 @@ async def test_bad_registrations(backend: Backend) -> None:
     )
     assert forbidden.status_code == 403
     assert (await agent.client.get(CONSUMERS, headers=agent.headers)).json() == []
+
+
+async def test_owner_and_auth_fields_and_the_list_filters(
+    backend: Backend, client: httpx.AsyncClient
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    other, other_offering = await backend.agent_with_offering()
+    scope = [{"type": "offering", "uuid": offering.hex}]
+    first = await register(agent, {"object_types": ["order", "resource"], "scopes": scope})
+    second = await register(
+        agent,
+        {"scopes": [*scope, {"type": "offering", "uuid": (await backend.put_offering()).hex}]},
+    )
+    assert second.status_code == 403  # no access to the new offering: nothing made
+    await register(other, {"scopes": [{"type": "offering", "uuid": other_offering.hex}]})
+
+    (mine,) = (await client.get(CONSUMERS, headers=agent.headers)).json()
+    assert mine["object_types"] == ["order", "resource"]  # a list, as 8.1.3 declares it
+    assert mine["user_uuid"] == agent.uuid.hex
+    assert mine["user_username"] == f"user-{agent.uuid.hex[:8]}"
+    assert (mine["user_is_staff"], mine["auth_kind"], mine["auth_token_name"]) == (
+        False,
+        "token",
+        "",
+    )
+    assert mine["auth_token_prefix"] == agent.token[:8]
+    assert mine["authorized_via"] == "self"
+    assert mine["delivery_blocked_reason"] is None
+    assert first.json()["queue_name"] == mine["queue_name"]
+
+    everyone = (await client.get(CONSUMERS, headers=SERVICE)).json()
+    assert {item["authorized_via"] for item in everyone} == {"staff"}
+    assert [i["created"] for i in everyone] == sorted(i["created"] for i in everyone)
+
+    async def listed(**params: str) -> list[str]:
+        response = await client.get(CONSUMERS, params=params, headers=SERVICE)
+        assert response.status_code == 200, response.text
+        counted = await client.head(CONSUMERS, params=params, headers=SERVICE)
+        assert counted.headers["X-Result-Count"] == str(len(response.json()))
+        return [item["user_uuid"] for item in response.json()]
+
+    assert await listed(user_uuid=str(agent.uuid)) == [agent.uuid.hex]
+    assert await listed(user_username=f"user-{other.uuid.hex[:8]}") == [other.uuid.hex]
+    assert await listed(is_global="true") == []
+    assert len(await listed(is_global="false")) == 2
+    assert await listed(o="-created") == (await listed(o="created"))[::-1]
+    for params, field in (({"user_uuid": "nope"}, "user_uuid"), ({"o": "name"}, "o")):
+        bad = await client.get(CONSUMERS, params=params, headers=SERVICE)
+        assert bad.status_code == 400, bad.text
+        assert field in bad.json()["errors"][0]["field"]

@@ -1,5 +1,5 @@
 """Reconcile, stale cleanup and the admin queue view cover consumers as they cover
-subscription queues (SPEC 9), with the same race-freedom."""
+subscription queues (contract §9), with the same race-freedom."""
 
 from __future__ import annotations
 

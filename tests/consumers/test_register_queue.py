@@ -1,4 +1,5 @@
-"""register_queue (SPEC 9): what waldur-site-agent 1.0.7 calls once per offering on every start."""
+"""register_queue (contract §9): what waldur-site-agent 1.0.7 calls once per offering on
+every start."""
 
 from __future__ import annotations
 
@@ -28,13 +29,18 @@ QUEUE_ARGUMENTS = {
     "x-dead-letter-exchange": "",
     "x-dead-letter-routing-key": "waldur.dlq.messages",
 }
-CLIENT_812_ENUM = sorted(
+# waldur-api-client 8.1.3's ObservableObjectTypeEnum (18 values; 8.1.2's 14 are among them).
+CLIENT_813_ENUM = sorted(
     [
         *AGENT_107_TYPES,
         "resource_end_date_change_request",
         "user_lifecycle",
         "user_profile",
         "user_ssh_key",
+        "call",
+        "proposal",
+        "service_provider_account",
+        "service_provider_project_group",
     ]
 )
 
@@ -77,7 +83,7 @@ async def broker_view(management: ManagementClient, vhost: str, user: str) -> di
 
 
 def test_the_filter_accepts_every_type_of_the_client_enum() -> None:
-    assert sorted(OBJECT_TYPES) == CLIENT_812_ENUM
+    assert sorted(OBJECT_TYPES) == CLIENT_813_ENUM
 
 
 async def test_first_start_makes_the_queue_and_user_a_restart_changes_nothing(
@@ -137,7 +143,7 @@ async def test_first_start_makes_the_queue_and_user_a_restart_changes_nothing(
 async def test_a_restart_re_creates_a_queue_deleted_behind_our_back(
     backend: Backend, management: ManagementClient
 ) -> None:
-    """A restart reads the queue first; one that is gone is declared again, as SPEC 3 asks."""
+    """A restart reads the queue first; one that is gone is declared again, as contract §3 asks."""
     agent, offering = await backend.agent_with_offering()
     identity = await new_identity(agent, offering)
     name = (await register_queue(agent, identity)).json()["queue_name"]
@@ -180,7 +186,7 @@ async def test_filter_omitted_keeps_empty_means_all_list_replaces(backend: Backe
 
     first = await register_queue(agent, identity, {})
     assert first.status_code == 201
-    assert sorted(first.json()["observable_object_types"]) == CLIENT_812_ENUM
+    assert sorted(first.json()["observable_object_types"]) == CLIENT_813_ENUM
     narrowed = await register_queue(agent, identity, {"object_types": ["order", "resource"]})
     assert narrowed.json()["observable_object_types"] == ["order", "resource"]
     kept = await register_queue(agent, identity, {})
@@ -188,7 +194,7 @@ async def test_filter_omitted_keeps_empty_means_all_list_replaces(backend: Backe
     kept = await register_queue(agent, identity, {"object_types": None})
     assert kept.json()["observable_object_types"] == ["order", "resource"]
     everything = await register_queue(agent, identity, {"object_types": []})
-    assert sorted(everything.json()["observable_object_types"]) == CLIENT_812_ENUM
+    assert sorted(everything.json()["observable_object_types"]) == CLIENT_813_ENUM
     # The same queue throughout.
     assert len({r.json()["queue_name"] for r in (first, narrowed, kept, everything)}) == 1
 
@@ -199,7 +205,7 @@ async def test_filter_omitted_keeps_empty_means_all_list_replaces(backend: Backe
         ({"object_types": ["order", "orders"]}, "object_types.1", "unknown object type"),
         ({"object_types": ["order", "order"]}, "object_types", "listed twice"),
         ({"object_types": "order"}, "object_types", "list"),
-        (["order"], "body", "dictionary"),
+        (["order"], "body", "must be a JSON object"),
     ],
     ids=["unknown", "duplicate", "not-a-list", "not-an-object"],
 )
@@ -335,4 +341,4 @@ async def test_no_body_at_all_reads_as_an_empty_object(backend: Backend) -> None
         f"{IDENTITIES}{identity}/register_queue/", headers=agent.headers
     )
     assert response.status_code == 201, response.text
-    assert sorted(response.json()["observable_object_types"]) == CLIENT_812_ENUM
+    assert sorted(response.json()["observable_object_types"]) == CLIENT_813_ENUM

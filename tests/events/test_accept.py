@@ -56,15 +56,29 @@ MINIMAL_PAYLOADS: dict[str, dict[str, Any]] = {
         "client_id": "client-1",
     },
     "offering_resources_sync": {},
+    "service_provider_project_group": {
+        "action": "create",
+        "service_provider_uuid": U,
+        "customer_uuid": U,
+        "project_group_uuid": U,
+        "name": "pg_1",
+        "gid": 20001,
+    },
+    "call": {},
+    "proposal": {},
     "resource_end_date_change_request": {},
+    "service_provider_account": {},
     "user_lifecycle": {},
     "user_profile": {},
     "user_ssh_key": {},
 }
-# In client 8.1.2's enum, with no required field (no published agent handles them yet).
+# In client 8.1.3's enum, with no required field (no published agent handles them yet).
 FREE_FORM = {
     "offering_resources_sync",
+    "call",
+    "proposal",
     "resource_end_date_change_request",
+    "service_provider_account",
     "user_lifecycle",
     "user_profile",
     "user_ssh_key",
@@ -91,6 +105,10 @@ SPOILED: dict[str, tuple[dict[str, Any], str]] = {
     "resource_api_key_rotation": (
         {"action": "rotate", "resource_uuid": U, "api_key_uuid": U, "resource_backend_id": "b"},
         "payload",
+    ),
+    "service_provider_project_group": (
+        {**MINIMAL_PAYLOADS["service_provider_project_group"], "customer_uuid": "x"},
+        "payload.customer_uuid",
     ),
 }
 

@@ -12,6 +12,7 @@ import aio_pika
 import httpx
 import pytest
 from fastapi import FastAPI
+from structlog.testing import capture_logs
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.topology import queue_arguments
@@ -32,7 +33,7 @@ from tests.events.support import (
     wait_settled,
 )
 from tests.helpers import Backend
-from tests.proxy import free_port
+from tests.proxy import closed_port, free_port
 from tests.stomp_client import StompConsumer
 
 
@@ -326,9 +327,41 @@ async def test_wait_answers_pending_when_the_wait_limit_passes(
     elapsed = asyncio.get_running_loop().time() - started
     assert response.status_code == 200
     assert response.json()["deliveries"] == [
-        {"queue_name": registered.queue_name, "vhost": registered.vhost, "state": "pending"}
+        {
+            "queue_name": registered.queue_name,
+            "vhost": registered.vhost,
+            "state": "pending",
+            "reason": "not confirmed by the broker within 0.3 s (QUEUEKEEPER_EVENTS_WAIT_TIMEOUT); "
+            "it is stored and will be delivered: follow it with GET "
+            "/api/internal/events/{event_id}/",
+        }
     ]
     assert 0.3 <= elapsed < 3
+
+
+@pytest.mark.settings(relay_enabled=False)
+async def test_wait_that_ends_pending_says_the_relays_last_error(
+    backend: Backend, make_client: Any
+) -> None:
+    """The broker cannot be reached: the answer says so instead of a bare `pending`."""
+    registered = await register(backend)
+    port = closed_port()
+    unreachable = await make_client(
+        relay_enabled=True,
+        amqp_url=f"amqp://guest:guest@127.0.0.1:{port}/",
+        events_wait_timeout=2.0,
+        relay_backoff_base=0.05,
+    )
+    with capture_logs() as logs:
+        response = await post_event(unreachable, order_event(registered.offering), wait=True)
+    assert response.status_code == 200
+    (copy,) = response.json()["deliveries"]
+    assert copy["state"] == "pending"
+    assert str(port) in copy["reason"], copy
+    # The log names the broker it could not reach, as host:port.
+    failed = [entry for entry in logs if entry["event"] == "amqp_connect_failed"]
+    assert failed, logs
+    assert failed[0]["nodes"] == [f"127.0.0.1:{port}"]
 
 
 async def test_wait_with_no_recipients_answers_at_once(

@@ -1,4 +1,5 @@
-"""Agent identities: the first requests waldur-site-agent makes (site-agent-contract 2.1, 3.1)."""
+"""Agent identities: the first requests waldur-site-agent makes (agent-protocols 1.0.5
+§2.1, §3.1)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ async def register(agent: Agent, offering: str, **overrides: Any) -> httpx.Respo
 
 
 def assert_parses_as_agent_identity(item: dict[str, Any]) -> None:
-    """What waldur-api-client 8.0.9.dev348's AgentIdentity.from_dict needs (contract 3.1)."""
+    """What waldur-api-client 8.0.9.dev348's AgentIdentity.from_dict needs (agent-protocols
+    1.0.5 §3.1)."""
     for key in ("uuid", "url", "offering", "created_by", "name", "created", "modified"):
         assert key in item, key
     uuid.UUID(item["uuid"])

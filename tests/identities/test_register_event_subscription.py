@@ -224,6 +224,23 @@ async def test_unknown_object_type_names_the_field(backend: Backend) -> None:
     assert "unknown object type" in response.json()["detail"]
 
 
+async def test_the_types_new_in_client_813_register_and_get_a_queue(backend: Backend) -> None:
+    """Every place a type is named takes 8.1.3's new values: the legacy calls too."""
+    agent, offering = await backend.agent_with_offering()
+    identity_uuid = await new_identity(agent, offering)
+    for object_type in (
+        "service_provider_project_group",
+        "call",
+        "proposal",
+        "service_provider_account",
+    ):
+        response = await register_subscription(agent, identity_uuid, object_type)
+        assert response.status_code == 201, response.text
+        queue = await agent.create_queue(response.json()["uuid"], offering, object_type)
+        assert queue.status_code == 201, queue.text
+        assert queue.json()["queue_name"].endswith(f"_{object_type}")
+
+
 async def test_broker_down_is_a_503_and_leaves_nothing_behind(
     settings: Settings, clean_state: None
 ) -> None:

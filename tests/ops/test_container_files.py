@@ -114,6 +114,12 @@ def test_rabbitmq_has_the_plugins_and_ports_agents_need() -> None:
     rabbitmq = document["services"]["rabbitmq"]
     published = {port.split(":")[-1] for port in rabbitmq["ports"]}
     assert {"5672", "15672", "61613", "15674"} <= published
+    # The administrator's ports stay on loopback unless RABBITMQ_BIND says otherwise.
+    for port in ("5672", "15672"):
+        (entry,) = [item for item in rabbitmq["ports"] if item.endswith(f":{port}")]
+        assert entry == f"${{RABBITMQ_BIND:-127.0.0.1}}:{port}:{port}", entry
+    assert active_env_example()["RABBITMQ_BIND"] == "127.0.0.1"
+    assert "Compose 2.24" in (ROOT / "compose.yaml").read_text()
     (config,) = rabbitmq["configs"]
     assert config["target"] == "/etc/rabbitmq/enabled_plugins"
     plugins_file = ROOT / document["configs"][config["source"]]["file"]

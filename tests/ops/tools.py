@@ -19,6 +19,7 @@ PACKAGES = {
     "buildah": "buildah",
     "runc": "runc",
     "debootstrap": "debootstrap",
+    "nginx": "nginx-light",
 }
 
 

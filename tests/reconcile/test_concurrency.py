@@ -93,6 +93,7 @@ async def test_queue_registered_during_a_run_is_never_deleted(
     assert run["found"]["orphans_registered_meanwhile"] == 1
 
 
+@pytest.mark.settings(reconcile_max_delete_share=1.0)  # deletion mechanics, not the guard
 async def test_vhost_gaining_a_subscription_during_a_run_is_kept(
     app: FastAPI,
     backend: Backend,
@@ -167,6 +168,7 @@ async def test_a_run_asked_for_while_one_is_going_skips(
     assert sorted(statuses) == ["skipped", "succeeded"]
 
 
+@pytest.mark.settings(reconcile_max_delete_share=1.0)  # deletion mechanics, not the guard
 async def test_one_failing_delete_does_not_stop_the_run_and_is_recorded(
     backend: Backend, operator: Operator, management: ManagementClient
 ) -> None:

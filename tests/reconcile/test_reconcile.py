@@ -305,6 +305,7 @@ async def test_user_without_token_cannot_be_restored_marks_subscription_broken(
     consumer.close()
 
 
+@pytest.mark.settings(reconcile_max_delete_share=1.0)  # deletion mechanics, not the guard
 async def test_unused_vhost_and_orphan_users_removed(
     app: FastAPI,
     backend: Backend,
@@ -426,6 +427,7 @@ async def test_run_records_listed_newest_first_and_fetched_by_uuid(
         assert len(list(await session.scalars(select(EventSubscription)))) == 0
 
 
+@pytest.mark.settings(reconcile_max_delete_share=1.0)  # deletion mechanics, not the guard
 async def test_many_small_pages_join_exactly(
     app: FastAPI, backend: Backend, management: ManagementClient
 ) -> None:
@@ -464,7 +466,7 @@ async def test_many_small_pages_join_exactly(
     assert again.changed == {}
 
 
-@pytest.mark.settings(reconcile_delete_concurrency=3)
+@pytest.mark.settings(reconcile_delete_concurrency=3, reconcile_max_delete_share=1.0)
 async def test_orphans_are_deleted_a_few_at_a_time(
     app: FastAPI, backend: Backend, operator: Operator, management: ManagementClient
 ) -> None:

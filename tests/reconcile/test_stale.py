@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from fastapi import FastAPI
 from sqlalchemy import delete, func, select
 
@@ -65,6 +66,7 @@ async def test_expired_and_inactive_users_lose_subscriptions_and_broker_objects(
         assert await session.get(User, expired.uuid) is not None
 
 
+@pytest.mark.settings(reconcile_max_delete_share=1.0)  # deletion mechanics, not the guard
 async def test_deleted_users_broker_leftovers_removed(
     app: FastAPI, backend: Backend, operator: Operator, management: ManagementClient
 ) -> None:

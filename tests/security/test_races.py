@@ -2,7 +2,7 @@
 at once against the service, then real broker logins (AMQP and STOMP) to see what holds.
 
 Every writer of a user's broker users, vhost and consumer rows holds the owner lock
-(docs/decisions/001-owner-lock.md). Before it, 15 registrations in flight beside a token
+(docs/decisions/010-owner-lock.md). Before it, 15 registrations in flight beside a token
 change left the old token working on the broker on the first trial; 8 identical consumer
 registrations made 8 consumers; parallel registrations passed the quotas; deletions
 racing registrations left broker users, queues and vhosts without rows.
@@ -220,7 +220,7 @@ async def test_registrations_in_flight_never_bring_an_old_token_back(
 
 @pytest.mark.settings(scheduler_enabled=True, token_expiry_interval_seconds=1)
 async def test_revoke_expired_compares_with_what_the_broker_holds(
-    backend: Backend, management: ManagementClient, settings: Settings
+    app: FastAPI, backend: Backend, management: ManagementClient
 ) -> None:
     """A broker user left holding an old password while its row says the current one (what
     the race above did before the owner lock) is set right and its connections closed
@@ -233,9 +233,8 @@ async def test_revoke_expired_compares_with_what_the_broker_holds(
     old_token = agent.token
     await backend.put_user(agent.uuid, token=secrets.token_hex(20))
     # What a lost race leaves: the broker user holds the old token, the row the new one.
-    await management.put_user(
-        name, password_hash=rabbit_password_hash(old_token), tags=[settings.instance_tag]
-    )
+    tags = await app.state.queuekeeper.provisioner.tags()
+    await management.put_user(name, password_hash=rabbit_password_hash(old_token), tags=tags)
     consumer = StompConsumer(agent.vhost, name, old_token)
     await asyncio.to_thread(consumer.connect)
     try:

@@ -45,7 +45,7 @@ async def test_agent_registers_and_receives_over_web_stomp(
     assert queue["vhost"] == agent.uuid.hex
     assert queue["event_subscription_uuid"] == subscription["uuid"]
 
-    # The broker holds exactly the SPEC 3 arguments, durable, in a vhost tagged as ours.
+    # The broker holds exactly the contract §3 arguments, durable, in a vhost tagged as ours.
     info = await management.get_queue(agent.vhost, expected_name)
     assert info is not None
     assert info.arguments == {

@@ -69,7 +69,7 @@ async def test_a_repeat_call_reads_the_database_twice(app: FastAPI, backend: Bac
 
 
 async def test_a_repeat_call_on_a_right_queue_only_reads_it(backend: Backend) -> None:
-    """The broker is asked once (GET, the read-back SPEC 3 requires), not declared again:
+    """The broker is asked once (GET, the read-back contract §3 requires), not declared again:
     a declare of a queue that is already right would change nothing."""
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
@@ -92,7 +92,7 @@ async def test_a_new_queue_is_declared_once_and_not_read_back(backend: Backend) 
 async def test_a_queue_the_broker_kept_despite_our_declare_is_read_back_and_repaired(
     backend: Backend, management: ManagementClient
 ) -> None:
-    """SPEC 3: RabbitMQ ignores an `x-` argument it does not check and answers 204 keeping
+    """contract §3: RabbitMQ ignores an `x-` argument it does not check and answers 204 keeping
     the older queue; only the read-back sees the difference."""
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
@@ -188,7 +188,7 @@ async def test_access_revoked_while_the_queue_is_declared_waits_and_leaves_nothi
     """The backend revokes the grant while create_queue is at the broker: revoke_access takes
     the owner's vhost lock exclusively before it touches the grant, so it waits for the
     create_queue holding it shared to commit, then removes that queue with the grant
-    (docs/decisions/001-owner-lock.md). Nothing is left, whichever comes first."""
+    (docs/decisions/010-owner-lock.md). Nothing is left, whichever comes first."""
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
     state = app.state.queuekeeper

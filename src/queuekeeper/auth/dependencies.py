@@ -27,15 +27,28 @@ authorization_header = APIKeyHeader(
 AuthorizationHeader = Annotated[str | None, Depends(authorization_header)]
 
 
-def credentials(header: str | None) -> str:
+AGENT_HEADER = "Authorization: Token <api token>"
+SERVICE_HEADER = "Authorization: Bearer <service token>"
+NO_SERVICE_TOKEN = (
+    "No service token is configured on this server: set QUEUEKEEPER_SERVICE_TOKENS "
+    "(comma-separated) and restart it."
+)
+
+
+def credentials(header: str | None, *, service: bool = False) -> str:
+    """The token of an `Authorization` header; Unauthorized naming the header the route
+    wants (`service`: the backend's and operators' routes) when it is missing or malformed."""
+    wanted = SERVICE_HEADER if service else AGENT_HEADER
+    scheme_name = "Bearer" if service else "Token"
     if not header:
         raise Unauthorized(
-            "Authentication credentials were not provided: send `Authorization: Token <token>`."
+            f"Authentication credentials were not provided: send `{wanted}`.",
+            scheme=scheme_name,
         )
     scheme, _, token = header.strip().partition(" ")
     if scheme.lower() not in ("token", "bearer") or not token.strip():
         raise Unauthorized(
-            "Malformed Authorization header: expected `Token <token>` or `Bearer <token>`."
+            f"Malformed Authorization header: expected `{wanted}`.", scheme=scheme_name
         )
     return token.strip()
 
@@ -62,7 +75,12 @@ async def authenticate_service(engine: AsyncEngine, token: str, settings: Settin
         return
     if await user_with_token(engine, token) is not None:
         raise Forbidden("This endpoint needs a service token; an agent token is not enough.")
-    raise Unauthorized("Invalid service token.", scheme="Bearer")
+    if not settings.service_tokens:
+        raise Unauthorized(f"Invalid service token. {NO_SERVICE_TOKEN}", scheme="Bearer")
+    raise Unauthorized(
+        f"Invalid service token. Send `{SERVICE_HEADER}` with one of QUEUEKEEPER_SERVICE_TOKENS.",
+        scheme="Bearer",
+    )
 
 
 # Where the request guard leaves the user it authenticated (every agent POST and PUT, before
@@ -99,7 +117,7 @@ async def service_caller(
 ) -> None:
     # Only a refused token needs the database (to say which refusal): the backend's calls,
     # single events at its pace among them, cost no query.
-    await authenticate_service(engine, credentials(header), settings)
+    await authenticate_service(engine, credentials(header, service=True), settings)
 
 
 async def agent_or_service(
@@ -116,6 +134,14 @@ async def agent_or_service(
 
 
 CurrentUser = Annotated[User, Depends(current_user)]
+
+
+def caller_token(header: AuthorizationHeader) -> str:
+    """The token the request came with (for what a registration records of it)."""
+    return credentials(header)
+
+
+CallerToken = Annotated[str, Depends(caller_token)]
 # None for a service token: routes that show an agent its own things show an operator all.
 AgentOrService = Annotated[User | None, Depends(agent_or_service)]
 ServiceCaller = Depends(service_caller)

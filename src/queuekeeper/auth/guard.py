@@ -193,7 +193,7 @@ class RequestGuard:
         await _CountedBody(self.app, rule, self.settings)(scope, receive, send)
 
     async def _authenticate(self, scope: Scope, headers: Headers, rule: Policy) -> None:
-        token = credentials(headers.get("authorization"))
+        token = credentials(headers.get("authorization"), service=rule.caller is Caller.SERVICE)
         if rule.caller is Caller.SERVICE and is_service_token(token, self.settings.service_tokens):
             return  # the backend's calls, single events among them, cost no session
         state: AppState = scope["app"].state.queuekeeper

@@ -1,4 +1,4 @@
-"""Puts the topology of SPEC 3 on the broker, and takes it off again.
+"""Puts the topology of contract §3 on the broker, and takes it off again.
 
 Every `ensure_*` is idempotent and verifies what it asked for by reading it
 back: a 2xx from the Management API does not prove a queue has our arguments.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -30,6 +30,7 @@ log = structlog.get_logger(__name__)
 
 
 VANISHED = "queue vanished while being checked"
+VHOST_DESCRIPTION = "queuekeeper: event queues of one user"
 
 
 class QueueOutcome(enum.StrEnum):
@@ -52,13 +53,29 @@ class QueueConflict(Exception):
         self.reason = reason
 
 
-class ForeignVhost(Exception):
-    """The vhost exists but is not tagged as this installation's: we never touch it."""
+class Ownership(enum.StrEnum):
+    """Whose a vhost or broker user is (docs/decisions/009-installation-identity.md)."""
 
-    def __init__(self, vhost: str, tags: list[str]) -> None:
+    # Tagged with this installation's identity.
+    OURS = "ours"
+    # Tagged `queuekeeper:<our instance name>` but with no installation identity: made
+    # before identities existed. Adopted only for rows of this database, never deleted.
+    UNCLAIMED = "unclaimed"
+    # Tagged with our instance name and another installation's identity: another
+    # queuekeeper with the same QUEUEKEEPER_INSTANCE_NAME shares this broker.
+    OTHER_INSTALLATION = "other_installation"
+    # Anything else (not queuekeeper's, or another instance name).
+    NOT_OURS = "not_ours"
+
+
+class ForeignVhost(Exception):
+    """The vhost exists but is not this installation's: we never touch it."""
+
+    def __init__(self, vhost: str, tags: list[str], reason: str = "") -> None:
         super().__init__(vhost)
         self.vhost = vhost
         self.tags = tags
+        self.reason = reason or f"not tagged as this installation's (tags: {tags})"
 
 
 def busy(info: QueueInfo | None) -> str:
@@ -73,10 +90,23 @@ def busy(info: QueueInfo | None) -> str:
     return ", ".join(parts)
 
 
+Identity = Callable[[], Awaitable[uuid.UUID]]
+
+
 class Provisioner:
-    def __init__(self, management: ManagementClient, settings: Settings) -> None:
+    """`identity` is the installation's uuid, or how to read it (from the database, once,
+    by `identify`)."""
+
+    def __init__(
+        self,
+        management: ManagementClient,
+        settings: Settings,
+        identity: uuid.UUID | Identity | None = None,
+    ) -> None:
         self.management = management
         self.settings = settings
+        self.installation = identity if isinstance(identity, uuid.UUID) else None
+        self._read_identity = None if isinstance(identity, uuid.UUID) else identity
         self.queue_arguments = topology.queue_arguments(settings)
         # What a queue declared before a change of queue_type looks like (classic <-> quorum).
         other = topology.CLASSIC if settings.queue_type == topology.QUORUM else topology.QUORUM
@@ -85,43 +115,95 @@ class Provisioner:
         )
         self.dlq_arguments = topology.dead_letter_queue_arguments(settings)
 
-    # --- vhosts ------------------------------------------------------------------------
-    def owns(self, info: VhostInfo | UserInfo) -> bool:
-        """A vhost or broker user is ours when it carries this installation's tag."""
-        return self.settings.instance_tag in info.tags
+    # --- ownership -------------------------------------------------------------------
+    async def identify(self) -> uuid.UUID:
+        """This installation's uuid, read once."""
+        if self.installation is None:
+            if self._read_identity is None:
+                raise RuntimeError("this Provisioner was given no installation identity")
+            self.installation = await self._read_identity()
+        return self.installation
 
+    async def tags(self) -> list[str]:
+        """What every vhost and broker user we make carries."""
+        identity = await self.identify()
+        return [self.settings.instance_tag, topology.installation_tag(identity)]
+
+    def ownership(self, info: VhostInfo | UserInfo) -> Ownership:
+        if self.installation is None:
+            # A caller that forgot identify() would see nothing as ours: fail loudly instead.
+            raise RuntimeError("Provisioner.identify() must be awaited before ownership()")
+        installations = topology.installations_of(info.tags)
+        if self.installation.hex in installations:
+            return Ownership.OURS
+        if self.settings.instance_tag not in info.tags:
+            return Ownership.NOT_OURS
+        return Ownership.OTHER_INSTALLATION if installations else Ownership.UNCLAIMED
+
+    def owns(self, info: VhostInfo | UserInfo) -> bool:
+        """A vhost or broker user is ours when it carries this installation's identity."""
+        return self.ownership(info) is Ownership.OURS
+
+    def why_not_ours(self, info: VhostInfo | UserInfo) -> str:
+        """Why an object is left alone, in words an operator can act on."""
+        ownership = self.ownership(info)
+        if ownership is Ownership.OTHER_INSTALLATION:
+            others = ", ".join(topology.installations_of(info.tags))
+            return (
+                f"it belongs to installation {others}, another queuekeeper using the instance "
+                f"name {self.settings.instance_name!r} on this broker (give each installation "
+                "its own QUEUEKEEPER_INSTANCE_NAME)"
+            )
+        if ownership is Ownership.UNCLAIMED:
+            return (
+                f"it is tagged {self.settings.instance_tag!r} without an installation identity "
+                "(made before identities existed) and this database has no rows for it"
+            )
+        return f"it is not tagged {self.settings.instance_tag!r} (tags: {list(info.tags)})"
+
+    # --- vhosts ------------------------------------------------------------------------
     async def owned_vhosts(self) -> list[str]:
         """Names of the vhosts tagged as this installation's, sorted."""
+        await self.identify()
         vhosts = await self.management.list_vhosts()
         return sorted(info.name for info in vhosts if self.owns(info))
 
     async def owns_vhost(self, vhost: str) -> bool:
         if not topology.is_vhost_name(vhost):
             return False  # never ours: no need to ask the broker
+        await self.identify()
         info = await self.management.get_vhost(vhost)
         return info is not None and self.owns(info)
 
     async def owned_users(self) -> list[str]:
         """Names of the broker users tagged as this installation's, sorted."""
+        await self.identify()
         users = await self.management.list_users()
         return sorted(info.name for info in users if self.owns(info))
+
+    async def adopt_vhost(self, info: VhostInfo) -> None:
+        """Give a vhost made before installation identities ours (its tags kept)."""
+        tags = list(dict.fromkeys([*info.tags, *await self.tags()]))
+        await self.management.put_vhost(info.name, description=VHOST_DESCRIPTION, tags=tags)
+        log.info("vhost_adopted", vhost=info.name, tags=tags)
 
     async def ensure_vhost(self, vhost: str) -> bool:
         """Vhost tagged as ours, our own users with full rights, the dead-letter queue.
 
-        Returns True when the vhost was created.
+        A vhost made before installation identities (`UNCLAIMED`) is adopted: whoever calls
+        this acts for the vhost's user, a row of this database. Returns True when the vhost
+        was created.
         """
+        tags = await self.tags()
         info = await self.management.get_vhost(vhost)
         created = info is None
         if info is None:
-            await self.management.put_vhost(
-                vhost,
-                description="queuekeeper: event queues of one user",
-                tags=[self.settings.instance_tag],
-            )
+            await self.management.put_vhost(vhost, description=VHOST_DESCRIPTION, tags=tags)
             log.info("vhost_created", vhost=vhost)
+        elif self.ownership(info) is Ownership.UNCLAIMED:
+            await self.adopt_vhost(info)
         elif not self.owns(info):
-            raise ForeignVhost(vhost, list(info.tags))
+            raise ForeignVhost(vhost, list(info.tags), self.why_not_ours(info))
         for user in self.service_users():
             await self.put_service_permissions(vhost, user)
         await self.ensure_vhost_limits(vhost, read_first=not created)
@@ -167,7 +249,7 @@ class Provisioner:
         if info is None:
             return False
         if not self.owns(info):
-            log.warning("vhost_not_ours_left_alone", vhost=vhost, tags=list(info.tags))
+            log.warning("vhost_not_ours_left_alone", vhost=vhost, reason=self.why_not_ours(info))
             return False
         deleted = await self.management.delete_vhost(vhost)
         if deleted:
@@ -204,7 +286,7 @@ class Provisioner:
         """
         return await self._user_intact(vhost, topology.subscription_user_name(subscription_uuid))
 
-    # --- consumer broker users (SPEC 9) ----------------------------------------------------
+    # --- consumer broker users (contract §9) ----------------------------------------------------
     async def ensure_consumer_user(
         self, vhost: str, consumer_uuid: uuid.UUID, password_hash: str | None
     ) -> None:
@@ -234,7 +316,7 @@ class Provisioner:
             # An empty hash means "no password login": used when the owner has no token.
             name,
             password_hash=password_hash or "",
-            tags=[self.settings.instance_tag],
+            tags=await self.tags(),
         )
         # RabbitMQ's own limits on an agent login (a PUT may also re-create a user deleted
         # by hand, without them).
@@ -262,6 +344,7 @@ class Provisioner:
     async def login_hashes(self) -> dict[str, str]:
         """Every broker user of ours and the password hash it holds ("" for none): one
         listing, for comparing what the broker holds with what the rows want."""
+        await self.identify()
         users = await self.management.list_users(columns="name,tags,password_hash")
         return {info.name: info.password_hash for info in users if self.owns(info)}
 
@@ -368,7 +451,7 @@ class Provisioner:
             return await self._repair_or_keep(vhost, name, exc.reason, keep_other_type)
         if created:
             # 201: the broker found no queue of that name and made it from our body, so it
-            # holds exactly our arguments. SPEC 3's read-back is for the 204, where the broker
+            # holds exactly our arguments. contract §3's read-back is for the 204, where the broker
             # may have kept an older queue and ignored what we sent.
             return QueueOutcome.CREATED
         differences = await self.queue_differences(vhost, name)
@@ -417,7 +500,7 @@ class Provisioner:
         return self.differences(info)
 
     def differences(self, info: QueueInfo) -> list[str]:
-        """How a subscription queue on the broker differs from SPEC 3; empty when right."""
+        """How a subscription queue on the broker differs from contract §3; empty when right."""
         return _differences(self.queue_arguments, info)
 
     def dead_letter_queue_differences(self, info: QueueInfo) -> list[str]:
@@ -472,7 +555,7 @@ def _differences(expected_arguments: dict[str, Any], info: QueueInfo) -> list[st
 async def best_effort(action: str, coro: Any, **context: Any) -> bool:
     """Run a broker clean-up step; log a failure instead of raising it.
 
-    Deletions in the database must not wait on the broker (SPEC 7): whatever is
+    Deletions in the database must not wait on the broker (contract §7): whatever is
     left on the broker is removed by the next reconcile.
     """
     try:

@@ -252,7 +252,13 @@ class AmqpPublisher:
         except CONNECT_ERRORS as exc:
             if vhost_refused(exc):
                 return [Result(Outcome.VHOST_REFUSED, describe(exc))] * len(items)
-            log.warning("amqp_connect_failed", vhost=vhost, error=describe(exc))
+            log.warning(
+                "amqp_connect_failed",
+                vhost=vhost,
+                # Which broker it could not reach, whatever the error's own words say.
+                nodes=[node_label(url) for url in self.nodes.urls],
+                error=describe(exc),
+            )
             return [Result(Outcome.UNREACHABLE, describe(exc))] * len(items)
         return list(results)
 

@@ -13,7 +13,7 @@ SUBSCRIPTION_QUEUE_PREFIX = "subscription_"
 QUEUE_NAME_RE = re.compile(
     r"^subscription_(?P<subscription>[0-9a-f]{32})_offering_(?P<offering>[0-9a-f]{32})_(?P<object_type>[a-z_]+)$"
 )
-# SPEC 9: one queue per consumer, named by the server (the agent takes it verbatim).
+# contract §9: one queue per consumer, named by the server (the agent takes it verbatim).
 CONSUMER_QUEUE_PREFIX = "consumer_"
 CONSUMER_QUEUE_RE = re.compile(r"^consumer_(?P<consumer>[0-9a-f]{32})$")
 # Every queue name queuekeeper makes starts with one of these; reconcile and the admin view
@@ -23,6 +23,26 @@ _UUID_HEX = re.compile(r"^[0-9a-f]{32}$")
 # Permissions are regexes matched against the whole name, so anchor both ends.
 NOTHING = "^$"
 EVERYTHING = ".*"
+
+
+# Every vhost and broker user queuekeeper makes carries two tags: `queuekeeper:<instance
+# name>` for people, and this one with the installation's uuid, which decides ownership
+# (docs/decisions/009-installation-identity.md).
+INSTALLATION_TAG_PREFIX = "queuekeeper-installation:"
+
+
+def installation_tag(installation: uuid.UUID) -> str:
+    return f"{INSTALLATION_TAG_PREFIX}{installation.hex}"
+
+
+def installations_of(tags: tuple[str, ...] | list[str]) -> list[str]:
+    """The installation uuids (hex) an object's tags name; empty for an object made before
+    installations had identities."""
+    return [
+        tag.removeprefix(INSTALLATION_TAG_PREFIX)
+        for tag in tags
+        if tag.startswith(INSTALLATION_TAG_PREFIX)
+    ]
 
 
 def vhost_name(owner_uuid: uuid.UUID) -> str:
@@ -112,7 +132,7 @@ def subscription_permissions(subscription_uuid: uuid.UUID) -> Permissions:
 
 
 def consumer_permissions(consumer_uuid: uuid.UUID) -> Permissions:
-    """Read its one queue, nothing else (Waldur grants `.*` on all three; SPEC 9 does not)."""
+    """Read its one queue, nothing else (Waldur grants `.*` on all three; contract §9 does not)."""
     return Permissions(
         configure=NOTHING,
         write=NOTHING,

@@ -14,7 +14,7 @@ from pathlib import Path
 import fastapi_offline
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 ASSETS_URL = "/docs-assets"
@@ -55,6 +55,22 @@ def install_docs(app: FastAPI) -> None:
     def prefix(request: Request) -> str:
         root: str = request.scope.get("root_path", "")
         return root.rstrip("/")
+
+    @app.get("/", include_in_schema=False)
+    async def index(request: Request) -> JSONResponse:
+        """Someone opened the service's address: say where to go."""
+        base = prefix(request)
+        return JSONResponse(
+            {
+                "service": app.title,
+                "detail": f"The API is described at {base}/docs (and {base}/redoc); "
+                "README.md, Quickstart, shows the first calls.",
+                "docs": f"{base}/docs",
+                "openapi": f"{base}/openapi.json",
+                "health": f"{base}/healthz",
+                "ready": f"{base}/readyz",
+            }
+        )
 
     @app.get("/docs", include_in_schema=False)
     async def swagger_ui(request: Request) -> HTMLResponse:

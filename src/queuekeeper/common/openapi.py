@@ -7,13 +7,24 @@ validation errors with a 400 (as Waldur does), so the document is corrected to s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
+
+from queuekeeper.config import Settings
+
+# A field whose limit is a setting carries `json_schema_extra={LIMITED_BY: "<setting>"}` (and a
+# static bound, the most any setting may be); the document states the running value instead.
+LIMITED_BY = "x-limited-by"
+
+
+def limited_by(setting: str) -> dict[str, Any]:
+    """`json_schema_extra` of a field whose documented limit is the setting `setting`."""
+    return {LIMITED_BY: setting}
 
 
 class FieldError(BaseModel):
@@ -206,7 +217,35 @@ def _fix_validation_responses(schema: dict[str, Any]) -> None:
         components["ErrorBody"] = error_schema
 
 
-def install_openapi(app: FastAPI) -> None:
+def _running_limits(schema: dict[str, Any], settings: Settings) -> None:
+    """`maxLength`/`maxItems` of settings-bound fields are what this process enforces."""
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            setting = node.pop(LIMITED_BY, None)
+            if isinstance(setting, str):
+                value = int(getattr(settings, setting))
+                key = "maxItems" if node.get("type") == "array" else "maxLength"
+                node[key] = min(value, node.get(key, value))
+                note = f" At most {node[key]} (setting QUEUEKEEPER_{setting.upper()})."
+                node["description"] = (node.get("description", "") + note).strip()
+            for child in node.values():
+                visit(child)
+        elif isinstance(node, list):
+            for child in node:
+                visit(child)
+
+    visit(schema.get("components", {}))
+
+
+def install_openapi(
+    app: FastAPI,
+    settings: Settings,
+    extend: Callable[[dict[str, Any]], None] | None = None,
+) -> None:
+    """`extend` adds what a domain knows about its own schemas (events: one schema per
+    object type's payload)."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
@@ -219,6 +258,9 @@ def install_openapi(app: FastAPI) -> None:
             )
             _fix_validation_responses(schema)
             _document_guard(schema)
+            if extend is not None:
+                extend(schema)
+            _running_limits(schema, settings)
             app.openapi_schema = schema
         return app.openapi_schema
 

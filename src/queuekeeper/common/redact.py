@@ -29,7 +29,8 @@ _URL_USERINFO = re.compile(
 )
 _AUTH_HEADER = re.compile(
     r"(?P<prefix>\bauthorization\b[\"']?\s*[:=,]\s*[\"']?(?:token|bearer|basic)?\s*)"
-    r"(?P<secret>[^\s\"',;)}\]]+)",
+    # `<service token>`: a placeholder in the docs and in error messages, not a secret.
+    r"(?P<secret>(?!<)(?!(?:token|bearer|basic)\s+<)[^\s\"',;)}\]]+)",
     re.I,
 )
 _AUTH_SCHEME = re.compile(

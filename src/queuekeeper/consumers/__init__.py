@@ -1,1 +1,1 @@
-"""Unified event consumers (SPEC 9): one queue per agent identity or integration."""
+"""Unified event consumers (contract §9): one queue per agent identity or integration."""

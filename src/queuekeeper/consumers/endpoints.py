@@ -1,20 +1,24 @@
-"""Consumer routes (SPEC 9): the 1.0.7 agent's `register_queue`, and `/api/event-consumers/`.
+"""Consumer routes (contract §9, §10): the agents' `register_queue` (1.0.7 and later), and
+`/api/event-consumers/`.
 
-waldur-site-agent 1.0.7 accepts 200 or 201 from register_queue and nothing else; it
-does not retry, so every refusal says exactly what to fix.
+waldur-site-agent accepts 200 or 201 from register_queue and nothing else. 1.0.7 does
+not retry; 1.0.8's watchdog retries (a 4xx every 15 minutes, after one retry without
+`service_provider_project_group` on a 400), so every refusal says exactly what to fix.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import uuid
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Depends, Request, Response, status
+from fastapi import APIRouter, Body, Depends, Query, Request, Response, status
 
-from queuekeeper.auth.dependencies import AgentOrService, CurrentUser
+from queuekeeper.auth.dependencies import AgentOrService, CallerToken, CurrentUser
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.consumers import service
 from queuekeeper.consumers.schemas import (
+    ConsumerFilters,
     ConsumerOut,
     ConsumerRegistration,
     QueueRegistration,
@@ -65,6 +69,7 @@ async def register_queue(
     identity_uuid: str,
     response: Response,
     user: CurrentUser,
+    token: CallerToken,
     session: SessionDep,
     provisioner: ProvisionerDep,
     settings: SettingsDep,
@@ -72,7 +77,7 @@ async def register_queue(
     body: Annotated[QueueRegistration, Body(default_factory=QueueRegistration)],
 ) -> RegistrationOut:
     consumer, created = await service.register_queue(
-        session, provisioner, settings, user, identity_uuid, body
+        session, provisioner, settings, user, token, identity_uuid, body
     )
     if not created:
         response.status_code = status.HTTP_200_OK
@@ -108,14 +113,40 @@ async def register_event_consumer(
     body: ConsumerRegistration,
     response: Response,
     user: CurrentUser,
+    token: CallerToken,
     session: SessionDep,
     provisioner: ProvisionerDep,
     settings: SettingsDep,
 ) -> RegistrationOut:
-    consumer, created = await service.register(session, provisioner, settings, user, body)
+    consumer, created = await service.register(session, provisioner, settings, user, token, body)
     if not created:
         response.status_code = status.HTTP_200_OK
     return RegistrationOut.from_row(consumer)
+
+
+def consumer_filters(
+    user_uuid: Annotated[
+        uuid.UUID | None, Query(description="Only the consumers of this owner (hex or dashed).")
+    ] = None,
+    user_username: Annotated[
+        str | None, Query(max_length=255, description="Only the consumers of this owner.")
+    ] = None,
+    is_global: Annotated[
+        bool | None,
+        Query(description="`true` lists nothing: every consumer here is bound to offerings."),
+    ] = None,
+    o: Annotated[
+        list[Literal["created", "-created"]] | None,
+        Query(description="`created` (default, oldest first) or `-created`."),
+    ] = None,
+) -> ConsumerFilters:
+    """The list filters of waldur-api-client 8.1.3's `event_consumers_list` / `_count`."""
+    return ConsumerFilters(
+        user_uuid=user_uuid,
+        user_username=user_username,
+        is_global=is_global,
+        descending=o is not None and o[:1] == ["-created"],
+    )
 
 
 @router.get(
@@ -131,10 +162,11 @@ async def list_event_consumers(
     caller: AgentOrService,
     session: SessionDep,
     page: Annotated[Page, Depends(page_params)],
+    filters: Annotated[ConsumerFilters, Depends(consumer_filters)],
 ) -> list[ConsumerOut]:
-    paged = await service.list_consumers(session, caller, page)
+    paged = await service.list_consumers(session, caller, filters, page)
     set_page_headers(request, response, page, paged.total)
-    return [ConsumerOut.from_row(row) for row in paged.rows]
+    return [ConsumerOut.from_row(row, as_staff=caller is None) for row in paged.rows]
 
 
 @router.head(
@@ -152,8 +184,12 @@ async def list_event_consumers(
         **error_responses(401),
     },
 )
-async def count_event_consumers(caller: AgentOrService, session: SessionDep) -> Response:
-    total = await service.count_consumers(session, caller)
+async def count_event_consumers(
+    caller: AgentOrService,
+    session: SessionDep,
+    filters: Annotated[ConsumerFilters, Depends(consumer_filters)],
+) -> Response:
+    total = await service.count_consumers(session, caller, filters)
     return Response(status_code=status.HTTP_200_OK, headers={"X-Result-Count": str(total)})
 
 
@@ -166,7 +202,8 @@ async def count_event_consumers(caller: AgentOrService, session: SessionDep) -> 
 async def get_event_consumer(
     consumer_uuid: str, caller: AgentOrService, session: SessionDep
 ) -> ConsumerOut:
-    return ConsumerOut.from_row(await service.get_consumer(session, caller, consumer_uuid))
+    consumer = await service.get_consumer(session, caller, consumer_uuid)
+    return ConsumerOut.from_row(consumer, as_staff=caller is None)
 
 
 @router.delete(

@@ -7,11 +7,12 @@ import uuid
 from collections.abc import Collection, Sequence
 from datetime import datetime
 
-from sqlalchemy import Select, func, or_, select, update
+from sqlalchemy import Select, false, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
+from queuekeeper.consumers.schemas import ConsumerFilters
 from queuekeeper.models import (
     AgentIdentity,
     Delivery,
@@ -40,16 +41,35 @@ async def get(
     return found
 
 
+def filtered(owner_uuid: uuid.UUID | None, filters: ConsumerFilters) -> Select[EventConsumer]:
+    """`consumers(owner_uuid)` narrowed by the list filters of client 8.1.3."""
+    query = consumers(owner_uuid)
+    if filters.user_uuid is not None:
+        query = query.where(EventConsumer.user_uuid == filters.user_uuid)
+    if filters.user_username is not None:
+        owners = select(User.uuid).where(User.username == filters.user_username)
+        query = query.where(EventConsumer.user_uuid.in_(owners))
+    if filters.is_global:
+        query = query.where(false())  # every consumer here is bound to offerings
+    return query
+
+
 async def page(
-    session: AsyncSession, owner_uuid: uuid.UUID | None, page: Page
+    session: AsyncSession, owner_uuid: uuid.UUID | None, filters: ConsumerFilters, page: Page
 ) -> Paged[EventConsumer]:
-    return await fetch_paged(
-        session, consumers(owner_uuid), EventConsumer.created, EventConsumer.uuid, page=page
+    order = (
+        (EventConsumer.created.desc(), EventConsumer.uuid.desc())
+        if filters.descending
+        else (EventConsumer.created, EventConsumer.uuid)
     )
+    return await fetch_paged(session, filtered(owner_uuid, filters), *order, page=page)
 
 
-async def count(session: AsyncSession, owner_uuid: uuid.UUID | None) -> int:
-    total = await session.scalar(select(func.count()).select_from(consumers(owner_uuid).subquery()))
+async def count(
+    session: AsyncSession, owner_uuid: uuid.UUID | None, filters: ConsumerFilters
+) -> int:
+    query = filtered(owner_uuid, filters)
+    total = await session.scalar(select(func.count()).select_from(query.subquery()))
     return int(total or 0)
 
 

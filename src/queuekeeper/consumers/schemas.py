@@ -1,8 +1,9 @@
-"""Consumer bodies and answers, shaped as waldur-api-client 8.1.2's models.
+"""Consumer bodies and answers, shaped as waldur-api-client 8.1.3's models (which 8.1.2's
+parse too).
 
 `AgentQueueRegistrationRequest` / `EventConsumerRegistrationRequest` in,
 `AgentQueueRegistrationResponse` / `EventConsumerRegistrationResponse` and
-`EventConsumer` out. Extra fields in answers are tolerated by that client.
+`EventConsumer` out. Extra fields in answers are tolerated by every client.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ ObjectTypes = list[ObjectType] | None
 OBJECT_TYPES_DESCRIPTION = (
     "Object types to receive. Omitted (or null) keeps the current filter (all types for a "
     "new consumer); `[]` means all types; a list replaces the filter. Every value of "
-    "waldur-api-client 8.1.2's `ObservableObjectTypeEnum` is accepted, each at most once."
+    "waldur-api-client 8.1.3's `ObservableObjectTypeEnum` is accepted, each at most once."
 )
 
 
 class QueueRegistration(BaseModel):
-    """`AgentQueueRegistrationRequest`: what waldur-site-agent 1.0.7 sends on every start."""
+    """`AgentQueueRegistrationRequest`: what waldur-site-agent 1.0.7 and later send on every
+    start."""
 
     model_config = ConfigDict(
         extra="ignore",
@@ -158,8 +160,18 @@ class ScopeOut(BaseModel):
     uuid: str | None
 
 
+AuthorizedVia = Literal["self", "staff"]
+# At most this many leading characters of a token are shown, and at most a quarter of it.
+TOKEN_PREFIX_MAX = 8
+
+
+def token_prefix(token: str) -> str:
+    """`auth_token_prefix`: enough to tell tokens apart, never enough to matter."""
+    return token[: min(TOKEN_PREFIX_MAX, len(token) // 4)]
+
+
 class ConsumerOut(Schema):
-    """`EventConsumer`, plus where its queue is and who owns it."""
+    """`EventConsumer` (client 8.1.3), plus where its queue is."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -171,11 +183,19 @@ class ConsumerOut(Schema):
                     "is_global": False,
                     "rmq_username": _CONSUMER_UUID,
                     "queue_created": True,
+                    "user_uuid": _USER_UUID,
+                    "user_username": "site-agent-a",
+                    "user_full_name": "Site agent A",
+                    "user_is_staff": False,
+                    "auth_kind": "token",
+                    "auth_token_prefix": "3f9a1c0b",
+                    "auth_token_name": "",
+                    "authorized_via": "self",
+                    "delivery_blocked_reason": None,
                     "created": "2026-11-23T00:51:07.301234Z",
                     "modified": "2026-11-23T00:51:07.301234Z",
                     "queue_name": f"consumer_{_CONSUMER_UUID}",
                     "vhost": _USER_UUID,
-                    "user_uuid": _USER_UUID,
                     "agent_identity_uuid": _IDENTITY_UUID,
                 }
             ]
@@ -190,17 +210,35 @@ class ConsumerOut(Schema):
     queue_created: bool = Field(
         description="Always true: a consumer is stored only once its queue exists."
     )
+    user_uuid: HexUUID
+    user_username: str
+    user_full_name: str
+    user_is_staff: bool = Field(description="Always false: queuekeeper has no staff users.")
+    auth_kind: Literal["token"] = Field(
+        description="How it was registered: always with an API token here."
+    )
+    auth_token_prefix: str = Field(
+        description="The first characters of the token that last registered it (at most 8, "
+        "and at most a quarter of the token)."
+    )
+    auth_token_name: str = Field(description="Always empty: API tokens have no names here.")
+    authorized_via: AuthorizedVia = Field(
+        description="Why you see it: `self` (you own it) or `staff` (a service token)."
+    )
+    delivery_blocked_reason: str | None = Field(
+        description="Why events cannot reach it right now; null when nothing is known to block it."
+    )
     created: UTCDateTime
     modified: UTCDateTime
     queue_name: str
     vhost: str
-    user_uuid: HexUUID
     agent_identity_uuid: HexUUID | None = Field(
         description="The site agent identity it was registered for (register_queue), or null."
     )
 
     @classmethod
-    def from_row(cls, consumer: EventConsumer) -> ConsumerOut:
+    def from_row(cls, consumer: EventConsumer, *, as_staff: bool) -> ConsumerOut:
+        """`as_staff`: the caller is a service token, not the owner."""
         return cls(
             uuid=consumer.uuid,
             object_types=list(consumer.object_types or []),
@@ -211,10 +249,27 @@ class ConsumerOut(Schema):
             is_global=False,
             rmq_username=topology.consumer_user_name(consumer.uuid),
             queue_created=True,
+            user_uuid=consumer.user_uuid,
+            user_username=consumer.owner.username,
+            user_full_name=consumer.owner.full_name or "",
+            user_is_staff=False,
+            auth_kind="token",
+            auth_token_prefix=consumer.auth_token_prefix or "",
+            auth_token_name="",
+            authorized_via="staff" if as_staff else "self",
+            delivery_blocked_reason=None,
             created=consumer.created,
             modified=consumer.modified,
             queue_name=consumer.queue_name,
             vhost=consumer.vhost,
-            user_uuid=consumer.user_uuid,
             agent_identity_uuid=consumer.agent_identity_uuid,
         )
+
+
+class ConsumerFilters(BaseModel):
+    """The list filters of client 8.1.3's `event_consumers_list` / `_count`."""
+
+    user_uuid: HexUUID | None = None
+    user_username: str | None = None
+    is_global: bool | None = None
+    descending: bool = False

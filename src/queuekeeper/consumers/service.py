@@ -1,8 +1,8 @@
-"""Consumers (SPEC 9): one queue, one broker user, many object types, scoped to offerings.
+"""Consumers (contract §9): one queue, one broker user, many object types, scoped to offerings.
 
 Registration: validate (access, body) before any lock or broker call; then, holding
 the owner lock with the owner's vhost lock and the broker-users lock shared
-(docs/decisions/001-owner-lock.md), find the consumer this call repeats (by identity,
+(docs/decisions/010-owner-lock.md), find the consumer this call repeats (by identity,
 or by owner and set of offerings: both unique in the database), count the quota, read
 the owner's current token, and make the broker side real (vhost and dead-letter queue,
 broker user with that token as password and read on this one queue only, the queue
@@ -34,7 +34,12 @@ from queuekeeper.common.quotas import check_quota
 from queuekeeper.common.schemas import find_by_path_uuid, parse_path_uuid
 from queuekeeper.config import Settings
 from queuekeeper.consumers import repository
-from queuekeeper.consumers.schemas import ConsumerRegistration, QueueRegistration
+from queuekeeper.consumers.schemas import (
+    ConsumerFilters,
+    ConsumerRegistration,
+    QueueRegistration,
+    token_prefix,
+)
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.models import (
     BrokerState,
@@ -66,6 +71,7 @@ class _Wanted:
     object_types: list[str] | None  # None: keep the current filter
     identity_uuid: uuid.UUID | None
     owner_uuid: uuid.UUID  # read once: a rollback expires `owner`
+    token_prefix: str  # of the token this registration came with
 
 
 async def register_queue(
@@ -73,6 +79,7 @@ async def register_queue(
     provisioner: Provisioner,
     settings: Settings,
     user: User,
+    token: str,
     identity_uuid: str,
     body: QueueRegistration,
 ) -> tuple[EventConsumer, bool]:
@@ -101,6 +108,7 @@ async def register_queue(
         object_types=body.object_types,
         identity_uuid=identity.uuid,
         owner_uuid=user.uuid,
+        token_prefix=token_prefix(token),
     )
     return await _register(session, provisioner, settings, "register_queue", wanted)
 
@@ -110,6 +118,7 @@ async def register(
     provisioner: Provisioner,
     settings: Settings,
     user: User,
+    token: str,
     body: ConsumerRegistration,
 ) -> tuple[EventConsumer, bool]:
     """`POST /api/event-consumers/register/`: the caller's consumer for these offerings."""
@@ -120,6 +129,7 @@ async def register(
         object_types=body.object_types,
         identity_uuid=None,
         owner_uuid=user.uuid,
+        token_prefix=token_prefix(token),
     )
     return await _register(session, provisioner, settings, "api", wanted)
 
@@ -193,7 +203,7 @@ async def _make_real(
     # The owner lock, from the look-up, the quota count and the read of the owner's token
     # to the commit: identical calls find the first one's row, parallel ones cannot pass
     # the quota together, and the broker user gets the token the database holds when the
-    # row lands (docs/decisions/001-owner-lock.md). The vhost and broker-users locks,
+    # row lands (docs/decisions/010-owner-lock.md). The vhost and broker-users locks,
     # shared: reconcile takes them exclusively and re-checks the rows, so it never takes
     # this consumer's queue, user or vhost for an orphan.
     try:
@@ -227,6 +237,7 @@ async def _make_real(
                     vhost=vhost,
                     broker_password_hash=password_hash,
                     broker_state=BrokerState.OK,
+                    auth_token_prefix=wanted.token_prefix,
                     scopes=[EventConsumerScope(offering_uuid=o) for o in wanted.offerings],
                 )
                 session.add(consumer)
@@ -267,6 +278,7 @@ def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None)
         consumer.scopes = [EventConsumerScope(offering_uuid=o) for o in wanted.offerings]
     consumer.broker_password_hash = password_hash
     consumer.broker_state = BrokerState.OK
+    consumer.auth_token_prefix = wanted.token_prefix
     consumer.modified = utcnow()
 
 
@@ -286,14 +298,16 @@ async def _unmake(
 
 # --- reading and deleting -------------------------------------------------------------------
 async def list_consumers(
-    session: AsyncSession, caller: User | None, page: Page
+    session: AsyncSession, caller: User | None, filters: ConsumerFilters, page: Page
 ) -> Paged[EventConsumer]:
     """The caller's consumers; every consumer for a service token (`caller` None)."""
-    return await repository.page(session, caller.uuid if caller else None, page)
+    return await repository.page(session, caller.uuid if caller else None, filters, page)
 
 
-async def count_consumers(session: AsyncSession, caller: User | None) -> int:
-    return await repository.count(session, caller.uuid if caller else None)
+async def count_consumers(
+    session: AsyncSession, caller: User | None, filters: ConsumerFilters
+) -> int:
+    return await repository.count(session, caller.uuid if caller else None, filters)
 
 
 async def get_consumer(
@@ -336,7 +350,7 @@ async def remove_revoked_copies(
 ) -> None:
     """A consumer that lost `offering_uuid` as a scope (its owner's grant was revoked) and
     kept others: take that offering's copies out of its queue, keeping the others
-    (docs/decisions/002-revoked-scope-copies.md).
+    (docs/decisions/011-revoked-scope-copies.md).
 
     Under the owner lock, its broker login is switched off and its connections closed
     (what the agent held unacked goes back to the queue) while the queue is read through,

@@ -1,1 +1,1 @@
-"""Dead letters: per-vhost counts, redrive to the original queue, given-up records (SPEC 7)."""
+"""Dead letters: per-vhost counts, redrive to the original queue, given-up records (contract §7)."""

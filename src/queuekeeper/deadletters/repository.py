@@ -14,7 +14,7 @@ from queuekeeper.models import EventConsumer, EventSubscriptionQueue, GivenUpDea
 
 
 async def is_registered(session: AsyncSession, vhost: str, queue_name: str) -> bool:
-    """A subscription queue's or a consumer's (SPEC 9): both are redriven alike."""
+    """A subscription queue's or a consumer's (contract §9): both are redriven alike."""
     found = await session.scalar(
         select(EventSubscriptionQueue.uuid)
         .where(

@@ -1,4 +1,4 @@
-"""Events from the backend (SPEC 5), what became of them, and the outbox's depth."""
+"""Events from the backend (contract §5), what became of them, and the outbox's depth."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ from queuekeeper.config import Settings
 from queuekeeper.db import Transaction, transaction
 from queuekeeper.events import repository
 from queuekeeper.events.outbox import Claimed
-from queuekeeper.events.recipients import RecipientIndex, Recipients, find_recipients
+from queuekeeper.events.recipients import Copy, RecipientIndex, Recipients, find_recipients
 from queuekeeper.events.schemas import EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest, DomainError, Unavailable
 from queuekeeper.models import DeliveryState, utcnow
@@ -192,7 +192,7 @@ async def _store(
     now: datetime,
     lease: tuple[str, datetime] | None,
 ) -> _Group:
-    offerings = {event.offering_uuid for request in group for event in request.events}
+    offerings = {o for request in group for event in request.events for o in event.offerings}
     object_types = {event.object_type for request in group for event in request.events}
     index = await find_recipients(unit, offerings, object_types, now)
     stored = _Group()
@@ -208,6 +208,8 @@ async def _store(
     first_of: dict[str, tuple[int, int]] = {}
     event_ids: list[list[str]] = []
     recipients: dict[str, Recipients] = {}
+    # A fan-out event's copies, each with the offering of the queue it goes to.
+    copy_offerings: dict[str, dict[Copy, uuid.UUID]] = {}
     event_rows: list[dict[str, Any]] = []
     bodies: dict[str, str] = {}
     for r, (_slot, request) in enumerate(valid):
@@ -217,14 +219,20 @@ async def _store(
             if event_id in first_of:
                 continue
             first_of[event_id] = (r, position)
-            found = index.recipients(event.offering_uuid, event.object_type, event.user_uuids)
+            if event.offering_uuids is None:
+                found = index.recipients(event.offerings[0], event.object_type, event.user_uuids)
+            else:
+                found, copy_offerings[event_id] = _fan_out(index, event)
             recipients[event_id] = found
             body = request.bodies[position]
             bodies[event_id] = json.dumps(body)  # as the JSON column stores it
             event_rows.append(
                 {
                     "event_id": event_id,
-                    "offering_uuid": event.offering_uuid,
+                    "offering_uuid": event.offerings[0],
+                    "offering_uuids": [o.hex for o in event.offering_uuids]
+                    if event.offering_uuids is not None
+                    else None,
                     "object_type": event.object_type,
                     "payload": body,
                     "user_uuids": [u.hex for u in event.user_uuids]
@@ -252,6 +260,7 @@ async def _store(
                 "consumer_uuid": copy.consumer_uuid,
                 "queue_name": copy.queue_name,
                 "vhost": copy.vhost,
+                "offering_uuid": copy_offerings.get(event_id, {}).get(copy),
                 "state": DeliveryState.PENDING,
                 # Handed to this process's relay: claimed in the insert, as a claim would.
                 "attempts": 1 if lease else 0,
@@ -279,6 +288,7 @@ async def _store(
                 attempts=1,
                 created=now,
                 last_error=None,
+                copy_offering_uuid=copy_offerings.get(event_id, {}).get(copy),
                 offering_uuid=events_by_id[event_id]["offering_uuid"],
                 object_type=events_by_id[event_id]["object_type"],
                 accepted=now,
@@ -310,7 +320,7 @@ async def _store(
                 log.info(
                     "queue not registered for this offering and object type; skipping",
                     event_id=event_id,
-                    offering_uuid=event.offering_uuid.hex,
+                    offering_uuids=[o.hex for o in event.offerings],
                     object_type=event.object_type,
                     subscriptions=[s.hex for s in found.skipped],
                 )
@@ -341,10 +351,34 @@ async def _store(
 
 def _unknown_offering(request: _Request, index: RecipientIndex) -> BadRequest | None:
     for position, event in enumerate(request.events):
-        if event.offering_uuid not in index.known:
-            prefix = request.field_prefix
-            return BadRequest(
-                f"Unknown offering {event.offering_uuid.hex}: the backend has not pushed it.",
-                field=field_name(prefix, position, "offering_uuid") if prefix else "offering_uuid",
-            )
+        for number, offering in enumerate(event.offerings):
+            if offering not in index.known:
+                prefix = request.field_prefix
+                where = (
+                    ("offering_uuid",)
+                    if event.offering_uuids is None
+                    else ("offering_uuids", number)
+                )
+                return BadRequest(
+                    f"Unknown offering {offering.hex}: the backend has not pushed it.",
+                    field=field_name(prefix, position, *where)
+                    if prefix
+                    else field_name("", *where),
+                )
     return None
+
+
+def _fan_out(index: RecipientIndex, event: EventIn) -> tuple[Recipients, dict[Copy, uuid.UUID]]:
+    """An event sent to several offerings: each offering's recipients, as for an event of
+    that offering alone, and one copy per queue (a consumer scoped to several of them gets
+    one copy, carrying the first of them in the event's order)."""
+    found = Recipients()
+    offering_of: dict[Copy, uuid.UUID] = {}
+    for offering in event.offerings:
+        each = index.recipients(offering, event.object_type, event.user_uuids)
+        for copy in each.copies:
+            if copy not in offering_of:
+                offering_of[copy] = offering
+                found.copies.append(copy)
+        found.skipped.extend(s for s in each.skipped if s not in found.skipped)
+    return found, offering_of

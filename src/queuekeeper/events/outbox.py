@@ -50,13 +50,14 @@ class Claimed:
     id: int
     event_id: str
     queue_uuid: uuid.UUID | None
-    consumer_uuid: uuid.UUID | None  # a consumer's copy (SPEC 9) has this instead
+    consumer_uuid: uuid.UUID | None  # a consumer's copy (contract §9) has this instead
     queue_name: str
     vhost: str
     attempts: int
     created: datetime
     last_error: str | None
-    offering_uuid: uuid.UUID
+    copy_offering_uuid: uuid.UUID | None  # a fan-out's copy: its queue's offering
+    offering_uuid: uuid.UUID  # the event's (first) offering
     object_type: str
     accepted: datetime
     body: str  # the stored payload JSON, sent as it is
@@ -72,6 +73,7 @@ _DELIVERY_COLUMNS = (
     DELIVERIES.c.attempts,
     DELIVERIES.c.created,
     DELIVERIES.c.last_error,
+    DELIVERIES.c.offering_uuid,
 )
 _EVENT_COLUMNS = (
     EVENTS.c.offering_uuid,

@@ -7,7 +7,7 @@ A subscription that would receive the type (it lists it, or lists nothing) but
 registered no queue for it is counted as skipped. Everything is read in one
 statement per request, whatever the batch or the fan-out; the rest is done in memory.
 
-A consumer (SPEC 9) of an active owner with access, scoped to the offering, gets one
+A consumer (contract §9) of an active owner with access, scoped to the offering, gets one
 copy when its filter holds the type (an empty filter holds every type); its owner's
 legacy queues then get none of that event (as Waldur does), so an agent upgraded from
 1.0.5 to 1.0.7 does not fill the per-type queues it no longer reads, and a user on both

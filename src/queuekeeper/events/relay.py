@@ -75,17 +75,21 @@ def new_relay_id() -> str:
 
 
 def message_body(item: Claimed) -> bytes:
-    """The stored body; a consumer's copy also says `schema_version: 1` (SPEC 9)."""
-    if item.consumer_uuid is None:
+    """The stored body; a consumer's copy also says `schema_version: 1` (contract §9), and a
+    fan-out's copy the offering of its own queue (contract §10)."""
+    if item.consumer_uuid is None and item.copy_offering_uuid is None:
         return item.body.encode()
     body = json.loads(item.body)
-    body["schema_version"] = CONSUMER_SCHEMA_VERSION
+    if item.consumer_uuid is not None:
+        body["schema_version"] = CONSUMER_SCHEMA_VERSION
+    if item.copy_offering_uuid is not None:
+        body["offering_uuid"] = item.copy_offering_uuid.hex
     return json.dumps(body, separators=(",", ":")).encode()
 
 
 def event_message(item: Claimed) -> aio_pika.Message:
-    """SPEC 6: the stored body, and the properties consumers rely on."""
-    offering = item.offering_uuid.hex
+    """contract §6: the stored body, and the properties consumers rely on."""
+    offering = (item.copy_offering_uuid or item.offering_uuid).hex
     return aio_pika.Message(
         message_body(item),
         content_type="application/json",
@@ -419,7 +423,7 @@ class Relay:
             except QueueConflict as exc:
                 failures[key] = f"queue could not be re-declared: {exc.reason}"
             except ForeignVhost as exc:
-                failures[key] = f"vhost {exc.vhost!r} is not tagged as ours; not touched"
+                failures[key] = f"vhost {exc.vhost!r} is not ours ({exc.reason}); not touched"
             except ManagementError as exc:
                 failures[key] = f"queue could not be re-declared: {exc}"
             except Exception as exc:  # anything else: retried with backoff, reason kept

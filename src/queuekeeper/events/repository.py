@@ -28,6 +28,7 @@ Executor = AsyncSession | AsyncConnection
 EVENT_COLUMNS = (
     "event_id",
     "offering_uuid",
+    "offering_uuids",
     "object_type",
     "payload",
     "user_uuids",
@@ -72,6 +73,7 @@ _DELIVERY_COLUMNS = [
     "consumer_uuid",
     "queue_name",
     "vhost",
+    "offering_uuid",
     "state",
     "attempts",
     "claimed_by",
@@ -109,9 +111,9 @@ async def insert_deliveries(
 
 async def delivery_states(
     session: AsyncSession, event_ids: Collection[str]
-) -> dict[str, list[tuple[str, str, DeliveryState]]]:
-    """(queue_name, vhost, state) of every copy, by event, in creation order."""
-    found: dict[str, list[tuple[str, str, DeliveryState]]] = {
+) -> dict[str, list[tuple[str, str, DeliveryState, str | None]]]:
+    """(queue_name, vhost, state, last_error) of every copy, by event, in creation order."""
+    found: dict[str, list[tuple[str, str, DeliveryState, str | None]]] = {
         event_id: [] for event_id in event_ids
     }
     if not event_ids:
@@ -122,12 +124,13 @@ async def delivery_states(
             DELIVERIES.c.queue_name,
             DELIVERIES.c.vhost,
             DELIVERIES.c.state,
+            DELIVERIES.c.last_error,
         )
         .where(DELIVERIES.c.event_id.in_(event_ids))
         .order_by(DELIVERIES.c.id)
     )
-    for event_id, queue_name, vhost, state in rows:
-        found[event_id].append((queue_name, vhost, state))
+    for event_id, queue_name, vhost, state, last_error in rows:
+        found[event_id].append((queue_name, vhost, state, last_error))
     return found
 
 

@@ -1,19 +1,24 @@
-"""Bodies and answers of the events API (SPEC 5)."""
+"""Bodies and answers of the events API (contract §5)."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from sqlalchemy import Row
 
+from queuekeeper.common.openapi import limited_by
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.events.payloads import ObjectType
 from queuekeeper.models import DeliveryState, Event
 
 if TYPE_CHECKING:
     from queuekeeper.events.outbox import OutboxDepth
+
+# Offerings one event may name in `offering_uuids` (a provider's live offerings).
+MAX_FAN_OUT = 1000
 
 _EVENT_EXAMPLE: dict[str, Any] = {
     "event_id": "0b5a4e3c2f1d4e6fa7b8c9d0e1f2a3b4",
@@ -41,7 +46,18 @@ class EventIn(BaseModel):
         "`message_id` of every copy. A repeated id is accepted once. A hex uuid is made up "
         "when it is left out.",
     )
-    offering_uuid: HexUUID
+    offering_uuid: HexUUID | None = Field(
+        default=None, description="The offering the event concerns (or `offering_uuids`)."
+    )
+    offering_uuids: list[HexUUID] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_FAN_OUT,
+        description="Instead of `offering_uuid`, for an event that concerns several "
+        "offerings (a service provider's project group goes to each of its offerings, as "
+        "Waldur sends it): one event, one `event_id`, and each copy's body and headers carry "
+        "the `offering_uuid` of the queue it goes to. Exactly one of the two.",
+    )
     object_type: ObjectType
     payload: dict[str, Any] = Field(default_factory=dict)
     user_uuids: list[HexUUID] | None = Field(
@@ -49,6 +65,14 @@ class EventIn(BaseModel):
         max_length=10_000,
         description="Only these users' queues receive the event (still only with access).",
     )
+
+    @property
+    def offerings(self) -> list[uuid.UUID]:
+        """Every offering the event goes to, the first being the one it is stored under."""
+        if self.offering_uuids is not None:
+            return self.offering_uuids
+        # services.validate_payloads refuses an event with neither before it gets here
+        return [self.offering_uuid] if self.offering_uuid is not None else []
 
 
 class EventBatchIn(BaseModel):
@@ -72,7 +96,8 @@ class EventBatchIn(BaseModel):
     )
 
     events: list[EventIn] = Field(
-        description="Up to QUEUEKEEPER_EVENTS_BATCH_MAX events, stored in one transaction."
+        description="Events stored in one transaction.",
+        json_schema_extra=limited_by("events_batch_max"),
     )
 
 
@@ -80,6 +105,11 @@ class DeliveryOut(BaseModel):
     queue_name: str
     vhost: str
     state: DeliveryState
+    reason: str | None = Field(
+        default=None,
+        description="A copy not `published` when the wait ended: why (the relay's last "
+        "failure, e.g. the broker unreachable, or that it was not confirmed in time).",
+    )
 
 
 _ACCEPTED_EXAMPLE: dict[str, JsonValue] = {
@@ -184,7 +214,10 @@ class EventDetail(Schema):
     )
 
     event_id: str
-    offering_uuid: HexUUID
+    offering_uuid: HexUUID = Field(description="The event's (first) offering.")
+    offering_uuids: list[str] | None = Field(
+        default=None, description="Every offering of an event sent with `offering_uuids`."
+    )
     object_type: str
     user_uuids: list[str] | None
     accepted: UTCDateTime
@@ -198,6 +231,7 @@ class EventDetail(Schema):
         return cls(
             event_id=event.event_id,
             offering_uuid=event.offering_uuid,
+            offering_uuids=event.offering_uuids,
             object_type=event.object_type,
             user_uuids=event.user_uuids,
             accepted=event.accepted,

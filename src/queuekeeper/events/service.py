@@ -49,15 +49,7 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
                         "message": str(error["msg"]).removeprefix("Value error, "),
                     }
                 )
-        sent_offering = event.payload.get("offering_uuid")
-        if sent_offering is not None and as_uuid(sent_offering) != event.offering_uuid:
-            errors.append(
-                {
-                    "field": field_name(where, "payload", "offering_uuid"),
-                    "message": f"{sent_offering!r} differs from the event's offering_uuid "
-                    f"{event.offering_uuid.hex}; leave it out or send the same offering",
-                }
-            )
+        errors.extend(_offering_errors(event, where))
         sent_type = event.payload.get("object_type")
         if sent_type is not None and sent_type != event.object_type:
             errors.append(
@@ -67,10 +59,12 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
                     f"{event.object_type!r}; leave it out or send the same type",
                 }
             )
+        offerings = event.offerings
         bodies.append(
             {
                 **event.payload,
-                "offering_uuid": event.offering_uuid.hex,
+                # a fan-out's copies each get their own offering when published
+                "offering_uuid": offerings[0].hex if offerings else None,
                 "object_type": event.object_type,
             }
         )
@@ -80,6 +74,48 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
             extra={"errors": errors},
         )
     return bodies
+
+
+def _offering_errors(event: EventIn, where: str) -> list[dict[str, str]]:
+    """Exactly one of `offering_uuid` and `offering_uuids`, each offering once, and a
+    payload `offering_uuid` (if any) that agrees."""
+    if (event.offering_uuid is None) == (event.offering_uuids is None):
+        return [
+            {
+                "field": field_name(where, "offering_uuid"),
+                "message": "send exactly one of offering_uuid (one offering) and "
+                "offering_uuids (several)",
+            }
+        ]
+    errors = []
+    offerings = event.offerings
+    if len(set(offerings)) != len(offerings):
+        errors.append(
+            {
+                "field": field_name(where, "offering_uuids"),
+                "message": "an offering is listed twice",
+            }
+        )
+    sent_offering = event.payload.get("offering_uuid")
+    if sent_offering is not None:
+        if event.offering_uuids is not None:
+            if as_uuid(sent_offering) not in offerings:
+                errors.append(
+                    {
+                        "field": field_name(where, "payload", "offering_uuid"),
+                        "message": f"{sent_offering!r} is not one of offering_uuids; leave "
+                        "it out: each copy carries the offering of the queue it goes to",
+                    }
+                )
+        elif as_uuid(sent_offering) != event.offering_uuid:
+            errors.append(
+                {
+                    "field": field_name(where, "payload", "offering_uuid"),
+                    "message": f"{sent_offering!r} differs from the event's offering_uuid "
+                    f"{offerings[0].hex}; leave it out or send the same offering",
+                }
+            )
+    return errors
 
 
 def check_payload_sizes(events: Sequence[EventIn], limit: int) -> None:
@@ -94,6 +130,12 @@ def check_payload_sizes(events: Sequence[EventIn], limit: int) -> None:
                 setting="event_payload_max_bytes",
                 field=f"events.{index}.payload",
             )
+
+
+_NOT_YET = (
+    "not confirmed by the broker within {limit:g} s (QUEUEKEEPER_EVENTS_WAIT_TIMEOUT); it is "
+    "stored and will be delivered: follow it with GET /api/internal/events/{{event_id}}/"
+)
 
 
 async def wait_settled(
@@ -116,7 +158,9 @@ async def wait_settled(
         async with sessions() as session:
             states = await repository.delivery_states(session, event_ids)
         pending = any(
-            state == DeliveryState.PENDING for rows in states.values() for *_, state in rows
+            state == DeliveryState.PENDING
+            for rows in states.values()
+            for _name, _vhost, state, _error in rows
         )
         remaining = deadline - loop.time()
         if not pending or remaining <= 0:
@@ -125,8 +169,17 @@ async def wait_settled(
         interval = min(interval * 1.5, 0.25)
     for answer in answers:
         answer.deliveries = [
-            DeliveryOut(queue_name=name, vhost=vhost, state=state)
-            for name, vhost, state in states[answer.event_id]
+            DeliveryOut(
+                queue_name=name,
+                vhost=vhost,
+                state=state,
+                # Why a copy is still pending (or was given up): the relay's last failure,
+                # or, with none yet, that it was not published within the wait.
+                reason=(last_error or _NOT_YET.format(limit=limit))
+                if state != DeliveryState.PUBLISHED
+                else None,
+            )
+            for name, vhost, state, last_error in states[answer.event_id]
         ]
 
 

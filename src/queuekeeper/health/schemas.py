@@ -64,7 +64,10 @@ class Readiness(BaseModel):
     status: Literal["ready", "unavailable"]
     detail: str = Field(
         description="`Ready.`, which dependencies are down, or which broker nodes did not "
-        "answer while others did (still ready)."
+        "answer while others did (still ready); followed by `Warning: …` when the broker holds "
+        "objects under this instance name that this database does not know (another "
+        "installation with the same name, or a database restored from an older backup; still "
+        "ready, docs/operations.md)."
     )
     checks: dict[str, CheckResult] = Field(
         description="One entry per dependency: `database`, `amqp`, `management`."

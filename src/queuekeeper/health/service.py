@@ -19,6 +19,7 @@ from sqlalchemy import text
 from queuekeeper.broker.nodes import node_label
 from queuekeeper.common.redact import default_redactor
 from queuekeeper.health.schemas import CheckResult, NodeResult, Readiness
+from queuekeeper.installation import service as installation
 from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
@@ -76,6 +77,48 @@ async def _across_nodes(urls: list[str], check: NodeCheck, limit: float) -> Chec
     )
 
 
+# How old a survey of the broker may be before /readyz starts a new one (in the background).
+SURVEY_MAX_AGE = 300.0
+
+
+async def refresh_survey(state: AppState) -> None:
+    """Look for objects under our instance name that this database does not know; warn once
+    per change. Errors are logged: readiness reports the dependencies themselves."""
+    try:
+        if state.survey is None:  # the first look of this process
+            adopted = await installation.adopt_unclaimed_vhosts(state.provisioner, state.sessions)
+            if adopted:
+                log.info("vhosts_adopted", count=len(adopted), vhosts=adopted[:5])
+        found = await installation.survey(state.provisioner, state.sessions)
+    except Exception as exc:  # the broker or the database down: the next probe tries again
+        log.info("broker_survey_failed", error=default_redactor.text(repr(exc))[:300])
+        return
+    previous = state.survey.counts if state.survey is not None else {}
+    state.survey = found
+    detail = found.detail(state.settings.instance_name)
+    if detail and found.counts != previous:
+        log.warning(
+            "broker_objects_unknown_to_this_database",
+            installation=str(state.provisioner.installation),
+            counts=found.counts,
+            other_installation=found.other_installation,
+            unknown=found.unknown,
+            detail=detail,
+        )
+    elif previous and not found.counts:
+        log.info("broker_objects_all_known")
+
+
+def _survey_detail(state: AppState) -> str | None:
+    """The last survey's finding; a new survey starts when it is old (never awaited here:
+    a probe answers within its timeout)."""
+    survey = state.survey
+    running = state.survey_task is not None and not state.survey_task.done()
+    if not running and (survey is None or time.monotonic() - survey.taken > SURVEY_MAX_AGE):
+        state.survey_task = asyncio.create_task(refresh_survey(state), name="survey")
+    return survey.detail(state.settings.instance_name) if survey is not None else None
+
+
 async def readiness(state: AppState) -> Readiness:
     settings = state.settings
     limit = settings.readiness_timeout
@@ -98,10 +141,12 @@ async def readiness(state: AppState) -> Readiness:
         return Readiness(
             status="unavailable", detail=f"Not ready: {', '.join(down)} down.", checks=report
         )
-    if nodes_down:
-        detail = f"Ready; not answering: {', '.join(nodes_down)}."
-        return Readiness(status="ready", detail=detail, checks=report)
-    return Readiness(status="ready", detail="Ready.", checks=report)
+    unknown = _survey_detail(state)
+    detail = f"Ready; not answering: {', '.join(nodes_down)}." if nodes_down else "Ready."
+    if unknown:
+        # Still ready: serving is safe, and the guard keeps any run from deleting them.
+        detail += f" Warning: {unknown}"
+    return Readiness(status="ready", detail=detail, checks=report)
 
 
 def _log_change(

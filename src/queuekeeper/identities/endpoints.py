@@ -1,6 +1,6 @@
 """`/api/marketplace-site-agent-identities/`: the requests waldur-site-agent makes at start-up.
 
-Status codes are the ones the agent's client accepts (site-agent-contract 2):
+Status codes are the ones the agent's client accepts (agent-protocols 1.0.5 §2):
 POST answers 201 only, PUT 200 only, register_event_subscription 201 or 200.
 """
 

@@ -1,4 +1,7 @@
-"""Agent identities as waldur-site-agent 1.0.5 sends and parses them (site-agent-contract 2-3)."""
+"""Agent identities as waldur-site-agent 1.0.5 sends and parses them.
+
+docs/agent-protocols.md, 1.0.5 §2-§3.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +12,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import QueueInfo
+from queuekeeper.common.openapi import limited_by
 from queuekeeper.common.schemas import HexUUID, InputDateTime, Schema, UTCDateTime
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
 from queuekeeper.events.payloads import ObjectType
+from queuekeeper.identities.compatibility import Compatibility, assess
 from queuekeeper.models import AgentIdentity, BrokerState, EventConsumer, EventSubscription, User
 
 COLLECTION = "marketplace-site-agent-identities"
@@ -59,7 +64,7 @@ class IdentityWrite(BaseModel):
     )
 
     offering: OfferingText
-    name: str = Field(min_length=1, max_length=255)
+    name: str = Field(min_length=1, max_length=255, json_schema_extra=limited_by("text_max_length"))
     version: str | None = Field(default=None, max_length=64)
     dependencies: list[Dependency] | None = Field(default=None, max_length=500)
     config_file_path: str | None = Field(default=None, max_length=4096)
@@ -101,6 +106,11 @@ class IdentityOut(Schema):
                     "services": [],
                     "created": "2026-11-21T22:25:36.857310Z",
                     "modified": "2026-11-21T22:25:36.857310Z",
+                    "compatibility": {
+                        "status": "compatible",
+                        "message": "waldur-site-agent 1.0.5 is supported (minimum 1.0.5).",
+                        "minimum_required": "1.0.5",
+                    },
                 }
             ]
         }
@@ -123,6 +133,11 @@ class IdentityOut(Schema):
     )
     created: UTCDateTime
     modified: UTCDateTime
+    # Required by waldur-api-client 8.1.3 (agent 1.0.8), ignored by older clients.
+    compatibility: Compatibility = Field(
+        description="The reported `version` against the server's minimum agent version "
+        "(setting `QUEUEKEEPER_MINIMUM_AGENT_VERSION`)."
+    )
 
     @classmethod
     def from_row(cls, identity: AgentIdentity, settings: Settings) -> IdentityOut:
@@ -140,6 +155,7 @@ class IdentityOut(Schema):
             services=[],
             created=identity.created,
             modified=identity.modified,
+            compatibility=assess(identity.version, settings.minimum_agent_version),
         )
 
 
@@ -158,7 +174,9 @@ class RegisterEventSubscription(BaseModel):
     )
 
     observable_object_type: ObjectType
-    description: str = Field(default="", max_length=10_000)
+    description: str = Field(
+        default="", max_length=10_000, json_schema_extra=limited_by("text_max_length")
+    )
 
 
 class AdminQueue(BaseModel):
@@ -202,7 +220,7 @@ class AdminConsumer(BaseModel):
     modified: UTCDateTime
     present: bool | None = Field(description="On the broker; null when the broker was not asked.")
     arguments_ok: bool | None = Field(description="Null when not present or not asked.")
-    differences: list[str] = Field(description="How the broker's queue differs from SPEC 3.")
+    differences: list[str] = Field(description="How the broker's queue differs from contract §3.")
     consumers: int | None = Field(description="0 on a present queue: the agent is not consuming.")
     messages: int | None
 

@@ -63,6 +63,12 @@ RUN_DESCRIPTION = (
     "with its record and a `Location` to poll, instead of holding the request open."
 )
 DRY_RUN = Query(description="Report what would change, change nothing.")
+FORCE = Query(
+    description="Delete even when the run would delete more than the deletion guard allows "
+    "(`QUEUEKEEPER_RECONCILE_MAX_DELETIONS` objects or `QUEUEKEEPER_RECONCILE_MAX_DELETE_SHARE` "
+    "of what this installation owns). Without it such a run deletes nothing and says why "
+    "in `failures` (item `deletion guard`)."
+)
 
 
 def respond_async(

@@ -83,7 +83,7 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, QueueConflict):
         return exc.reason
     if isinstance(exc, ForeignVhost):
-        return f"vhost {exc.vhost!r} is not tagged as this installation's (tags: {exc.tags})"
+        return f"vhost {exc.vhost!r} left alone: {exc.reason}"
     if isinstance(exc, ManagementError):
         return str(exc) if not exc.reason or exc.reason in str(exc) else f"{exc}: {exc.reason}"
     text = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else ""
@@ -105,6 +105,8 @@ class Run:
     job: Job
     trigger: Trigger
     dry_run: bool = False
+    # Past the deletion guard (reconcile/guard.py): asked for explicitly, never scheduled.
+    force: bool = False
     progress: Progress | None = None
     on_change: Callable[[str], None] | None = None  # metric hook, called per real change
     found: Counter[str] = field(default_factory=Counter)
@@ -253,6 +255,7 @@ async def run_job(
     trigger: Trigger,
     *,
     dry_run: bool = False,
+    force: bool = False,
     progress: Progress | None = None,
     started: Started | None = None,
 ) -> JobRun:
@@ -262,7 +265,12 @@ async def run_job(
     """
     name = job.name
     run = Run(
-        job=name, trigger=trigger, dry_run=dry_run, progress=progress, on_change=job.on_change
+        job=name,
+        trigger=trigger,
+        dry_run=dry_run,
+        force=force,
+        progress=progress,
+        on_change=job.on_change,
     )
     began = utcnow()
     clock = time.perf_counter()
@@ -424,15 +432,24 @@ class JobRunner:
         trigger: Trigger,
         *,
         dry_run: bool = False,
+        force: bool = False,
         progress: Progress | None = None,
         body: JobBody | None = None,
     ) -> JobRun:
         """Run now and answer with the finished (or skipped) record."""
         spec = self.spec(job, body)
-        return await run_job(self.context, spec, trigger, dry_run=dry_run, progress=progress)
+        return await run_job(
+            self.context, spec, trigger, dry_run=dry_run, force=force, progress=progress
+        )
 
     async def start(
-        self, job: Job, trigger: Trigger, *, dry_run: bool = False, body: JobBody | None = None
+        self,
+        job: Job,
+        trigger: Trigger,
+        *,
+        dry_run: bool = False,
+        force: bool = False,
+        body: JobBody | None = None,
     ) -> JobRun:
         """Start a run in the background; answer with its record once stored (or skipped)."""
         spec = self.spec(job, body)
@@ -444,7 +461,7 @@ class JobRunner:
                 stored.set_result(record)
 
         task = asyncio.create_task(
-            run_job(self.context, spec, trigger, dry_run=dry_run, started=on_started),
+            run_job(self.context, spec, trigger, dry_run=dry_run, force=force, started=on_started),
             name=f"job-{job.value}",
         )
         self._background.add(task)

@@ -34,14 +34,15 @@ async def run_now(
     job: Job,
     *,
     dry_run: bool = False,
+    force: bool = False,
     background: bool = False,
     body: JobBody | None = None,
 ) -> JobRun:
     """Run `job` for the admin API: to its end, or (`background`) until its record is stored."""
     if background:
-        record = await jobs.start(job, Trigger.API, dry_run=dry_run, body=body)
+        record = await jobs.start(job, Trigger.API, dry_run=dry_run, force=force, body=body)
     else:
-        record = await jobs.run(job, Trigger.API, dry_run=dry_run, body=body)
+        record = await jobs.run(job, Trigger.API, dry_run=dry_run, force=force, body=body)
     return settled(record)
 
 

@@ -140,7 +140,7 @@ AGENT_OFFERING_UUID_FORM = Counter(
     "such an agent computes queue names that do not exist and reconnects in a loop.",
 )
 
-# --- unified consumers (SPEC 9) -------------------------------------------------------------
+# --- unified consumers (contract §9) -------------------------------------------------------------
 CONSUMER_REGISTRATIONS = Counter(
     "queuekeeper_consumer_registrations_total",
     "Consumer registrations by route (register_queue: site agents 1.0.7; api: "

@@ -1,1 +1,1 @@
-"""Reconcile: broker and database kept in agreement (SPEC 7), and the operator's queue view."""
+"""Reconcile: broker and database kept in agreement (contract §7), and the operator's queue view."""

@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient, UserInfo
-from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.broker.provisioner import Ownership, Provisioner
 from queuekeeper.broker.topology import Permissions
 from queuekeeper.common.locks import guard, user_key
 from queuekeeper.jobs.runs import JobContext, Run
@@ -36,7 +36,8 @@ class BrokerAccess:
     ) -> BrokerAccess:
         access = cls(provisioner)
         for user in await management.list_users(columns="name,tags,password_hash"):
-            # Ours, or named like a subscription's user (one that lost its tag is still ours).
+            # Ours, or named like a subscription's user (one that lost its tag is still ours;
+            # one of another installation is reported, see _other_installation).
             if provisioner.owns(user) or topology.named_like_subscription_user(user.name):
                 access.users[user.name] = user
         for permission in await management.list_permissions():
@@ -80,7 +81,7 @@ async def _write_login(
     write: Callable[[str | None], Awaitable[None]],
 ) -> None:
     """Record, then write to the broker, the owner's current password hash, under the owner
-    lock every writer of its broker users holds (docs/decisions/001-owner-lock.md): a token
+    lock every writer of its broker users holds (docs/decisions/010-owner-lock.md): a token
     change or a deletion racing the run waits, or has committed and is what is read here.
     Nothing is written for a row deleted meanwhile (`record` answers False)."""
     async with (
@@ -128,9 +129,22 @@ def _user_problems(access: BrokerAccess, user: UserInfo, owner_hash: str | None)
     problems = []
     if user.password_hash != (owner_hash or ""):
         problems.append("password is not the owner's current token")
-    if not access.provisioner.owns(user):
+    ownership = access.provisioner.ownership(user)
+    if ownership is Ownership.UNCLAIMED:
+        problems.append("made before installation identities: adopted (tagged as ours)")
+    elif ownership is not Ownership.OURS:
         problems.append(f"tag {access.provisioner.settings.instance_tag!r} missing")
     return problems
+
+
+def _other_installation(run: Run, access: BrokerAccess, item: str, user: UserInfo) -> bool:
+    """A broker user of another installation is never changed, even with our row's name
+    (a copy of this database used by another installation makes such pairs)."""
+    if access.provisioner.ownership(user) is not Ownership.OTHER_INSTALLATION:
+        return False
+    run.find("users_other_installation")
+    run.fail(item, f"left alone: {access.provisioner.why_not_ours(user)}")
+    return True
 
 
 async def _look_again(
@@ -163,6 +177,8 @@ async def check_subscription(
     user, owner_hash = access.users.get(name), subscription.owner_password_hash
     if user is None or _user_problems(access, user, owner_hash):
         user, owner_hash = await _look_again(context, name, subscription)
+    if user is not None and _other_installation(run, access, item, user):
+        return
 
     if user is None:
         run.find("users_missing")
@@ -253,7 +269,7 @@ async def check_consumer(
     context: JobContext, run: Run, access: BrokerAccess, vhost: str, consumer: ConsumerAccess
 ) -> None:
     """A consumer's broker user exists with the owner's token as password, tagged ours, and
-    may read its one queue and nothing else (SPEC 9). Unlike a subscription it is never
+    may read its one queue and nothing else (contract §9). Unlike a subscription it is never
     marked broken: the owner's next register_queue sets everything again."""
     provisioner = context.provisioner
     name = topology.consumer_user_name(consumer.uuid)
@@ -262,6 +278,8 @@ async def check_consumer(
     user, owner_hash = access.users.get(name), consumer.owner_password_hash
     if user is None or _user_problems(access, user, owner_hash):
         user, owner_hash = await _look_again(context, name, consumer)
+    if user is not None and _other_installation(run, access, item, user):
+        return
 
     if user is None:
         run.find("users_missing")

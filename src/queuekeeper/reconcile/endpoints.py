@@ -12,6 +12,7 @@ from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.jobs.endpoints import (
     ADMIN_ERRORS,
     DRY_RUN,
+    FORCE,
     RUN_DESCRIPTION,
     RUN_RESPONSES,
     RespondAsync,
@@ -34,7 +35,9 @@ router = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[ServiceCal
     "drifted ones when empty and unconsumed (reports them otherwise), restores broker users "
     "and permissions, ensures each vhost's set-up, removes vhosts and broker users nothing "
     "uses. Answers with the run record once the run is over. With `dry_run=true` nothing "
-    "changes and `actions` lists what would have." + RUN_DESCRIPTION,
+    "changes and `actions` lists what would have. A run that would delete more than the "
+    "deletion guard allows deletes nothing unless `force=true` (docs/reconcile.md)."
+    + RUN_DESCRIPTION,
     responses=RUN_RESPONSES,
 )
 async def reconcile_now(
@@ -43,8 +46,9 @@ async def reconcile_now(
     jobs: JobsDep,
     background: RespondAsync,
     dry_run: Annotated[bool, DRY_RUN] = False,
+    force: Annotated[bool, FORCE] = False,
 ) -> RunOut:
-    record = await run_now(jobs, Job.RECONCILE, dry_run=dry_run, background=background)
+    record = await run_now(jobs, Job.RECONCILE, dry_run=dry_run, force=force, background=background)
     return run_answer(request, response, record, background)
 
 
@@ -62,8 +66,11 @@ async def cleanup_stale_now(
     jobs: JobsDep,
     background: RespondAsync,
     dry_run: Annotated[bool, DRY_RUN] = False,
+    force: Annotated[bool, FORCE] = False,
 ) -> RunOut:
-    record = await run_now(jobs, Job.CLEANUP_STALE, dry_run=dry_run, background=background)
+    record = await run_now(
+        jobs, Job.CLEANUP_STALE, dry_run=dry_run, force=force, background=background
+    )
     return run_answer(request, response, record, background)
 
 

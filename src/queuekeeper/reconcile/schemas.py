@@ -58,12 +58,12 @@ class QueueStateOut(BaseModel):
     object_type: str | None = None
     consumer_uuid: HexUUID | None = Field(
         default=None,
-        description="Set on a consumer's queue (`consumer_<hex>`, SPEC 9), which carries every "
-        "type its filter holds; `uuid` is then the consumer's too.",
+        description="Set on a consumer's queue (`consumer_<hex>`, contract §9), which carries "
+        "every type its filter holds; `uuid` is then the consumer's too.",
     )
     present: bool | None = Field(description="On the broker; null when its vhost is not ours.")
     arguments_ok: bool | None = Field(description="Null when not present.")
-    differences: list[str] = Field(description="How the broker's queue differs from SPEC 3.")
+    differences: list[str] = Field(description="How the broker's queue differs from contract §3.")
     messages: int | None = Field(
         description="Ready plus unacknowledged, as of the broker's last statistics tick; null "
         "when not present or not yet known."

@@ -22,10 +22,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import QueueInfo, VhostInfo
-from queuekeeper.broker.provisioner import QueueConflict, QueueOutcome, busy
+from queuekeeper.broker.provisioner import Ownership, QueueConflict, QueueOutcome, busy
 from queuekeeper.common.locks import BROKER_USERS_KEY, guard, vhost_key
 from queuekeeper.jobs.runs import JobContext, Run, chunked
 from queuekeeper.observability.metrics import RECONCILE_ITEMS
+from queuekeeper.reconcile import guard as deletion_guard
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.access import (
     BrokerAccess,
@@ -51,16 +52,20 @@ def count_change(counter: str) -> None:
 
 async def reconcile(context: JobContext, run: Run) -> None:
     management, provisioner = context.management, context.provisioner
+    await provisioner.identify()
     broker_vhosts = {info.name: info for info in await management.list_vhosts()}
     owned = {name for name, info in broker_vhosts.items() if provisioner.owns(info)}
     async with repository.reader(context.engine) as reader:
         expected = await repository.subscribed_vhosts(reader)
+        owned |= await adopt_vhosts(context, run, broker_vhosts, expected)
+        report_not_ours(context, run, broker_vhosts, expected)
         access = await BrokerAccess.load(management, provisioner, owned | expected)
         run.find("vhosts", len(owned | expected))
 
         todo = sorted(expected)
         done = 0
         agent_users: list[str] = []
+        orphans: dict[str, list[str]] = {}
         for group in chunked(todo, VHOST_GROUP):
             owners = [owner for owner in map(topology.uuid_of, group) if owner is not None]
             subscriptions = await repository.subscriptions_of_owners(reader, owners)
@@ -76,13 +81,14 @@ async def reconcile(context: JobContext, run: Run) -> None:
             ]
             for vhost in group:
                 owner = topology.uuid_of(vhost)
-                await reconcile_vhost(
+                orphans[vhost] = await reconcile_vhost(
                     context,
                     run,
                     reader,
                     access,
                     vhost,
                     broker_vhosts.get(vhost),
+                    vhost in owned,
                     subscriptions.get(owner, []) if owner else [],
                     consumers.get(owner, []) if owner else [],
                 )
@@ -96,11 +102,96 @@ async def reconcile(context: JobContext, run: Run) -> None:
                 [vhost for vhost in todo if vhost in owned],
                 [name for name in agent_users if name in access.users],
             )
-        for vhost in sorted(owned - expected):
+        report_users_not_ours(context, run, access, set(agent_users))
+        # Deletions last, and only once the guard has seen all of them together.
+        unused = sorted(owned - expected)
+        users = access.ours()
+        orphan_users = await orphan_user_candidates(reader, users)
+        in_unused = await deletion_guard.queues_in(management, unused)
+        orphan_count = sum(map(len, orphans.values()))
+        if not deletion_guard.allows(
+            context,
+            run,
+            owned=len(owned)
+            + len(users)
+            + run.found["queues"]
+            + orphan_count
+            + sum(in_unused.values()),
+            orphan_queues=orphan_count,
+            vhosts=in_unused,
+            users=len(orphan_users),
+        ):
+            return
+        for vhost, names in orphans.items():
+            async with run.item(f"{vhost} queues"):
+                await delete_orphans(context, run, reader, vhost, names)
+        for vhost in unused:
             run.find("vhosts_unused")
             async with run.item(vhost):
                 await remove_unused_vhost(context, run, reader, vhost)
-        await remove_orphan_users(context, run, reader, access.ours())
+        await remove_orphan_users(context, run, reader, orphan_users)
+
+
+async def orphan_user_candidates(reader: AsyncSession, names: Sequence[str]) -> list[str]:
+    """Of our broker users, those no subscription or consumer row owns now (re-checked under
+    the lock before each deletion)."""
+    candidates: list[str] = []
+    for batch in chunked(names, 500):
+        owned = await repository.existing_subscription_users(reader, batch)
+        candidates += [name for name in batch if name not in owned]
+    return candidates
+
+
+async def adopt_vhosts(
+    context: JobContext, run: Run, broker_vhosts: dict[str, VhostInfo], expected: set[str]
+) -> set[str]:
+    """Vhosts made before installation identities, where this database has subscriptions or
+    consumers: tagged with our identity (in a dry run only planned). Returns them."""
+    provisioner = context.provisioner
+    adopted = set()
+    for vhost in sorted(expected):
+        info = broker_vhosts.get(vhost)
+        if info is None or provisioner.ownership(info) is not Ownership.UNCLAIMED:
+            continue
+        async with run.item(vhost):
+            await run.apply(
+                "vhosts_adopted",
+                "adopt_vhost",
+                vhost,
+                partial(provisioner.adopt_vhost, info),
+                detail="tagged with the instance name only (made before installation "
+                "identities), and this database has subscriptions there",
+            )
+            adopted.add(vhost)
+    return adopted
+
+
+def report_not_ours(
+    context: JobContext, run: Run, broker_vhosts: dict[str, VhostInfo], expected: set[str]
+) -> None:
+    """Vhosts under our instance name that are not ours and that we have no rows for: never
+    touched, each reported (those we have rows for are reported where they are needed)."""
+    provisioner = context.provisioner
+    for vhost, info in sorted(broker_vhosts.items()):
+        ownership = provisioner.ownership(info)
+        if vhost in expected or ownership in (Ownership.OURS, Ownership.NOT_OURS):
+            continue
+        run.find(f"vhosts_{ownership.value}")
+        run.fail(vhost, f"left alone: {provisioner.why_not_ours(info)}")
+
+
+def report_users_not_ours(
+    context: JobContext, run: Run, access: BrokerAccess, known: set[str]
+) -> None:
+    """Broker users under our instance name that are not ours and have no row here: never
+    touched, each reported."""
+    provisioner = context.provisioner
+    for name, user in sorted(access.users.items()):
+        ownership = provisioner.ownership(user)
+        if name in known or ownership in (Ownership.OURS, Ownership.NOT_OURS):
+            continue
+        run.find(f"users_{ownership.value}")
+        run.fail(f"broker user {name}", f"left alone: {provisioner.why_not_ours(user)}")
 
 
 async def reconcile_limits(
@@ -127,18 +218,20 @@ async def reconcile_vhost(
     access: BrokerAccess,
     vhost: str,
     info: VhostInfo | None,
+    ours: bool,
     subscriptions: list[SubscriptionAccess],
     consumers: list[ConsumerAccess],
-) -> None:
+) -> list[str]:
+    """Everything but deletions; returns the vhost's orphan queues, for the guard."""
     provisioner = context.provisioner
-    if info is not None and not provisioner.owns(info):
+    if info is not None and not ours:
         run.find("vhosts_foreign")
         run.fail(
             vhost,
-            f"vhost exists but is not tagged {context.settings.instance_tag!r} (tags: "
-            f"{list(info.tags)}), so its queues and users are left alone; delete or tag it",
+            f"this database has subscriptions there, but the vhost is left alone (its queues "
+            f"and users too): {provisioner.why_not_ours(info)}",
         )
-        return
+        return []
     if info is None:
         run.find("vhosts_missing")
         async with run.item(vhost):
@@ -160,10 +253,15 @@ async def reconcile_vhost(
         async with run.item(f"broker user {consumer.uuid.hex}"):
             await check_consumer(context, run, access, vhost, consumer)
     async with run.item(f"{vhost} queues"):
-        await reconcile_queues(context, run, reader, vhost)
+        return await reconcile_queues(context, run, reader, vhost)
+    return []
 
 
-async def reconcile_queues(context: JobContext, run: Run, reader: AsyncSession, vhost: str) -> None:
+async def reconcile_queues(
+    context: JobContext, run: Run, reader: AsyncSession, vhost: str
+) -> list[str]:
+    """Missing queues re-created, drifted ones repaired; returns the orphans (deleted later,
+    once the deletion guard has counted every deletion of the run)."""
     settings, provisioner = context.settings, context.provisioner
     orphans: list[str] = []
     missing: list[str] = []
@@ -187,13 +285,13 @@ async def reconcile_queues(context: JobContext, run: Run, reader: AsyncSession, 
                 if found:
                     drifted.append((queue.name, found))
     # Act only after the listing: changing the vhost would shift the pages still to read.
-    await delete_orphans(context, run, reader, vhost, orphans)
     drifted.extend(await recreate_missing(context, run, reader, vhost, missing))
     for name, found in drifted:
         async with run.item(f"{vhost}/{name}"):
             await repair_drift(context, run, vhost, name, found)
     async with run.item(f"{vhost}/{settings.dlq_name}"):
         await check_dead_letter_queue(context, run, vhost, dead_letter_queue)
+    return orphans
 
 
 async def delete_orphans(
@@ -346,13 +444,10 @@ async def remove_unused_vhost(
 async def remove_orphan_users(
     context: JobContext, run: Run, reader: AsyncSession, names: Sequence[str]
 ) -> None:
-    """Delete broker users tagged ours that no subscription row owns (re-checked under lock)."""
-    for batch in chunked(names, 500):
+    """Delete broker users tagged ours that no subscription row owned when `names` was made
+    (orphan_user_candidates; re-checked under lock)."""
+    for candidates in chunked(names, 500):
         async with run.item("broker users"):
-            owned = await repository.existing_subscription_users(reader, batch)
-            candidates = [name for name in batch if name not in owned]
-            if not candidates:
-                continue
             if run.dry_run:
                 for name in candidates:
                     run.find("orphan_users")

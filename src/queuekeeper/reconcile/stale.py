@@ -18,9 +18,14 @@ from queuekeeper.common.locks import guard, user_key
 from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import utcnow
+from queuekeeper.reconcile import guard as deletion_guard
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.access import BrokerAccess
-from queuekeeper.reconcile.service import remove_orphan_users, remove_unused_vhost
+from queuekeeper.reconcile.service import (
+    orphan_user_candidates,
+    remove_orphan_users,
+    remove_unused_vhost,
+)
 
 
 async def cleanup_stale(context: JobContext, run: Run) -> None:
@@ -38,12 +43,25 @@ async def cleanup_stale(context: JobContext, run: Run) -> None:
     owned = set(await provisioner.owned_vhosts())
     async with repository.reader(context.engine) as reader:
         expected = await repository.subscribed_vhosts(reader)
-        for vhost in sorted(owned - expected):
+        unused = sorted(owned - expected)
+        access = await BrokerAccess.load(management, provisioner, set())
+        users = access.ours()
+        orphan_users = await orphan_user_candidates(reader, users)
+        in_unused = await deletion_guard.queues_in(management, unused)
+        # Not counted: the queues of vhosts in use, which this job never deletes.
+        if not deletion_guard.allows(
+            context,
+            run,
+            owned=len(owned) + len(users) + sum(in_unused.values()),
+            vhosts=in_unused,
+            users=len(orphan_users),
+        ):
+            return
+        for vhost in unused:
             run.find("vhosts_unused")
             async with run.item(vhost):
                 await remove_unused_vhost(context, run, reader, vhost)
-        access = await BrokerAccess.load(management, provisioner, set())
-        await remove_orphan_users(context, run, reader, access.ours())
+        await remove_orphan_users(context, run, reader, orphan_users)
 
 
 async def remove_subscriptions_of(
@@ -51,7 +69,7 @@ async def remove_subscriptions_of(
 ) -> None:
     # The owner lock, held (on a connection of its own) until the broker is cleaned too: no
     # registration of the owner can make again what is being removed
-    # (docs/decisions/001-owner-lock.md).
+    # (docs/decisions/010-owner-lock.md).
     async with context.sessions() as holder, guard(holder, user_key(owner), exclusive=True):
         await _remove_subscriptions_of(context, run, owner, reason)
 

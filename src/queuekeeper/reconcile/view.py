@@ -57,6 +57,7 @@ def _entry(context: JobContext, vhost: str, queue: ListedQueue) -> QueueStateOut
 
 async def queue_states(context: JobContext, wanted: QueueFilter) -> AsyncIterator[QueueStateOut]:
     """Every queue, vhost by vhost in name order, then queue name order."""
+    await context.provisioner.identify()
     broker_vhosts = {info.name: info for info in await context.management.list_vhosts()}
     owned = {name for name, info in broker_vhosts.items() if context.provisioner.owns(info)}
     async with repository.reader(context.engine) as reader:

@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from queuekeeper.common.openapi import limited_by
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.common.urls import api_url
 from queuekeeper.config import Settings
@@ -34,7 +35,9 @@ class SubscriptionCreate(BaseModel):
         },
     )
 
-    description: str = Field(default="", max_length=10_000)
+    description: str = Field(
+        default="", max_length=10_000, json_schema_extra=limited_by("text_max_length")
+    )
     observable_objects: list[ObservableObject] = Field(default_factory=list, max_length=100)
 
 
