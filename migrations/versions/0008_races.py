@@ -6,7 +6,7 @@ Create Date: 2026-11-26 09:00:00.000000
 
 The sha256 of the sorted offering uuids (hex) a consumer was registered for through
 /api/event-consumers/register/, unique per owner: identical registrations in parallel
-can no longer make one consumer each (docs/decisions/010-owner-lock.md). Filled in for the
+can no longer make one consumer each (docs/decisions/002-owner-lock.md). Filled in for the
 existing consumers of that route; of consumers already made twice for the same set (by
 that race), the oldest keeps the key and the others keep none (they stay as they are,
 and a registration finds the oldest).

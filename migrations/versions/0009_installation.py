@@ -7,7 +7,7 @@ Create Date: 2026-11-26 09:00:00.000000
 Every vhost and broker user queuekeeper creates carries `queuekeeper-installation:<uuid>`
 next to `queuekeeper:<instance name>`, so two installations sharing a broker, or a
 database restored from an older backup, never take each other's objects for their own
-(docs/decisions/009-installation-identity.md). The identity is made here, once; a
+(docs/decisions/001-installation-identity.md). The identity is made here, once; a
 database migrated before this revision gets it here too, and the service adopts the
 objects it has rows for (docs/operations.md, "Upgrading to installation identities").
 """

@@ -254,7 +254,7 @@ class EventConsumer(Base):
 
     __tablename__ = "event_consumers"
     # A repeat of /api/event-consumers/register/ for the same offerings finds the same row;
-    # identical calls in parallel cannot make two (docs/decisions/010-owner-lock.md).
+    # identical calls in parallel cannot make two (docs/decisions/002-owner-lock.md).
     __table_args__ = (
         Index("uq_event_consumers_user_scope_key", "user_uuid", "scope_key", unique=True),
     )
@@ -414,7 +414,7 @@ class Installation(Base):
 
     Every vhost and broker user queuekeeper makes carries it as a tag next to the instance
     name, so two installations sharing a broker, or a database restored from an older
-    backup, can tell their objects apart (docs/decisions/009-installation-identity.md).
+    backup, can tell their objects apart (docs/decisions/001-installation-identity.md).
     """
 
     __tablename__ = "installation"

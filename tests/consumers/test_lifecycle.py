@@ -109,7 +109,7 @@ async def test_a_revoked_offerings_copies_leave_a_consumer_that_keeps_other_scop
     backend: Backend, client: httpx.AsyncClient
 ) -> None:
     """A consumer scoped to X and Z keeps Z when the grant of X is revoked, and X's copies
-    already in its queue go (docs/decisions/011-revoked-scope-copies.md); Z's stay, in
+    already in its queue go (docs/decisions/003-revoked-scope-copies.md); Z's stay, in
     order, and its login works again afterwards. Before: X's event was still delivered."""
     agent, revoked = await backend.agent_with_offering()
     kept = await backend.put_offering()

@@ -2,7 +2,7 @@
 at once against the service, then real broker logins (AMQP and STOMP) to see what holds.
 
 Every writer of a user's broker users, vhost and consumer rows holds the owner lock
-(docs/decisions/010-owner-lock.md). Before it, 15 registrations in flight beside a token
+(docs/decisions/002-owner-lock.md). Before it, 15 registrations in flight beside a token
 change left the old token working on the broker on the first trial; 8 identical consumer
 registrations made 8 consumers; parallel registrations passed the quotas; deletions
 racing registrations left broker users, queues and vhosts without rows.

@@ -188,7 +188,7 @@ async def test_access_revoked_while_the_queue_is_declared_waits_and_leaves_nothi
     """The backend revokes the grant while create_queue is at the broker: revoke_access takes
     the owner's vhost lock exclusively before it touches the grant, so it waits for the
     create_queue holding it shared to commit, then removes that queue with the grant
-    (docs/decisions/010-owner-lock.md). Nothing is left, whichever comes first."""
+    (docs/decisions/002-owner-lock.md). Nothing is left, whichever comes first."""
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
     state = app.state.queuekeeper

@@ -34,7 +34,7 @@ async def login_hash_now(session: AsyncSession, user_uuid: uuid.UUID) -> str | N
 
     Read under the owner lock (locks.user_key) by every writer of broker passwords, so a
     token change committed before the lock was taken is what reaches the broker
-    (docs/decisions/010-owner-lock.md). UserGone when the row is gone."""
+    (docs/decisions/002-owner-lock.md). UserGone when the row is gone."""
     row = (
         await session.execute(
             select(User.uuid, User.broker_login_hash_sql(utcnow())).where(User.uuid == user_uuid)

@@ -54,7 +54,7 @@ class QueueConflict(Exception):
 
 
 class Ownership(enum.StrEnum):
-    """Whose a vhost or broker user is (docs/decisions/009-installation-identity.md)."""
+    """Whose a vhost or broker user is (docs/decisions/001-installation-identity.md)."""
 
     # Tagged with this installation's identity.
     OURS = "ours"

@@ -1,5 +1,5 @@
 """Taking one offering's copies out of a consumer's queue, keeping the rest
-(docs/decisions/011-revoked-scope-copies.md).
+(docs/decisions/003-revoked-scope-copies.md).
 
 A consumer bound to several offerings has one queue for all of them; when the owner's
 grant of one offering is revoked, that offering's copies already queued must not reach

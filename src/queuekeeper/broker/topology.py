@@ -27,7 +27,7 @@ EVERYTHING = ".*"
 
 # Every vhost and broker user queuekeeper makes carries two tags: `queuekeeper:<instance
 # name>` for people, and this one with the installation's uuid, which decides ownership
-# (docs/decisions/009-installation-identity.md).
+# (docs/decisions/001-installation-identity.md).
 INSTALLATION_TAG_PREFIX = "queuekeeper-installation:"
 
 

@@ -36,7 +36,7 @@ def lock_key(name: str) -> int:
 
 
 def user_key(user_uuid: uuid.UUID) -> str:
-    """The owner lock (docs/decisions/010-owner-lock.md): every writer of a user's broker
+    """The owner lock (docs/decisions/002-owner-lock.md): every writer of a user's broker
     users, vhost or consumer rows holds it exclusively across "read the current rows and
     token hash -> broker calls -> commit", so the last writer is the database's truth."""
     return f"user:{user_uuid.hex}"

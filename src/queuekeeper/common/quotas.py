@@ -2,7 +2,7 @@
 
 Each refusal names the limit and its setting, so the agent's operator knows what to ask for.
 Each is counted again under the owner lock in the transaction that inserts (for queues, in
-the insert itself; docs/decisions/010-owner-lock.md), so parallel calls never pass it together.
+the insert itself; docs/decisions/002-owner-lock.md), so parallel calls never pass it together.
 """
 
 from __future__ import annotations

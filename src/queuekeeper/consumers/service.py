@@ -2,7 +2,7 @@
 
 Registration: validate (access, body) before any lock or broker call; then, holding
 the owner lock with the owner's vhost lock and the broker-users lock shared
-(docs/decisions/010-owner-lock.md), find the consumer this call repeats (by identity,
+(docs/decisions/002-owner-lock.md), find the consumer this call repeats (by identity,
 or by owner and set of offerings: both unique in the database), count the quota, read
 the owner's current token, and make the broker side real (vhost and dead-letter queue,
 broker user with that token as password and read on this one queue only, the queue
@@ -203,7 +203,7 @@ async def _make_real(
     # The owner lock, from the look-up, the quota count and the read of the owner's token
     # to the commit: identical calls find the first one's row, parallel ones cannot pass
     # the quota together, and the broker user gets the token the database holds when the
-    # row lands (docs/decisions/010-owner-lock.md). The vhost and broker-users locks,
+    # row lands (docs/decisions/002-owner-lock.md). The vhost and broker-users locks,
     # shared: reconcile takes them exclusively and re-checks the rows, so it never takes
     # this consumer's queue, user or vhost for an orphan.
     try:
@@ -350,7 +350,7 @@ async def remove_revoked_copies(
 ) -> None:
     """A consumer that lost `offering_uuid` as a scope (its owner's grant was revoked) and
     kept others: take that offering's copies out of its queue, keeping the others
-    (docs/decisions/011-revoked-scope-copies.md).
+    (docs/decisions/003-revoked-scope-copies.md).
 
     Under the owner lock, its broker login is switched off and its connections closed
     (what the agent held unacked goes back to the queue) while the queue is read through,

@@ -130,7 +130,7 @@ async def sync_broker_passwords(
 
     Under the owner lock, from the read of the token to the commit: a registration in
     flight either ran before (its row is then listed here, as needing the new password) or
-    runs after and reads the new token itself (docs/decisions/010-owner-lock.md). The rows
+    runs after and reads the new token itself (docs/decisions/002-owner-lock.md). The rows
     say what was last written; `wrong_on_broker` names broker users found holding something
     else (revoke_expired compares with the broker's own listing), set again whatever the
     rows say.
@@ -238,7 +238,7 @@ async def delete_user(
     session: AsyncSession, provisioner: Provisioner, user_uuid: uuid.UUID
 ) -> None:
     # Under the owner lock the broker objects go before the rows commit: a registration in
-    # flight waits, then finds no user (docs/decisions/010-owner-lock.md).
+    # flight waits, then finds no user (docs/decisions/002-owner-lock.md).
     async with owner_locked(session, user_uuid, vhost_exclusive=True):
         user = await session.get(User, user_uuid)
         if user is None:
@@ -349,7 +349,7 @@ async def revoke_access(
         queues = await repository.queues_of_user_for_offering(session, user_uuid, offering_uuid)
         # The user's consumers bound to this offering alone are deleted; those bound to
         # others too only lose this scope (and the offering's copies already in their queue:
-        # docs/decisions/011-revoked-scope-copies.md).
+        # docs/decisions/003-revoked-scope-copies.md).
         consumers = await consumers_repository.scoped_only_to(session, offering_uuid, user_uuid)
         gone = {consumer.uuid for consumer in consumers}
         scopes = await consumers_repository.scopes_of_owner_for(session, user_uuid, offering_uuid)

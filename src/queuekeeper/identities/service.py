@@ -227,7 +227,7 @@ async def delete_identity(
     and broker users, and its consumer (which goes by cascade) with its queue and broker
     user: nothing else would ever clean them up."""
     # Under the owner lock, the broker objects go before the rows commit: no registration in
-    # flight can make them again in between (docs/decisions/010-owner-lock.md).
+    # flight can make them again in between (docs/decisions/002-owner-lock.md).
     async with subscriptions.owner_locked(session, user.uuid, vhost_exclusive=True):
         identity = await get_identity(session, user, identity_uuid)
         owned = await repository.subscriptions_of_identity(session, user.uuid, identity.uuid)
@@ -260,7 +260,7 @@ async def _reuse(
 
     Read under the owner lock, with the owner's token in the same statement: a token change
     or deactivation that committed while this call was in flight is what the broker user
-    gets (docs/decisions/010-owner-lock.md)."""
+    gets (docs/decisions/002-owner-lock.md)."""
     vhost = topology.vhost_name(user_uuid)
     async with subscriptions.owner_locked(session, user_uuid, vhost_exclusive=False):
         found = await repository.registered_subscription_and_login(

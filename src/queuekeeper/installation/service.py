@@ -1,5 +1,5 @@
 """The installation identity, and a survey of what the broker holds under our instance name
-that this database does not know (docs/decisions/009-installation-identity.md)."""
+that this database does not know (docs/decisions/001-installation-identity.md)."""
 
 from __future__ import annotations
 

@@ -81,7 +81,7 @@ async def _write_login(
     write: Callable[[str | None], Awaitable[None]],
 ) -> None:
     """Record, then write to the broker, the owner's current password hash, under the owner
-    lock every writer of its broker users holds (docs/decisions/010-owner-lock.md): a token
+    lock every writer of its broker users holds (docs/decisions/002-owner-lock.md): a token
     change or a deletion racing the run waits, or has committed and is what is read here.
     Nothing is written for a row deleted meanwhile (`record` answers False)."""
     async with (

@@ -5,7 +5,7 @@ everything registered since look like an orphan; deleting it would lose queues a
 their messages. So a run first adds up what it would delete, and deletes nothing when
 that is more than `reconcile_max_deletions` objects or more than
 `reconcile_max_delete_share` of what it owns, unless it was started with `force`
-(docs/reconcile.md, "The deletion guard"; docs/decisions/009-installation-identity.md).
+(docs/reconcile.md, "The deletion guard"; docs/decisions/001-installation-identity.md).
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ async def remove_subscriptions_of(
 ) -> None:
     # The owner lock, held (on a connection of its own) until the broker is cleaned too: no
     # registration of the owner can make again what is being removed
-    # (docs/decisions/010-owner-lock.md).
+    # (docs/decisions/002-owner-lock.md).
     async with context.sessions() as holder, guard(holder, user_key(owner), exclusive=True):
         await _remove_subscriptions_of(context, run, owner, reason)
 

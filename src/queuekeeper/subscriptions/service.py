@@ -2,7 +2,7 @@
 
 Order of work everywhere: validate, then change the broker, then commit the row, so a
 broker outage never leaves a row that points at nothing. A user's registrations and
-deletions hold its owner lock throughout (docs/decisions/010-owner-lock.md); a deletion
+deletions hold its owner lock throughout (docs/decisions/002-owner-lock.md); a deletion
 removes the broker objects (best-effort: a broker outage never blocks it) before it
 commits, so no registration can make them again in between.
 """
@@ -88,7 +88,7 @@ async def owner_locked(
 ) -> AsyncIterator[None]:
     """Hold the owner lock, then the owner's vhost lock (and, for a registration making a
     broker user, the broker-users lock shared) until the session's transaction ends, taken
-    in one statement (docs/decisions/010-owner-lock.md). Registrations take the vhost lock
+    in one statement (docs/decisions/002-owner-lock.md). Registrations take the vhost lock
     shared (as create_queue does), deletions exclusively; always in this order, so none
     deadlock."""
     wanted = [
@@ -267,7 +267,7 @@ async def create_subscription(
     made = False
     # The owner lock, held from the count and the read of the owner's token to the commit:
     # the broker user gets the token the database holds when the row lands, and parallel
-    # calls cannot pass the quota together (docs/decisions/010-owner-lock.md). The vhost
+    # calls cannot pass the quota together (docs/decisions/002-owner-lock.md). The vhost
     # and broker-users locks, shared, keep reconcile from taking what this call is making
     # for an orphan (it takes them exclusively and re-checks the rows).
     try:
@@ -419,7 +419,7 @@ async def _register_queue(
     # queues without a row, but only while holding the vhost lock exclusively and
     # re-checking the rows; holding it shared from before the declare until the
     # commit makes sure it never sees this queue without seeing its row. The owner lock
-    # (docs/decisions/010-owner-lock.md), taken first in the same statement, makes the
+    # (docs/decisions/002-owner-lock.md), taken first in the same statement, makes the
     # quota count in the insert exact against the owner's parallel calls.
     limit = settings.max_queues_per_user
     try:
