@@ -393,17 +393,22 @@ def test_downgrade_to_the_previous_release_and_back(tmp_path: Path) -> None:
     """Rolling back a release (docs/operations.md, Upgrading and rolling back)."""
     url = f"sqlite:///{tmp_path / 'roll.db'}"
     assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0
+    with sqlite3.connect(tmp_path / "roll.db") as connection:
+        (identity,) = connection.execute("SELECT uuid FROM installation").fetchone()
     down = outside_checkout(
         tmp_path, "downgrade", "0006_announce_due", QUEUEKEEPER_DATABASE_URL=url
     )
     assert down.returncode == 0, down.stderr
     with sqlite3.connect(tmp_path / "roll.db") as connection:
-        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}
         (revision,) = connection.execute("SELECT version_num FROM alembic_version").fetchone()
-    assert "installation" not in tables
+        # The identity survives the rollback: the broker's objects carry it.
+        assert connection.execute("SELECT uuid FROM installation").fetchone() == (identity,)
     assert revision == "0006_announce_due"
     # The new release refuses the old schema in one line; migrate brings it back.
     refused = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=url)
     assert refused.returncode == 1
     assert "is at migration 0006_announce_due" in refused.stderr
     assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0
+    with sqlite3.connect(tmp_path / "roll.db") as connection:
+        # The upgrade again finds the same identity, so the broker's objects stay ours.
+        assert connection.execute("SELECT uuid FROM installation").fetchall() == [(identity,)]

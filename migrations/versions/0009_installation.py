@@ -26,6 +26,9 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    # A database rolled back past this revision kept its row (see downgrade): reuse it.
+    if sa.inspect(op.get_bind()).has_table("installation"):
+        return
     table = op.create_table(
         "installation",
         sa.Column("id", sa.Integer(), autoincrement=False, nullable=False),
@@ -38,5 +41,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    # Objects already tagged keep their tag; an older version reads only the instance tag.
-    op.drop_table("installation")
+    # The table stays: every broker object carries this uuid, and a new one made by the next
+    # upgrade would turn them all into another installation's (decision 001). Older
+    # releases ignore the table.
+    pass

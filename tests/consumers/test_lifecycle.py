@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from queuekeeper.broker.management import ManagementClient
 from tests.conftest import SERVICE_TOKEN
 from tests.consumers.test_register_queue import new_identity, register_queue
-from tests.events.support import drain, order_event, post_event, queue_depth
+from tests.consumers.test_fan_out import group_event
+from tests.events.support import drain, event_detail, order_event, post_event, queue_depth
 from tests.helpers import Agent, Backend
 from tests.security.test_races import amqp_login
 
@@ -137,3 +139,36 @@ async def test_a_revoked_offerings_copies_leave_a_consumer_that_keeps_other_scop
     consumers = (await client.get(f"/api/event-consumers/{login}/", headers=SERVICE)).json()
     assert [scope["uuid"] for scope in consumers["scopes"]] == [kept.hex]
     assert await amqp_login(agent.vhost, login, agent.token)
+
+
+@pytest.mark.settings(relay_enabled=False)
+async def test_a_revoked_offerings_fan_out_copies_are_given_up_by_the_copys_offering(
+    backend: Backend, client: httpx.AsyncClient
+) -> None:
+    """An event sent to offerings [other, X] reaches a consumer scoped to X and Z as X's copy:
+    revoking X gives that copy up while it waits in the outbox, although the event's first
+    offering is another. Before: only copies whose event named X first were given up, and
+    this one was published after the revoke."""
+    agent, revoked = await backend.agent_with_offering()
+    kept = await backend.put_offering()
+    other = await backend.put_offering()  # named first in the event; the consumer lacks it
+    await backend.grant(agent, kept)
+    scopes = [{"type": "offering", "uuid": str(o)} for o in (revoked, kept)]
+    answer = await agent.client.post(
+        "/api/event-consumers/register/", json={"scopes": scopes}, headers=agent.headers
+    )
+    assert answer.status_code == 201, answer.text
+    queue = answer.json()["queue_name"]
+    event = group_event([other, revoked], event_id="fan-out-revoked")
+    assert (await post_event(client, event)).status_code in (200, 201, 202)
+    kept_event = group_event([other, kept], event_id="fan-out-kept")
+    assert (await post_event(client, kept_event)).status_code in (200, 201, 202)
+
+    response = await client.delete(
+        f"/api/internal/offerings/{revoked}/users/{agent.uuid}/", headers=SERVICE
+    )
+    assert response.status_code == 204, response.text
+    gone = await event_detail(client, "fan-out-revoked")
+    assert [(d["queue_name"], d["state"]) for d in gone["deliveries"]] == [(queue, "given_up")]
+    stays = await event_detail(client, "fan-out-kept")
+    assert [(d["queue_name"], d["state"]) for d in stays["deliveries"]] == [(queue, "pending")]

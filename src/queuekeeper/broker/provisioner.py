@@ -245,6 +245,7 @@ class Provisioner:
 
     async def delete_vhost(self, vhost: str) -> bool:
         """Delete a vhost only if it carries our tag. Returns True when deleted."""
+        await self.identify()
         info = await self.management.get_vhost(vhost)
         if info is None:
             return False
@@ -343,10 +344,16 @@ class Provisioner:
 
     async def login_hashes(self) -> dict[str, str]:
         """Every broker user of ours and the password hash it holds ("" for none): one
-        listing, for comparing what the broker holds with what the rows want."""
+        listing, for comparing what the broker holds with what the rows want.
+
+        Users made before installation identities (`UNCLAIMED`) count too: the caller
+        matches names against this database's rows, so only users it has rows for are
+        acted on, and an expired token must not outlive an upgrade until reconcile adopts
+        them (decision 001)."""
         await self.identify()
         users = await self.management.list_users(columns="name,tags,password_hash")
-        return {info.name: info.password_hash for info in users if self.owns(info)}
+        wanted = (Ownership.OURS, Ownership.UNCLAIMED)
+        return {info.name: info.password_hash for info in users if self.ownership(info) in wanted}
 
     async def _user_intact(self, vhost: str, name: str) -> bool:
         """The broker user exists and holds permissions in the vhost."""

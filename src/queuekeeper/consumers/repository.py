@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Collection, Sequence
 from datetime import datetime
 
-from sqlalchemy import Select, false, func, or_, select, update
+from sqlalchemy import Select, and_, false, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
@@ -231,8 +231,15 @@ async def give_up_pending_copies(
         .where(
             Delivery.consumer_uuid.in_(list(consumer_uuids)),
             Delivery.state == DeliveryState.PENDING,
-            Delivery.event_id.in_(
-                select(Event.event_id).where(Event.offering_uuid == offering_uuid)
+            # A fan-out copy names its own offering; any other is its event's.
+            or_(
+                Delivery.offering_uuid == offering_uuid,
+                and_(
+                    Delivery.offering_uuid.is_(None),
+                    Delivery.event_id.in_(
+                        select(Event.event_id).where(Event.offering_uuid == offering_uuid)
+                    ),
+                ),
             ),
         )
         .values(

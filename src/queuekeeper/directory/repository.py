@@ -26,6 +26,16 @@ async def get_grant(
     return await session.get(OfferingAccess, (user_uuid, offering_uuid), with_for_update=lock)
 
 
+async def grantees(session: AsyncSession, offering_uuid: uuid.UUID) -> list[uuid.UUID]:
+    """The users granted the offering, sorted (the order their owner locks are taken in)."""
+    rows = await session.scalars(
+        select(OfferingAccess.user_uuid)
+        .where(OfferingAccess.offering_uuid == offering_uuid)
+        .order_by(OfferingAccess.user_uuid)
+    )
+    return list(rows)
+
+
 async def subscriptions_of_user(
     session: AsyncSession, user_uuid: uuid.UUID
 ) -> list[EventSubscription]:

@@ -289,8 +289,18 @@ async def put_offering(
 async def delete_offering(
     session: AsyncSession, provisioner: Provisioner, offering_uuid: uuid.UUID
 ) -> None:
-    offering = await session.get(Offering, offering_uuid)
+    if await session.get(Offering, offering_uuid) is None:
+        return
+    # Each grantee loses access first, as a revoke does, under its own owner lock: its
+    # broker objects for the offering go before that commits, a registration racing it
+    # waits and then finds no grant, and consumers that keep other offerings lose this
+    # one's copies (decisions 002, 003).
+    for user_uuid in await repository.grantees(session, offering_uuid):
+        await session.commit()  # end the read: revoke_access takes the lock first
+        await revoke_access(session, provisioner, user_uuid, offering_uuid)
+    offering = await session.get(Offering, offering_uuid, with_for_update=True)
     if offering is None:
+        await session.commit()
         return
     queues = await repository.queues_of_offering(session, offering_uuid)
     # Consumers bound to it alone go with it; others only lose it as a scope (cascade).

@@ -136,18 +136,6 @@ async def remove_leftovers_held(
                 )
 
 
-async def drop_vhost_if_unused(
-    session: AsyncSession, provisioner: Provisioner, owner_uuid: uuid.UUID
-) -> None:
-    """After a refused or failed registration: the owner's vhost goes if no row uses it, so a
-    registration that made nothing leaves no empty vhost behind."""
-    async with owner_locked(session, owner_uuid, vhost_exclusive=True):
-        if not await repository.owner_uses_vhost(session, owner_uuid):
-            vhost = topology.vhost_name(owner_uuid)
-            await best_effort("delete_vhost", provisioner.delete_vhost(vhost), vhost=vhost)
-        await session.commit()  # releases the locks without expiring the caller's objects
-
-
 async def unmake(
     session: AsyncSession,
     provisioner: Provisioner,
