@@ -14,12 +14,12 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import event, select, text
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.db import create_engine
 from queuekeeper.events import outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, Event, utcnow
-from queuekeeper.state import AppState
 from tests.conftest import TEST_DB
 from tests.events.support import SERVICE, order_event, post_event, register, wait_settled
 from tests.helpers import Backend
@@ -27,7 +27,7 @@ from tests.helpers import Backend
 
 def _commits(app: FastAPI) -> list[int]:
     """Counts the transactions the API's engine commits from now on."""
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     commits = [0]
 
     @event.listens_for(state.engine.sync_engine, "commit")
@@ -108,7 +108,7 @@ async def _relay_with_a_claim(
     """A relay (not started) that claimed one accepted copy and holds it unpublished."""
     registered = await register(backend)
     await post_event(client, order_event(registered.offering))
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     settings = state.settings.model_copy(update=changes)
     relay = Relay(settings, state.engine, AmqpPublisher(settings), state.provisioner)
     return relay, await relay.claim()
@@ -215,7 +215,7 @@ async def test_a_relay_of_another_process_publishes_at_the_commit_not_at_its_nex
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     registered = await register(backend)
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     # Another process's relay: its own pool, no in-memory signal from this intake.
     engine = create_engine(state.settings)
     relay = Relay(state.settings, engine, AmqpPublisher(state.settings), state.provisioner)
