@@ -17,6 +17,7 @@ from sqlalchemy import event, select, text
 from queuekeeper.app import Runtime
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.db import create_engine
+from queuekeeper.events import intake as intake_module
 from queuekeeper.events import outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, Event, utcnow
@@ -25,16 +26,37 @@ from tests.events.support import SERVICE, order_event, post_event, register, wai
 from tests.helpers import Backend
 
 
-def _commits(app: FastAPI) -> list[int]:
-    """Counts the transactions the API's engine commits from now on."""
-    state: Runtime = app.state.queuekeeper
-    commits = [0]
+class Transactions:
+    """Counts the transactions that stored events, on either database.
 
-    @event.listens_for(state.engine.sync_engine, "commit")
-    def _count(*_args: Any) -> None:
-        commits[0] += 1
+    PostgreSQL: the events' rows themselves say it (`xmin`, the id of the transaction that
+    inserted a row), whichever way the statements reached the database. SQLite, which has
+    no transaction ids and where the intake runs through SQLAlchemy: the engine's commits
+    from now on."""
 
-    return commits
+    def __init__(self, app: FastAPI) -> None:
+        self.state: Runtime = app.state.queuekeeper
+        self.commits = 0
+        if TEST_DB == "sqlite":
+
+            @event.listens_for(self.state.engine.sync_engine, "commit")
+            def _count(*_args: Any) -> None:
+                self.commits += 1
+
+    async def of(self, event_ids: list[str]) -> dict[str, object]:
+        """Each event's transaction (PostgreSQL), or one key per commit counted (SQLite)."""
+        if TEST_DB == "sqlite":
+            return {str(commit): commit for commit in range(self.commits)}
+        async with self.state.sessions() as session:
+            rows = await session.execute(
+                select(Event.event_id, text("events.xmin::text::bigint")).where(
+                    Event.event_id.in_(event_ids)
+                )
+            )
+            return {event_id: xid for event_id, xid in rows}
+
+    async def count(self, event_ids: list[str]) -> int:
+        return len(set((await self.of(event_ids)).values()))
 
 
 # A loaded machine can take seconds over one SQLite commit: no refusals in these two.
@@ -43,14 +65,15 @@ async def test_concurrent_single_events_share_transactions_and_each_is_answered_
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     registered = await register(backend)
-    commits = _commits(app)
+    transactions = Transactions(app)
     responses = await asyncio.gather(
         *(post_event(client, order_event(registered.offering)) for _ in range(30))
     )
     assert [r.status_code for r in responses] == [202] * 30
-    # Requests that arrived while a transaction ran went into the next one together.
-    assert commits[0] < 10, commits[0]
     ids = {r.json()["event_id"] for r in responses}
+    # Requests that arrived while a transaction ran went into the next one together.
+    count = await transactions.count(sorted(ids))
+    assert 0 < count < 10, count
     async with app.state.queuekeeper.sessions() as session:
         stored = set(await session.scalars(select(Event.event_id)))
         copies = list(await session.scalars(select(Delivery.event_id)))
@@ -60,22 +83,50 @@ async def test_concurrent_single_events_share_transactions_and_each_is_answered_
 
 @pytest.mark.settings(relay_enabled=False, events_accept_max_wait=60.0)
 async def test_a_bad_request_in_a_shared_transaction_fails_alone(
-    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     registered = await register(backend)
+    # A first request's transaction is held open until the four below are all waiting, so
+    # they are stored together in the next one.
+    entered, release = asyncio.Event(), asyncio.Event()
+    real_store = intake_module._store
+
+    async def held_store(*args: Any) -> Any:
+        if not entered.is_set():
+            entered.set()
+            await release.wait()
+        return await real_store(*args)
+
+    monkeypatch.setattr(intake_module, "_store", held_store)
+    transactions = Transactions(app)
+    plug = asyncio.create_task(post_event(client, order_event(registered.offering)))
+    await asyncio.wait_for(entered.wait(), 10)
     repeated = f"twice-{uuid.uuid4().hex}"
-    good, bad, first, second = await asyncio.gather(
+    sent = asyncio.gather(
         post_event(client, order_event(registered.offering)),
         post_event(client, order_event(uuid.uuid4())),
         post_event(client, order_event(registered.offering, event_id=repeated)),
         post_event(client, order_event(registered.offering, event_id=repeated)),
     )
+    intake: Any = app.state.queuekeeper.intake
+    for _ in range(500):
+        if len(intake._waiting) == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert len(intake._waiting) == 4
+    release.set()
+    good, bad, first, second = await sent
+    assert (await plug).status_code == 202
     assert good.status_code == 202
     assert bad.status_code == 400
     assert bad.json()["errors"][0]["field"] == "offering_uuid"
     # Two requests with one event_id in the same transaction: one is the event, one its repeat.
     assert sorted([first.status_code, second.status_code]) == [200, 202]
     assert {first.json()["queued"], second.json()["queued"]} == {1}
+    # And they did share one: two transactions stored the first request's event, the good
+    # request's and the repeated one, the bad request's failure notwithstanding.
+    stored = [(await plug).json()["event_id"], good.json()["event_id"], repeated]
+    assert await transactions.count(stored) == 2
 
 
 @pytest.mark.settings(relay_poll_interval=60.0)
