@@ -49,8 +49,33 @@ async def _user(engine: AsyncEngine, **columns: object) -> uuid.UUID:
 
 async def test_a_row_reads_as_through_sqlalchemy(engine: AsyncEngine) -> None:
     expires = datetime(2031, 5, 6, 7, 8, 9, tzinfo=UTC)
-    user_uuid = await _user(engine, token_hash="d" * 64, token_expires_at=expires, is_active=False)
+    created = datetime(2030, 1, 2, 3, 4, 5, 678000, tzinfo=UTC)
+    user_uuid = await _user(
+        engine,
+        token_hash="d" * 64,
+        token_expires_at=expires,
+        is_active=False,
+        full_name="Ada",
+        email="ada@example.org",
+        created=created,
+        modified=created,
+    )
     row = await BY_DIGEST.first(engine, {"digest": "d" * 64})
+    # Every column as written, by value: on SQLite a `DriverRead` runs through SQLAlchemy,
+    # so only values not read back through SQLAlchemy can tell a wrong row there.
+    assert row == {
+        "uuid": user_uuid,
+        "username": "u",
+        "full_name": "Ada",
+        "email": "ada@example.org",
+        "token_hash": "d" * 64,
+        "broker_password_hash": None,
+        "token_expires_at": expires,
+        "is_active": False,
+        "created": created,
+        "modified": created,
+        "constant": "fixed",
+    }
     async with engine.connect() as connection:
         expected = (
             (await connection.execute(BY_DIGEST.statement, {"digest": "d" * 64})).mappings().one()

@@ -6,18 +6,22 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import structlog
 from dotenv import dotenv_values
 from fastapi import Depends, FastAPI
 from prometheus_client import multiprocess
+from sqlalchemy.ext.asyncio import AsyncEngine
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
+from queuekeeper.admin.endpoints import router as runs_router
 from queuekeeper.auth.guard import RequestGuard
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher
+from queuekeeper.common.access import declared_routes
 from queuekeeper.common.docs import install_docs
 from queuekeeper.common.input_guard import reject_unstorable_input
 from queuekeeper.common.openapi import install_openapi, operation_id
@@ -44,7 +48,7 @@ from queuekeeper.health.service import refresh_survey
 from queuekeeper.identities.endpoints import admin_router as identities_admin_router
 from queuekeeper.identities.endpoints import router as identities_router
 from queuekeeper.installation import service as installation
-from queuekeeper.jobs.endpoints import router as runs_router
+from queuekeeper.installation.service import Survey
 from queuekeeper.jobs.runs import Job, JobContext, JobRunner, JobSpec, JobTable
 from queuekeeper.jobs.scheduler import JobScheduler
 from queuekeeper.observability.endpoints import MULTIPROC_ENV
@@ -152,7 +156,28 @@ JOBS: JobTable = {
 }
 
 
-def build_state(settings: Settings) -> AppState:
+@dataclass(kw_only=True)
+class Runtime(AppState):
+    """What the process runs, beside what endpoints depend on (`AppState`)."""
+
+    # Opens connections only when used; readiness probes the broker through it.
+    publisher: AmqpPublisher
+    # Stores accepted events; requests arriving together share a transaction.
+    intake: Intake
+    # Started by the lifespan when configured; None otherwise (and in tests without them).
+    relay: Relay | None = None
+    relay_engine: AsyncEngine | None = None
+    scheduler: JobScheduler | None = None
+    # What readiness last reported down, so a change is logged once, not per probe.
+    readiness_down: tuple[str, ...] = ()
+    readiness_nodes_down: tuple[str, ...] = ()
+    # What the broker holds under our instance name that this database does not know
+    # (installation/service.py); taken at start-up and again when /readyz finds it old.
+    survey: Survey | None = None
+    survey_task: asyncio.Task[None] | None = None
+
+
+def build_state(settings: Settings) -> Runtime:
     engine = create_engine(settings)
     management = ManagementClient(settings, observer=observe_management_call)
     sessions = create_sessionmaker(engine)
@@ -161,7 +186,7 @@ def build_state(settings: Settings) -> AppState:
     )
     context = JobContext(settings, engine, sessions, management, provisioner)
     signals = OutboxSignals()
-    return AppState(
+    return Runtime(
         settings=settings,
         engine=engine,
         sessions=sessions,
@@ -175,7 +200,7 @@ def build_state(settings: Settings) -> AppState:
     )
 
 
-def start_relay(state: AppState) -> Relay:
+def start_relay(state: Runtime) -> Relay:
     """The outbox relay, in this process (`queuekeeper relay` too)."""
     settings = state.settings
     # Its own small pool: the relay's statements never wait behind the API's requests.
@@ -188,14 +213,14 @@ def start_relay(state: AppState) -> Relay:
     return relay
 
 
-def start_scheduler(state: AppState) -> JobScheduler:
+def start_scheduler(state: Runtime) -> JobScheduler:
     scheduler = JobScheduler(state.jobs.context, JOBS)
     scheduler.start()
     state.scheduler = scheduler
     return scheduler
 
 
-async def shutdown(state: AppState) -> None:
+async def shutdown(state: Runtime) -> None:
     """Stop what started, last started first: jobs, relay, then the connections they used."""
     if state.survey_task is not None:
         state.survey_task.cancel()
@@ -219,7 +244,7 @@ async def shutdown(state: AppState) -> None:
 @asynccontextmanager
 async def running(
     settings: Settings, *, relay: bool = False, scheduler: bool = False
-) -> AsyncIterator[AppState]:
+) -> AsyncIterator[Runtime]:
     """The one start-up and shutdown: `serve` (through the lifespan), `relay`, and the CLI's
     job and import commands all run inside it."""
     state = build_state(settings)
@@ -238,6 +263,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        declared_routes(app.routes)  # a route that declares no caller stops the start
         async with running(
             settings, relay=settings.relay_enabled, scheduler=settings.scheduler_enabled
         ) as state:

@@ -2,15 +2,16 @@
 
 Endpoints ask for the collaborators they pass to a service (`SessionDep`,
 `SettingsDep`, `ProvisionerDep`, ...), never for the whole state: a service's
-signature says what it uses.
+signature says what it uses. This module holds only what endpoints depend on; what the
+process runs besides (the intake, the relay, the scheduler, readiness's memory) is the
+composition root's (`app.Runtime`), so nothing here imports a domain.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -21,40 +22,18 @@ from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
 from queuekeeper.jobs.runs import JobContext, JobRunner
 
-if TYPE_CHECKING:
-    from queuekeeper.broker.publisher import AmqpPublisher
-    from queuekeeper.events.intake import Intake
-    from queuekeeper.events.relay import Relay
-    from queuekeeper.installation.service import Survey
-    from queuekeeper.jobs.scheduler import JobScheduler
 
-
-@dataclass
+@dataclass(kw_only=True)
 class AppState:
     settings: Settings
     engine: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
     management: ManagementClient
     provisioner: Provisioner
-    # Opens connections only when used; readiness probes the broker through it.
-    publisher: AmqpPublisher
     # The job table's runner for the admin API and the CLI (app.py builds it).
     jobs: JobRunner
-    # Stores accepted events; requests arriving together share a transaction.
-    intake: Intake
     # Shared by the accept path, the relay and `?wait=true` waiters of this process.
     signals: OutboxSignals = field(default_factory=OutboxSignals)
-    # Started by the lifespan when configured; None otherwise (and in tests without them).
-    relay: Relay | None = None
-    relay_engine: AsyncEngine | None = None
-    scheduler: JobScheduler | None = None
-    # What readiness last reported down, so a change is logged once, not per probe.
-    readiness_down: tuple[str, ...] = ()
-    readiness_nodes_down: tuple[str, ...] = ()
-    # What the broker holds under our instance name that this database does not know
-    # (installation/service.py); taken at start-up and again when /readyz finds it old.
-    survey: Survey | None = None
-    survey_task: asyncio.Task[None] | None = None
 
 
 async def get_state(request: Request) -> AppState:
@@ -95,10 +74,6 @@ async def get_signals(state: StateDep) -> OutboxSignals:
     return state.signals
 
 
-async def get_intake(state: StateDep) -> Intake:
-    return state.intake
-
-
 async def get_jobs(state: StateDep) -> JobRunner:
     return state.jobs
 
@@ -115,6 +90,5 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 ProvisionerDep = Annotated[Provisioner, Depends(get_provisioner)]
 ManagementDep = Annotated[ManagementClient, Depends(get_management)]
 SignalsDep = Annotated[OutboxSignals, Depends(get_signals)]
-IntakeDep = Annotated["Intake", Depends(get_intake)]
 JobsDep = Annotated[JobRunner, Depends(get_jobs)]
 JobContextDep = Annotated[JobContext, Depends(get_job_context)]

@@ -14,11 +14,11 @@ import pytest
 from fastapi import FastAPI
 from structlog.testing import capture_logs
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.topology import queue_arguments
 from queuekeeper.events.relay import Relay
 from queuekeeper.observability.metrics import DELIVERIES
-from queuekeeper.state import AppState
 from tests.brokers import BROKER
 from tests.events.support import (
     Registered,
@@ -265,7 +265,7 @@ async def test_a_full_queue_is_judged_by_its_own_limit_not_the_configured_one(
     """Raising `queue_max_length` leaves a queue that holds messages on its old limit
     (reconcile repairs only empty ones); when it is full, its nacks are dead letters."""
     registered = await register(backend)
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     older = {**queue_arguments(state.settings), "x-max-length": 1}
     connection = await aio_pika.connect(BROKER.amqp_url(registered.vhost))
     async with connection:
@@ -385,7 +385,7 @@ async def test_revoked_access_gives_up_a_waiting_copy(
         headers=backend.headers,
     )
     assert response.status_code == 204
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     relay = Relay(state.settings, state.engine, _NoPublisher(), state.provisioner)  # type: ignore[arg-type]
     assert await relay.run_once() == 1
     (copy,) = (await event_detail(client, "late"))["deliveries"]

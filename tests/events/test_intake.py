@@ -14,27 +14,49 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import event, select, text
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.db import create_engine
+from queuekeeper.events import intake as intake_module
 from queuekeeper.events import outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, Event, utcnow
-from queuekeeper.state import AppState
 from tests.conftest import TEST_DB
 from tests.events.support import SERVICE, order_event, post_event, register, wait_settled
 from tests.helpers import Backend
 
 
-def _commits(app: FastAPI) -> list[int]:
-    """Counts the transactions the API's engine commits from now on."""
-    state: AppState = app.state.queuekeeper
-    commits = [0]
+class Transactions:
+    """Counts the transactions that stored events, on either database.
 
-    @event.listens_for(state.engine.sync_engine, "commit")
-    def _count(*_args: Any) -> None:
-        commits[0] += 1
+    PostgreSQL: the events' rows themselves say it (`xmin`, the id of the transaction that
+    inserted a row), whichever way the statements reached the database. SQLite, which has
+    no transaction ids and where the intake runs through SQLAlchemy: the engine's commits
+    from now on."""
 
-    return commits
+    def __init__(self, app: FastAPI) -> None:
+        self.state: Runtime = app.state.queuekeeper
+        self.commits = 0
+        if TEST_DB == "sqlite":
+
+            @event.listens_for(self.state.engine.sync_engine, "commit")
+            def _count(*_args: Any) -> None:
+                self.commits += 1
+
+    async def of(self, event_ids: list[str]) -> dict[str, object]:
+        """Each event's transaction (PostgreSQL), or one key per commit counted (SQLite)."""
+        if TEST_DB == "sqlite":
+            return {str(commit): commit for commit in range(self.commits)}
+        async with self.state.sessions() as session:
+            rows = await session.execute(
+                select(Event.event_id, text("events.xmin::text::bigint")).where(
+                    Event.event_id.in_(event_ids)
+                )
+            )
+            return {event_id: xid for event_id, xid in rows}
+
+    async def count(self, event_ids: list[str]) -> int:
+        return len(set((await self.of(event_ids)).values()))
 
 
 # A loaded machine can take seconds over one SQLite commit: no refusals in these two.
@@ -43,14 +65,15 @@ async def test_concurrent_single_events_share_transactions_and_each_is_answered_
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     registered = await register(backend)
-    commits = _commits(app)
+    transactions = Transactions(app)
     responses = await asyncio.gather(
         *(post_event(client, order_event(registered.offering)) for _ in range(30))
     )
     assert [r.status_code for r in responses] == [202] * 30
-    # Requests that arrived while a transaction ran went into the next one together.
-    assert commits[0] < 10, commits[0]
     ids = {r.json()["event_id"] for r in responses}
+    # Requests that arrived while a transaction ran went into the next one together.
+    count = await transactions.count(sorted(ids))
+    assert 0 < count < 10, count
     async with app.state.queuekeeper.sessions() as session:
         stored = set(await session.scalars(select(Event.event_id)))
         copies = list(await session.scalars(select(Delivery.event_id)))
@@ -60,22 +83,50 @@ async def test_concurrent_single_events_share_transactions_and_each_is_answered_
 
 @pytest.mark.settings(relay_enabled=False, events_accept_max_wait=60.0)
 async def test_a_bad_request_in_a_shared_transaction_fails_alone(
-    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     registered = await register(backend)
+    # A first request's transaction is held open until the four below are all waiting, so
+    # they are stored together in the next one.
+    entered, release = asyncio.Event(), asyncio.Event()
+    real_store = intake_module._store
+
+    async def held_store(*args: Any) -> Any:
+        if not entered.is_set():
+            entered.set()
+            await release.wait()
+        return await real_store(*args)
+
+    monkeypatch.setattr(intake_module, "_store", held_store)
+    transactions = Transactions(app)
+    plug = asyncio.create_task(post_event(client, order_event(registered.offering)))
+    await asyncio.wait_for(entered.wait(), 10)
     repeated = f"twice-{uuid.uuid4().hex}"
-    good, bad, first, second = await asyncio.gather(
+    sent = asyncio.gather(
         post_event(client, order_event(registered.offering)),
         post_event(client, order_event(uuid.uuid4())),
         post_event(client, order_event(registered.offering, event_id=repeated)),
         post_event(client, order_event(registered.offering, event_id=repeated)),
     )
+    intake: Any = app.state.queuekeeper.intake
+    for _ in range(500):
+        if len(intake._waiting) == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert len(intake._waiting) == 4
+    release.set()
+    good, bad, first, second = await sent
+    assert (await plug).status_code == 202
     assert good.status_code == 202
     assert bad.status_code == 400
     assert bad.json()["errors"][0]["field"] == "offering_uuid"
     # Two requests with one event_id in the same transaction: one is the event, one its repeat.
     assert sorted([first.status_code, second.status_code]) == [200, 202]
     assert {first.json()["queued"], second.json()["queued"]} == {1}
+    # And they did share one: two transactions stored the first request's event, the good
+    # request's and the repeated one, the bad request's failure notwithstanding.
+    stored = [(await plug).json()["event_id"], good.json()["event_id"], repeated]
+    assert await transactions.count(stored) == 2
 
 
 @pytest.mark.settings(relay_poll_interval=60.0)
@@ -108,7 +159,7 @@ async def _relay_with_a_claim(
     """A relay (not started) that claimed one accepted copy and holds it unpublished."""
     registered = await register(backend)
     await post_event(client, order_event(registered.offering))
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     settings = state.settings.model_copy(update=changes)
     relay = Relay(settings, state.engine, AmqpPublisher(settings), state.provisioner)
     return relay, await relay.claim()
@@ -215,7 +266,7 @@ async def test_a_relay_of_another_process_publishes_at_the_commit_not_at_its_nex
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     registered = await register(backend)
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     # Another process's relay: its own pool, no in-memory signal from this intake.
     engine = create_engine(state.settings)
     relay = Relay(state.settings, engine, AmqpPublisher(state.settings), state.provisioner)

@@ -10,10 +10,10 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client import REGISTRY
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.events.relay import Relay
-from queuekeeper.state import AppState
 from tests.events.support import drain, event_detail, order_event, post_event, register
 from tests.helpers import Backend
 
@@ -63,7 +63,7 @@ async def test_a_full_quorum_queue_nack_is_retried_with_backoff_then_published(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     registered = await register(backend)
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     settings = state.settings.model_copy(update={"relay_backoff_base": 1.0})
     publisher = AmqpPublisher(settings)
     relay = Relay(settings, state.engine, publisher, state.provisioner)

@@ -11,12 +11,12 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import update
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.events import outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, Event, utcnow
 from queuekeeper.observability.metrics import OUTBOX_OLDEST_AGE, OUTBOX_PENDING
-from queuekeeper.state import AppState
 from tests.events.support import (
     SERVICE,
     event_detail,
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.settings(relay_enabled=False)
 
 
 def _relay(app: FastAPI, **changes: object) -> tuple[Relay, AmqpPublisher]:
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     settings = state.settings.model_copy(update=changes)
     publisher = AmqpPublisher(settings)
     return Relay(settings, state.engine, publisher, state.provisioner), publisher

@@ -15,13 +15,13 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.config import Settings
 from queuekeeper.events.outbox import Claimed
 from queuekeeper.events.relay import Relay
 from queuekeeper.observability.metrics import AMQP_RECONNECTS, DELIVERIES
-from queuekeeper.state import AppState
 from tests.events.support import (
     drain,
     event_detail,
@@ -135,7 +135,7 @@ async def test_copies_claimed_by_a_relay_that_dies_are_delivered_by_another(
         assert (copy["state"], copy["claimed_by"]) == ("pending", dead_relay)
 
     # Another relay takes the copies over once the dead one's lease has run out.
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     publisher = AmqpPublisher(state.settings)
     survivor = Relay(state.settings, state.engine, publisher, state.provisioner)
     survivor.start()
@@ -192,7 +192,7 @@ async def test_relays_share_the_outbox_without_claiming_a_copy_twice(
     response = await post_batch(client, [order_event(registered.offering, event_id=i) for i in ids])
     assert response.status_code == 202
 
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     publishers = [AmqpPublisher(state.settings) for _ in range(2)]
     relays = [
         _CountingRelay(state.settings, state.engine, publisher, state.provisioner)

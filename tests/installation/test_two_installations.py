@@ -20,19 +20,18 @@ import httpx
 import pytest
 from asgi_lifespan import LifespanManager
 
-from queuekeeper.app import create_app
+from queuekeeper.app import Runtime, create_app
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
-from queuekeeper.state import AppState
 from tests.conftest import PG_ADMIN_DSN, SERVICE_TOKEN, TEST_DB, _migrate, pg_admin
 from tests.helpers import Agent, Backend, Operator
 
-Serve = Callable[[Settings], AbstractAsyncContextManager[tuple[httpx.AsyncClient, AppState]]]
+Serve = Callable[[Settings], AbstractAsyncContextManager[tuple[httpx.AsyncClient, Runtime]]]
 
 
 @asynccontextmanager
-async def serve(settings: Settings) -> AsyncIterator[tuple[httpx.AsyncClient, AppState]]:
+async def serve(settings: Settings) -> AsyncIterator[tuple[httpx.AsyncClient, Runtime]]:
     """One queuekeeper on these settings; its state, to wait for the start-up survey."""
     application = create_app(settings)
     async with LifespanManager(application, startup_timeout=30, shutdown_timeout=30) as manager:
@@ -123,7 +122,7 @@ def failures_of(run: dict[str, Any]) -> dict[str, str]:
     return {failure["item"]: failure["reason"] for failure in run["failures"]}
 
 
-async def readiness_after_survey(client: httpx.AsyncClient, state: AppState) -> str:
+async def readiness_after_survey(client: httpx.AsyncClient, state: Runtime) -> str:
     assert state.survey_task is not None
     await state.survey_task
     response = await client.get("/readyz")
@@ -216,7 +215,7 @@ async def test_objects_made_before_identities_are_adopted_only_with_rows(
 ) -> None:
     """The upgrade path: objects tagged with the instance name alone. Those this database
     has rows for become ours; the others are reported and never deleted, even forced."""
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     agent, queue = await registered(client)
     legacy = [settings.instance_tag]
     vhost_info = await management.get_vhost(agent.vhost)

@@ -12,13 +12,12 @@ import httpx
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
 
-from queuekeeper.app import create_app
+from queuekeeper.app import Runtime, create_app
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from queuekeeper.jobs.runs import Job, JobContext, JobRunner, JobSpec, Run
 from queuekeeper.models import JobRun
-from queuekeeper.state import AppState
 from tests.helpers import Backend, Operator
 from tests.reconcile.test_reconcile import SPEC_ARGUMENTS
 
@@ -48,7 +47,7 @@ class Gate:
         run.find("gated")
 
 
-def gated(state: AppState, gate: Gate) -> None:
+def gated(state: Runtime, gate: Gate) -> None:
     state.jobs = JobRunner(state.jobs.context, {Job.RECONCILE: JobSpec(Job.RECONCILE, gate)})
 
 
@@ -119,7 +118,7 @@ async def test_shutdown_interrupts_a_background_run_and_records_it(
     app = create_app(settings.model_copy(update={"scheduler_enabled": False}))
     gate = Gate()
     async with LifespanManager(app):
-        state: AppState = app.state.queuekeeper
+        state: Runtime = app.state.queuekeeper
         gated(state, gate)
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:

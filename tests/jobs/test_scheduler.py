@@ -12,16 +12,15 @@ import pytest
 from asgi_lifespan import LifespanManager
 from sqlalchemy import select
 
-from queuekeeper.app import create_app
+from queuekeeper.app import Runtime, create_app
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.jobs.runs import Job, JobContext, JobSpec, Run, Trigger, run_job
 from queuekeeper.jobs.scheduler import JobScheduler
 from queuekeeper.models import JobRun, utcnow
-from queuekeeper.state import AppState
 
 
-def scheduled(state: AppState) -> JobScheduler:
+def scheduled(state: Runtime) -> JobScheduler:
     assert state.scheduler is not None
     return state.scheduler
 
@@ -34,7 +33,7 @@ async def test_scheduler_fires_reconcile_and_records_the_run(
     )
     app = create_app(fast)
     async with LifespanManager(app):
-        state: AppState = app.state.queuekeeper
+        state: Runtime = app.state.queuekeeper
         jobs = {job.name for job in scheduled(state).jobs()}
         # Redrive is on demand unless an interval is configured.
         assert jobs == {Job.RECONCILE, Job.CLEANUP_STALE, Job.REVOKE_EXPIRED}
@@ -59,7 +58,7 @@ async def test_scheduler_fires_reconcile_and_records_the_run(
 async def test_first_run_waits_one_interval(settings: Settings, clean_state: None) -> None:
     app = create_app(settings)  # the defaults: hours
     async with LifespanManager(app):
-        state: AppState = app.state.queuekeeper
+        state: Runtime = app.state.queuekeeper
         next_runs = {job.name: job.next_run for job in scheduled(state).jobs()}
     assert None not in next_runs.values()
     # The frequent expiry check aside (seconds), the first run of each job is hours away.
@@ -76,7 +75,7 @@ async def test_a_quiet_job_that_finds_nothing_leaves_no_run_record(
 ) -> None:
     app = create_app(settings)
     async with LifespanManager(app):
-        state: AppState = app.state.queuekeeper
+        state: Runtime = app.state.queuekeeper
         await asyncio.sleep(3.5)  # three runs of revoke_expired, each finding nothing
         async with state.sessions() as session:
             runs = list(await session.scalars(select(JobRun)))
@@ -109,7 +108,7 @@ async def test_run_interrupted_by_shutdown_is_recorded_as_failed(
         await asyncio.sleep(3600)
 
     async with LifespanManager(app):
-        state: AppState = app.state.queuekeeper
+        state: Runtime = app.state.queuekeeper
         spec = JobSpec(Job.RECONCILE, endless)
         task = asyncio.create_task(run_job(state.jobs.context, spec, Trigger.SCHEDULE))
         await asyncio.wait_for(started.wait(), 5)
@@ -127,7 +126,7 @@ async def test_record_left_running_by_a_dead_process_is_closed_by_the_next_run(
 ) -> None:
     app = create_app(settings.model_copy(update={"scheduler_enabled": False}))
     async with LifespanManager(app):
-        state: AppState = app.state.queuekeeper
+        state: Runtime = app.state.queuekeeper
         orphaned = JobRun(uuid=uuid.uuid4(), job="reconcile", trigger="schedule", status="running")
         async with state.sessions() as session:
             session.add(orphaned)

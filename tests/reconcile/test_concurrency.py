@@ -12,16 +12,16 @@ import pytest
 import respx
 from fastapi import FastAPI
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient, QueuePage
 from queuekeeper.common.locks import job_lock
-from queuekeeper.state import AppState
 from tests.helpers import Backend, Operator
 from tests.reconcile.test_reconcile import SPEC_ARGUMENTS, registered_queue
 
 
-def state_of(app: FastAPI) -> AppState:
-    state: AppState = app.state.queuekeeper
+def state_of(app: FastAPI) -> Runtime:
+    state: Runtime = app.state.queuekeeper
     return state
 
 

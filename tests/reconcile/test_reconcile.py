@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from prometheus_client import REGISTRY
 from sqlalchemy import delete, select
 
-from queuekeeper.app import JOBS
+from queuekeeper.app import JOBS, Runtime
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.passwords import rabbit_password_hash
@@ -21,7 +21,6 @@ from queuekeeper.config import Settings
 from queuekeeper.jobs.runs import Job, JobRunner, Trigger
 from queuekeeper.models import EventSubscription
 from queuekeeper.reconcile.view import QueueFilter, queue_states
-from queuekeeper.state import AppState
 from tests.brokers import BROKER
 from tests.helpers import Agent, Backend, Operator
 from tests.stomp_client import StompConsumer
@@ -35,8 +34,8 @@ SPEC_ARGUMENTS = {
 }
 
 
-def state_of(app: FastAPI) -> AppState:
-    state: AppState = app.state.queuekeeper
+def state_of(app: FastAPI) -> Runtime:
+    state: Runtime = app.state.queuekeeper
     return state
 
 

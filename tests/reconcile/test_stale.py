@@ -9,15 +9,15 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import delete, func, select
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.models import EventSubscription, EventSubscriptionQueue, User
-from queuekeeper.state import AppState
 from tests.helpers import Backend, Operator
 from tests.reconcile.test_reconcile import registered_queue
 
 
-def state_of(app: FastAPI) -> AppState:
-    state: AppState = app.state.queuekeeper
+def state_of(app: FastAPI) -> Runtime:
+    state: Runtime = app.state.queuekeeper
     return state
 
 

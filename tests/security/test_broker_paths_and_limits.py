@@ -7,9 +7,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker.management import ManagementClient, UnsafeName
 from queuekeeper.config import Settings
-from queuekeeper.state import AppState
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Backend
 
@@ -81,7 +81,7 @@ async def test_a_vhost_parameter_that_is_not_ours_never_reaches_the_broker(
     client: httpx.AsyncClient, app: FastAPI
 ) -> None:
     calls: list[str] = []
-    state: AppState = app.state.queuekeeper
+    state: Runtime = app.state.queuekeeper
     if state.survey_task is not None:  # the start-up look at the broker, not these requests
         await state.survey_task
     state.management._observer = lambda kind, status, seconds: calls.append(kind)

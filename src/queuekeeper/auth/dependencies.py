@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.security import APIKeyHeader
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.types import Scope
 
 from queuekeeper.auth.repository import user_with_token
 from queuekeeper.auth.tokens import is_service_token
+from queuekeeper.common.access import Caller, router
 from queuekeeper.config import Settings
 from queuekeeper.exceptions import Forbidden, Unauthorized
 from queuekeeper.models import User
@@ -145,3 +146,9 @@ CallerToken = Annotated[str, Depends(caller_token)]
 # None for a service token: routes that show an agent its own things show an operator all.
 AgentOrService = Annotated[User | None, Depends(agent_or_service)]
 ServiceCaller = Depends(service_caller)
+
+
+def service_router(**kwargs: Any) -> APIRouter:
+    """A router of service routes that also authenticate as a dependency, so the document
+    shows what they need (`kwargs` as for `APIRouter`)."""
+    return router(Caller.SERVICE, dependencies=[ServiceCaller], **kwargs)

@@ -16,6 +16,9 @@ and stalled every request for 3 s. So, in front of the app:
   down (measured: the service's own part of an answer reached 0.3-0.4 s at 600-1,500/s
   offered with 128 client connections; docs/benchmarks.md).
 
+Which caller a route wants, its body limit and whether it is admitted are what its router
+declares (`common/access.py`), read from the app's routes at start-up; never its path.
+
 The guard hands the agent it authenticated to the `current_agent` dependency, which then
 needs no second lookup; a request the guard did not authenticate (an agent's GET) is
 authenticated by the dependency. The backend's two accept routes have no dependency: this
@@ -24,12 +27,14 @@ guard is their authentication.
 
 from __future__ import annotations
 
-import enum
+import contextlib
+import re
 from dataclasses import dataclass
 
+from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from queuekeeper.auth.dependencies import (
@@ -40,24 +45,12 @@ from queuekeeper.auth.dependencies import (
 )
 from queuekeeper.auth.ratelimit import RegistrationLimiter
 from queuekeeper.auth.tokens import is_service_token, token_digest
+from queuekeeper.common.access import DEFAULT_BODY, Caller, declared_routes
 from queuekeeper.config import Settings
 from queuekeeper.errors import DATABASE_ERRORS, database_error_response, domain_error_response
 from queuekeeper.exceptions import DomainError, TooLarge, Unavailable
-from queuekeeper.state import AppState
 
-# Room for an event's envelope (event_id, offering_uuid, object_type, user_uuids) beside
-# its payload.
-ENVELOPE_BYTES = 4096
-EVENTS_PATH = "/api/internal/events/"
-EVENTS_BATCH_PATH = "/api/internal/events/batch/"
-SERVICE_PREFIXES = ("/api/internal/", "/api/admin/")
 REGISTRATION_METHODS = frozenset({"POST", "PUT"})
-
-
-class Caller(enum.Enum):
-    OPEN = "open"
-    AGENT = "agent"
-    SERVICE = "service"
 
 
 @dataclass(frozen=True)
@@ -71,32 +64,43 @@ class Policy:
     admission: bool = False
 
 
-def policy(path: str, method: str, settings: Settings) -> Policy:
-    if path == EVENTS_BATCH_PATH:
-        per_event = settings.event_payload_max_bytes + ENVELOPE_BYTES
-        return Policy(
-            Caller.SERVICE,
-            settings.events_batch_max * per_event,
-            "events_batch_max * (event_payload_max_bytes + 4 KiB)",
-            admission=method == "POST",
-        )
-    if path == EVENTS_PATH:
-        return Policy(
-            Caller.SERVICE,
-            settings.event_payload_max_bytes + ENVELOPE_BYTES,
-            "event_payload_max_bytes (+ 4 KiB for the envelope)",
-            admission=method == "POST",
-        )
-    if path.startswith(SERVICE_PREFIXES):
-        return Policy(Caller.SERVICE, settings.body_max_bytes, "body_max_bytes")
-    if path.startswith("/api/"):
-        return Policy(
-            Caller.AGENT,
-            settings.body_max_bytes,
-            "body_max_bytes",
-            registration=method in REGISTRATION_METHODS,
-        )
-    return Policy(Caller.OPEN, settings.body_max_bytes, "body_max_bytes")
+class Policies:
+    """Each route's policy, from what its router declares (`common/access.py`), built once
+    from the app's routes. A path without parameters is one dict lookup (the accept routes
+    among them); the others are matched in the router's order."""
+
+    def __init__(self, routes: list[BaseRoute], settings: Settings) -> None:
+        self.default = Policy(Caller.PUBLIC, DEFAULT_BODY.size(settings), DEFAULT_BODY.setting)
+        self.exact: dict[tuple[str, str], Policy] = {}
+        self.patterned: list[tuple[re.Pattern[str], dict[str, Policy]]] = []
+        for found in declared_routes(routes):
+            body = found.intake.body if found.intake is not None else DEFAULT_BODY
+            admitted = found.intake is not None and found.intake.admission
+            by_method = {
+                method: Policy(
+                    found.caller,
+                    body.size(settings),
+                    body.setting,
+                    registration=found.caller is Caller.AGENT and method in REGISTRATION_METHODS,
+                    admission=admitted and method == "POST",
+                )
+                for method in found.methods
+            }
+            by_method[""] = Policy(found.caller, body.size(settings), body.setting)
+            if "{" in found.path:
+                self.patterned.append((compile_path(found.path)[0], by_method))
+            else:
+                for method, rule in by_method.items():
+                    self.exact.setdefault((found.path, method), rule)
+
+    def __call__(self, path: str, method: str) -> Policy:
+        rule = self.exact.get((path, method)) or self.exact.get((path, ""))
+        if rule is not None:
+            return rule
+        for pattern, by_method in self.patterned:
+            if pattern.match(path):
+                return by_method.get(method) or by_method[""]
+        return self.default
 
 
 def too_large(policy: Policy, size: int | None) -> TooLarge:
@@ -131,16 +135,28 @@ class RequestGuard:
         self.settings = settings
         self.limiter = RegistrationLimiter(settings.registration_rate_limit)
         self.accepting = 0  # accept requests admitted and not yet answered
+        self.policies: Policies | None = None
+
+    def _policies(self, scope: Scope) -> Policies:
+        # Built at start-up from the app's routes (app.py's lifespan has checked that each
+        # declares its caller), or at the first request where no lifespan ran.
+        if self.policies is None:
+            self.policies = Policies(scope["app"].router.routes, self.settings)
+        return self.policies
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            if scope["type"] == "lifespan" and self.policies is None:
+                # At start-up; a route that declares no caller is the lifespan's to report.
+                with contextlib.suppress(RuntimeError):
+                    self._policies(scope)
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
         root_path: str = scope.get("root_path", "")
         if root_path and path.startswith(root_path):
             path = path[len(root_path) :]
-        rule = policy(path, scope["method"], self.settings)
+        rule = self._policies(scope)(path, scope["method"])
         if not rule.admission:
             await self._guard(scope, receive, send, rule)
             return
@@ -196,11 +212,11 @@ class RequestGuard:
         token = credentials(headers.get("authorization"), service=rule.caller is Caller.SERVICE)
         if rule.caller is Caller.SERVICE and is_service_token(token, self.settings.service_tokens):
             return  # the backend's calls, single events among them, cost no session
-        state: AppState = scope["app"].state.queuekeeper
+        engine: AsyncEngine = scope["app"].state.queuekeeper.engine
         if rule.caller is Caller.SERVICE:
-            await authenticate_service(state.engine, token, self.settings)
+            await authenticate_service(engine, token, self.settings)
             return
-        hand_over(scope, await authenticate_agent(state.engine, token, self.settings))
+        hand_over(scope, await authenticate_agent(engine, token, self.settings))
         if rule.registration and _routed(scope):
             await self.limiter.hit(token_digest(token))
 

@@ -14,7 +14,9 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.routing import BaseRoute
 
+from queuekeeper.common.access import Caller, declared_routes
 from queuekeeper.config import Settings
 
 # A field whose limit is a setting carries `json_schema_extra={LIMITED_BY: "<setting>"}` (and a
@@ -115,16 +117,23 @@ _HEADERS: dict[int, dict[str, Any]] = {
 _HEADERS[429] = _HEADERS[503]
 
 
-def _document_guard(schema: dict[str, Any]) -> None:
+def _document_guard(schema: dict[str, Any], routes: list[BaseRoute]) -> None:
     """Every route that takes a body may answer 413 (auth/guard.py); every agent write (a
-    registration call) also 429 (rate limit) and 409 (a quota reached)."""
+    registration call) also 429 (rate limit) and 409 (a quota reached). Agent routes are
+    those their router declares so (`common/access.py`)."""
+    agent_writes = {
+        (found.path_format, method.lower())
+        for found in declared_routes(routes)
+        if found.caller is Caller.AGENT
+        for method in found.methods
+        if method in ("POST", "PUT")
+    }
     for path, operations in schema.get("paths", {}).items():
         for method, operation in operations.items():
             if not isinstance(operation, dict) or "responses" not in operation:
                 continue
             codes = [413] if "requestBody" in operation else []
-            agent = not path.startswith(("/api/internal/", "/api/admin/"))
-            if agent and path.startswith("/api/") and method in ("post", "put"):
+            if (path, method) in agent_writes:
                 codes += [409, 413, 429]
             for code, entry in error_responses(*codes).items():
                 entry.pop("model")
@@ -257,7 +266,7 @@ def install_openapi(
                 servers=app.servers,
             )
             _fix_validation_responses(schema)
-            _document_guard(schema)
+            _document_guard(schema, app.routes)
             if extend is not None:
                 extend(schema)
             _running_limits(schema, settings)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Body, Depends, Query, Request, Response, status
+from fastapi import Body, Depends, Query, Request, Response, status
 
 from queuekeeper.auth.dependencies import AgentOrService, CallerToken, CurrentUser
+from queuekeeper.common.access import Caller
+from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.consumers import service
@@ -26,7 +28,7 @@ from queuekeeper.consumers.schemas import (
 )
 from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
 
-router = APIRouter(tags=["agents"])
+router = caller_router(Caller.AGENT, tags=["agents"])
 
 _REGISTER_ERRORS = {
     400: "Bad body: not an object, `object_types` not a list, or holding an unknown or "

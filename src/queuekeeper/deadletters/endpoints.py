@@ -4,25 +4,25 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Depends, Request, Response
 
-from queuekeeper.auth.dependencies import ServiceCaller
+from queuekeeper.admin.routes import (
+    ADMIN_ERRORS,
+    RUN_DESCRIPTION,
+    RUN_RESPONSES,
+    RespondAsync,
+    admin_router,
+    run_answer,
+)
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params
 from queuekeeper.common.params import VhostQuery
 from queuekeeper.deadletters import service
 from queuekeeper.deadletters.schemas import DeadLettersOut
-from queuekeeper.jobs.endpoints import (
-    ADMIN_ERRORS,
-    RUN_DESCRIPTION,
-    RUN_RESPONSES,
-    RespondAsync,
-    run_answer,
-)
 from queuekeeper.jobs.schemas import RunOut
 from queuekeeper.state import JobsDep, ProvisionerDep, SessionDep, SettingsDep
 
-router = APIRouter(prefix="/api/admin/dead-letters", tags=["admin"], dependencies=[ServiceCaller])
+router = admin_router("/dead-letters")
 
 
 @router.get(

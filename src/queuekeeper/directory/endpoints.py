@@ -5,10 +5,12 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fastapi import APIRouter, Response, status
+from fastapi import Response, status
 from pydantic import BaseModel
 
-from queuekeeper.auth.dependencies import CurrentUser, ServiceCaller
+from queuekeeper.auth.dependencies import CurrentUser, service_router
+from queuekeeper.common.access import Caller
+from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.directory import service
@@ -16,8 +18,8 @@ from queuekeeper.directory.schemas import AccessOut, OfferingOut, OfferingPut, U
 from queuekeeper.exceptions import BadRequest
 from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
 
-internal_router = APIRouter(prefix="/api/internal", tags=["internal"], dependencies=[ServiceCaller])
-agent_router = APIRouter(tags=["agents"])
+internal_router = service_router(prefix="/api/internal", tags=["internal"])
+agent_router = caller_router(Caller.AGENT, tags=["agents"])
 
 SERVICE_DESCRIPTIONS = {
     400: "Bad body or a malformed uuid in the path (the field is named).",

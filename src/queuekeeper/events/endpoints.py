@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import Query, Request, Response, status
 
-from queuekeeper.auth.dependencies import ServiceCaller, authorization_header
+from queuekeeper.admin.routes import admin_router as make_admin_router
+from queuekeeper.auth.dependencies import authorization_header, service_router
+from queuekeeper.common.access import BodyLimit, Caller, intake, router
 from queuekeeper.common.input_guard import refuse, unstorable_body
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.events import service
+from queuekeeper.events.intake import Intake
 from queuekeeper.events.schemas import (
     EventAccepted,
     EventBatchAccepted,
@@ -18,20 +21,37 @@ from queuekeeper.events.schemas import (
     EventIn,
     OutboxStats,
 )
-from queuekeeper.state import AppState, SessionDep
+from queuekeeper.state import SessionDep
 
-internal_router = APIRouter(
-    prefix="/api/internal/events", tags=["internal"], dependencies=[ServiceCaller]
-)
+internal_router = service_router(prefix="/api/internal/events", tags=["internal"])
 # The backend's two accept routes run no FastAPI dependency: a single event at the backend's
 # pace is dominated by the HTTP stack, and each dependency FastAPI solves per request costs
 # more than the statement it serves (docs/benchmarks.md). The request guard authenticates
 # them before the body is read, as it does every service route (auth/guard.py); they check
 # for input no database can take themselves, and encode their answer once, with pydantic.
 # app.py includes this router first, so its routes are also the first the router tries.
-accept_router = APIRouter(prefix="/api/internal/events", tags=["internal"])
+accept_router = router(Caller.SERVICE, prefix="/api/internal/events", tags=["internal"])
 SERVICE_SECURITY: dict[str, Any] = {"security": [{authorization_header.scheme_name: []}]}
-admin_router = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[ServiceCaller])
+admin_router = make_admin_router()
+# Room for an event's envelope (event_id, offering_uuid, object_type, user_uuids) beside
+# its payload.
+ENVELOPE_BYTES = 4096
+EVENT_BODY = BodyLimit(
+    lambda settings: settings.event_payload_max_bytes + ENVELOPE_BYTES,
+    "event_payload_max_bytes (+ 4 KiB for the envelope)",
+)
+BATCH_BODY = BodyLimit(
+    lambda settings: (
+        settings.events_batch_max * (settings.event_payload_max_bytes + ENVELOPE_BYTES)
+    ),
+    "events_batch_max * (event_payload_max_bytes + 4 KiB)",
+)
+
+
+def _intake(request: Request) -> Intake:
+    accepting: Intake = request.app.state.queuekeeper.intake
+    return accepting
+
 
 AUTH_ERRORS: dict[int | str, dict[str, Any]] = error_responses(
     401,
@@ -87,10 +107,10 @@ def _answer(answer: EventAccepted | EventBatchAccepted, *, ok: bool) -> Response
     },
     openapi_extra=SERVICE_SECURITY,
 )
+@intake(EVENT_BODY, admission=True)
 async def publish_event(request: Request, body: EventIn, wait: Wait = False) -> Response:
     refuse(unstorable_body(await request.body()))
-    state: AppState = request.app.state.queuekeeper
-    (answer,) = await service.publish(state.intake, [body], batch=False, wait=wait)
+    (answer,) = await service.publish(_intake(request), [body], batch=False, wait=wait)
     return _answer(answer, ok=answer.duplicate or wait)
 
 
@@ -107,10 +127,10 @@ async def publish_event(request: Request, body: EventIn, wait: Wait = False) -> 
     },
     openapi_extra=SERVICE_SECURITY,
 )
+@intake(BATCH_BODY, admission=True)
 async def publish_batch(request: Request, body: EventBatchIn, wait: Wait = False) -> Response:
     refuse(unstorable_body(await request.body()))
-    state: AppState = request.app.state.queuekeeper
-    answers = await service.publish(state.intake, body.events, batch=True, wait=wait)
+    answers = await service.publish(_intake(request), body.events, batch=True, wait=wait)
     return _answer(EventBatchAccepted(events=answers), ok=wait)
 
 

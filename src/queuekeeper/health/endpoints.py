@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
+from queuekeeper.common.access import Caller
+from queuekeeper.common.access import router as caller_router
 from queuekeeper.health import service
 from queuekeeper.health.schemas import Liveness, Readiness
-from queuekeeper.state import StateDep
 
-router = APIRouter(tags=["health"])
+
+async def watched(request: Request) -> service.Watched:
+    state: service.Watched = request.app.state.queuekeeper
+    return state
+
+
+WatchedDep = Annotated[service.Watched, Depends(watched)]
+
+router = caller_router(Caller.PUBLIC, tags=["health"])
 
 
 @router.get(
@@ -44,7 +55,7 @@ async def healthz() -> Liveness:
         }
     },
 )
-async def readyz(state: StateDep) -> JSONResponse:
+async def readyz(state: WatchedDep) -> JSONResponse:
     report = await service.readiness(state)
     if report.status == "ready":
         return JSONResponse(report.model_dump(mode="json"))

@@ -12,32 +12,54 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Protocol
 
 import structlog
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.nodes import node_label
+from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.common.redact import default_redactor
+from queuekeeper.config import Settings
 from queuekeeper.health.schemas import CheckResult, NodeResult, Readiness
 from queuekeeper.installation import service as installation
-from queuekeeper.state import AppState
 
 log = structlog.get_logger(__name__)
+
+
+class Watched(Protocol):
+    """What readiness reads (the app's dependencies) and remembers between probes; the
+    composition root's `Runtime` is one."""
+
+    settings: Settings
+    engine: AsyncEngine
+    sessions: async_sessionmaker[AsyncSession]
+    management: ManagementClient
+    provisioner: Provisioner
+    publisher: AmqpPublisher
+    readiness_down: tuple[str, ...]
+    readiness_nodes_down: tuple[str, ...]
+    survey: installation.Survey | None
+    survey_task: asyncio.Task[None] | None
+
 
 Check = Callable[[], Awaitable[None]]
 NodeCheck = Callable[[str], Awaitable[None]]
 
 
-async def check_database(state: AppState) -> None:
+async def check_database(state: Watched) -> None:
     async with state.engine.connect() as connection:
         await connection.execute(text("SELECT 1"))
 
 
-async def check_amqp_node(state: AppState, url: str) -> None:
+async def check_amqp_node(state: Watched, url: str) -> None:
     await state.publisher.probe(url)
 
 
-async def check_management_node(state: AppState, url: str) -> None:
+async def check_management_node(state: Watched, url: str) -> None:
     await state.management.node_overview(url)
 
 
@@ -81,7 +103,7 @@ async def _across_nodes(urls: list[str], check: NodeCheck, limit: float) -> Chec
 SURVEY_MAX_AGE = 300.0
 
 
-async def refresh_survey(state: AppState) -> None:
+async def refresh_survey(state: Watched) -> None:
     """Look for objects under our instance name that this database does not know; warn once
     per change. Errors are logged: readiness reports the dependencies themselves."""
     try:
@@ -109,7 +131,7 @@ async def refresh_survey(state: AppState) -> None:
         log.info("broker_objects_all_known")
 
 
-def _survey_detail(state: AppState) -> str | None:
+def _survey_detail(state: Watched) -> str | None:
     """The last survey's finding; a new survey starts when it is old (never awaited here:
     a probe answers within its timeout)."""
     survey = state.survey
@@ -119,7 +141,7 @@ def _survey_detail(state: AppState) -> str | None:
     return survey.detail(state.settings.instance_name) if survey is not None else None
 
 
-async def readiness(state: AppState) -> Readiness:
+async def readiness(state: Watched) -> Readiness:
     settings = state.settings
     limit = settings.readiness_timeout
     database, amqp, management = await asyncio.gather(
@@ -150,7 +172,7 @@ async def readiness(state: AppState) -> Readiness:
 
 
 def _log_change(
-    state: AppState, down: list[str], nodes_down: list[str], report: dict[str, CheckResult]
+    state: Watched, down: list[str], nodes_down: list[str], report: dict[str, CheckResult]
 ) -> None:
     """One line when readiness changes, not one per probe."""
     previous, previous_nodes = list(state.readiness_down), list(state.readiness_nodes_down)

@@ -9,9 +9,12 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi import Depends, Query, Request, Response, status
 
-from queuekeeper.auth.dependencies import CurrentUser, ServiceCaller
+from queuekeeper.admin.routes import admin_router as make_admin_router
+from queuekeeper.auth.dependencies import CurrentUser
+from queuekeeper.common.access import Caller
+from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.identities import service
@@ -25,10 +28,8 @@ from queuekeeper.identities.schemas import (
 from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
 from queuekeeper.subscriptions.schemas import SubscriptionOut
 
-router = APIRouter(prefix=f"/api/{COLLECTION}", tags=["agents"])
-admin_router = APIRouter(
-    prefix="/api/admin/agent-identities", tags=["admin"], dependencies=[ServiceCaller]
-)
+router = caller_router(Caller.AGENT, prefix=f"/api/{COLLECTION}", tags=["agents"])
+admin_router = make_admin_router("/agent-identities")
 
 NOT_YOURS = "Not one of your identities, or not a uuid."
 ERRORS = error_responses(401, 404, descriptions={404: NOT_YOURS})

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 
-from fastapi import APIRouter, Response
+from fastapi import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-router = APIRouter(tags=["health"])
+from queuekeeper.common.access import Caller
+from queuekeeper.common.access import router as caller_router
+
+router = caller_router(Caller.PUBLIC, tags=["health"])
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 

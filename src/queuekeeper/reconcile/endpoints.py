@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import Depends, Query, Request, Response
 
-from queuekeeper.auth.dependencies import ServiceCaller
-from queuekeeper.common.openapi import error_responses
-from queuekeeper.common.pagination import Page, page_params, set_page_headers
-from queuekeeper.jobs.endpoints import (
+from queuekeeper.admin.routes import (
     ADMIN_ERRORS,
     DRY_RUN,
     FORCE,
     RUN_DESCRIPTION,
     RUN_RESPONSES,
     RespondAsync,
+    admin_router,
     run_answer,
 )
+from queuekeeper.common.openapi import error_responses
+from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.jobs.runs import Job
 from queuekeeper.jobs.schemas import RunOut
 from queuekeeper.jobs.service import run_now
@@ -25,7 +25,7 @@ from queuekeeper.reconcile.schemas import QueueState, QueueStateOut
 from queuekeeper.reconcile.view import queue_page
 from queuekeeper.state import JobContextDep, JobsDep
 
-router = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[ServiceCaller])
+router = admin_router()
 
 
 @router.post(

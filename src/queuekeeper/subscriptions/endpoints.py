@@ -5,9 +5,11 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response, status
+from fastapi import Depends, Query, Request, Response, status
 
 from queuekeeper.auth.dependencies import CurrentAgent, CurrentUser
+from queuekeeper.common.access import Caller
+from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
 from queuekeeper.state import EngineDep, ProvisionerDep, SessionDep, SettingsDep
@@ -20,7 +22,7 @@ from queuekeeper.subscriptions.schemas import (
     SubscriptionOut,
 )
 
-router = APIRouter(tags=["agents"])
+router = caller_router(Caller.AGENT, tags=["agents"])
 
 NOT_YOURS = "Not yours, or not a uuid."
 ERRORS = error_responses(401, 404, descriptions={404: NOT_YOURS})

@@ -1,4 +1,4 @@
-"""Operator API for run records, and what every "run a job now" route shares."""
+"""The admin API's routers, and what every "run a job now" route shares."""
 
 from __future__ import annotations
 
@@ -6,17 +6,19 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 
-from queuekeeper.auth.dependencies import ServiceCaller
+from queuekeeper.auth.dependencies import service_router
 from queuekeeper.common.openapi import error_responses
-from queuekeeper.common.pagination import Page, page_params, set_page_headers
-from queuekeeper.common.schemas import parse_path_uuid
-from queuekeeper.jobs import service
-from queuekeeper.jobs.runs import Job, RunStatus
 from queuekeeper.jobs.schemas import RunOut
 from queuekeeper.models import JobRun
-from queuekeeper.state import SessionDep
 
-router = APIRouter(prefix="/api/admin", tags=["admin"], dependencies=[ServiceCaller])
+ADMIN_PREFIX = "/api/admin"
+
+
+def admin_router(prefix: str = "", **kwargs: Any) -> APIRouter:
+    """A router of the admin API: service routes under `/api/admin` + `prefix`, tagged
+    `admin`. Being service routes is the router's declaration, not the path's."""
+    return service_router(prefix=ADMIN_PREFIX + prefix, tags=["admin"], **kwargs)
+
 
 RESPOND_ASYNC = "respond-async"
 ADMIN_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -97,39 +99,3 @@ def run_answer(request: Request, response: Response, record: JobRun, background:
         )
         response.headers["Preference-Applied"] = RESPOND_ASYNC
     return RunOut.from_row(record)
-
-
-@router.get(
-    "/reconcile-runs/",
-    summary="List job run records",
-    description="Every run of every job (reconcile, stale cleanup, dead-letter redrive), "
-    "scheduled or on demand, newest first. A bare JSON array; `X-Result-Count` and `Link` "
-    "paginate.",
-    responses={
-        **ADMIN_ERRORS,
-        **error_responses(400, descriptions={400: "Unknown `job` or `status`."}),
-    },
-)
-async def list_runs(
-    request: Request,
-    response: Response,
-    session: SessionDep,
-    page: Annotated[Page, Depends(page_params)],
-    job: Annotated[Job | None, Query(description="Only this job.")] = None,
-    status: Annotated[RunStatus | None, Query(description="Only runs in this status.")] = None,
-) -> list[RunOut]:
-    total, rows = await service.list_runs(
-        session, job=job, status=status, offset=page.offset, limit=page.page_size
-    )
-    set_page_headers(request, response, page, total)
-    return [RunOut.from_row(row) for row in rows]
-
-
-@router.get(
-    "/reconcile-runs/{run_uuid}/",
-    summary="Get one run record",
-    description="A run record by its uuid (hex or dashed).",
-    responses={**ADMIN_ERRORS, **error_responses(404, descriptions={404: "No such run."})},
-)
-async def get_run(run_uuid: str, session: SessionDep) -> RunOut:
-    return RunOut.from_row(await service.get_run(session, parse_path_uuid(run_uuid), run_uuid))

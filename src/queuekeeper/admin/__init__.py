@@ -1,0 +1,1 @@
+"""The admin API: its routers' conventions and the run records."""
