@@ -7,8 +7,8 @@ import pytest
 
 from queuekeeper.broker.management import ManagementClient
 from tests.conftest import SERVICE_TOKEN
-from tests.consumers.test_register_queue import new_identity, register_queue
 from tests.consumers.test_fan_out import group_event
+from tests.consumers.test_register_queue import new_identity, register_queue
 from tests.events.support import drain, event_detail, order_event, post_event, queue_depth
 from tests.helpers import Agent, Backend
 from tests.security.test_races import amqp_login
