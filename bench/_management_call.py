@@ -3,8 +3,8 @@
 All GET the same queue from the local broker, in alternating blocks of 200, and the CPU of
 this process is read per block (`time.process_time`), so they are compared under the same
 machine speed: plain `httpx.AsyncClient`, `ManagementClient` on httpx's own transport
-(httpcore; until change 25) and `ManagementClient` as it is (aiohttp underneath). Not part
-of `make bench` (changes 23 and 25 in docs/benchmarks.md):
+(httpcore, as before docs/decisions/010-management-api-client.md) and `ManagementClient` as
+it is (aiohttp underneath). Not part of `make bench`:
 
     python -m bench._management_call
 """

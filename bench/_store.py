@@ -1,4 +1,6 @@
-"""The intake's transaction for one single event, against asyncpg alone: what change 30 bought.
+"""The intake's transaction for one single event, against asyncpg alone.
+
+What docs/decisions/008-driver-path.md bought, and the figure docs/benchmarks.md reports.
 
 On a fresh, migrated PostgreSQL database with one offering, one agent with access and one
 registered queue: the intake's `_store` for one event (the recipients query, the event row,

@@ -402,8 +402,8 @@ async def transaction(engine: AsyncEngine) -> AsyncIterator[Transaction]:
 
     On PostgreSQL the statements and the transaction run on asyncpg itself: one single
     event's store cost 1.39 ms of CPU through SQLAlchemy Core and 0.88 ms on the driver,
-    against 0.39 ms for asyncpg alone (`python -m bench._store`; docs/benchmarks.md, change
-    30). On SQLite, SQLAlchemy Core."""
+    against 0.39 ms for asyncpg alone (`python -m bench._store`;
+    docs/decisions/008-driver-path.md). On SQLite, SQLAlchemy Core."""
     if engine.dialect.name != "postgresql":
         async with engine.begin() as connection:
             yield _CoreTransaction(connection)

@@ -14,7 +14,7 @@ and stalled every request for 3 s. So, in front of the app:
   past it a request is a 503 with Retry-After before its body is read. Past capacity the
   excess is then refused in microseconds, where it would otherwise slow every request
   down (measured: the service's own part of an answer reached 0.3-0.4 s at 600-1,500/s
-  offered with 128 client connections; docs/benchmarks.md).
+  offered with 128 client connections; docs/decisions/005-group-commit.md).
 
 Which caller a route wants, its body limit and whether it is admitted are what its router
 declares (`common/access.py`), read from the app's routes at start-up; never its path.

@@ -10,7 +10,7 @@ and the previous one's, weighted by how much of it still overlaps the last perio
 moving window it replaced kept one entry per call (600 per token at the default limit),
 and its in-memory store trimmed them in a task that hopped to a worker thread for every
 token it held, after every call: 0.35-0.6 ms of CPU per repeat create_queue with one
-agent (change 27 in docs/benchmarks.md), and more with every token it holds.
+agent (docs/decisions/012-sliding-window-rate-limit.md), and more with every token it holds.
 """
 
 from __future__ import annotations

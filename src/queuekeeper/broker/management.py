@@ -201,7 +201,7 @@ _DEFINITION_COLUMNS = frozenset(
 def _queue_columns(columns: str) -> dict[str, str]:
     """The query for `columns` of a queue or a page of them. Asking for none of its statistics,
     it says `disable_stats` and the broker skips computing them: 0.85 -> 0.65 ms of its CPU
-    for one queue, measured on this machine (change 26 in docs/benchmarks.md)."""
+    for one queue, measured on this machine (docs/decisions/010-management-api-client.md)."""
     if _DEFINITION_COLUMNS.issuperset(columns.split(",")):
         return {"columns": columns, "disable_stats": "true"}
     return {"columns": columns}
@@ -229,8 +229,8 @@ class ManagementClient:
         self._observer = observer
         # aiohttp underneath, httpx's types on top: the same requests, responses and
         # exceptions as httpx's own transport (httpcore), for 0.7 ms of CPU less per call
-        # (change 25 in docs/benchmarks.md). It makes no connect retry of its own: `_request`
-        # retries every transport error, on this node or the next.
+        # (docs/decisions/010-management-api-client.md). It makes no connect retry of its
+        # own: `_request` retries every transport error, on this node or the next.
         self._transport = transport or AiohttpTransport(verify=_ssl_context(settings))
         self._nodes = NodeList(
             "management", settings.management_urls, settings.broker_node_retry_seconds
@@ -251,7 +251,7 @@ class ManagementClient:
         """One call through httpx's transport API, read in full. Not `AsyncClient.request`:
         its per-call layers (auth flow, cookie jar, redirects, URL merging) do nothing for a
         Management API call and cost 0.3-0.5 ms of CPU each time here (`python -m
-        bench._management_call`; docs/benchmarks.md, change 23)."""
+        bench._management_call`; docs/decisions/010-management-api-client.md)."""
         request = httpx.Request(method, url, params=params, json=json, headers=self._headers)
         request.extensions = {"timeout": self._timeout}
         try:

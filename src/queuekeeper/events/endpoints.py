@@ -26,9 +26,10 @@ from queuekeeper.state import SessionDep
 internal_router = service_router(prefix="/api/internal/events", tags=["internal"])
 # The backend's two accept routes run no FastAPI dependency: a single event at the backend's
 # pace is dominated by the HTTP stack, and each dependency FastAPI solves per request costs
-# more than the statement it serves (docs/benchmarks.md). The request guard authenticates
-# them before the body is read, as it does every service route (auth/guard.py); they check
-# for input no database can take themselves, and encode their answer once, with pydantic.
+# more than the statement it serves (docs/decisions/013-lean-accept-routes.md). The request
+# guard authenticates them before the body is read, as it does every service route
+# (auth/guard.py); they check for input no database can take themselves, and encode their
+# answer once, with pydantic.
 # app.py includes this router first, so its routes are also the first the router tries.
 accept_router = router(Caller.SERVICE, prefix="/api/internal/events", tags=["internal"])
 SERVICE_SECURITY: dict[str, Any] = {"security": [{authorization_header.scheme_name: []}]}
