@@ -36,19 +36,8 @@ AGENT_105_TYPES = [
     "resource_periodic_limits",
 ]
 # What waldur-site-agent 1.0.7 asks register_queue for with every feature on, in its order
-# (agent-protocols 1.0.7 §1).
-AGENT_107_TYPES = [
-    "order",
-    "resource_api_key_rotation",
-    "user_role",
-    "resource",
-    "service_account",
-    "course_account",
-    "offering_user",
-    "offering_resources_sync",
-    "importable_resources",
-    "resource_periodic_limits",
-]
+# (agent-protocols 1.0.7 §1): 1.0.5's, with `resource_api_key_rotation` after `order`.
+AGENT_107_TYPES = ["order", "resource_api_key_rotation", *AGENT_105_TYPES[1:]]
 
 
 def _hex() -> str:
