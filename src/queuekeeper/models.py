@@ -57,12 +57,15 @@ class BrokerState(StrEnum):
 
 
 class DeliveryState(StrEnum):
-    """What became of one outbox copy; every state but `pending` is final."""
+    """What became of one outbox copy; every state but `pending` and `parked` is final."""
 
     PENDING = "pending"
     PUBLISHED = "published"  # confirmed by the broker
     REJECTED = "rejected"  # queue full: nacked and dead-lettered
     GIVEN_UP = "given_up"  # queue gone or too old; the reason is in last_error
+    # Held back while the queue's agent is away (contract §11): not final; it becomes
+    # pending again, in acceptance order, when a consumer returns.
+    PARKED = "parked"
 
 
 class StateColumn(TypeDecorator[StrEnum]):
@@ -422,3 +425,21 @@ class Installation(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     uuid: Mapped[UUID] = mapped_column(unique=True, default=uuid4)
     created: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class QueuePresence(Base):
+    """Whether a registered queue has a consumer now, and since when it has had none
+    (contract §11). One row per queue, legacy or consumer, shared by every replica: the
+    broker's consumer events and the periodic Management API listing write it."""
+
+    __tablename__ = "queue_presence"
+
+    vhost: Mapped[str] = mapped_column(String(64), primary_key=True)
+    queue_name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    consumers: Mapped[int] = mapped_column(Integer, default=0)
+    # Null while a consumer is attached; else when the last one left (or when the queue
+    # was first seen without one).
+    away_since: Mapped[datetime | None]
+    last_delivered_at: Mapped[datetime | None]
+    changed: Mapped[datetime] = mapped_column(default=utcnow)
+    checked: Mapped[datetime | None]  # the last Management API listing that saw this queue
