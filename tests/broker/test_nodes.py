@@ -16,7 +16,8 @@ from pydantic import ValidationError
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.nodes import NodeList
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing
+from queuekeeper.broker.publisher import AmqpPublisher, Outgoing
+from queuekeeper.broker.verdict import Outcome
 from queuekeeper.config import Settings
 from tests.proxy import TcpProxy, free_port
 

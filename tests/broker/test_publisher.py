@@ -12,7 +12,8 @@ import pytest
 from queuekeeper.broker import publisher as publisher_module
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing
+from queuekeeper.broker.publisher import AmqpPublisher, Outgoing
+from queuekeeper.broker.verdict import Outcome
 from queuekeeper.config import Settings
 from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS
 from tests.proxy import TcpProxy, free_port

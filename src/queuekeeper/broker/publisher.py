@@ -13,10 +13,10 @@ MAX_CHANNELS_PER_CONNECTION; past that, any channel without that `message_id`
 in flight), and one channel per queue also keeps each queue's messages in the
 order they were published.
 
-What a nack means is decided here, once per queue after the batch's confirms are in
-(`_judge_nacks`): RabbitMQ nacks both a publish a full queue refuses and one whose
-queue process failed under it (its node killed), and only the first, under
-`reject-publish-dlx`, leaves a copy in the dead-letter queue.
+What a nack means is not decided here: the transport reports it, and `broker/verdict.py`
+judges it by the queue's arguments and policy, once per queue after the batch's confirms
+are in; only the queue's ready messages (a passive declare) are read through this
+transport.
 
 Reconnects are our own, not aio-pika's robust connection: a publish that fails
 because the connection dropped is reported as `UNREACHABLE`, the outbox relay
@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import ssl
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import aio_pika
 import aiormq
@@ -54,12 +52,7 @@ from queuekeeper.broker.amqp import (
 )
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.nodes import NodeList, node_label
-from queuekeeper.broker.topology import (
-    CLASSIC,
-    DEAD_LETTERING_OVERFLOW,
-    QUEUE_TYPE,
-    queue_arguments,
-)
+from queuekeeper.broker.verdict import NACKED, NackVerdict, Outcome, Result
 from queuekeeper.config import Settings
 from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS, CONFIRM_LATENCY
 
@@ -67,33 +60,6 @@ log = structlog.get_logger(__name__)
 
 # Queues of one vhost with a channel each; more share channels (never one message_id twice).
 MAX_CHANNELS_PER_CONNECTION = 64
-
-
-class Outcome(enum.Enum):
-    CONFIRMED = "confirmed"
-    # basic.nack from a queue that dead-letters what overflows (`reject-publish-dlx`), seen
-    # full after the nack: the broker has dead-lettered the message.
-    REJECTED = "rejected"
-    # basic.nack that left no copy anywhere: a full queue under `reject-publish` (every
-    # quorum queue), or a queue that was not full, so its process failed under the publish
-    # (its node lost). To be published again.
-    REFUSED = "refused"
-    # basic.return: nothing routed it, i.e. the queue does not exist.
-    RETURNED = "returned"
-    # The vhost refused the connection (missing vhost or permissions).
-    VHOST_REFUSED = "vhost_refused"
-    # Connection or channel lost, broker unreachable, or no confirm in time.
-    UNREACHABLE = "unreachable"
-
-
-@dataclass(frozen=True)
-class Result:
-    outcome: Outcome
-    error: str | None = None
-
-
-# A nack as `_publish_one` sees it; `_judge_nacks` turns each into REJECTED or REFUSED.
-_NACKED = Result(Outcome.REFUSED, "nacked by the broker")
 
 
 @dataclass(frozen=True)
@@ -218,9 +184,7 @@ class AmqpPublisher:
 
     def __init__(self, settings: Settings, management: ManagementClient | None = None) -> None:
         self.settings = settings
-        # Reads a nacked queue's own arguments; without it (benchmarks, some tests) the
-        # configured ones stand in.
-        self.management = management
+        self.verdict = NackVerdict(settings, management)
         self._ssl = amqp_ssl_context(settings)
         self.nodes = amqp_nodes(settings)
         self._pool: OrderedDict[str, _VhostConnection] = OrderedDict()
@@ -247,8 +211,9 @@ class AmqpPublisher:
         try:
             async with self._use(vhost) as entry:
                 results = await asyncio.gather(*(self._publish_one(entry, item) for item in items))
-                if any(result is _NACKED for result in results):
-                    results = await self._judge_nacks(entry, items, results)
+                if any(result is NACKED for result in results):
+                    queues = [item.routing_key for item in items]
+                    results = await self.verdict.judge(vhost, queues, results, entry.ready_messages)
         except CONNECT_ERRORS as exc:
             if vhost_refused(exc):
                 return [Result(Outcome.VHOST_REFUSED, describe(exc))] * len(items)
@@ -281,7 +246,7 @@ class AmqpPublisher:
             reply = getattr(exc.frame, "reply_text", "")
             return Result(Outcome.RETURNED, f"returned by the broker as unroutable ({reply})")
         except DeliveryError:
-            return _NACKED
+            return NACKED
         except TimeoutError:
             return Result(
                 Outcome.UNREACHABLE,
@@ -293,124 +258,6 @@ class AmqpPublisher:
             await entry.release(channel, message_id)
         CONFIRM_LATENCY.observe(time.perf_counter() - started)
         return Result(Outcome.CONFIRMED)
-
-    async def _judge_nacks(
-        self, entry: _VhostConnection, items: Sequence[Outgoing], results: Sequence[Result]
-    ) -> list[Result]:
-        """Each nack as dead-lettered (`REJECTED`) or refused with no copy kept (`REFUSED`),
-        looking at each nacked queue once."""
-        nacked = list(
-            {
-                item.routing_key
-                for item, result in zip(items, results, strict=True)
-                if result is _NACKED
-            }
-        )
-        verdicts = dict(
-            zip(
-                nacked,
-                await asyncio.gather(*(self._judged(entry, queue) for queue in nacked)),
-                strict=True,
-            )
-        )
-        return [
-            verdicts[item.routing_key] if result is _NACKED else result
-            for item, result in zip(items, results, strict=True)
-        ]
-
-    async def _judged(self, entry: _VhostConnection, queue: str) -> Result:
-        """The verdict, within `publish_timeout`. A nack that cannot be judged keeps its copy
-        (a duplicate at worst), and never costs the batch's other outcomes."""
-        try:
-            async with asyncio.timeout(self.settings.publish_timeout):
-                return await self._nack_verdict(entry, queue)
-        except Exception as exc:
-            log.warning("nack_not_judged", vhost=entry.vhost, queue=queue, error=repr(exc)[:300])
-            return Result(
-                Outcome.REFUSED,
-                f"nacked by the broker; whether its queue was full could not be told "
-                f"({type(exc).__name__}); retrying with backoff",
-            )
-
-    async def _nack_verdict(self, entry: _VhostConnection, queue: str) -> Result:
-        rule = await self._overflow_rule(entry.vhost, queue)
-        if rule is None:
-            return Result(
-                Outcome.REFUSED,
-                "nacked by the broker, and its queue is gone: nothing was dead-lettered; "
-                "retrying with backoff",
-            )
-        overflow, limit, byte_limit = rule
-        if overflow != DEAD_LETTERING_OVERFLOW:
-            return Result(
-                Outcome.REFUSED,
-                f"nacked by the broker: the queue is full (x-overflow {overflow}: nothing was "
-                "dead-lettered) or its process failed; retrying with backoff",
-            )
-        # A queue that just nacked for being full still holds its limit of ready messages,
-        # unless its consumer took one since; then the copy is published again and may also
-        # sit in the dead-letter queue: a duplicate, where reading it as full could lose it.
-        ready = await entry.ready_messages(queue)
-        if ready is not None and byte_limit is not None:
-            # Its fill in bytes is not known exactly (only as statistics seconds old); a live
-            # queue under a byte limit counts as full, or each retry would be dead-lettered
-            # again and crowd other dead letters out of the bounded dead-letter queue.
-            return Result(
-                Outcome.REJECTED,
-                f"nacked by the broker: the queue is full (x-overflow {overflow}, a limit of "
-                f"{byte_limit} bytes), the message went to the dead-letter queue",
-            )
-        if ready is not None and limit is not None and ready >= limit:
-            return Result(
-                Outcome.REJECTED,
-                f"nacked by the broker: the queue is full (x-overflow {overflow}, {ready} of "
-                f"{limit} messages ready), the message went to the dead-letter queue",
-            )
-        seen = "could not be read" if ready is None else f"held {ready} of {limit} messages"
-        return Result(
-            Outcome.REFUSED,
-            f"nacked by the broker while the queue was not full (it {seen}): its process "
-            "failed under the publish (a node lost?), nothing was dead-lettered; retrying "
-            "with backoff",
-        )
-
-    async def _overflow_rule(
-        self, vhost: str, queue: str
-    ) -> tuple[str, int | None, int | None] | None:
-        """The queue's `x-overflow`, length limit and byte limit as the broker applies them;
-        None when the queue is gone.
-
-        Its own arguments (a queue declared before a setting changed keeps its old ones until
-        reconcile can repair it, only when empty, and a full queue is not), with a policy's
-        limits where lower (RabbitMQ applies the lower) and its `overflow` where the queue
-        has none. Only a classic queue dead-letters on overflow (a quorum queue's
-        `reject-publish-dlx` behaves as `drop-head`). Without a Management API client
-        (benchmarks, some tests), the configured arguments; when the API fails, its
-        ManagementError, so that the copy is kept."""
-        policy: dict[str, Any] = {}
-        if self.management is None:
-            arguments = queue_arguments(self.settings)
-            kind = arguments.get(QUEUE_TYPE, CLASSIC)
-        else:
-            info = await self.management.get_queue(
-                vhost, queue, columns="type,arguments,effective_policy_definition"
-            )
-            if info is None:
-                return None
-            arguments, policy, kind = info.arguments, info.effective_policy, info.type or CLASSIC
-        overflow = arguments.get("x-overflow") or policy.get("overflow") or "drop-head"
-        if kind != CLASSIC:
-            return f"{overflow} on a {kind} queue", None, None
-
-        def lower(argument: str, key: str) -> int | None:
-            limits = [v for v in (arguments.get(argument), policy.get(key)) if isinstance(v, int)]
-            return min(limits, default=None)
-
-        return (
-            str(overflow),
-            lower("x-max-length", "max-length"),
-            lower("x-max-length-bytes", "max-length-bytes"),
-        )
 
     @asynccontextmanager
     async def _use(self, vhost: str) -> AsyncIterator[_VhostConnection]:

@@ -41,7 +41,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
-from queuekeeper.broker.publisher import AmqpPublisher, Outcome, Outgoing, Result
+from queuekeeper.broker.publisher import AmqpPublisher, Outgoing
+from queuekeeper.broker.verdict import Outcome, Result
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
 from queuekeeper.db import autocommit, listen
