@@ -1,10 +1,10 @@
-"""One token lookup four ways, in one run: what `db.DriverRead` buys.
+"""One token lookup three ways, in one run: what `db.read_one` costs.
 
 The agent token lookup (`auth/repository.py`) on a fresh, migrated PostgreSQL database, in
 alternating blocks of 500, CPU of this process per read (`time.process_time`): through an ORM
-session as the code did until `DriverRead` (its `read_without_transaction`, then the ORM
-select), through a SQLAlchemy Core connection, through `DriverRead` as the code does now,
-and asyncpg's `fetchrow` on a connection of its own (the floor). Not part of `make bench`:
+session in autocommit, through `db.read_one` (a Core connection in autocommit) as the code
+does now, and asyncpg's `fetchrow` on a connection of its own (the floor). Not part of
+`make bench`:
 
     python -m bench._reads
 """
@@ -42,7 +42,7 @@ async def _run(url: str) -> None:
         session.add(User(uuid=uuid.uuid4(), username="bench", token_hash=digest))
         await session.commit()
     floor = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
-    core_statement = USER_WITH_TOKEN.statement
+    core_statement = USER_WITH_TOKEN
     sql = str(core_statement.compile(dialect=engine.dialect))
 
     async def orm_session() -> object:
@@ -51,21 +51,15 @@ async def _run(url: str) -> None:
             await session.connection(execution_options={"isolation_level": "AUTOCOMMIT"})
             return await session.scalar(ORM_SELECT, {"digest": digest})
 
-    async def core_connection() -> object:
-        async with engine.connect() as connection:
-            autocommit = await connection.execution_options(isolation_level="AUTOCOMMIT")
-            return (await autocommit.execute(core_statement, {"digest": digest})).first()
-
-    async def driver_read() -> object:
-        return await USER_WITH_TOKEN.first(engine, {"digest": digest})
+    async def read_one() -> object:
+        return await db.read_one(engine, USER_WITH_TOKEN, {"digest": digest})
 
     async def plain_asyncpg() -> object:
         return await floor.fetchrow(sql, digest)
 
     reads = {
-        "ORM session (until DriverRead)": orm_session,
-        "Core connection": core_connection,
-        "DriverRead (now)": driver_read,
+        "ORM session": orm_session,
+        "db.read_one (now)": read_one,
         "asyncpg fetchrow, own connection": plain_asyncpg,
     }
     try:

@@ -3,12 +3,11 @@
 What docs/decisions/008-driver-path.md bought, and the figure docs/benchmarks.md reports.
 
 On a fresh, migrated PostgreSQL database with one offering, one agent with access and one
-registered queue: the intake's `_store` for one event (the recipients query, the event row,
-its delivery, BEGIN and COMMIT) in alternating blocks of 300, CPU of this process per event
-(`time.process_time`), beside the same three statements written by hand on a connection of
-asyncpg's own (the floor). Run on an older checkout (`PYTHONPATH=<checkout>/src`), whose
-intake stored through SQLAlchemy Core in `engine.begin()`, it times that instead. Not part
-of `make bench`:
+registered queue: `Outbox.store` for one event (the recipients query, the event row, its
+delivery, the event counts when there are repeats, BEGIN and COMMIT, and the connection's
+checkout from the engine's pool) in alternating blocks of 300, CPU of this process per
+event (`time.process_time`), beside the same three statements written by hand on a
+connection of asyncpg's own (the floor). Not part of `make bench`:
 
     python -m bench._store
 """
@@ -19,8 +18,6 @@ import asyncio
 import json
 import os
 import uuid
-from datetime import timedelta
-from typing import Any
 
 import asyncpg
 from sqlalchemy import insert
@@ -29,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from bench._support import alternating_blocks, bench_database, print_medians
 from queuekeeper import db
 from queuekeeper.config import Settings
-from queuekeeper.events import intake
+from queuekeeper.events.outbox import Outbox, Request
 from queuekeeper.events.schemas import EventIn
 from queuekeeper.logging import configure_logging
 from queuekeeper.models import Base, utcnow
@@ -95,18 +92,14 @@ async def _run(url: str) -> None:
     engine = db.create_engine(Settings(database_url=url))
     offering = await _seed(engine)
     floor = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
-    loop = asyncio.get_running_loop()
-    transaction: Any = getattr(db, "transaction", None)
+    store = Outbox(engine, Settings(database_url=url))
 
     async def service() -> None:
         event = EventIn(
             event_id=uuid.uuid4().hex, offering_uuid=offering, object_type="order", payload=PAYLOAD
         )
-        group = [intake._Request([event], [PAYLOAD], "", loop.create_future(), 0.0)]
-        lease = ("bench", utcnow() + timedelta(seconds=30))
-        opened = transaction(engine) if transaction else engine.begin()
-        async with opened as unit:
-            await intake._store(unit, group, utcnow(), lease)
+        now = utcnow()
+        await store.store([Request([event], [PAYLOAD], "")], now, store.lease("bench", now))
 
     async def raw() -> None:
         event_id, now = uuid.uuid4().hex, utcnow()
@@ -131,7 +124,7 @@ async def _run(url: str) -> None:
             )
 
     ways = {
-        "the intake's _store" if transaction else "the intake's _store (engine.begin())": service,
+        "Outbox.store": service,
         "asyncpg alone, own connection": raw,
     }
     try:

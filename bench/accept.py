@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message
 from bench.publish import TOKEN, _payload
 from queuekeeper.app import create_app
 from queuekeeper.config import Settings
-from queuekeeper.events.intake import Accepted
+from queuekeeper.events.outbox import Accepted
 from queuekeeper.events.schemas import EventAccepted, EventIn
 from queuekeeper.logging import configure_logging
 

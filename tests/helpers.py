@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from queuekeeper import db
+from queuekeeper.events import outbox_postgres
 
 
 @dataclass
@@ -138,22 +138,20 @@ class Operator:
 @contextmanager
 def database_statements(engine: AsyncEngine) -> Iterator[list[str]]:
     """Every statement sent to the database while inside: those through SQLAlchemy (its
-    `before_cursor_execute` event) and those sent to asyncpg itself (`db.driver_fetch`:
-    `DriverRead`, and a `db.transaction`'s on PostgreSQL)."""
+    `before_cursor_execute` event) and those the outbox sends to asyncpg itself
+    (`outbox_postgres.send`)."""
     statements: list[str] = []
-    original = db.driver_fetch
+    original = outbox_postgres.send
 
     def through_sqlalchemy(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         statements.append(statement)
 
-    async def to_the_driver(
-        driver: Any, sql: str, arguments: Sequence[Any], *, first: bool = False
-    ) -> list[Any]:
+    async def to_the_driver(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
         statements.append(sql)
-        return await original(driver, sql, arguments, first=first)
+        return await original(driver, sql, arguments)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(db, "driver_fetch", to_the_driver)
+        patch.setattr(outbox_postgres, "send", to_the_driver)
         event.listen(engine.sync_engine, "before_cursor_execute", through_sqlalchemy)
         try:
             yield statements

@@ -1,6 +1,7 @@
-"""`db.DriverRead` and `db.transaction`: the same rows as SQLAlchemy gives and takes, on
-either database, and a database failure raised as SQLAlchemy's so the error handlers (and
-the intake's retry on a constraint) answer it."""
+"""`db.read_one`, and the outbox's statements on the driver (`events/outbox_postgres.py`)
+and their SQLite twin: the same rows as SQLAlchemy gives and takes, on either database,
+and a database failure raised as SQLAlchemy's so the error handlers (and the intake's
+retry on a constraint) answer it."""
 
 from __future__ import annotations
 
@@ -12,24 +13,28 @@ from datetime import UTC, datetime
 
 import asyncpg
 import pytest
-from sqlalchemy import bindparam, func, literal, select, update
-from sqlalchemy.dialects import postgresql
+from sqlalchemy import bindparam, func, literal, select
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
-from queuekeeper.events.repository import EVENT_COLUMNS, EVENTS
-from queuekeeper.models import Base, User
+from queuekeeper.events.outbox import Outbox
+from queuekeeper.events.outbox_postgres import EVENT_COLUMNS
+from queuekeeper.events.repository import EVENTS
+from queuekeeper.models import User
 from tests.helpers import database_statements
 from tests.pg_refusing import at_port, refusing_postgres
 
-BY_DIGEST = db.DriverRead(
-    select(*db.columns_of(User), literal("fixed").label("constant")).where(
-        User.token_hash == bindparam("digest")
-    )
+BY_DIGEST = select(*db.columns_of(User), literal("fixed").label("constant")).where(
+    User.token_hash == bindparam("digest")
 )
+PID = select(func.pg_backend_pid().label("pid"))
+
+
+async def _read(engine: AsyncEngine, digest: str) -> dict[str, object] | None:
+    return await db.read_one(engine, BY_DIGEST, {"digest": digest})
 
 
 @pytest.fixture
@@ -60,9 +65,8 @@ async def test_a_row_reads_as_through_sqlalchemy(engine: AsyncEngine) -> None:
         created=created,
         modified=created,
     )
-    row = await BY_DIGEST.first(engine, {"digest": "d" * 64})
-    # Every column as written, by value: on SQLite a `DriverRead` runs through SQLAlchemy,
-    # so only values not read back through SQLAlchemy can tell a wrong row there.
+    row = await _read(engine, "d" * 64)
+    # Every column as written, by value.
     assert row == {
         "uuid": user_uuid,
         "username": "u",
@@ -77,9 +81,7 @@ async def test_a_row_reads_as_through_sqlalchemy(engine: AsyncEngine) -> None:
         "constant": "fixed",
     }
     async with engine.connect() as connection:
-        expected = (
-            (await connection.execute(BY_DIGEST.statement, {"digest": "d" * 64})).mappings().one()
-        )
+        expected = (await connection.execute(BY_DIGEST, {"digest": "d" * 64})).mappings().one()
     assert row == dict(expected)
     assert row is not None
     # The types' own processors ran: an aware datetime, a uuid, a bool, a NULL, a literal.
@@ -95,7 +97,7 @@ async def test_a_row_reads_as_through_sqlalchemy(engine: AsyncEngine) -> None:
 
 
 async def test_no_row_is_none(engine: AsyncEngine) -> None:
-    assert await BY_DIGEST.first(engine, {"digest": "nobody"}) is None
+    assert await _read(engine, "nobody") is None
 
 
 async def test_a_lost_connection_is_a_dbapi_error_and_the_pool_recovers(
@@ -104,17 +106,16 @@ async def test_a_lost_connection_is_a_dbapi_error_and_the_pool_recovers(
     if settings.is_sqlite:
         pytest.skip("an SQLite connection cannot be terminated from outside")
     await _user(engine, token_hash="e" * 64)
-    pids = db.DriverRead(select(func.pg_backend_pid().label("pid")))
-    first = await pids.first(engine, {})
+    first = await db.read_one(engine, PID, {})
     assert first is not None
     # From outside the pool, whose one connection is the one terminated.
     await _terminate(settings, [first["pid"]])
     with pytest.raises(DBAPIError) as raised:
-        await BY_DIGEST.first(engine, {"digest": "e" * 64})
+        await _read(engine, "e" * 64)
     assert raised.value.connection_invalidated
     assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
     # The dead connection left the pool: the next read gets a live one.
-    assert await BY_DIGEST.first(engine, {"digest": "e" * 64}) is not None
+    assert await _read(engine, "e" * 64) is not None
 
 
 @pytest.mark.parametrize(
@@ -132,7 +133,7 @@ async def test_a_refused_connection_is_a_dbapi_error_read_as_unreachable(
         engine = db.create_engine(settings.model_copy(update={"database_url": url}))
         try:
             with pytest.raises(DBAPIError) as raised:
-                await BY_DIGEST.first(engine, {"digest": "x"})
+                await _read(engine, "x")
         finally:
             await engine.dispose()
     assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
@@ -146,15 +147,13 @@ async def test_every_connection_as_old_as_a_dead_one_is_replaced(
     if settings.is_sqlite:
         pytest.skip("an SQLite connection cannot be terminated from outside")
     await _user(engine, token_hash="f" * 64)
-    pids = db.DriverRead(
-        select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.2).label("slept"))
-    )
-    rows = await asyncio.gather(*(pids.first(engine, {}) for _ in range(3)))
+    pids = select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.2).label("slept"))
+    rows = await asyncio.gather(*(db.read_one(engine, pids, {}) for _ in range(3)))
     await _terminate(settings, [row["pid"] for row in rows if row is not None])
     outcomes = []
     for _ in range(3):
         try:
-            await BY_DIGEST.first(engine, {"digest": "f" * 64})
+            await _read(engine, "f" * 64)
             outcomes.append("ok")
         except DBAPIError:
             outcomes.append("failed")
@@ -167,13 +166,11 @@ async def test_reads_past_the_pool_size_leave_no_connection_behind(settings: Set
     if settings.is_sqlite:
         pytest.skip("PostgreSQL's backends")
     engine = db.create_engine(settings, pool_size=1)
-    reads = db.DriverRead(
-        select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.05).label("slept"))
-    )
+    reads = select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.05).label("slept"))
     pids: set[int] = set()
     try:
         for _ in range(5):
-            rows = await asyncio.gather(*(reads.first(engine, {}) for _ in range(2)))
+            rows = await asyncio.gather(*(db.read_one(engine, reads, {}) for _ in range(2)))
             pids.update(row["pid"] for row in rows if row is not None)
     finally:
         await engine.dispose()
@@ -187,13 +184,8 @@ async def test_reads_past_the_pool_size_leave_no_connection_behind(settings: Set
     assert alive == set()
 
 
-NEW_EVENTS = db.DriverInsert(
-    EVENTS,
-    EVENT_COLUMNS,
-    returning=[EVENTS.c.event_id, EVENTS.c.payload, EVENTS.c.user_uuids, EVENTS.c.accepted],
-    if_absent=True,
-)
-EVENTS_STRICTLY = db.DriverInsert(EVENTS, EVENT_COLUMNS)
+def _outbox(engine: AsyncEngine, settings: Settings) -> Outbox:
+    return Outbox(engine, settings)
 
 
 def _event(event_id: str, user_uuids: list[str] | None = None) -> dict[str, object]:
@@ -211,6 +203,24 @@ def _event(event_id: str, user_uuids: list[str] | None = None) -> dict[str, obje
     }
 
 
+def _copy_of(event_id: str) -> dict[str, object]:
+    now = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    return {
+        "event_id": event_id,
+        "queue_uuid": None,
+        "consumer_uuid": None,
+        "queue_name": "q",
+        "vhost": "v",
+        "offering_uuid": None,
+        "state": "pending",
+        "attempts": 0,
+        "claimed_by": None,
+        "claimed_until": None,
+        "next_attempt_at": now,
+        "created": now,
+    }
+
+
 async def _stored(engine: AsyncEngine) -> dict[str, dict[str, object]]:
     async with engine.connect() as connection:
         rows = (await connection.execute(select(*(EVENTS.c[c] for c in EVENT_COLUMNS)))).mappings()
@@ -218,31 +228,31 @@ async def _stored(engine: AsyncEngine) -> dict[str, dict[str, object]]:
 
 
 async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
-    engine: AsyncEngine,
+    engine: AsyncEngine, settings: Settings
 ) -> None:
+    outbox = _outbox(engine, settings)
     rows = [_event("a", ["u1", "u2"]), _event("b"), _event("c", [])]
     with database_statements(engine) as statements:
-        async with db.transaction(engine) as unit:
-            returned = await unit.insert(NEW_EVENTS, rows)
+        async with outbox.statements.transaction() as unit:
+            returned = await unit.insert_events(rows)
     assert len(statements) == 1  # three rows, one statement, on either database
+    # Read back through SQLAlchemy: what the driver wrote is what SQLAlchemy reads.
     stored = await _stored(engine)
     assert stored == {row["event_id"]: row for row in rows}
     # A JSON value that is itself a list stays one value (not an array dimension).
     assert stored["a"]["user_uuids"] == ["u1", "u2"]
     assert stored["b"]["user_uuids"] is None
-    by_id = {row["event_id"]: row for row in returned}
-    assert by_id["a"] == {key: rows[0][key] for key in by_id["a"]}
+    assert returned == {"a", "b", "c"}
     # ON CONFLICT DO NOTHING: only the new row comes back.
-    async with db.transaction(engine) as unit:
-        again = await unit.insert(NEW_EVENTS, [_event("a"), _event("d")])
-        assert await unit.insert(NEW_EVENTS, []) == []
-    assert [row["event_id"] for row in again] == ["d"]
+    async with outbox.statements.transaction() as unit:
+        again = await unit.insert_events([_event("a"), _event("d")])
+    assert again == {"d"}
 
 
-async def test_a_block_that_raises_leaves_nothing(engine: AsyncEngine) -> None:
+async def test_a_block_that_raises_leaves_nothing(engine: AsyncEngine, settings: Settings) -> None:
     async def failing() -> None:
-        async with db.transaction(engine) as unit:
-            await unit.insert(NEW_EVENTS, [_event("gone")])
+        async with _outbox(engine, settings).statements.transaction() as unit:
+            await unit.insert_events([_event("gone")])
             raise RuntimeError("the caller failed after its statement")
 
     with pytest.raises(RuntimeError):
@@ -251,39 +261,32 @@ async def test_a_block_that_raises_leaves_nothing(engine: AsyncEngine) -> None:
 
 
 async def test_a_constraint_violation_is_an_integrity_error_and_rolls_back(
-    engine: AsyncEngine,
+    engine: AsyncEngine, settings: Settings
 ) -> None:
-    """What the intake retries on (a recipient deleted under it), on either database."""
-    async with db.transaction(engine) as unit:
-        await unit.insert(EVENTS_STRICTLY, [_event("taken")])
+    """What the intake retries on (a recipient deleted under it), on either database: here a
+    copy of an event that is not there."""
+    outbox = _outbox(engine, settings)
+    async with outbox.statements.transaction() as unit:
+        await unit.insert_events([_event("taken")])
 
     async def conflicting() -> None:
-        async with db.transaction(engine) as unit:
-            await unit.insert(EVENTS_STRICTLY, [_event("new")])
-            await unit.insert(EVENTS_STRICTLY, [_event("taken")])
+        async with outbox.statements.transaction() as unit:
+            await unit.insert_events([_event("new")])
+            await unit.insert_deliveries([_copy_of("missing")], ids=False)
 
     with pytest.raises(IntegrityError):
         await conflicting()
     assert set(await _stored(engine)) == {"taken"}
-    async with db.transaction(engine) as unit:  # the connection went back usable
-        await unit.insert(EVENTS_STRICTLY, [_event("later")])
+    async with outbox.statements.transaction() as unit:  # the connection went back usable
+        await unit.insert_events([_event("later")])
     assert set(await _stored(engine)) == {"taken", "later"}
 
 
-def test_an_insert_names_every_column_with_a_default() -> None:
-    with pytest.raises(TypeError, match="queued, skipped_unregistered"):
-        db.DriverInsert(EVENTS, ["event_id", "offering_uuid", "object_type", "payload"])
-
-
-async def test_each_autocommit_statement_stands_alone(engine: AsyncEngine) -> None:
-    async def failing() -> None:
-        async with db.autocommit(engine) as statements:
-            await statements.insert(NEW_EVENTS, [_event("kept")])
-            raise RuntimeError("the caller failed after its statement")
-
-    with pytest.raises(RuntimeError):
-        await failing()
-    assert set(await _stored(engine)) == {"kept"}
+async def _pid(unit: object) -> int:
+    """The server process of a transaction on the driver (PostgreSQL only)."""
+    driver = unit.driver  # type: ignore[attr-defined]
+    (row,) = await driver.fetch("SELECT pg_backend_pid()")
+    return int(row[0])
 
 
 async def test_a_connection_lost_in_a_transaction_is_a_dbapi_error_and_the_pool_recovers(
@@ -291,22 +294,44 @@ async def test_a_connection_lost_in_a_transaction_is_a_dbapi_error_and_the_pool_
 ) -> None:
     if settings.is_sqlite:
         pytest.skip("an SQLite connection cannot be terminated from outside")
-    pid = db.DriverQuery(select(func.pg_backend_pid().label("pid")))
+    outbox = _outbox(engine, settings)
 
     async def cut_off() -> None:
-        async with db.transaction(engine) as unit:
-            await unit.insert(NEW_EVENTS, [_event("lost")])
-            (row,) = await unit.all(pid, {})
-            await _terminate(settings, [row["pid"]])
-            await unit.insert(NEW_EVENTS, [_event("after")])
+        async with outbox.statements.transaction() as unit:
+            await unit.insert_events([_event("lost")])
+            await _terminate(settings, [await _pid(unit)])
+            await unit.insert_events([_event("after")])
 
     with pytest.raises(DBAPIError) as raised:
         await cut_off()
     assert raised.value.connection_invalidated
     assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
-    async with db.transaction(engine) as unit:
-        await unit.insert(NEW_EVENTS, [_event("recovered")])
+    async with outbox.statements.transaction() as unit:
+        await unit.insert_events([_event("recovered")])
     assert set(await _stored(engine)) == {"recovered"}
+
+
+async def test_after_a_lost_outbox_connection_every_connection_as_old_is_replaced(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """A server restart kills every pooled connection: the outbox's statement that meets
+    the first dead one fails, and the pool serves live ones from then on (as SQLAlchemy's
+    own statements do), not one failure per pooled connection."""
+    if settings.is_sqlite:
+        pytest.skip("an SQLite connection cannot be terminated from outside")
+    pids = select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.2).label("slept"))
+    rows = await asyncio.gather(*(db.read_one(engine, pids, {}) for _ in range(3)))
+    await _terminate(settings, [row["pid"] for row in rows if row is not None])
+    outbox = _outbox(engine, settings)
+    outcomes = []
+    for index in range(3):
+        try:
+            async with outbox.statements.transaction() as unit:
+                await unit.insert_events([_event(f"e{index}")])
+            outcomes.append("ok")
+        except DBAPIError:
+            outcomes.append("failed")
+    assert outcomes == ["failed", "ok", "ok"]
 
 
 @pytest.mark.parametrize("where", ["in a statement", "between statements"])
@@ -316,13 +341,14 @@ async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
     """A request cancelled (its client gone, the process stopping) inside a transaction: the
     rows are not committed and no pooled connection stays inside the transaction."""
     started = asyncio.Event()
+    outbox = _outbox(engine, settings)
 
     async def cancelled() -> None:
-        async with db.transaction(engine) as unit:
-            await unit.insert(NEW_EVENTS, [_event("cancelled")])
+        async with outbox.statements.transaction() as unit:
+            await unit.insert_events([_event("cancelled")])
             started.set()
             if where == "in a statement" and not settings.is_sqlite:
-                await unit.all(db.DriverQuery(select(func.pg_sleep(5).label("slept"))), {})
+                await unit.driver.fetch("SELECT pg_sleep(5)")  # type: ignore[attr-defined]
             else:
                 await asyncio.sleep(5)
 
@@ -333,8 +359,8 @@ async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert await _stored(engine) == {}
-    async with db.transaction(engine) as unit:  # the pool serves a connection that works
-        await unit.insert(NEW_EVENTS, [_event("next")])
+    async with outbox.statements.transaction() as unit:  # the pool serves one that works
+        await unit.insert_events([_event("next")])
     assert set(await _stored(engine)) == {"next"}
     if not settings.is_sqlite:
         admin = await _admin(settings)
@@ -346,20 +372,6 @@ async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
         finally:
             await admin.close()
         assert stuck == []
-
-
-def test_a_statement_the_driver_would_run_differently_is_refused(engine: AsyncEngine) -> None:
-    """An expanding IN, or a column SQLAlchemy fills in at execution (an onupdate), would be
-    sent as written by the driver: refused when compiled, on either database's dialect."""
-    users = Base.metadata.tables["users"]
-    expanding = db.DriverQuery(
-        select(users.c.uuid).where(users.c.uuid.in_(bindparam("ids", expanding=True)))
-    )
-    with pytest.raises(TypeError, match="ids"):
-        expanding.compiled(postgresql.dialect())
-    updated = db.DriverQuery(update(users).values(is_active=False).returning(users.c.uuid))
-    with pytest.raises(TypeError, match="modified"):
-        updated.compiled(postgresql.dialect())
 
 
 async def _admin(settings: Settings) -> asyncpg.Connection:

@@ -83,7 +83,7 @@ async def get_job_context(state: StateDep) -> JobContext:
 
 
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
-# For what runs on no session: `db.DriverRead`s, and a Core connection's transaction.
+# For what runs on no session: `db.read_one`, and a Core connection's transaction.
 EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
 SessionsDep = Annotated[async_sessionmaker[AsyncSession], Depends(get_sessions)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

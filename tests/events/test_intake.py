@@ -6,7 +6,6 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -17,7 +16,6 @@ from sqlalchemy import event, select, text
 from queuekeeper.app import Runtime
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.db import create_engine
-from queuekeeper.events import intake as intake_module
 from queuekeeper.events import outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, Event, utcnow
@@ -86,10 +84,11 @@ async def test_a_bad_request_in_a_shared_transaction_fails_alone(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     registered = await register(backend)
-    # A first request's transaction is held open until the four below are all waiting, so
-    # they are stored together in the next one.
+    # A first request's store is held until the four below are all waiting, so they are
+    # stored together in the next one.
     entered, release = asyncio.Event(), asyncio.Event()
-    real_store = intake_module._store
+    outbox = app.state.queuekeeper.intake.outbox
+    real_store = outbox.store
 
     async def held_store(*args: Any) -> Any:
         if not entered.is_set():
@@ -97,7 +96,7 @@ async def test_a_bad_request_in_a_shared_transaction_fails_alone(
             await release.wait()
         return await real_store(*args)
 
-    monkeypatch.setattr(intake_module, "_store", held_store)
+    monkeypatch.setattr(outbox, "store", held_store)
     transactions = Transactions(app)
     plug = asyncio.create_task(post_event(client, order_event(registered.offering)))
     await asyncio.wait_for(entered.wait(), 10)
@@ -167,10 +166,9 @@ async def _relay_with_a_claim(
 
 async def _claimable(app: FastAPI) -> list[outbox.Claimed]:
     """What another relay can claim right now."""
-    async with app.state.queuekeeper.engine.connect() as connection:
-        now = utcnow()
-        taken = await outbox.claim(connection, "other", now, now + timedelta(seconds=5), 10)
-        await connection.commit()
+    state = app.state.queuekeeper
+    five = state.settings.model_copy(update={"relay_lease_seconds": 5})
+    taken, _ = await outbox.Outbox(state.engine, five).claim("other", utcnow(), 10)
     return taken
 
 

@@ -13,7 +13,7 @@ from sqlalchemy import update
 
 from queuekeeper.app import Runtime
 from queuekeeper.broker.publisher import AmqpPublisher
-from queuekeeper.events import outbox
+from queuekeeper.events.outbox import Outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, Event, utcnow
 from queuekeeper.observability.metrics import OUTBOX_OLDEST_AGE, OUTBOX_PENDING
@@ -47,22 +47,16 @@ async def test_a_claim_is_exclusive_until_its_lease_runs_out(
 ) -> None:
     registered = await register(backend)
     await post_batch(client, [order_event(registered.offering) for _ in range(3)])
-    sessions = app.state.queuekeeper.sessions
-    now = utcnow()
-    async with sessions() as session:
-        first = await outbox.claim(session, "relay-a", now, now + timedelta(seconds=0.4), 10)
-        await session.commit()
+    state = app.state.queuekeeper
+    short = Outbox(state.engine, state.settings.model_copy(update={"relay_lease_seconds": 0.4}))
+    longer = Outbox(state.engine, state.settings.model_copy(update={"relay_lease_seconds": 5}))
+    first, _ = await short.claim("relay-a", utcnow(), 10)
     assert len(first) == 3
     assert {c.attempts for c in first} == {1}
     assert first == sorted(first, key=lambda c: c.id)
-    async with sessions() as session:
-        assert await outbox.claim(session, "relay-b", utcnow(), utcnow(), 10) == []
-        await session.commit()
+    assert (await longer.claim("relay-b", utcnow(), 10))[0] == []
     await asyncio.sleep(0.45)
-    async with sessions() as session:
-        now = utcnow()
-        taken = await outbox.claim(session, "relay-b", now, now + timedelta(seconds=5), 10)
-        await session.commit()
+    taken, _ = await longer.claim("relay-b", utcnow(), 10)
     assert sorted(c.id for c in taken) == sorted(c.id for c in first)
     assert {c.attempts for c in taken} == {2}
     detail = await event_detail(client, first[0].event_id)
@@ -120,11 +114,8 @@ async def test_outbox_depth_is_readable_and_exported(
     assert empty.json() == {"pending": 0, "claimed": 0, "oldest_pending_age_seconds": 0.0}
     await post_batch(client, [order_event(registered.offering) for _ in range(3)])
     await asyncio.sleep(0.2)
-    sessions = app.state.queuekeeper.sessions
-    async with sessions() as session:
-        now = utcnow()
-        await outbox.claim(session, "relay-x", now, now + timedelta(seconds=30), 1)
-        await session.commit()
+    state = app.state.queuekeeper
+    await Outbox(state.engine, state.settings).claim("relay-x", utcnow(), 1)
     stats = (await client.get("/api/admin/outbox/", headers=SERVICE)).json()
     assert (stats["pending"], stats["claimed"]) == (3, 1)
     assert 0.2 <= stats["oldest_pending_age_seconds"] < 10

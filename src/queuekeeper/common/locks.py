@@ -7,6 +7,11 @@ behind. SQLite runs a single instance, so an in-process lock per key stands in.
 
 Keys are 64-bit digests of a name, scoped (as all advisory locks are) to the
 database: two installations with their own databases never contend.
+
+One family, one statement for any number of locks (`_take`): `guard_all` (and `guard`,
+one lock) holds them for the transaction of a session or a connection;
+`transaction_holding` opens that transaction on a connection of its own, for a unit of
+work on no session; `job_lock` only tries, on a connection held for a job's whole run.
 """
 
 from __future__ import annotations
@@ -16,13 +21,12 @@ import hashlib
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Any
 
 from sqlalchemy import BigInteger, Select, bindparam, func, select
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from queuekeeper import db
 from queuekeeper.db import Executor, is_postgres
 
 # create_subscription holds this shared while a broker user exists without its
@@ -106,110 +110,83 @@ def _local_locks() -> _KeyedLocks:
     return registry
 
 
-# Built once, keyed by `exclusive`: every create_queue of a new queue takes one.
-_KEY = bindparam("key", type_=BigInteger)
-_XACT_LOCK = {
-    True: select(func.pg_advisory_xact_lock(_KEY).label("locked")),
-    False: select(func.pg_advisory_xact_lock_shared(_KEY).label("locked")),
-}
-
-
-@asynccontextmanager
-async def guard(session: Executor, name: str, *, exclusive: bool) -> AsyncIterator[None]:
-    """Hold the lock `name` until the transaction of `session` (or of a connection) ends.
-
-    Commit or roll back inside the block: that releases the lock. A transaction
-    still open when the block ends is rolled back. Shared holders do not wait for
-    each other; an exclusive holder waits for all of them and they for it.
-    """
-    if is_postgres(session):
-        try:
-            await session.execute(_XACT_LOCK[exclusive], {"key": lock_key(name)})
-            yield
-        finally:
-            if session.in_transaction():
-                await session.rollback()
-        return
-    # SQLite: one instance, and one writer at a time anyway; a plain mutex will do.
-    async with _local_locks().hold(name):
-        try:
-            yield
-        finally:
-            if session.in_transaction():
-                await session.rollback()
-
-
 _LOCK_FUNCTION = {True: func.pg_advisory_xact_lock, False: func.pg_advisory_xact_lock_shared}
-_GUARD_ALL: dict[tuple[bool, ...], Select[Any]] = {}
+_LOCK_ALL: dict[tuple[bool, ...], Select[Any]] = {}
 
 
 def _lock_all(flags: tuple[bool, ...]) -> Select[Any]:
     """One statement taking every lock, in order (PostgreSQL evaluates a select list left
-    to right): one round trip however many locks a unit of work needs."""
-    statement = _GUARD_ALL.get(flags)
+    to right): one round trip however many locks a unit of work needs. Built once per
+    shape: every create_queue of a new queue takes one."""
+    statement = _LOCK_ALL.get(flags)
     if statement is None:
-        statement = _GUARD_ALL[flags] = select(
+        statement = _LOCK_ALL[flags] = select(
             *(
-                _LOCK_FUNCTION[exclusive](bindparam(f"k{index}", type_=BigInteger)).label(
-                    f"l{index}"
-                )
+                _LOCK_FUNCTION[exclusive](bindparam(f"k{index}", type_=BigInteger))
                 for index, exclusive in enumerate(flags)
             )
         )
     return statement
 
 
+Locks = Sequence[tuple[str, bool]]  # (name, exclusive), taken in this order
+
+
 @asynccontextmanager
-async def guard_all(
-    session: AsyncSession, locks: Sequence[tuple[str, bool]]
-) -> AsyncIterator[None]:
-    """`guard` for several locks (name, exclusive), taken in the order given, in one
-    statement on PostgreSQL; every caller must list shared keys in the same order."""
-    if is_postgres(session):
-        flags = tuple(exclusive for _name, exclusive in locks)
-        keys = {f"k{index}": lock_key(name) for index, (name, _e) in enumerate(locks)}
-        try:
-            await session.execute(_lock_all(flags), keys)
-            yield
-        finally:
-            if session.in_transaction():
-                await session.rollback()
-        return
+async def _in_process(locks: Locks) -> AsyncIterator[None]:
+    """SQLite: one instance, and one writer at a time anyway; in-process mutexes will do."""
     async with AsyncExitStack() as stack:
         for name, _exclusive in locks:
             await stack.enter_async_context(_local_locks().hold(name))
-        try:
-            yield
-        finally:
-            if session.in_transaction():
-                await session.rollback()
+        yield
 
 
-_LOCK_ALL_QUERY: dict[tuple[bool, ...], db.DriverQuery] = {}
+async def _take(executor: Executor, locks: Locks) -> None:
+    flags = tuple(exclusive for _name, exclusive in locks)
+    keys = {f"k{index}": lock_key(name) for index, (name, _e) in enumerate(locks)}
+    await executor.execute(_lock_all(flags), keys)
 
 
 @asynccontextmanager
-async def transaction_holding(
-    engine: AsyncEngine, locks: Sequence[tuple[str, bool]]
-) -> AsyncIterator[db.Transaction]:
-    """A `db.transaction` that holds the locks (name, exclusive), in the order given and in
-    one statement (as `guard_all`), until it ends: for a unit of work on no session. On
-    SQLite the in-process locks are taken first: a caller waiting for them holds no
-    connection of the pool meanwhile."""
+async def guard_all(executor: Executor, locks: Locks) -> AsyncIterator[None]:
+    """Hold the locks (name, exclusive), in the order given, until the transaction of
+    `executor` (a session or a connection) ends; every caller lists shared keys in the
+    same order.
+
+    Commit or roll back inside the block: that releases them. A transaction still open
+    when the block ends is rolled back. Shared holders do not wait for each other; an
+    exclusive holder waits for all of them and they for it."""
+    postgres = is_postgres(executor)
+    async with AsyncExitStack() as stack:
+        if not postgres:
+            await stack.enter_async_context(_in_process(locks))
+        try:
+            if postgres:
+                await _take(executor, locks)
+            yield
+        finally:
+            if executor.in_transaction():
+                await executor.rollback()
+
+
+def guard(executor: Executor, name: str, *, exclusive: bool) -> AbstractAsyncContextManager[None]:
+    """`guard_all` of one lock."""
+    return guard_all(executor, [(name, exclusive)])
+
+
+@asynccontextmanager
+async def transaction_holding(engine: AsyncEngine, locks: Locks) -> AsyncIterator[AsyncConnection]:
+    """A transaction on a connection of its own (committed when the block ends, rolled
+    back if it raises) that holds the locks as `guard_all` does: for a unit of work on no
+    session. On SQLite the in-process locks are taken first: a caller waiting for them
+    holds no connection of the pool meanwhile."""
     if engine.dialect.name == "postgresql":
-        flags = tuple(exclusive for _name, exclusive in locks)
-        query = _LOCK_ALL_QUERY.get(flags)
-        if query is None:
-            query = _LOCK_ALL_QUERY[flags] = db.DriverQuery(_lock_all(flags))
-        keys = {f"k{index}": lock_key(name) for index, (name, _e) in enumerate(locks)}
-        async with db.transaction(engine) as unit:
-            await unit.all(query, keys)
-            yield unit
+        async with engine.begin() as connection:
+            await _take(connection, locks)
+            yield connection
         return
-    async with AsyncExitStack() as stack:
-        for name, _exclusive in locks:
-            await stack.enter_async_context(_local_locks().hold(name))
-        yield await stack.enter_async_context(db.transaction(engine))
+    async with _in_process(locks), engine.begin() as connection:
+        yield connection
 
 
 @asynccontextmanager

@@ -1,43 +1,47 @@
-"""The relay's statements on the outbox (the `deliveries` table): claim, settle, prune.
+"""The transactional outbox (the `deliveries` table) and its one owner, `Outbox`.
 
-Each statement stands alone and is guarded by the row's state, so the relay runs
-them on autocommit connections (`Executor`; a settlement, `db.autocommit`); none needs the
-ORM.
+Every write of a copy's life goes through here: `store` (accepted events and their
+copies, in the request's transaction), `claim`, `renew`, the settlements (`publish`,
+`reject`, `give_up`, `reschedule`) and `release`. The lease rule lives in `Outbox.lease`
+alone: a copy is held by a relay until its lease ends, and a held copy is simply not due
+(`next_attempt_at` is the lease's end), so a relay that dies leaves its copies due again
+when its leases run out. Only `state = 'pending'` copies that are due are ever claimed;
+any other state (published, rejected, given up, parked) is never taken.
+
+Where the statements run: on PostgreSQL `outbox_postgres.py` (plain SQL on asyncpg,
+docs/decisions/008-driver-path.md), on SQLite its twin `outbox_sqlite.py` (SQLAlchemy
+Core). Who gets a copy is decided in `recipients.py`; how requests share a transaction,
+in `intake.py`; what the relay does with a claimed copy, in `relay.py`.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any
+from collections.abc import Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol
 
-from sqlalchemy import (
-    ColumnElement,
-    String,
-    Text,
-    Update,
-    bindparam,
-    case,
-    cast,
-    delete,
-    exists,
-    func,
-    literal_column,
-    select,
-    update,
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from queuekeeper.config import Settings
+from queuekeeper.events.outbox_postgres import PostgresOutbox
+from queuekeeper.events.outbox_sqlite import SqliteOutbox
+from queuekeeper.events.recipients import Copy, RecipientIndex, Recipients
+from queuekeeper.events.schemas import EventAccepted, EventIn
+from queuekeeper.exceptions import BadRequest, DomainError
+from queuekeeper.models import DeliveryState
+from queuekeeper.observability.metrics import (
+    COPIES,
+    EVENTS_ACCEPTED,
+    EVENTS_DUPLICATE,
+    SKIPPED_UNREGISTERED,
 )
 
-from queuekeeper.db import DriverQuery, Transaction, is_postgres, one_of
-from queuekeeper.events.repository import DELIVERIES, EVENTS, Executor
-from queuekeeper.models import DeliveryState, EventConsumer, EventSubscriptionQueue
-
-PENDING = DeliveryState.PENDING
-# Written out, not bound: the partial index of pending rows is used only when the
-# planner sees the literal it was defined with (asyncpg plans prepared statements).
-IS_PENDING: ColumnElement[str] = literal_column(f"'{PENDING.value}'", String)
-
+log = structlog.get_logger(__name__)
 
 # PostgreSQL NOTIFY channel on which a trigger of `deliveries` (migration 0006) announces
 # copies committed unclaimed: a relay anywhere may take them now. Relays poll as well, so
@@ -63,269 +67,382 @@ class Claimed:
     body: str  # the stored payload JSON, sent as it is
 
 
-_DELIVERY_COLUMNS = (
-    DELIVERIES.c.id,
-    DELIVERIES.c.event_id,
-    DELIVERIES.c.queue_uuid,
-    DELIVERIES.c.consumer_uuid,
-    DELIVERIES.c.queue_name,
-    DELIVERIES.c.vhost,
-    DELIVERIES.c.attempts,
-    DELIVERIES.c.created,
-    DELIVERIES.c.last_error,
-    DELIVERIES.c.offering_uuid,
-)
-_EVENT_COLUMNS = (
-    EVENTS.c.offering_uuid,
-    EVENTS.c.object_type,
-    EVENTS.c.accepted,
-    cast(EVENTS.c.payload, Text),
-)
-
-
-_WHEN = DELIVERIES.c.next_attempt_at.type  # binds datetimes as the column stores them
-_DUE = (
-    select(DELIVERIES.c.id)
-    .where(
-        DELIVERIES.c.state == IS_PENDING,
-        DELIVERIES.c.next_attempt_at <= bindparam("b_now", type_=_WHEN),
-    )
-    .order_by(DELIVERIES.c.next_attempt_at, DELIVERIES.c.id)
-    .limit(bindparam("b_limit"))
-)
-_CLAIM_VALUES = {
-    "claimed_by": bindparam("b_relay"),
-    "claimed_until": bindparam("b_lease", type_=_WHEN),
-    "next_attempt_at": bindparam("b_lease", type_=_WHEN),
-    "attempts": DELIVERIES.c.attempts + 1,
-}
-_DUE_CTE = _DUE.with_for_update(skip_locked=True).cte("due")
-# PostgreSQL: one statement claims and returns what publishing needs.
-_CLAIM_POSTGRES = (
-    update(DELIVERIES)
-    .where(DELIVERIES.c.id == _DUE_CTE.c.id, DELIVERIES.c.event_id == EVENTS.c.event_id)
-    .values(_CLAIM_VALUES)
-    .returning(*_DELIVERY_COLUMNS, *_EVENT_COLUMNS)
-)
-# SQLite cannot return columns of an UPDATE's FROM tables: the events are read apart.
-_CLAIM_SQLITE = (
-    update(DELIVERIES)
-    .where(DELIVERIES.c.id.in_(_DUE.scalar_subquery()))
-    .values(_CLAIM_VALUES)
-    .returning(*_DELIVERY_COLUMNS)
-)
-_ANY_DUE = _DUE.with_only_columns(DELIVERIES.c.id)
-_EVENTS_OF = select(EVENTS.c.event_id, *_EVENT_COLUMNS).where(
-    EVENTS.c.event_id.in_(bindparam("b_events", expanding=True))
-)
-
-
-async def claim(
-    session: Executor, relay_id: str, now: datetime, lease_until: datetime, limit: int
-) -> list[Claimed]:
-    """Take up to `limit` due deliveries for `relay_id` until `lease_until`.
-
-    A claim moves `next_attempt_at` to the end of the lease, so claimed rows are
-    simply not due for anyone else; a relay that dies leaves them due again when
-    its lease runs out. On PostgreSQL `FOR UPDATE SKIP LOCKED` lets relays claim
-    side by side without waiting on or double-claiming each other's rows; SQLite
-    has one writer at a time, so a plain UPDATE is already exclusive.
-    """
-    params = {"b_now": now, "b_limit": limit, "b_relay": relay_id, "b_lease": lease_until}
-    if is_postgres(session):
-        rows = (await session.execute(_CLAIM_POSTGRES, params)).all()
-        claimed = [Claimed(*row) for row in rows]
-    else:
-        # Look before claiming, so an idle relay never takes SQLite's write lock.
-        if await session.scalar(_ANY_DUE, {"b_now": now, "b_limit": 1}) is None:
-            return []
-        deliveries = (await session.execute(_CLAIM_SQLITE, params)).all()
-        events: dict[str, tuple[Any, ...]] = {}
-        if deliveries:
-            result = await session.execute(
-                _EVENTS_OF, {"b_events": list({row[1] for row in deliveries})}
-            )
-            events = {row[0]: tuple(row[1:]) for row in result}
-        claimed = [Claimed(*row, *events[row[1]]) for row in deliveries]
-    claimed.sort(key=lambda item: item.id)  # RETURNING has no order; publish oldest first
-    return claimed
-
-
-def _finish_statement(*, with_error: bool) -> Update:
-    values: dict[str, Any] = {
-        "state": bindparam("b_state"),
-        "finished": bindparam("b_finished", type_=_WHEN),
-        "claimed_by": None,
-        "claimed_until": None,
-    }
-    if with_error:
-        values["last_error"] = bindparam("b_error")
-    return (
-        update(DELIVERIES)
-        .where(one_of(DELIVERIES.c.id, "b_ids"), DELIVERIES.c.state == PENDING)
-        .values(values)
-    )
-
-
-_FINISH = DriverQuery(_finish_statement(with_error=False))
-_FINISH_WITH_ERROR = DriverQuery(_finish_statement(with_error=True))
-
-
-async def finish(
-    statements: Transaction,
-    ids: Collection[int],
-    state: DeliveryState,
-    now: datetime,
-    error: str | None = None,
-) -> None:
-    """Settle deliveries (published, rejected, given_up). A settled row stays settled.
-    One per settled batch of the relay: on PostgreSQL it runs on the driver (`db.autocommit`)."""
-    if not ids:
-        return
-    params = {"b_ids": list(ids), "b_state": state, "b_finished": now}
-    if error is None:
-        await statements.execute(_FINISH, params)
-    else:
-        await statements.execute(_FINISH_WITH_ERROR, {**params, "b_error": error})
-
-
-async def give_up(session: Executor, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
-    if not reasons:
-        return
-    statement = (
-        update(DELIVERIES)
-        .where(DELIVERIES.c.id == bindparam("b_id"), DELIVERIES.c.state == PENDING)
-        .values(
-            state=DeliveryState.GIVEN_UP,
-            finished=now,
-            claimed_by=None,
-            claimed_until=None,
-            last_error=bindparam("b_error"),
-        )
-    )
-    await session.execute(statement, [{"b_id": i, "b_error": reason} for i, reason in reasons])
-
-
-async def reschedule(
-    session: Executor, relay_id: str, retries: Sequence[tuple[int, datetime, str]]
-) -> None:
-    """Release our claim on (id, next attempt, error), unless another relay took it since."""
-    if not retries:
-        return
-    statement = (
-        update(DELIVERIES)
-        .where(
-            DELIVERIES.c.id == bindparam("b_id"),
-            DELIVERIES.c.state == PENDING,
-            DELIVERIES.c.claimed_by == relay_id,
-        )
-        .values(
-            next_attempt_at=bindparam("b_next"),
-            last_error=bindparam("b_error"),
-            claimed_by=None,
-            claimed_until=None,
-        )
-    )
-    await session.execute(
-        statement,
-        [{"b_id": i, "b_next": when, "b_error": error} for i, when, error in retries],
-    )
-
-
-# Copies `b_ids` still pending and still claimed by relay `b_relay` (nobody took them over).
-_HELD = update(DELIVERIES).where(
-    DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
-    DELIVERIES.c.state == IS_PENDING,
-    DELIVERIES.c.claimed_by == bindparam("b_relay"),
-)
-_RENEW = _HELD.values(
-    claimed_until=bindparam("b_lease", type_=_WHEN),
-    next_attempt_at=bindparam("b_lease", type_=_WHEN),
-).returning(DELIVERIES.c.id)
-
-
-async def renew(
-    session: Executor, relay_id: str, ids: Collection[int], lease_until: datetime
-) -> set[int]:
-    """Extend `relay_id`'s lease on these copies; returns those still pending and its own."""
-    if not ids:
-        return set()
-    result = await session.execute(
-        _RENEW, {"b_ids": list(ids), "b_relay": relay_id, "b_lease": lease_until}
-    )
-    return set(result.scalars())
-
-
-_RELEASE = _HELD.values(
-    claimed_by=None,
-    claimed_until=None,
-    next_attempt_at=bindparam("b_now", type_=_WHEN),
-    # Not an attempt: nothing was published.
-    attempts=DELIVERIES.c.attempts - 1,
-)
-
-
-async def release(session: Executor, relay_id: str, ids: Collection[int], now: datetime) -> None:
-    """Give back `relay_id`'s claim on copies it never published: due again at once."""
-    if ids:
-        await session.execute(_RELEASE, {"b_ids": list(ids), "b_relay": relay_id, "b_now": now})
-
-
-async def existing_targets(
-    session: Executor, target_uuids: Collection[uuid.UUID]
-) -> set[uuid.UUID]:
-    """Of these subscription queue and consumer uuids, the ones whose row still exists."""
-    if not target_uuids:
-        return set()
-    rows = await session.scalars(
-        select(EventSubscriptionQueue.uuid)
-        .where(EventSubscriptionQueue.uuid.in_(target_uuids))
-        .union_all(select(EventConsumer.uuid).where(EventConsumer.uuid.in_(target_uuids)))
-    )
-    return set(rows)
-
-
-async def consumer_count(session: Executor) -> int:
-    """Consumers registered (the `queuekeeper_consumers` gauge)."""
-    return int(await session.scalar(select(func.count()).select_from(EventConsumer)) or 0)
-
-
 @dataclass(frozen=True)
-class OutboxDepth:
-    pending: int
-    claimed: int  # pending and held by a live lease
-    oldest_pending_age_seconds: float  # 0 when nothing is pending
+class Lease:
+    """A relay's hold on copies until `until`."""
+
+    relay_id: str
+    until: datetime
 
 
-async def outbox_depth(session: Executor, now: datetime) -> OutboxDepth:
-    row = (
-        await session.execute(
-            select(
-                func.count(),
-                func.coalesce(func.sum(case((DELIVERIES.c.claimed_until > now, 1), else_=0)), 0),
-                func.min(DELIVERIES.c.created),
-            ).where(DELIVERIES.c.state == IS_PENDING)
+@dataclass
+class Request:
+    """One accept request's validated events, as the store takes them."""
+
+    events: Sequence[EventIn]
+    bodies: list[dict[str, Any]]
+    field_prefix: str
+
+
+@dataclass
+class Accepted:
+    answers: list[EventAccepted]
+    new_deliveries: int
+
+
+@dataclass
+class Stored:
+    """What one store committed: each request's outcome, and the copies held by the lease."""
+
+    results: list[Accepted | DomainError] = field(default_factory=list)
+    handed: list[Claimed] = field(default_factory=list)
+    deliveries: int = 0
+
+
+class _StoreUnit(Protocol):
+    async def recipients(
+        self, offerings: Collection[Any], object_types: Collection[str], now: datetime
+    ) -> list[tuple[Any, ...]]: ...
+
+    async def insert_events(self, rows: Sequence[Mapping[str, Any]]) -> set[str]: ...
+
+    async def event_counts(self, event_ids: Collection[str]) -> dict[str, tuple[int, int]]: ...
+
+    async def insert_deliveries(
+        self, rows: Sequence[Mapping[str, Any]], *, ids: bool
+    ) -> list[tuple[Any, ...]]: ...
+
+
+class _Statements(Protocol):
+    """What `outbox_postgres.PostgresOutbox` and `outbox_sqlite.SqliteOutbox` both run."""
+
+    def transaction(self) -> AbstractAsyncContextManager[_StoreUnit]: ...
+
+    async def claim(
+        self, relay_id: str, now: datetime, until: datetime, limit: int
+    ) -> list[Sequence[Any]]: ...
+
+    async def renew(self, relay_id: str, ids: Collection[int], until: datetime) -> set[int]: ...
+
+    async def release(self, relay_id: str, ids: Collection[int], now: datetime) -> None: ...
+
+    async def finish(
+        self, ids: Collection[int], state: str, now: datetime, error: str | None
+    ) -> None: ...
+
+    async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None: ...
+
+    async def reschedule(
+        self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]
+    ) -> None: ...
+
+
+class Outbox:
+    def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
+        self.lease_length = timedelta(seconds=settings.relay_lease_seconds)
+        self.statements: _Statements = (
+            PostgresOutbox(engine) if engine.dialect.name == "postgresql" else SqliteOutbox(engine)
         )
-    ).one()
-    oldest = row[2]
-    if isinstance(oldest, str):  # SQLite hands an aggregate back untyped
-        oldest = datetime.fromisoformat(oldest)
-    if oldest is not None and oldest.tzinfo is None:
-        oldest = oldest.replace(tzinfo=now.tzinfo)
-    return OutboxDepth(
-        pending=int(row[0]),
-        claimed=int(row[1]),
-        oldest_pending_age_seconds=(now - oldest).total_seconds() if oldest else 0.0,
+
+    def lease(self, relay_id: str, now: datetime) -> Lease:
+        """The lease rule: a claim, a store handed to a relay and a renewal all hold the
+        copies for `relay_lease_seconds` from now."""
+        return Lease(relay_id, now + self.lease_length)
+
+    # --- the intake's side ---------------------------------------------------------------
+    async def store(self, group: Sequence[Request], now: datetime, lease: Lease | None) -> Stored:
+        """Store a group of requests in one transaction, committed on return. With `lease`,
+        the copies are written already claimed by it (the lease is in the insert) and
+        returned as `handed`; without, they are written pending for any relay."""
+        async with self.statements.transaction() as unit:
+            return await _Store(unit, group, now, lease).run()
+
+    # --- the relay's side: each statement stands alone, guarded by the row's state ------
+    async def claim(self, relay_id: str, now: datetime, limit: int) -> tuple[list[Claimed], Lease]:
+        """Take up to `limit` due copies for `relay_id`, oldest first."""
+        lease = self.lease(relay_id, now)
+        rows = await self.statements.claim(relay_id, now, lease.until, limit)
+        claimed = sorted((Claimed(*row) for row in rows), key=lambda item: item.id)
+        return claimed, lease
+
+    async def renew(
+        self, relay_id: str, ids: Collection[int], now: datetime
+    ) -> tuple[set[int], Lease]:
+        """Extend `relay_id`'s lease on these copies; returns those still pending and its own."""
+        lease = self.lease(relay_id, now)
+        if not ids:
+            return set(), lease
+        return await self.statements.renew(relay_id, ids, lease.until), lease
+
+    async def release(self, relay_id: str, ids: Collection[int], now: datetime) -> None:
+        """Give back `relay_id`'s claim on copies it never published: due again at once."""
+        if ids:
+            await self.statements.release(relay_id, ids, now)
+
+    async def publish(self, ids: Collection[int], now: datetime) -> None:
+        await self._finish(ids, DeliveryState.PUBLISHED, now, None)
+
+    async def reject(self, ids: Collection[int], now: datetime, error: str) -> None:
+        await self._finish(ids, DeliveryState.REJECTED, now, error)
+
+    async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
+        """Settle (id, reason) as given up: never published."""
+        if reasons:
+            await self.statements.give_up(reasons, now)
+
+    async def reschedule(self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]) -> None:
+        """Release our claim on (id, next attempt, error), unless another relay took it since."""
+        if retries:
+            await self.statements.reschedule(relay_id, retries)
+
+    async def _finish(
+        self, ids: Collection[int], state: DeliveryState, now: datetime, error: str | None
+    ) -> None:
+        """A settled copy stays settled: only a pending one is settled."""
+        if ids:
+            await self.statements.finish(ids, state.value, now, error)
+
+
+class _Store:
+    """One group's store, step by step, inside the transaction of `unit`."""
+
+    def __init__(
+        self, unit: _StoreUnit, group: Sequence[Request], now: datetime, lease: Lease | None
+    ) -> None:
+        self.unit = unit
+        self.group = group
+        self.now = now
+        self.lease = lease
+        self.results: list[Accepted | DomainError | None] = [None] * len(group)
+        self.valid: list[tuple[int, Request]] = []
+        # Every event of the group, in order: a repeated event_id (within a request or
+        # across the group) is the first occurrence's duplicate, as if the requests came
+        # one by one. `first_of[event_id]` = (valid request, position) of its first.
+        self.first_of: dict[str, tuple[int, int]] = {}
+        self.event_ids: list[list[str]] = []
+        self.recipients: dict[str, Recipients] = {}
+        # A fan-out event's copies, each with the offering of the queue it goes to.
+        self.copy_offerings: dict[str, dict[Copy, uuid.UUID]] = {}
+        self.event_rows: dict[str, dict[str, Any]] = {}
+        self.inserted: set[str] = set()
+        self.copies: list[tuple[str, Copy]] = []
+
+    async def run(self) -> Stored:
+        index = await self.find_recipients()
+        self.refuse_unknown_offerings(index)
+        self.plan_events(index)
+        if self.event_rows:
+            self.inserted = await self.unit.insert_events(list(self.event_rows.values()))
+        handed = await self.insert_copies()
+        repeated = set(self.first_of) - self.inserted
+        earlier = await self.unit.event_counts(repeated) if repeated else {}
+        self.answer(earlier)
+        log.debug(
+            "events_accepted",
+            requests=len(self.group),
+            events=len(self.event_rows),
+            new=len(self.inserted),
+            deliveries=len(self.copies),
+            handed=len(handed),
+        )
+        results = [result for result in self.results if result is not None]
+        return Stored(results, handed, len(self.copies))
+
+    async def find_recipients(self) -> RecipientIndex:
+        """Who may receive the group's events: one statement for the whole group."""
+        events = [event for request in self.group for event in request.events]
+        offerings = {offering for event in events for offering in event.offerings}
+        object_types = {event.object_type for event in events}
+        return RecipientIndex.of(await self.unit.recipients(offerings, object_types, self.now))
+
+    def refuse_unknown_offerings(self, index: RecipientIndex) -> None:
+        """A request naming an offering the backend never pushed fails alone."""
+        for slot, request in enumerate(self.group):
+            error = _unknown_offering(request, index)
+            if error is None:
+                self.valid.append((slot, request))
+            else:
+                self.results[slot] = error
+
+    def plan_events(self, index: RecipientIndex) -> None:
+        """Each new event's id, recipients and row."""
+        for r, (_slot, request) in enumerate(self.valid):
+            ids = [event.event_id or uuid.uuid4().hex for event in request.events]
+            self.event_ids.append(ids)
+            for position, (event, event_id) in enumerate(zip(request.events, ids, strict=True)):
+                if event_id in self.first_of:
+                    continue
+                self.first_of[event_id] = (r, position)
+                if event.offering_uuids is None:
+                    found = index.recipients(
+                        event.offerings[0], event.object_type, event.user_uuids
+                    )
+                else:
+                    found, self.copy_offerings[event_id] = _fan_out(index, event)
+                self.recipients[event_id] = found
+                self.event_rows[event_id] = _event_row(
+                    event, event_id, request.bodies[position], found, self.now
+                )
+
+    async def insert_copies(self) -> list[Claimed]:
+        """One copy per recipient of each event inserted now; with a lease, written held by
+        it and returned as the relay would have claimed them."""
+        self.copies = [
+            (event_id, copy)
+            for event_id in self.first_of
+            if event_id in self.inserted
+            for copy in self.recipients[event_id].copies
+        ]
+        if not self.copies:
+            return []
+        rows = [self._copy_row(event_id, copy) for event_id, copy in self.copies]
+        returned = await self.unit.insert_deliveries(rows, ids=self.lease is not None)
+        to_consumers = sum(1 for _, copy in self.copies if copy.consumer_uuid is not None)
+        COPIES.labels(kind="consumer", stage="queued").inc(to_consumers)
+        COPIES.labels(kind="legacy", stage="queued").inc(len(self.copies) - to_consumers)
+        if self.lease is None:
+            return []
+        ids = {(event_id, queue or consumer): i for i, event_id, queue, consumer in returned}
+        return [
+            self._handed(ids[(event_id, copy.queue_uuid or copy.consumer_uuid)], event_id, copy)
+            for event_id, copy in self.copies
+        ]
+
+    def _copy_row(self, event_id: str, copy: Copy) -> dict[str, Any]:
+        lease = self.lease
+        return {
+            "event_id": event_id,
+            "queue_uuid": copy.queue_uuid,
+            "consumer_uuid": copy.consumer_uuid,
+            "queue_name": copy.queue_name,
+            "vhost": copy.vhost,
+            "offering_uuid": self.copy_offerings.get(event_id, {}).get(copy),
+            "state": DeliveryState.PENDING.value,
+            # Held by the lease: written as a claim would leave it (`Outbox.claim`).
+            "attempts": 1 if lease else 0,
+            "claimed_by": lease.relay_id if lease else None,
+            "claimed_until": lease.until if lease else None,
+            "next_attempt_at": lease.until if lease else self.now,
+            "created": self.now,
+        }
+
+    def _handed(self, delivery_id: int, event_id: str, copy: Copy) -> Claimed:
+        row = self.event_rows[event_id]
+        return Claimed(
+            id=delivery_id,
+            event_id=event_id,
+            queue_uuid=copy.queue_uuid,
+            consumer_uuid=copy.consumer_uuid,
+            queue_name=copy.queue_name,
+            vhost=copy.vhost,
+            attempts=1,
+            created=self.now,
+            last_error=None,
+            copy_offering_uuid=self.copy_offerings.get(event_id, {}).get(copy),
+            offering_uuid=row["offering_uuid"],
+            object_type=row["object_type"],
+            accepted=self.now,
+            body=json.dumps(row["payload"]),  # as the JSON column stores it
+        )
+
+    def answer(self, earlier: dict[str, tuple[int, int]]) -> None:
+        """Each valid request's answers: counts of new events, those stored before for
+        duplicates."""
+        for r, (slot, request) in enumerate(self.valid):
+            answers = []
+            for position, event_id in enumerate(self.event_ids[r]):
+                found = self.recipients[event_id]
+                new = event_id in self.inserted and self.first_of[event_id] == (r, position)
+                if event_id in self.inserted:
+                    queued, skipped = len(found.copies), len(found.skipped)
+                else:
+                    queued, skipped = earlier.get(event_id, (0, 0))
+                answers.append(
+                    EventAccepted(
+                        event_id=event_id,
+                        queued=queued,
+                        skipped_unregistered=skipped,
+                        duplicate=not new,
+                    )
+                )
+                if new and found.skipped:
+                    _log_skipped(request.events[position], event_id, found)
+            new_count = sum(1 for answer in answers if not answer.duplicate)
+            EVENTS_ACCEPTED.inc(new_count)
+            EVENTS_DUPLICATE.inc(len(answers) - new_count)
+            SKIPPED_UNREGISTERED.inc(
+                sum(answer.skipped_unregistered for answer in answers if not answer.duplicate)
+            )
+            own = sum(
+                len(self.recipients[e].copies)
+                for e in set(self.event_ids[r])
+                if e in self.inserted and self.first_of[e][0] == r
+            )
+            self.results[slot] = Accepted(answers, own)
+
+
+def _event_row(
+    event: EventIn, event_id: str, body: dict[str, Any], found: Recipients, now: datetime
+) -> dict[str, Any]:
+    return {
+        "event_id": event_id,
+        "offering_uuid": event.offerings[0],
+        "offering_uuids": [o.hex for o in event.offering_uuids]
+        if event.offering_uuids is not None
+        else None,
+        "object_type": event.object_type,
+        "payload": body,
+        "user_uuids": [u.hex for u in event.user_uuids] if event.user_uuids is not None else None,
+        "queued": len(found.copies),
+        "skipped_unregistered": len(found.skipped),
+        "accepted": now,
+    }
+
+
+def _log_skipped(event: EventIn, event_id: str, found: Recipients) -> None:
+    log.info(
+        "queue not registered for this offering and object type; skipping",
+        event_id=event_id,
+        offering_uuids=[o.hex for o in event.offerings],
+        object_type=event.object_type,
+        subscriptions=[s.hex for s in found.skipped],
     )
 
 
-async def prune_events(session: Executor, cutoff: datetime, limit: int = 1000) -> int:
-    """Delete up to `limit` events accepted before `cutoff` with no copy still pending."""
-    pending = exists().where(
-        DELIVERIES.c.event_id == EVENTS.c.event_id, DELIVERIES.c.state == PENDING
-    )
-    old = select(EVENTS.c.event_id).where(EVENTS.c.accepted < cutoff, ~pending).limit(limit)
-    result = await session.execute(
-        delete(EVENTS).where(EVENTS.c.event_id.in_(old.scalar_subquery()))
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
+def field_name(prefix: str, *parts: object) -> str:
+    return ".".join([prefix, *(str(part) for part in parts)] if prefix else map(str, parts))
+
+
+def _unknown_offering(request: Request, index: RecipientIndex) -> BadRequest | None:
+    for position, event in enumerate(request.events):
+        for number, offering in enumerate(event.offerings):
+            if offering not in index.known:
+                prefix = request.field_prefix
+                where = (
+                    ("offering_uuid",)
+                    if event.offering_uuids is None
+                    else ("offering_uuids", number)
+                )
+                return BadRequest(
+                    f"Unknown offering {offering.hex}: the backend has not pushed it.",
+                    field=field_name(prefix, position, *where)
+                    if prefix
+                    else field_name("", *where),
+                )
+    return None
+
+
+def _fan_out(index: RecipientIndex, event: EventIn) -> tuple[Recipients, dict[Copy, uuid.UUID]]:
+    """An event sent to several offerings: each offering's recipients, as for an event of
+    that offering alone, and one copy per queue (a consumer scoped to several of them gets
+    one copy, carrying the first of them in the event's order)."""
+    found = Recipients()
+    offering_of: dict[Copy, uuid.UUID] = {}
+    for offering in event.offerings:
+        each = index.recipients(offering, event.object_type, event.user_uuids)
+        for copy in each.copies:
+            if copy not in offering_of:
+                offering_of[copy] = offering
+                found.copies.append(copy)
+        found.skipped.extend(s for s in each.skipped if s not in found.skipped)
+    return found, offering_of

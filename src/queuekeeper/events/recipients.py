@@ -5,7 +5,8 @@ that pair whose subscription's owner is active, has an unexpired token and has
 access to the offering, narrowed to the event's `user_uuids` when it names any.
 A subscription that would receive the type (it lists it, or lists nothing) but
 registered no queue for it is counted as skipped. Everything is read in one
-statement per request, whatever the batch or the fan-out; the rest is done in memory.
+statement per group of requests (the outbox's store: `outbox_postgres.RECIPIENTS` and its
+Core twin), whatever the batch or the fan-out; the rest is decided here, in memory.
 
 A consumer (contract §9) of an active owner with access, scoped to the offering, gets one
 copy when its filter holds the type (an empty filter holds every type); its owner's
@@ -20,36 +21,11 @@ from __future__ import annotations
 
 import uuid
 from collections import defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (
-    ColumnElement,
-    Select,
-    String,
-    Table,
-    and_,
-    bindparam,
-    literal,
-    null,
-    or_,
-    select,
-    union_all,
-)
-
 from queuekeeper.common.schemas import as_uuid
-from queuekeeper.db import DriverQuery, Transaction, one_of
-from queuekeeper.models import Base
-
-OFFERINGS: Table = Base.metadata.tables["offerings"]
-ACCESS: Table = Base.metadata.tables["offering_access"]
-USERS: Table = Base.metadata.tables["users"]
-SUBSCRIPTIONS: Table = Base.metadata.tables["event_subscriptions"]
-QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
-CONSUMERS: Table = Base.metadata.tables["event_consumers"]
-SCOPES: Table = Base.metadata.tables["event_consumer_scopes"]
 
 
 @dataclass(frozen=True)
@@ -94,122 +70,6 @@ class _Row:
     vhost: str | None
 
 
-def _reachable_owner() -> ColumnElement[bool]:
-    """The grant's user is active and their token has not expired."""
-    return and_(
-        one_of(ACCESS.c.offering_uuid, "access_offerings"),
-        USERS.c.is_active.is_(True),
-        or_(
-            USERS.c.token_expires_at.is_(None),
-            USERS.c.token_expires_at > bindparam("now", type_=USERS.c.token_expires_at.type),
-        ),
-    )
-
-
-def _recipients_statement() -> Select[Any]:
-    subscriptions = select(
-        literal(SUBSCRIPTION, String).label("kind"),
-        ACCESS.c.offering_uuid,
-        SUBSCRIPTIONS.c.uuid.label("recipient_uuid"),
-        SUBSCRIPTIONS.c.user_uuid,
-        SUBSCRIPTIONS.c.observable_objects.label("filter"),
-        QUEUES.c.uuid.label("queue_uuid"),
-        QUEUES.c.object_type,
-        QUEUES.c.queue_name,
-        QUEUES.c.vhost,
-    ).select_from(
-        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
-        .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
-        .outerjoin(
-            QUEUES,
-            and_(
-                QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
-                QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
-                one_of(QUEUES.c.object_type, "object_types"),
-            ),
-        )
-    )
-    consumers = select(
-        literal(CONSUMER, String).label("kind"),
-        ACCESS.c.offering_uuid,
-        CONSUMERS.c.uuid.label("recipient_uuid"),
-        CONSUMERS.c.user_uuid,
-        CONSUMERS.c.object_types.label("filter"),
-        null().cast(QUEUES.c.uuid.type).label("queue_uuid"),
-        null().cast(QUEUES.c.object_type.type).label("object_type"),
-        CONSUMERS.c.queue_name,
-        CONSUMERS.c.vhost,
-    ).select_from(
-        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
-        .join(SCOPES, SCOPES.c.offering_uuid == ACCESS.c.offering_uuid)
-        .join(
-            CONSUMERS,
-            and_(
-                CONSUMERS.c.uuid == SCOPES.c.consumer_uuid,
-                CONSUMERS.c.user_uuid == ACCESS.c.user_uuid,
-            ),
-        )
-    )
-    reachable = union_all(
-        subscriptions.where(_reachable_owner()), consumers.where(_reachable_owner())
-    ).subquery("reachable")
-    return (
-        select(
-            OFFERINGS.c.uuid,
-            reachable.c.kind,
-            reachable.c.recipient_uuid,
-            reachable.c.user_uuid,
-            reachable.c.filter,
-            reachable.c.queue_uuid,
-            reachable.c.object_type,
-            reachable.c.queue_name,
-            reachable.c.vhost,
-        )
-        .select_from(OFFERINGS.outerjoin(reachable, reachable.c.offering_uuid == OFFERINGS.c.uuid))
-        .where(one_of(OFFERINGS.c.uuid, "offerings"))
-    )
-
-
-# Built once: constructing this join per request cost more than running it. PostgreSQL
-# binds the lists as arrays (`one_of`), so the driver runs one statement compiled once.
-_RECIPIENTS = DriverQuery(_recipients_statement())
-
-
-async def find_recipients(
-    transaction: Transaction,
-    offering_uuids: Collection[uuid.UUID],
-    object_types: Collection[str],
-    now: datetime,
-) -> RecipientIndex:
-    """Who may receive events of these offerings and types: one query for a whole request.
-
-    The offerings left-joined with who may receive their events (subscriptions with
-    their queues, and consumers), so an unknown offering yields no row at all
-    (`RecipientIndex.known` tells them apart).
-    """
-    offerings = list(offering_uuids)
-    result = await transaction.all(
-        _RECIPIENTS,
-        {
-            "offerings": offerings,
-            "access_offerings": offerings,
-            "object_types": list(object_types),
-            "now": now,
-        },
-    )
-    known: set[uuid.UUID] = set()
-    rows: list[_Row] = []
-    for found in result:
-        offering, kind, recipient, *rest = found.values()
-        known.add(offering)
-        if recipient is not None:
-            owner, filter_, queue, object_type, name, vhost = rest
-            rows.append(
-                _Row(kind, recipient, owner, filter_, offering, queue, object_type, name, vhost)
-            )
-    return RecipientIndex(known, rows)
-
-
 def _lists_type(observable_objects: list[Any], offering_uuid: uuid.UUID, object_type: str) -> bool:
     """Whether a subscription asked for this type (an empty list asks for everything)."""
     if not observable_objects:
@@ -232,6 +92,22 @@ class _Consumer:
 
 class RecipientIndex:
     """The recipients of every event of one request, decided from the query's rows."""
+
+    @classmethod
+    def of(cls, found: Iterable[Sequence[Any]]) -> RecipientIndex:
+        """From the recipients statement's rows: (offering, kind, recipient, owner, filter,
+        queue, object type, queue name, vhost), the recipient None for an offering nobody
+        may receive events of."""
+        known: set[uuid.UUID] = set()
+        rows: list[_Row] = []
+        for offering, kind, recipient, *rest in found:
+            known.add(offering)
+            if recipient is not None:
+                owner, filter_, queue, object_type, name, vhost = rest
+                rows.append(
+                    _Row(kind, recipient, owner, filter_, offering, queue, object_type, name, vhost)
+                )
+        return cls(known, rows)
 
     def __init__(self, known: set[uuid.UUID], rows: Sequence[_Row]) -> None:
         self.known = known  # the offerings among those asked for that exist

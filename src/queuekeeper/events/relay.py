@@ -4,13 +4,13 @@ At-least-once: a delivery is marked done only after the broker confirmed it,
 so a relay that dies between publish and mark leaves it to be published again
 when its lease runs out (consumers deduplicate on `message_id`). Any number of
 relays (threads of one process, replicas, `queuekeeper relay` processes) share
-the work through the claim in `outbox.claim`.
+the work through the claim in `Outbox.claim` (events/outbox.py: the lease rule).
 
 What happens to a copy, by the broker's answer:
 - confirmed → `published`;
 - nack of a full queue under `reject-publish-dlx` (the broker dead-lettered it) → `rejected`;
   any other nack (a full queue under `reject-publish`, as every quorum queue is, or a
-  queue whose process failed: nothing was kept; the publisher tells them apart) → retried
+  queue whose process failed: nothing was kept; broker/verdict.py tells them apart) → retried
   with backoff;
 - returned as unroutable, or the vhost refused us → the queue is declared again
   through the Management API and the copy retried at once;
@@ -45,10 +45,10 @@ from queuekeeper.broker.publisher import AmqpPublisher, Outgoing
 from queuekeeper.broker.verdict import Outcome, Result
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
-from queuekeeper.db import autocommit, listen
-from queuekeeper.events import outbox
-from queuekeeper.events.outbox import Claimed
-from queuekeeper.models import DeliveryState, utcnow
+from queuekeeper.events import repository
+from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, Outbox
+from queuekeeper.events.outbox_postgres import listen
+from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
     CONSUMERS,
     COPIES,
@@ -134,6 +134,7 @@ class Relay:
         relay_id: str | None = None,
     ) -> None:
         self.settings = settings
+        self.outbox = Outbox(engine, settings)
         # Every statement the relay runs stands alone (a claim, a settlement, each guarded
         # by the row's state), so it runs them on autocommit connections: no BEGIN/COMMIT
         # round trips, and no ORM session to set up per statement.
@@ -189,8 +190,7 @@ class Relay:
         if not handed:
             return 0
         try:
-            async with self.engine.connect() as connection:
-                await outbox.release(connection, self.id, [item.id for item in handed], utcnow())
+            await self.outbox.release(self.id, [item.id for item in handed], utcnow())
         except Exception as exc:  # the lease gives them back anyway
             log.warning("relay_release_failed", relay=self.id, error=repr(exc)[:500])
             return 0
@@ -217,7 +217,7 @@ class Relay:
         while not self._stopping.is_set():
             failed = False
             try:
-                await listen(self.engine, outbox.DUE_CHANNEL, self._on_accepted, self._stopping)
+                await listen(self.engine, DUE_CHANNEL, self._on_accepted, self._stopping)
             except Exception as exc:
                 failed = True
                 log.warning("relay_listen_failed", relay=self.id, error=repr(exc)[:500])
@@ -237,7 +237,7 @@ class Relay:
 
     def hand_over(self, claimed: list[Claimed]) -> None:
         """Publish these copies, committed already claimed by this relay."""
-        lease_until = utcnow() + timedelta(seconds=self.settings.relay_lease_seconds)
+        lease_until = self.outbox.lease(self.id, utcnow()).until
         for item in claimed:
             self._held[item.id] = lease_until
         self._handed.extend(claimed)
@@ -325,14 +325,9 @@ class Relay:
         return len(claimed)
 
     async def claim(self) -> list[Claimed]:
-        now = utcnow()
-        lease_until = now + timedelta(seconds=self.settings.relay_lease_seconds)
-        async with self.engine.connect() as connection:
-            claimed = await outbox.claim(
-                connection, self.id, now, lease_until, self.settings.relay_batch_size
-            )
+        claimed, lease = await self.outbox.claim(self.id, utcnow(), self.settings.relay_batch_size)
         for item in claimed:
-            self._held[item.id] = lease_until
+            self._held[item.id] = lease.until
         return claimed
 
     async def process(self, claimed: list[Claimed]) -> None:
@@ -411,7 +406,7 @@ class Relay:
     ) -> None:
         """Declare the queues of returned copies again, then retry those copies."""
         async with self.engine.connect() as connection:
-            alive = await outbox.existing_targets(
+            alive = await repository.existing_targets(
                 connection, {target for item, _ in returned if (target := _target(item))}
             )
         failures: dict[tuple[str, str], str | None] = {}
@@ -456,21 +451,18 @@ class Relay:
         published = len(settlement.published)
         # Each counter moves right after its statement commits (each stands alone), with
         # no await between, so a `?wait=true` waiter never sees rows not yet counted.
-        async with autocommit(self.engine) as statements:
-            await outbox.finish(statements, settlement.published, DeliveryState.PUBLISHED, now)
-            DELIVERIES.labels(outcome="published").inc(published)
-            COPIES.labels(kind="consumer", stage="published").inc(settlement.published_to_consumers)
-            COPIES.labels(kind="legacy", stage="published").inc(
-                published - settlement.published_to_consumers
-            )
-            for error, ids in settlement.rejected.items():
-                await outbox.finish(statements, ids, DeliveryState.REJECTED, now, error)
-                DELIVERIES.labels(outcome="rejected").inc(len(ids))
-        if settlement.given_up or settlement.retries:  # rare: on SQLAlchemy Core
-            async with self.engine.connect() as connection:
-                await outbox.give_up(connection, settlement.given_up, now)
-                DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
-                await outbox.reschedule(connection, self.id, settlement.retries)
+        await self.outbox.publish(settlement.published, now)
+        DELIVERIES.labels(outcome="published").inc(published)
+        COPIES.labels(kind="consumer", stage="published").inc(settlement.published_to_consumers)
+        COPIES.labels(kind="legacy", stage="published").inc(
+            published - settlement.published_to_consumers
+        )
+        for error, ids in settlement.rejected.items():
+            await self.outbox.reject(ids, now, error)
+            DELIVERIES.labels(outcome="rejected").inc(len(ids))
+        await self.outbox.give_up(settlement.given_up, now)
+        DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
+        await self.outbox.reschedule(self.id, settlement.retries)
         if rejected or settlement.given_up:
             log.warning(
                 "deliveries_not_published",
@@ -505,23 +497,21 @@ class Relay:
         that wait (a busy process, a slow broker) stay ours; a relay that dies stops
         renewing and its copies fall due when the lease ends. Returns how many."""
         now = utcnow()
-        lease = timedelta(seconds=self.settings.relay_lease_seconds)
-        due = [i for i, until in self._held.items() if until - now < lease * 2 / 3]
+        third = self.outbox.lease_length / 3
+        due = [i for i, until in self._held.items() if until - now < third * 2]
         if not due:
             return 0
-        lease_until = now + lease
-        async with self.engine.connect() as connection:
-            renewed = await outbox.renew(connection, self.id, due, lease_until)
+        renewed, lease = await self.outbox.renew(self.id, due, now)
         for i in renewed:
             if i in self._held:
-                self._held[i] = lease_until
+                self._held[i] = lease.until
         return len(renewed)
 
     async def refresh_gauges(self) -> None:
         now = utcnow()
         async with self.engine.connect() as connection:
-            depth = await outbox.outbox_depth(connection, now)
-            consumers = await outbox.consumer_count(connection)
+            depth = await repository.outbox_depth(connection, now)
+            consumers = await repository.consumer_count(connection)
         CONSUMERS.set(consumers)
         OUTBOX_PENDING.set(depth.pending)
         OUTBOX_OLDEST_AGE.set(depth.oldest_pending_age_seconds)
@@ -529,7 +519,7 @@ class Relay:
     async def prune(self) -> int:
         cutoff = utcnow() - timedelta(seconds=self.settings.event_retention_seconds)
         async with self.engine.connect() as connection:
-            deleted = await outbox.prune_events(connection, cutoff)
+            deleted = await repository.prune_events(connection, cutoff)
         if deleted:
             log.info("events_pruned", events=deleted)
         return deleted

@@ -1,112 +1,33 @@
-"""Event records: the events the backend handed over and their outbox copies (`deliveries`).
+"""Event records read back: an event, its outbox copies (`deliveries`), the outbox's depth,
+and the relay's housekeeping (pruning old events, the consumer gauge).
 
-Written and read with Core statements on the tables: accepting a batch inserts
-thousands of rows in one statement and needs no ORM identity tracking. The intake's
-statements run in a `db.transaction` (on PostgreSQL, on the driver itself). The relay's
-statements on the same tables are in `outbox.py`; who gets a copy, in `recipients.py`.
+Core statements on the tables, run in a request's session or on a job's connection. What
+writes the outbox (store, claim, renew, settle, release) is `outbox.py`'s alone.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, Table, select
+from sqlalchemy import Row, String, Table, case, delete, exists, func, literal_column, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from queuekeeper.db import DriverInsert, DriverQuery, Transaction, one_of
-from queuekeeper.models import Base, DeliveryState, Event
+from queuekeeper.models import Base, DeliveryState, Event, EventConsumer, EventSubscriptionQueue
 
 EVENTS: Table = Base.metadata.tables["events"]
 DELIVERIES: Table = Base.metadata.tables["deliveries"]
 
-# The relay runs its statements on autocommit connections, the API in sessions.
+# The relay's housekeeping runs its statements on connections, the API in sessions.
 Executor = AsyncSession | AsyncConnection
 
-# What the intake writes of an event: every column.
-EVENT_COLUMNS = (
-    "event_id",
-    "offering_uuid",
-    "offering_uuids",
-    "object_type",
-    "payload",
-    "user_uuids",
-    "queued",
-    "skipped_unregistered",
-    "accepted",
-)
-_INSERT_NEW_EVENTS = DriverInsert(
-    EVENTS, EVENT_COLUMNS, returning=[EVENTS.c.event_id], if_absent=True
-)
-
-
-async def insert_new_events(transaction: Transaction, rows: Sequence[dict[str, Any]]) -> set[str]:
-    """Insert the events whose id is new; returns the ids this call inserted.
-
-    ON CONFLICT DO NOTHING makes a concurrent repeat wait for the first insert and
-    then see the conflict, so each event_id is accepted exactly once.
-    """
-    return {row["event_id"] for row in await transaction.insert(_INSERT_NEW_EVENTS, rows)}
-
-
-_EVENT_COUNTS = DriverQuery(
-    select(EVENTS.c.event_id, EVENTS.c.queued, EVENTS.c.skipped_unregistered).where(
-        one_of(EVENTS.c.event_id, "event_ids")
-    )
-)
-
-
-async def event_counts(
-    transaction: Transaction, event_ids: Collection[str]
-) -> dict[str, tuple[int, int]]:
-    """(queued, skipped_unregistered) of events accepted before, by id."""
-    if not event_ids:
-        return {}
-    rows = await transaction.all(_EVENT_COUNTS, {"event_ids": list(event_ids)})
-    return {row["event_id"]: (row["queued"], row["skipped_unregistered"]) for row in rows}
-
-
-_DELIVERY_COLUMNS = [
-    "event_id",
-    "queue_uuid",
-    "consumer_uuid",
-    "queue_name",
-    "vhost",
-    "offering_uuid",
-    "state",
-    "attempts",
-    "claimed_by",
-    "claimed_until",
-    "next_attempt_at",
-    "created",
-]
-_INSERT_DELIVERIES = DriverInsert(DELIVERIES, _DELIVERY_COLUMNS)
-# RETURNING without asking for parameter order: SQLite would then insert row by row.
-_INSERT_DELIVERIES_RETURNING = DriverInsert(
-    DELIVERIES,
-    _DELIVERY_COLUMNS,
-    returning=[
-        DELIVERIES.c.id,
-        DELIVERIES.c.event_id,
-        DELIVERIES.c.queue_uuid,
-        DELIVERIES.c.consumer_uuid,
-    ],
-)
-
-
-async def insert_deliveries(
-    transaction: Transaction, rows: Sequence[dict[str, Any]], *, ids: bool = False
-) -> dict[tuple[str, uuid.UUID | None], int]:
-    """Insert outbox copies; with `ids`, returns each one's id by (event_id, target), the
-    target being the copy's subscription queue or its consumer (each copy has one)."""
-    if not ids:
-        await transaction.insert(_INSERT_DELIVERIES, rows)
-        return {}
-    return {
-        (row["event_id"], row["queue_uuid"] or row["consumer_uuid"]): row["id"]
-        for row in await transaction.insert(_INSERT_DELIVERIES_RETURNING, rows)
-    }
+PENDING = DeliveryState.PENDING
+# Written out, not bound: the partial index of pending rows is used only when the
+# planner sees the literal it was defined with.
+IS_PENDING = literal_column(f"'{PENDING.value}'", String)
 
 
 async def delivery_states(
@@ -143,3 +64,63 @@ async def deliveries_of(session: AsyncSession, event_id: str) -> Sequence[Row[An
         select(DELIVERIES).where(DELIVERIES.c.event_id == event_id).order_by(DELIVERIES.c.id)
     )
     return rows.all()
+
+
+async def existing_targets(
+    session: Executor, target_uuids: Collection[uuid.UUID]
+) -> set[uuid.UUID]:
+    """Of these subscription queue and consumer uuids, the ones whose row still exists."""
+    if not target_uuids:
+        return set()
+    rows = await session.scalars(
+        select(EventSubscriptionQueue.uuid)
+        .where(EventSubscriptionQueue.uuid.in_(target_uuids))
+        .union_all(select(EventConsumer.uuid).where(EventConsumer.uuid.in_(target_uuids)))
+    )
+    return set(rows)
+
+
+async def consumer_count(session: Executor) -> int:
+    """Consumers registered (the `queuekeeper_consumers` gauge)."""
+    return int(await session.scalar(select(func.count()).select_from(EventConsumer)) or 0)
+
+
+@dataclass(frozen=True)
+class OutboxDepth:
+    pending: int
+    claimed: int  # pending and held by a live lease
+    oldest_pending_age_seconds: float  # 0 when nothing is pending
+
+
+async def outbox_depth(session: Executor, now: datetime) -> OutboxDepth:
+    row = (
+        await session.execute(
+            select(
+                func.count(),
+                func.coalesce(func.sum(case((DELIVERIES.c.claimed_until > now, 1), else_=0)), 0),
+                func.min(DELIVERIES.c.created),
+            ).where(DELIVERIES.c.state == IS_PENDING)
+        )
+    ).one()
+    oldest = row[2]
+    if isinstance(oldest, str):  # SQLite hands an aggregate back untyped
+        oldest = datetime.fromisoformat(oldest)
+    if oldest is not None and oldest.tzinfo is None:
+        oldest = oldest.replace(tzinfo=now.tzinfo)
+    return OutboxDepth(
+        pending=int(row[0]),
+        claimed=int(row[1]),
+        oldest_pending_age_seconds=(now - oldest).total_seconds() if oldest else 0.0,
+    )
+
+
+async def prune_events(session: Executor, cutoff: datetime, limit: int = 1000) -> int:
+    """Delete up to `limit` events accepted before `cutoff` with no copy still pending."""
+    pending = exists().where(
+        DELIVERIES.c.event_id == EVENTS.c.event_id, DELIVERIES.c.state == PENDING
+    )
+    old = select(EVENTS.c.event_id).where(EVENTS.c.accepted < cutoff, ~pending).limit(limit)
+    result = await session.execute(
+        delete(EVENTS).where(EVENTS.c.event_id.in_(old.scalar_subquery()))
+    )
+    return int(getattr(result, "rowcount", 0) or 0)

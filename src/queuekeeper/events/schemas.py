@@ -15,7 +15,7 @@ from queuekeeper.events.payloads import ObjectType
 from queuekeeper.models import DeliveryState, Event
 
 if TYPE_CHECKING:
-    from queuekeeper.events.outbox import OutboxDepth
+    from queuekeeper.events.repository import OutboxDepth
 
 # Offerings one event may name in `offering_uuids` (a provider's live offerings).
 MAX_FAN_OUT = 1000

@@ -19,10 +19,11 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from queuekeeper.common.schemas import as_uuid
 from queuekeeper.common.signals import Signal
-from queuekeeper.events import outbox, repository
-from queuekeeper.events.intake import Intake, field_name
-from queuekeeper.events.outbox import OutboxDepth
+from queuekeeper.events import repository
+from queuekeeper.events.intake import Intake
+from queuekeeper.events.outbox import field_name
 from queuekeeper.events.payloads import PAYLOAD_MODELS
+from queuekeeper.events.repository import OutboxDepth
 from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest, NotFound, TooLarge
 from queuekeeper.models import DeliveryState, Event, utcnow
@@ -221,4 +222,4 @@ async def event_record(session: AsyncSession, event_id: str) -> tuple[Event, Seq
 
 
 async def outbox_depth(session: AsyncSession) -> OutboxDepth:
-    return await outbox.outbox_depth(session, utcnow())
+    return await repository.outbox_depth(session, utcnow())

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Integer, Select, Table, bindparam, exists, func, literal, or_, select
-from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
+from sqlalchemy import Insert, Integer, Select, Table, bindparam, exists, func, literal, or_, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import aliased
 
 from queuekeeper import db
@@ -152,7 +153,7 @@ def _queues_held(owner: Any) -> Any:
     )
 
 
-def _insert_queue() -> db.DriverQuery:
+def _insert_queue() -> dict[str, Insert]:
     granted = (
         select(OfferingAccess.user_uuid)
         .where(
@@ -165,29 +166,37 @@ def _insert_queue() -> db.DriverQuery:
     row = select(
         *(bindparam(column.key, type_=column.type).label(column.key) for column in _QUEUES.c)
     ).where(granted.exists(), _queues_held(owner) < bindparam("limit", type_=Integer()))
-    return db.insert_if_absent(_QUEUES, _QUEUES.c.keys(), row, _QUEUES.c.uuid)
+    # Each dialect's own spelling of INSERT ... SELECT ... ON CONFLICT DO NOTHING; SQLite
+    # needs the WHERE in the SELECT to read ON CONFLICT as the insert's.
+    return {
+        name: dialect.insert(_QUEUES)
+        .from_select(_QUEUES.c.keys(), row)
+        .on_conflict_do_nothing()
+        .returning(_QUEUES.c.uuid)
+        for name, dialect in (("sqlite", sqlite), ("postgresql", postgresql))
+    }
 
 
 # On the table rather than the mapped class: the ORM's bulk insert path and a statement built
 # per call were a tenth of a new create_queue's CPU (py-spy). The access re-check rides in
 # the insert (one round trip of five).
 _INSERT_QUEUE = _insert_queue()
-_ACCESS_LOCKED_QUERY = db.DriverQuery(_ACCESS_LOCKED)
-_AT_QUOTA = db.DriverQuery(
-    select(literal(1).label("full")).where(
-        _queues_held(bindparam("user", type_=EventSubscription.user_uuid.type))
-        >= bindparam("limit", type_=Integer())
-    )
+_AT_QUOTA = select(literal(1)).where(
+    _queues_held(bindparam("user", type_=EventSubscription.user_uuid.type))
+    >= bindparam("limit", type_=Integer())
 )
 
 
 # A subscription queue's name registered in the vhost (consumer queues are named apart).
-QUEUE_NAME_REGISTERED = db.DriverQuery(
-    select(EventSubscriptionQueue.uuid).where(
-        EventSubscriptionQueue.vhost == bindparam("vhost"),
-        EventSubscriptionQueue.queue_name == bindparam("name"),
-    )
+_QUEUE_NAME_REGISTERED = select(EventSubscriptionQueue.uuid).where(
+    EventSubscriptionQueue.vhost == bindparam("vhost"),
+    EventSubscriptionQueue.queue_name == bindparam("name"),
 )
+
+
+async def queue_name_registered(connection: AsyncConnection, vhost: str, name: str) -> bool:
+    parameters = {"vhost": vhost, "name": name}
+    return await connection.scalar(_QUEUE_NAME_REGISTERED, parameters) is not None
 
 
 class QueueInsert(enum.Enum):
@@ -198,7 +207,7 @@ class QueueInsert(enum.Enum):
 
 
 async def insert_queue_with_access(
-    unit: db.Transaction, owner_uuid: uuid.UUID, queue: EventSubscriptionQueue, limit: int
+    unit: AsyncConnection, owner_uuid: uuid.UUID, queue: EventSubscriptionQueue, limit: int
 ) -> QueueInsert:
     """Insert the queue's row unless (subscription, offering, type) exists, and only while
     the owner has access to the offering and holds fewer than `limit` queues: the grant is
@@ -220,13 +229,12 @@ async def insert_queue_with_access(
         "created": queue.created,
         "limit": limit,
     }
-    if await unit.all(_INSERT_QUEUE, values):
+    if await unit.scalar(_INSERT_QUEUE[unit.dialect.name], values) is not None:
         return QueueInsert.INSERTED
     # Nothing inserted: a conflict, no grant or the quota. Which, the reads tell (rare).
-    access = {"user": owner_uuid, "offering": queue.offering_uuid}
-    if not await unit.all(_ACCESS_LOCKED_QUERY, access):
+    if not await has_access(unit, owner_uuid, queue.offering_uuid, lock=True):
         return QueueInsert.NO_ACCESS
-    if await unit.all(_AT_QUOTA, {"user": owner_uuid, "limit": limit}):
+    if await unit.scalar(_AT_QUOTA, {"user": owner_uuid, "limit": limit}) is not None:
         return QueueInsert.AT_QUOTA  # or a conflict too: the caller looks for the row
     return QueueInsert.EXISTS
 
@@ -276,9 +284,9 @@ def _queue_context_statement() -> Select[Any]:
 
 
 # Built once (building it per call cost more CPU than the three statements it replaced:
-# py-spy, 20 % of a repeat create_queue, in SQLAlchemy's construction of the aliases), and
-# run on the driver: an agent starting up calls once per (offering, object type).
-QUEUE_CONTEXT = db.DriverRead(_queue_context_statement())
+# py-spy, 20 % of a repeat create_queue, in SQLAlchemy's construction of the aliases): an
+# agent starting up calls once per (offering, object type).
+QUEUE_CONTEXT = _queue_context_statement()
 
 
 async def queue_context(
@@ -297,7 +305,7 @@ async def queue_context(
         "offering": offering_uuid,
         "object_type": object_type,
     }
-    row = await QUEUE_CONTEXT.first(engine, parameters)
+    row = await db.read_one(engine, QUEUE_CONTEXT, parameters)
     if row is None:
         return None
     registered = None
@@ -314,23 +322,19 @@ async def queue_context(
     )
 
 
-# On the driver, like the context read: create_queue runs on no session.
-_QUEUE_EXISTS = db.DriverRead(
-    select(EventSubscriptionQueue.uuid.label("uuid")).where(
-        EventSubscriptionQueue.uuid == bindparam("queue")
-    )
+# Read in autocommit, like the context read: create_queue runs on no session.
+_QUEUE_EXISTS = select(EventSubscriptionQueue.uuid).where(
+    EventSubscriptionQueue.uuid == bindparam("queue")
 )
-_QUEUE_OF = db.DriverRead(
-    select(*_QUEUE_COLUMNS).where(
-        EventSubscriptionQueue.subscription_uuid == bindparam("subscription"),
-        EventSubscriptionQueue.offering_uuid == bindparam("offering"),
-        EventSubscriptionQueue.object_type == bindparam("object_type"),
-    )
+_QUEUE_OF = select(*_QUEUE_COLUMNS).where(
+    EventSubscriptionQueue.subscription_uuid == bindparam("subscription"),
+    EventSubscriptionQueue.offering_uuid == bindparam("offering"),
+    EventSubscriptionQueue.object_type == bindparam("object_type"),
 )
 
 
 async def queue_exists(engine: AsyncEngine, queue_uuid: uuid.UUID) -> bool:
-    return await _QUEUE_EXISTS.first(engine, {"queue": queue_uuid}) is not None
+    return await db.read_one(engine, _QUEUE_EXISTS, {"queue": queue_uuid}) is not None
 
 
 async def find_queue(
@@ -342,7 +346,7 @@ async def find_queue(
         "offering": offering_uuid,
         "object_type": object_type,
     }
-    row = await _QUEUE_OF.first(engine, parameters)
+    row = await db.read_one(engine, _QUEUE_OF, parameters)
     return db.detached(EventSubscriptionQueue, row) if row is not None else None
 
 

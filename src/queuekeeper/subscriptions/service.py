@@ -344,8 +344,9 @@ async def create_queue(
 ) -> tuple[EventSubscriptionQueue, bool]:
     """Register a queue of the caller's subscription; True when its row is new.
 
-    On no ORM session: its reads are `DriverRead`s (an agent starting up calls once per
-    offering and object type), and a new row is one transaction on a plain connection."""
+    On no ORM session: its reads run in autocommit (`db.read_one`; an agent starting up
+    calls once per offering and object type), and a new row is one transaction on a plain
+    connection."""
     # One read, in no transaction: nothing held open while we wait on the broker.
     known = await find_by_path_uuid(
         subscription_uuid,
@@ -462,7 +463,7 @@ async def _drop_unregistered(
     """Delete the broker queue `name` unless a row registers it (under the vhost lock held
     exclusively, as every deletion of a queue)."""
     async with locks.transaction_holding(engine, [(locks.vhost_key(vhost), True)]) as unit:
-        if not await unit.all(repository.QUEUE_NAME_REGISTERED, {"vhost": vhost, "name": name}):
+        if not await repository.queue_name_registered(unit, vhost, name):
             await provisioner.delete_queue(vhost, name)
 
 

@@ -1,0 +1,363 @@
+"""The outbox's hot statements on PostgreSQL: plain SQL on asyncpg, nothing else.
+
+The only module that talks to the driver itself (docs/decisions/008-driver-path.md): the
+store of accepted events and the relay's claim, renew, settle and release, each run per
+request or per batch. asyncpg prepares each statement once per connection (its statement
+cache) and binds lists as arrays, so one statement serves one row or thousands. The
+connection is one of SQLAlchemy's pool, checked out through `AsyncEngine.connect()` and
+reached with `get_raw_connection().driver_connection`, so the pool's size, recycling and
+reset stay SQLAlchemy's and there is no second pool to size.
+
+A failure is raised as SQLAlchemy would raise it (`DBAPIError`, `IntegrityError` for a
+constraint), so the error handlers (errors.py) answer a lost connection or a database
+that is down with 503 and the intake retries a conflict, whichever path ran. The SQLite
+twin, `outbox_sqlite.py`, spells the same statements in SQLAlchemy Core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+_SQLSTATE_CONSTRAINT = "23"
+
+
+async def send(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
+    """The one place a statement reaches asyncpg (tests count statements here)."""
+    return list(await driver.fetch(sql, *arguments))
+
+
+# Who may receive events of the offerings $1 and the object types $2 at $3: the offerings
+# left-joined with the subscriptions (with their queue for a requested type) and the
+# consumers of owners who are active, hold an unexpired token and have access to them, so
+# an unknown offering yields no row at all (events/recipients.py decides from the rows).
+RECIPIENTS = """
+SELECT o.uuid, r.kind, r.recipient_uuid, r.user_uuid, r.filter, r.queue_uuid,
+       r.object_type, r.queue_name, r.vhost
+FROM offerings o LEFT JOIN (
+    SELECT 'subscription' AS kind, a.offering_uuid, s.uuid AS recipient_uuid, s.user_uuid,
+           s.observable_objects AS filter, q.uuid AS queue_uuid, q.object_type,
+           q.queue_name, q.vhost
+    FROM offering_access a
+    JOIN users u ON u.uuid = a.user_uuid
+    JOIN event_subscriptions s ON s.user_uuid = a.user_uuid
+    LEFT JOIN event_subscription_queues q ON q.subscription_uuid = s.uuid
+        AND q.offering_uuid = a.offering_uuid AND q.object_type = ANY($2::varchar[])
+    WHERE a.offering_uuid = ANY($1::uuid[]) AND u.is_active
+        AND (u.token_expires_at IS NULL OR u.token_expires_at > $3)
+    UNION ALL
+    SELECT 'consumer', a.offering_uuid, c.uuid, c.user_uuid, c.object_types, NULL::uuid,
+           NULL::varchar, c.queue_name, c.vhost
+    FROM offering_access a
+    JOIN users u ON u.uuid = a.user_uuid
+    JOIN event_consumer_scopes sc ON sc.offering_uuid = a.offering_uuid
+    JOIN event_consumers c ON c.uuid = sc.consumer_uuid AND c.user_uuid = a.user_uuid
+    WHERE a.offering_uuid = ANY($1::uuid[]) AND u.is_active
+        AND (u.token_expires_at IS NULL OR u.token_expires_at > $3)
+) r ON r.offering_uuid = o.uuid
+WHERE o.uuid = ANY($1::uuid[])
+"""
+# ON CONFLICT DO NOTHING makes a concurrent repeat wait for the first insert and then see
+# the conflict, so each event_id is accepted exactly once.
+INSERT_EVENTS = """
+INSERT INTO events (event_id, offering_uuid, offering_uuids, object_type, payload,
+                    user_uuids, queued, skipped_unregistered, accepted)
+SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::json[], $4::varchar[], $5::json[],
+                     $6::json[], $7::int[], $8::int[], $9::timestamptz[])
+ON CONFLICT DO NOTHING
+RETURNING event_id
+"""
+EVENT_COUNTS = """
+SELECT event_id, queued, skipped_unregistered FROM events WHERE event_id = ANY($1::varchar[])
+"""
+_DELIVERY_VALUES = """
+INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost,
+                        offering_uuid, state, attempts, claimed_by, claimed_until,
+                        next_attempt_at, created)
+SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::uuid[], $4::varchar[], $5::varchar[],
+                     $6::uuid[], $7::varchar[], $8::int[], $9::varchar[],
+                     $10::timestamptz[], $11::timestamptz[], $12::timestamptz[])
+"""
+INSERT_DELIVERIES = _DELIVERY_VALUES
+INSERT_DELIVERIES_RETURNING = _DELIVERY_VALUES + "RETURNING id, event_id, queue_uuid, consumer_uuid"
+
+# 'pending' is written out, not bound: the partial index of pending rows is used only when
+# the planner sees the literal it was defined with (asyncpg plans prepared statements).
+# FOR UPDATE SKIP LOCKED lets relays claim side by side without waiting on or
+# double-claiming each other's rows; the claim returns what publishing needs.
+CLAIM = """
+WITH due AS (
+    SELECT id FROM deliveries
+    WHERE state = 'pending' AND next_attempt_at <= $1
+    ORDER BY next_attempt_at, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE deliveries d
+SET attempts = d.attempts + 1, claimed_by = $3, claimed_until = $4, next_attempt_at = $4
+FROM due, events e
+WHERE d.id = due.id AND d.event_id = e.event_id
+RETURNING d.id, d.event_id, d.queue_uuid, d.consumer_uuid, d.queue_name, d.vhost,
+          d.attempts, d.created, d.last_error, d.offering_uuid, e.offering_uuid,
+          e.object_type, e.accepted, e.payload::text
+"""
+RENEW = """
+UPDATE deliveries SET claimed_until = $3, next_attempt_at = $3
+WHERE id = ANY($1::bigint[]) AND state = 'pending' AND claimed_by = $2
+RETURNING id
+"""
+# Not an attempt: nothing was published.
+RELEASE = """
+UPDATE deliveries
+SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = $3, attempts = attempts - 1
+WHERE id = ANY($1::bigint[]) AND state = 'pending' AND claimed_by = $2
+"""
+FINISH = """
+UPDATE deliveries
+SET state = $2, finished = $3, claimed_by = NULL, claimed_until = NULL,
+    last_error = coalesce($4, last_error)
+WHERE id = ANY($1::bigint[]) AND state = 'pending'
+"""
+GIVE_UP = """
+UPDATE deliveries d
+SET state = 'given_up', finished = $3, claimed_by = NULL, claimed_until = NULL,
+    last_error = r.error
+FROM unnest($1::bigint[], $2::text[]) AS r(id, error)
+WHERE d.id = r.id AND d.state = 'pending'
+"""
+# Unless another relay took the copy since.
+RESCHEDULE = """
+UPDATE deliveries d
+SET next_attempt_at = r.next, last_error = r.error, claimed_by = NULL, claimed_until = NULL
+FROM unnest($1::bigint[], $2::timestamptz[], $3::text[]) AS r(id, next, error)
+WHERE d.id = r.id AND d.state = 'pending' AND d.claimed_by = $4
+"""
+
+
+def _database_error(sql: str, exc: BaseException, lost: bool) -> DBAPIError:
+    """The driver's error as SQLAlchemy would raise it (SQLSTATE class 23: a constraint)."""
+    sqlstate = str(getattr(exc, "sqlstate", ""))
+    kind = IntegrityError if sqlstate.startswith(_SQLSTATE_CONSTRAINT) else DBAPIError
+    return kind(sql, None, exc, hide_parameters=True, connection_invalidated=lost)
+
+
+class _Driver:
+    """One pooled connection's asyncpg connection, each statement's failure translated."""
+
+    def __init__(self, connection: AsyncConnection, driver: Any) -> None:
+        self.connection = connection
+        self.driver = driver
+
+    async def fetch(self, sql: str, *arguments: Any) -> list[Any]:
+        try:
+            return await send(self.driver, sql, arguments)
+        except Exception as exc:
+            lost = self.driver.is_closed()
+            if lost:
+                await self.lost()
+            raise _database_error(sql, exc, lost) from exc
+        except BaseException:
+            await self.connection.invalidate()  # cancelled mid-statement: its state is unknown
+            raise
+
+    async def lost(self) -> None:
+        """Let SQLAlchemy see the disconnect itself, on a statement of its own: its handling
+        invalidates this connection and every pooled one as old (a server restart killed
+        them all), so one request fails, not one per pooled connection."""
+        with contextlib.suppress(DBAPIError):
+            await self.connection.exec_driver_sql("SELECT 1")
+        if not self.connection.invalidated:
+            await self.connection.invalidate()
+
+
+@asynccontextmanager
+async def _checked_out(engine: AsyncEngine) -> AsyncIterator[_Driver]:
+    async with engine.connect() as connection:
+        pooled = await connection.get_raw_connection()
+        driver = _Driver(connection, pooled.driver_connection)
+        try:
+            yield driver
+        finally:
+            # SQLAlchemy's reset on return rolls back only what it began: a connection left
+            # in a transaction of ours (a cancelled ROLLBACK) or closed never goes back.
+            raw = driver.driver
+            if not connection.invalidated and (raw.is_closed() or raw.is_in_transaction()):
+                await connection.invalidate()
+
+
+EVENT_COLUMNS = (
+    "event_id",
+    "offering_uuid",
+    "offering_uuids",
+    "object_type",
+    "payload",
+    "user_uuids",
+    "queued",
+    "skipped_unregistered",
+    "accepted",
+)
+_JSON_COLUMNS = frozenset({"offering_uuids", "payload", "user_uuids"})
+DELIVERY_COLUMNS = (
+    "event_id",
+    "queue_uuid",
+    "consumer_uuid",
+    "queue_name",
+    "vhost",
+    "offering_uuid",
+    "state",
+    "attempts",
+    "claimed_by",
+    "claimed_until",
+    "next_attempt_at",
+    "created",
+)
+
+
+def _arrays(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[list[Any]]:
+    """The rows as one array per column, in the INSERT's order; json columns as text."""
+    return [
+        [None if row[name] is None else json.dumps(row[name]) for row in rows]
+        if name in _JSON_COLUMNS
+        else [row[name] for row in rows]
+        for name in columns
+    ]
+
+
+def _decoded(value: Any) -> Any:
+    # SQLAlchemy's asyncpg dialect installs a json codec on its connections (text in,
+    # objects out); asyncpg's own hands json back as text.
+    return json.loads(value) if isinstance(value, str) else value
+
+
+class StoreUnit:
+    """The store's statements, inside one transaction."""
+
+    def __init__(self, driver: _Driver) -> None:
+        self.driver = driver
+
+    async def recipients(
+        self, offerings: Collection[Any], object_types: Collection[str], now: datetime
+    ) -> list[tuple[Any, ...]]:
+        """(offering, kind, recipient, owner, filter, queue, object type, name, vhost)."""
+        records = await self.driver.fetch(RECIPIENTS, list(offerings), list(object_types), now)
+        return [(*r[:4], _decoded(r[4]), *r[5:]) for r in records]
+
+    async def insert_events(self, rows: Sequence[Mapping[str, Any]]) -> set[str]:
+        """Insert the events whose id is new; returns the ids inserted."""
+        arrays = _arrays(rows, EVENT_COLUMNS)
+        return {record[0] for record in await self.driver.fetch(INSERT_EVENTS, *arrays)}
+
+    async def event_counts(self, event_ids: Collection[str]) -> dict[str, tuple[int, int]]:
+        records = await self.driver.fetch(EVENT_COUNTS, list(event_ids))
+        return {record[0]: (record[1], record[2]) for record in records}
+
+    async def insert_deliveries(
+        self, rows: Sequence[Mapping[str, Any]], *, ids: bool
+    ) -> list[tuple[Any, ...]]:
+        """Insert the copies; with `ids`, (id, event_id, queue_uuid, consumer_uuid) of each."""
+        sql = INSERT_DELIVERIES_RETURNING if ids else INSERT_DELIVERIES
+        return [tuple(r) for r in await self.driver.fetch(sql, *_arrays(rows, DELIVERY_COLUMNS))]
+
+
+class PostgresOutbox:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[StoreUnit]:
+        """Committed when the block ends, rolled back if it raises."""
+        async with _checked_out(self.engine) as driver:
+            try:
+                transaction = driver.driver.transaction()
+                await transaction.start()
+            except Exception as exc:
+                lost = driver.driver.is_closed()
+                if lost:
+                    await driver.lost()
+                raise _database_error("BEGIN", exc, lost) from exc
+            try:
+                yield StoreUnit(driver)
+            except BaseException:
+                if not driver.driver.is_closed():
+                    # A failed or cancelled rollback leaves it in the transaction: invalidated
+                    # on its way back (`_checked_out`).
+                    with contextlib.suppress(BaseException):
+                        await transaction.rollback()
+                raise
+            try:
+                await transaction.commit()
+            except Exception as exc:
+                lost = driver.driver.is_closed()
+                if lost:
+                    await driver.lost()
+                raise _database_error("COMMIT", exc, lost) from exc
+
+    # Each of the relay's statements stands alone (guarded by the row's state): no
+    # transaction around it, so it commits as it runs.
+    async def _run(self, sql: str, *arguments: Any) -> list[Any]:
+        async with _checked_out(self.engine) as driver:
+            return await driver.fetch(sql, *arguments)
+
+    async def claim(
+        self, relay_id: str, now: datetime, until: datetime, limit: int
+    ) -> list[Sequence[Any]]:
+        return await self._run(CLAIM, now, limit, relay_id, until)
+
+    async def renew(self, relay_id: str, ids: Collection[int], until: datetime) -> set[int]:
+        return {record[0] for record in await self._run(RENEW, list(ids), relay_id, until)}
+
+    async def release(self, relay_id: str, ids: Collection[int], now: datetime) -> None:
+        await self._run(RELEASE, list(ids), relay_id, now)
+
+    async def finish(
+        self, ids: Collection[int], state: str, now: datetime, error: str | None
+    ) -> None:
+        await self._run(FINISH, list(ids), state, now, error)
+
+    async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
+        ids, errors = [i for i, _ in reasons], [e for _, e in reasons]
+        await self._run(GIVE_UP, ids, errors, now)
+
+    async def reschedule(self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]) -> None:
+        ids, when, errors = ([r[k] for r in retries] for k in range(3))
+        await self._run(RESCHEDULE, ids, when, errors, relay_id)
+
+
+async def listen(
+    engine: AsyncEngine, channel: str, callback: Callable[[], None], until: asyncio.Event
+) -> None:
+    """Call `callback` on every NOTIFY on `channel` until `until` is set, holding one
+    connection of `engine`'s pool. Returns when the connection is lost (the caller listens
+    again) or at `until`. asyncpg does the LISTEN; SQLAlchemy has no API for it."""
+    lost = asyncio.Event()
+    async with engine.connect() as connection:
+        raw = await connection.get_raw_connection()
+        driver: Any = raw.driver_connection
+
+        def on_notify(*_args: object) -> None:
+            callback()
+
+        def on_lost(*_args: object) -> None:
+            lost.set()
+
+        await driver.add_listener(channel, on_notify)
+        driver.add_termination_listener(on_lost)
+        try:
+            stop, gone = asyncio.ensure_future(until.wait()), asyncio.ensure_future(lost.wait())
+            try:
+                await asyncio.wait({stop, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                gone.cancel()
+        finally:
+            driver.remove_termination_listener(on_lost)
+            if not lost.is_set() and not driver.is_closed():
+                await driver.remove_listener(channel, on_notify)

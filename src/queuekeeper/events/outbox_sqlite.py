@@ -1,0 +1,306 @@
+"""The outbox's statements on SQLite, in SQLAlchemy Core: the twin of `outbox_postgres.py`.
+
+Same statements, same rows in and out; SQLite has one writer at a time, so a plain
+UPDATE already claims exclusively, and it cannot return columns of an UPDATE's FROM
+tables, so a claim reads its events apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    String,
+    Text,
+    and_,
+    bindparam,
+    cast,
+    literal,
+    null,
+    or_,
+    select,
+    union_all,
+    update,
+)
+from sqlalchemy.dialects.sqlite import insert
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from queuekeeper.events.recipients import CONSUMER, SUBSCRIPTION
+from queuekeeper.events.repository import DELIVERIES, EVENTS
+from queuekeeper.models import Base, DeliveryState
+
+OFFERINGS = Base.metadata.tables["offerings"]
+ACCESS = Base.metadata.tables["offering_access"]
+USERS = Base.metadata.tables["users"]
+SUBSCRIPTIONS = Base.metadata.tables["event_subscriptions"]
+QUEUES = Base.metadata.tables["event_subscription_queues"]
+CONSUMERS = Base.metadata.tables["event_consumers"]
+SCOPES = Base.metadata.tables["event_consumer_scopes"]
+
+PENDING = DeliveryState.PENDING
+_WHEN = DELIVERIES.c.next_attempt_at.type  # binds datetimes as the column stores them (UTC)
+
+
+def _reachable_owner() -> ColumnElement[bool]:
+    """The grant's user is active and their token has not expired."""
+    return and_(
+        ACCESS.c.offering_uuid.in_(bindparam("offerings", expanding=True)),
+        USERS.c.is_active.is_(True),
+        or_(
+            USERS.c.token_expires_at.is_(None),
+            USERS.c.token_expires_at > bindparam("now", type_=USERS.c.token_expires_at.type),
+        ),
+    )
+
+
+def _recipients_statement() -> Select[Any]:
+    """`outbox_postgres.RECIPIENTS` in Core."""
+    subscriptions = select(
+        literal(SUBSCRIPTION, String).label("kind"),
+        ACCESS.c.offering_uuid,
+        SUBSCRIPTIONS.c.uuid.label("recipient_uuid"),
+        SUBSCRIPTIONS.c.user_uuid,
+        SUBSCRIPTIONS.c.observable_objects.label("filter"),
+        QUEUES.c.uuid.label("queue_uuid"),
+        QUEUES.c.object_type,
+        QUEUES.c.queue_name,
+        QUEUES.c.vhost,
+    ).select_from(
+        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
+        .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
+        .outerjoin(
+            QUEUES,
+            and_(
+                QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
+                QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
+                QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
+            ),
+        )
+    )
+    consumers = select(
+        literal(CONSUMER, String).label("kind"),
+        ACCESS.c.offering_uuid,
+        CONSUMERS.c.uuid.label("recipient_uuid"),
+        CONSUMERS.c.user_uuid,
+        CONSUMERS.c.object_types.label("filter"),
+        null().cast(QUEUES.c.uuid.type).label("queue_uuid"),
+        null().cast(QUEUES.c.object_type.type).label("object_type"),
+        CONSUMERS.c.queue_name,
+        CONSUMERS.c.vhost,
+    ).select_from(
+        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
+        .join(SCOPES, SCOPES.c.offering_uuid == ACCESS.c.offering_uuid)
+        .join(
+            CONSUMERS,
+            and_(
+                CONSUMERS.c.uuid == SCOPES.c.consumer_uuid,
+                CONSUMERS.c.user_uuid == ACCESS.c.user_uuid,
+            ),
+        )
+    )
+    reachable = union_all(
+        subscriptions.where(_reachable_owner()), consumers.where(_reachable_owner())
+    ).subquery("reachable")
+    return (
+        select(OFFERINGS.c.uuid, *(c for c in reachable.c if c.name != "offering_uuid"))
+        .select_from(OFFERINGS.outerjoin(reachable, reachable.c.offering_uuid == OFFERINGS.c.uuid))
+        .where(OFFERINGS.c.uuid.in_(bindparam("offerings", expanding=True)))
+    )
+
+
+# Built once: constructing this join per request cost more than running it.
+RECIPIENTS = _recipients_statement()
+INSERT_EVENTS = insert(EVENTS).on_conflict_do_nothing().returning(EVENTS.c.event_id)
+EVENT_COUNTS = select(EVENTS.c.event_id, EVENTS.c.queued, EVENTS.c.skipped_unregistered).where(
+    EVENTS.c.event_id.in_(bindparam("event_ids", expanding=True))
+)
+INSERT_DELIVERIES = DELIVERIES.insert()
+# RETURNING without asking for parameter order: SQLite would then insert row by row.
+INSERT_DELIVERIES_RETURNING = DELIVERIES.insert().returning(
+    DELIVERIES.c.id, DELIVERIES.c.event_id, DELIVERIES.c.queue_uuid, DELIVERIES.c.consumer_uuid
+)
+
+_DUE = (
+    select(DELIVERIES.c.id)
+    .where(
+        DELIVERIES.c.state == PENDING,
+        DELIVERIES.c.next_attempt_at <= bindparam("b_now", type_=_WHEN),
+    )
+    .order_by(DELIVERIES.c.next_attempt_at, DELIVERIES.c.id)
+    .limit(bindparam("b_limit"))
+)
+CLAIM = (
+    update(DELIVERIES)
+    .where(DELIVERIES.c.id.in_(_DUE.scalar_subquery()))
+    .values(
+        attempts=DELIVERIES.c.attempts + 1,
+        claimed_by=bindparam("b_relay"),
+        claimed_until=bindparam("b_until", type_=_WHEN),
+        next_attempt_at=bindparam("b_until", type_=_WHEN),
+    )
+    .returning(
+        DELIVERIES.c.id,
+        DELIVERIES.c.event_id,
+        DELIVERIES.c.queue_uuid,
+        DELIVERIES.c.consumer_uuid,
+        DELIVERIES.c.queue_name,
+        DELIVERIES.c.vhost,
+        DELIVERIES.c.attempts,
+        DELIVERIES.c.created,
+        DELIVERIES.c.last_error,
+        DELIVERIES.c.offering_uuid,
+    )
+)
+EVENTS_OF = select(
+    EVENTS.c.event_id,
+    EVENTS.c.offering_uuid,
+    EVENTS.c.object_type,
+    EVENTS.c.accepted,
+    cast(EVENTS.c.payload, Text),
+).where(EVENTS.c.event_id.in_(bindparam("b_event_ids", expanding=True)))
+
+_HELD = update(DELIVERIES).where(
+    DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)),
+    DELIVERIES.c.state == PENDING,
+    DELIVERIES.c.claimed_by == bindparam("b_relay"),
+)
+RENEW = _HELD.values(
+    claimed_until=bindparam("b_until", type_=_WHEN),
+    next_attempt_at=bindparam("b_until", type_=_WHEN),
+).returning(DELIVERIES.c.id)
+# Not an attempt: nothing was published.
+RELEASE = _HELD.values(
+    claimed_by=None,
+    claimed_until=None,
+    next_attempt_at=bindparam("b_now", type_=_WHEN),
+    attempts=DELIVERIES.c.attempts - 1,
+)
+_SETTLE = update(DELIVERIES).values(
+    finished=bindparam("b_now", type_=_WHEN), claimed_by=None, claimed_until=None
+)
+FINISH = _SETTLE.where(
+    DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)), DELIVERIES.c.state == PENDING
+).values(state=bindparam("b_state"))
+FINISH_WITH_ERROR = FINISH.values(last_error=bindparam("b_error"))
+GIVE_UP = _SETTLE.where(DELIVERIES.c.id == bindparam("b_id"), DELIVERIES.c.state == PENDING).values(
+    state=DeliveryState.GIVEN_UP, last_error=bindparam("b_error")
+)
+# Unless another relay took the copy since.
+RESCHEDULE = (
+    update(DELIVERIES)
+    .where(
+        DELIVERIES.c.id == bindparam("b_id"),
+        DELIVERIES.c.state == PENDING,
+        DELIVERIES.c.claimed_by == bindparam("b_relay"),
+    )
+    .values(
+        next_attempt_at=bindparam("b_next", type_=_WHEN),
+        last_error=bindparam("b_error"),
+        claimed_by=None,
+        claimed_until=None,
+    )
+)
+
+
+class StoreUnit:
+    """The store's statements, inside one transaction."""
+
+    def __init__(self, connection: AsyncConnection) -> None:
+        self.connection = connection
+
+    async def recipients(
+        self, offerings: Collection[Any], object_types: Collection[str], now: datetime
+    ) -> list[tuple[Any, ...]]:
+        """(offering, kind, recipient, owner, filter, queue, object type, name, vhost)."""
+        parameters = {"offerings": list(offerings), "object_types": list(object_types)}
+        result = await self.connection.execute(RECIPIENTS, {**parameters, "now": now})
+        return [tuple(row) for row in result]
+
+    async def insert_events(self, rows: Sequence[Mapping[str, Any]]) -> set[str]:
+        """Insert the events whose id is new; returns the ids inserted."""
+        if not rows:
+            return set()
+        return set((await self.connection.execute(INSERT_EVENTS, list(rows))).scalars())
+
+    async def event_counts(self, event_ids: Collection[str]) -> dict[str, tuple[int, int]]:
+        result = await self.connection.execute(EVENT_COUNTS, {"event_ids": list(event_ids)})
+        return {row[0]: (row[1], row[2]) for row in result}
+
+    async def insert_deliveries(
+        self, rows: Sequence[Mapping[str, Any]], *, ids: bool
+    ) -> list[tuple[Any, ...]]:
+        """Insert the copies; with `ids`, (id, event_id, queue_uuid, consumer_uuid) of each."""
+        if not rows:
+            return []
+        if not ids:
+            await self.connection.execute(INSERT_DELIVERIES, list(rows))
+            return []
+        return [
+            tuple(r) for r in await self.connection.execute(INSERT_DELIVERIES_RETURNING, list(rows))
+        ]
+
+
+class SqliteOutbox:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[StoreUnit]:
+        """Committed when the block ends, rolled back if it raises."""
+        async with self.engine.begin() as connection:
+            yield StoreUnit(connection)
+
+    async def claim(
+        self, relay_id: str, now: datetime, until: datetime, limit: int
+    ) -> list[Sequence[Any]]:
+        async with self.engine.begin() as connection:
+            # Look before claiming, so an idle relay never takes SQLite's write lock.
+            if await connection.scalar(_DUE, {"b_now": now, "b_limit": 1}) is None:
+                return []
+            parameters = {"b_now": now, "b_limit": limit, "b_relay": relay_id, "b_until": until}
+            deliveries = (await connection.execute(CLAIM, parameters)).all()
+            if not deliveries:
+                return []
+            event_ids = list({row[1] for row in deliveries})
+            result = await connection.execute(EVENTS_OF, {"b_event_ids": event_ids})
+            events = {row[0]: tuple(row[1:]) for row in result}
+        return [(*row, *events[row[1]]) for row in deliveries]
+
+    async def renew(self, relay_id: str, ids: Collection[int], until: datetime) -> set[int]:
+        async with self.engine.begin() as connection:
+            parameters = {"b_ids": list(ids), "b_relay": relay_id, "b_until": until}
+            return set((await connection.execute(RENEW, parameters)).scalars())
+
+    async def release(self, relay_id: str, ids: Collection[int], now: datetime) -> None:
+        async with self.engine.begin() as connection:
+            await connection.execute(
+                RELEASE, {"b_ids": list(ids), "b_relay": relay_id, "b_now": now}
+            )
+
+    async def finish(
+        self, ids: Collection[int], state: str, now: datetime, error: str | None
+    ) -> None:
+        parameters = {"b_ids": list(ids), "b_state": state, "b_now": now}
+        async with self.engine.begin() as connection:
+            if error is None:
+                await connection.execute(FINISH, parameters)
+            else:
+                await connection.execute(FINISH_WITH_ERROR, {**parameters, "b_error": error})
+
+    async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
+        rows = [{"b_id": i, "b_error": error, "b_now": now} for i, error in reasons]
+        async with self.engine.begin() as connection:
+            await connection.execute(GIVE_UP, rows)
+
+    async def reschedule(self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]) -> None:
+        rows = [
+            {"b_id": i, "b_next": when, "b_error": error, "b_relay": relay_id}
+            for i, when, error in retries
+        ]
+        async with self.engine.begin() as connection:
+            await connection.execute(RESCHEDULE, rows)
