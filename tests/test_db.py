@@ -379,12 +379,18 @@ async def _admin(settings: Settings) -> asyncpg.Connection:
 
 
 async def _terminate(settings: Settings, pids: list[int]) -> None:
+    """Terminate these server processes and wait until they are gone (the signal is
+    asynchronous: on a loaded machine a statement could still reach one)."""
     admin = await _admin(settings)
     try:
         for pid in pids:
             await admin.execute("SELECT pg_terminate_backend($1)", pid)
     finally:
         await admin.close()
+    for _ in range(100):
+        if not await _alive(settings, set(pids)):
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _alive(settings: Settings, pids: set[int]) -> set[int]:

@@ -1,4 +1,10 @@
-"""Engine and sessions. PostgreSQL (asyncpg) in production, SQLite as the embedded default."""
+"""Engine and sessions. PostgreSQL (asyncpg) in production, SQLite as the embedded default.
+
+Every statement goes through SQLAlchemy: ORM sessions for requests, Core connections where
+a job streams or a read needs no transaction (`read_one`). The one exception is the
+outbox's hot statements, plain SQL on asyncpg in events/outbox_postgres.py
+(docs/decisions/008-driver-path.md).
+"""
 
 from __future__ import annotations
 

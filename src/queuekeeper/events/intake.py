@@ -17,6 +17,10 @@ are written pending and the relays find them as usual.
 
 Past what it can store in time, the intake refuses at once (`Unavailable`, a 503
 with Retry-After) instead of letting waiting requests pile up into seconds.
+
+The intake only groups requests (docs/decisions/005-group-commit.md); what a group's
+transaction writes, and the lease a handed copy carries, are the outbox's
+(`Outbox.store`, events/outbox.py; docs/decisions/006-outbox-leases.md).
 """
 
 from __future__ import annotations

@@ -19,15 +19,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 _SQLSTATE_CONSTRAINT = "23"
+T = TypeVar("T")
 
 
 async def send(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
@@ -157,8 +158,11 @@ class _Driver:
         self.driver = driver
 
     async def fetch(self, sql: str, *arguments: Any) -> list[Any]:
+        return await self.call(send(self.driver, sql, arguments), sql)
+
+    async def call(self, step: Awaitable[T], sql: str) -> T:
         try:
-            return await send(self.driver, sql, arguments)
+            return await step
         except Exception as exc:
             lost = self.driver.is_closed()
             if lost:
@@ -275,14 +279,8 @@ class PostgresOutbox:
     async def transaction(self) -> AsyncIterator[StoreUnit]:
         """Committed when the block ends, rolled back if it raises."""
         async with _checked_out(self.engine) as driver:
-            try:
-                transaction = driver.driver.transaction()
-                await transaction.start()
-            except Exception as exc:
-                lost = driver.driver.is_closed()
-                if lost:
-                    await driver.lost()
-                raise _database_error("BEGIN", exc, lost) from exc
+            transaction = driver.driver.transaction()
+            await driver.call(transaction.start(), "BEGIN")
             try:
                 yield StoreUnit(driver)
             except BaseException:
@@ -292,13 +290,7 @@ class PostgresOutbox:
                     with contextlib.suppress(BaseException):
                         await transaction.rollback()
                 raise
-            try:
-                await transaction.commit()
-            except Exception as exc:
-                lost = driver.driver.is_closed()
-                if lost:
-                    await driver.lost()
-                raise _database_error("COMMIT", exc, lost) from exc
+            await driver.call(transaction.commit(), "COMMIT")
 
     # Each of the relay's statements stands alone (guarded by the row's state): no
     # transaction around it, so it commits as it runs.

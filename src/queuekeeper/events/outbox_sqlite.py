@@ -16,6 +16,7 @@ from sqlalchemy import (
     ColumnElement,
     Select,
     String,
+    Table,
     Text,
     and_,
     bindparam,
@@ -58,54 +59,60 @@ def _reachable_owner() -> ColumnElement[bool]:
     )
 
 
+def _reachable(
+    kind: str, recipient: Table, filter_: ColumnElement[Any], queue: Any, joined: Any
+) -> Select[Any]:
+    """Who of `kind` may receive events of the granted offerings: `recipient`'s rows with
+    their `filter_`, and the subscription queue (`queue`) or the consumer's own."""
+    return (
+        select(
+            literal(kind, String).label("kind"),
+            ACCESS.c.offering_uuid,
+            recipient.c.uuid.label("recipient_uuid"),
+            recipient.c.user_uuid,
+            filter_.label("filter"),
+            *queue,
+        )
+        .select_from(ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid).join(*joined))
+        .where(_reachable_owner())
+    )
+
+
 def _recipients_statement() -> Select[Any]:
     """`outbox_postgres.RECIPIENTS` in Core."""
-    subscriptions = select(
-        literal(SUBSCRIPTION, String).label("kind"),
-        ACCESS.c.offering_uuid,
-        SUBSCRIPTIONS.c.uuid.label("recipient_uuid"),
-        SUBSCRIPTIONS.c.user_uuid,
-        SUBSCRIPTIONS.c.observable_objects.label("filter"),
-        QUEUES.c.uuid.label("queue_uuid"),
-        QUEUES.c.object_type,
-        QUEUES.c.queue_name,
-        QUEUES.c.vhost,
-    ).select_from(
-        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
-        .join(SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid)
-        .outerjoin(
-            QUEUES,
-            and_(
-                QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
-                QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
-                QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
-            ),
-        )
+    queue_of_type = and_(
+        QUEUES.c.subscription_uuid == SUBSCRIPTIONS.c.uuid,
+        QUEUES.c.offering_uuid == ACCESS.c.offering_uuid,
+        QUEUES.c.object_type.in_(bindparam("object_types", expanding=True)),
     )
-    consumers = select(
-        literal(CONSUMER, String).label("kind"),
-        ACCESS.c.offering_uuid,
-        CONSUMERS.c.uuid.label("recipient_uuid"),
-        CONSUMERS.c.user_uuid,
-        CONSUMERS.c.object_types.label("filter"),
-        null().cast(QUEUES.c.uuid.type).label("queue_uuid"),
-        null().cast(QUEUES.c.object_type.type).label("object_type"),
-        CONSUMERS.c.queue_name,
-        CONSUMERS.c.vhost,
-    ).select_from(
-        ACCESS.join(USERS, USERS.c.uuid == ACCESS.c.user_uuid)
-        .join(SCOPES, SCOPES.c.offering_uuid == ACCESS.c.offering_uuid)
-        .join(
-            CONSUMERS,
-            and_(
-                CONSUMERS.c.uuid == SCOPES.c.consumer_uuid,
-                CONSUMERS.c.user_uuid == ACCESS.c.user_uuid,
-            ),
-        )
+    subscriptions = _reachable(
+        SUBSCRIPTION,
+        SUBSCRIPTIONS,
+        SUBSCRIPTIONS.c.observable_objects,
+        (
+            QUEUES.c.uuid.label("queue_uuid"),
+            QUEUES.c.object_type,
+            QUEUES.c.queue_name,
+            QUEUES.c.vhost,
+        ),
+        (SUBSCRIPTIONS, SUBSCRIPTIONS.c.user_uuid == ACCESS.c.user_uuid),
+    ).outerjoin_from(SUBSCRIPTIONS, QUEUES, queue_of_type)
+    scoped = and_(
+        CONSUMERS.c.uuid == SCOPES.c.consumer_uuid, CONSUMERS.c.user_uuid == ACCESS.c.user_uuid
     )
-    reachable = union_all(
-        subscriptions.where(_reachable_owner()), consumers.where(_reachable_owner())
-    ).subquery("reachable")
+    consumers = _reachable(
+        CONSUMER,
+        CONSUMERS,
+        CONSUMERS.c.object_types,
+        (
+            null().cast(QUEUES.c.uuid.type).label("queue_uuid"),
+            null().cast(QUEUES.c.object_type.type).label("object_type"),
+            CONSUMERS.c.queue_name,
+            CONSUMERS.c.vhost,
+        ),
+        (SCOPES, SCOPES.c.offering_uuid == ACCESS.c.offering_uuid),
+    ).join_from(SCOPES, CONSUMERS, scoped)
+    reachable = union_all(subscriptions, consumers).subquery("reachable")
     return (
         select(OFFERINGS.c.uuid, *(c for c in reachable.c if c.name != "offering_uuid"))
         .select_from(OFFERINGS.outerjoin(reachable, reachable.c.offering_uuid == OFFERINGS.c.uuid))
