@@ -271,6 +271,12 @@ class StoreUnit:
         return [tuple(r) for r in await self.driver.fetch(sql, *_arrays(rows, DELIVERY_COLUMNS))]
 
 
+async def _begin(driver: Any) -> Any:
+    transaction = driver.transaction()
+    await transaction.start()
+    return transaction
+
+
 class PostgresOutbox:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -279,8 +285,8 @@ class PostgresOutbox:
     async def transaction(self) -> AsyncIterator[StoreUnit]:
         """Committed when the block ends, rolled back if it raises."""
         async with _checked_out(self.engine) as driver:
-            transaction = driver.driver.transaction()
-            await driver.call(transaction.start(), "BEGIN")
+            # A connection the server closed while it sat in the pool fails here, at once.
+            transaction = await driver.call(_begin(driver.driver), "BEGIN")
             try:
                 yield StoreUnit(driver)
             except BaseException:

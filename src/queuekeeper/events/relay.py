@@ -134,10 +134,10 @@ class Relay:
         relay_id: str | None = None,
     ) -> None:
         self.settings = settings
+        # Claims, renewals and settlements: the outbox's (events/outbox.py).
         self.outbox = Outbox(engine, settings)
-        # Every statement the relay runs stands alone (a claim, a settlement, each guarded
-        # by the row's state), so it runs them on autocommit connections: no BEGIN/COMMIT
-        # round trips, and no ORM session to set up per statement.
+        # Housekeeping's reads and the prune stand alone too: autocommit connections, no
+        # BEGIN/COMMIT round trips and no ORM session to set up per statement.
         self.engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.publisher = publisher
         self.provisioner = provisioner
