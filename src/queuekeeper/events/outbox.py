@@ -1,4 +1,4 @@
-"""The relay's statements on the outbox (the `deliveries` table): claim, settle, prune.
+"""The relay's statements on the outbox (the `deliveries` table): claim, settle, renew.
 
 Each statement stands alone and is guarded by the row's state, so the relay runs
 them on autocommit connections (`Executor`; a settlement, `db.autocommit`); none needs the
@@ -21,8 +21,6 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
-    delete,
-    exists,
     func,
     literal_column,
     select,
@@ -61,6 +59,7 @@ class Claimed:
     object_type: str
     accepted: datetime
     body: str  # the stored payload JSON, sent as it is
+    replay: bool = False  # a replay's copy (contract §11): marked with a header
 
 
 _DELIVERY_COLUMNS = (
@@ -105,14 +104,14 @@ _CLAIM_POSTGRES = (
     update(DELIVERIES)
     .where(DELIVERIES.c.id == _DUE_CTE.c.id, DELIVERIES.c.event_id == EVENTS.c.event_id)
     .values(_CLAIM_VALUES)
-    .returning(*_DELIVERY_COLUMNS, *_EVENT_COLUMNS)
+    .returning(*_DELIVERY_COLUMNS, *_EVENT_COLUMNS, DELIVERIES.c.replay)
 )
 # SQLite cannot return columns of an UPDATE's FROM tables: the events are read apart.
 _CLAIM_SQLITE = (
     update(DELIVERIES)
     .where(DELIVERIES.c.id.in_(_DUE.scalar_subquery()))
     .values(_CLAIM_VALUES)
-    .returning(*_DELIVERY_COLUMNS)
+    .returning(*_DELIVERY_COLUMNS, DELIVERIES.c.replay)
 )
 _ANY_DUE = _DUE.with_only_columns(DELIVERIES.c.id)
 _EVENTS_OF = select(EVENTS.c.event_id, *_EVENT_COLUMNS).where(
@@ -146,7 +145,10 @@ async def claim(
                 _EVENTS_OF, {"b_events": list({row[1] for row in deliveries})}
             )
             events = {row[0]: tuple(row[1:]) for row in result}
-        claimed = [Claimed(*row, *events[row[1]]) for row in deliveries]
+        claimed = [
+            Claimed(*row[:-1], *events[row[1]], replay=row[-1])  # type: ignore[misc]
+            for row in deliveries
+        ]
     claimed.sort(key=lambda item: item.id)  # RETURNING has no order; publish oldest first
     return claimed
 
@@ -317,15 +319,3 @@ async def outbox_depth(session: Executor, now: datetime) -> OutboxDepth:
         claimed=int(row[1]),
         oldest_pending_age_seconds=(now - oldest).total_seconds() if oldest else 0.0,
     )
-
-
-async def prune_events(session: Executor, cutoff: datetime, limit: int = 1000) -> int:
-    """Delete up to `limit` events accepted before `cutoff` with no copy still pending."""
-    pending = exists().where(
-        DELIVERIES.c.event_id == EVENTS.c.event_id, DELIVERIES.c.state == PENDING
-    )
-    old = select(EVENTS.c.event_id).where(EVENTS.c.accepted < cutoff, ~pending).limit(limit)
-    result = await session.execute(
-        delete(EVENTS).where(EVENTS.c.event_id.in_(old.scalar_subquery()))
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
