@@ -141,6 +141,11 @@ class Releaser:
                 if not await repository.is_present(connection, vhost, queue):
                     log.info("parking_release_paused", vhost=vhost, queue=queue, released=sent)
                     return sent  # away again: what is left stays parked
+                if await repository.in_flight(connection, vhost, queue):
+                    # Older copies are out of our hands (a retry, or a dead replica's lease):
+                    # the relay parks them again when they fall due, and a later pass
+                    # releases them first. Going on now would overtake them.
+                    return sent
             ready = await self.publisher.queue_ready(vhost, queue)
             if ready is None:  # gone or unreadable: the next tick tries again
                 return sent

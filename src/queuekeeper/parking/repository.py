@@ -94,6 +94,22 @@ async def is_present(session: Executor, vhost: str, queue: str) -> bool:
     return bool(consumers)
 
 
+async def in_flight(session: Executor, vhost: str, queue: str) -> bool:
+    """Whether copies of the queue were released and are not settled yet: published by a
+    release still going on, retried, or left by a replica that died mid-release."""
+    found = await session.scalar(
+        select(DELIVERIES.c.id)
+        .where(
+            _PARKED_OR_RELEASING,
+            DELIVERIES.c.state == DeliveryState.PENDING,
+            DELIVERIES.c.vhost == vhost,
+            DELIVERIES.c.queue_name == queue,
+        )
+        .limit(1)
+    )
+    return found is not None
+
+
 _PARK = (
     update(DELIVERIES)
     .where(
