@@ -22,7 +22,7 @@ from tests.events.support import (
     queue_depth,
     register,
 )
-from tests.helpers import Backend
+from tests.helpers import Backend, Operator
 from tests.parking.support import set_presence, wait_for_states
 
 FAST = {"park_after_seconds": 60, "park_check_interval": 0.1}
@@ -127,3 +127,53 @@ def _service() -> dict[str, str]:
     from tests.events.support import SERVICE
 
     return SERVICE
+
+
+@pytest.mark.settings(**FAST, queue_message_ttl_ms=300)
+async def test_dead_letters_expired_while_away_come_back_first_then_the_parked_copies(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, operator: Operator
+) -> None:
+    state: Runtime = app.state.queuekeeper
+    registered = await register(backend)
+    queue, vhost = registered.queue_name, registered.vhost
+    # Gone for less than park_after: copies are published, expire unread, dead-lettered.
+    await set_presence(state.sessions, vhost, queue, consumers=0, away_for=30)
+    await asyncio.sleep(0.3)
+    expired = [f"expired-{n}" for n in range(5)]
+    await post_batch(
+        client, [order_event(registered.offering, event_id=i) for i in expired], wait=True
+    )
+    for _ in range(100):
+        if await queue_depth(vhost, "waldur.dlq.messages") == 5:
+            break
+        await asyncio.sleep(0.05)
+    assert await queue_depth(vhost, "waldur.dlq.messages") == 5
+    # Past park_after: new copies park; a redrive meanwhile leaves the dead letters be.
+    await set_presence(state.sessions, vhost, queue, consumers=0, away_for=120)
+    await asyncio.sleep(0.3)
+    parked = [f"parked-{n}" for n in range(10)]
+    await post_batch(client, [order_event(registered.offering, event_id=i) for i in parked])
+    await wait_for_states(state.sessions, queue, {"published": 5, "parked": 10})
+    run = await operator.redrive(vhost)
+    assert run["found"].get("left_agent_away") == 5, run
+    assert await queue_depth(vhost, "waldur.dlq.messages") == 5
+
+    # The agent subscribes: its dead letters first, then what was parked, in order.
+    received: list[str] = []
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
+    async with connection:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(queue, passive=True)
+
+        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            received.append(str(message.message_id))
+            await message.ack()
+
+        await declared.consume(take)
+        await set_presence(state.sessions, vhost, queue, consumers=1)
+        for _ in range(200):
+            if len(received) >= 15:
+                break
+            await asyncio.sleep(0.05)
+    assert received == [*expired, *parked]
+    assert await queue_depth(vhost, "waldur.dlq.messages") == 0
