@@ -31,7 +31,7 @@ def upgrade() -> None:
     op.create_index(
         "ix_deliveries_parked",
         "deliveries",
-        ["vhost", "queue_name", "id"],
+        ["vhost", "queue_name", "state", "id"],
         postgresql_where=sa.text(PARKED_OR_RELEASING),
         sqlite_where=sa.text(PARKED_OR_RELEASING),
     )

@@ -350,6 +350,7 @@ class Delivery(Base):
             "ix_deliveries_parked",
             "vhost",
             "queue_name",
+            "state",
             "id",
             postgresql_where=text(PARKED_OR_RELEASING),
             sqlite_where=text(PARKED_OR_RELEASING),

@@ -25,7 +25,6 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
-    union,
     update,
 )
 
@@ -49,35 +48,39 @@ _WHEN = DELIVERIES.c.next_attempt_at.type
 Queue = tuple[str, str]  # (vhost, queue_name)
 
 
+def _backlog(presence: Any) -> Any:
+    """Whether the presence row's queue has parked copies, or released ones not yet out:
+    one probe of `ix_deliveries_parked` per queue, never a scan of the backlog."""
+    return exists().where(
+        _PARKED_OR_RELEASING,
+        DELIVERIES.c.vhost == presence.c.vhost,
+        DELIVERIES.c.queue_name == presence.c.queue_name,
+    )
+
+
 async def held_queues(session: Executor, away_before: datetime) -> set[Queue]:
     """Queues whose new copies park: away since before `away_before`, or still holding
-    parked copies, or released ones not yet published (their order comes first)."""
-    away = select(PRESENCE.c.vhost, PRESENCE.c.queue_name).where(
-        PRESENCE.c.away_since <= away_before
+    parked copies, or released ones not yet published (their order comes first). Every
+    queue that ever parked has a presence row (nothing parks without one)."""
+    rows = await session.execute(
+        select(PRESENCE.c.vhost, PRESENCE.c.queue_name).where(
+            or_(PRESENCE.c.away_since <= away_before, _backlog(PRESENCE))
+        )
     )
-    backlog = (
-        select(DELIVERIES.c.vhost, DELIVERIES.c.queue_name).where(_PARKED_OR_RELEASING).distinct()
-    )
-    rows = await session.execute(union(away, backlog))
     return {(vhost, queue) for vhost, queue in rows}
 
 
 async def returned_queues(session: Executor) -> list[Queue]:
     """Queues with parked copies and a consumer again: the ones to release."""
-    parked = (
-        select(DELIVERIES.c.vhost, DELIVERIES.c.queue_name)
-        .where(_PARKED_OR_RELEASING, DELIVERIES.c.state == _PARKED)
-        .distinct()
-        .subquery()
+    parked = exists().where(
+        _PARKED_OR_RELEASING,
+        DELIVERIES.c.state == _PARKED,
+        DELIVERIES.c.vhost == PRESENCE.c.vhost,
+        DELIVERIES.c.queue_name == PRESENCE.c.queue_name,
     )
     rows = await session.execute(
-        select(parked.c.vhost, parked.c.queue_name).where(
-            exists().where(
-                PRESENCE.c.vhost == parked.c.vhost,
-                PRESENCE.c.queue_name == parked.c.queue_name,
-                PRESENCE.c.consumers > 0,
-                PRESENCE.c.away_since.is_(None),
-            )
+        select(PRESENCE.c.vhost, PRESENCE.c.queue_name).where(
+            PRESENCE.c.consumers > 0, PRESENCE.c.away_since.is_(None), parked
         )
     )
     return [(vhost, queue) for vhost, queue in rows]
