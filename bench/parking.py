@@ -2,7 +2,8 @@
 
 Release: `queuekeeper serve` (relay and releaser in it) on a fresh database holding
 BENCH_PARKED (100,000) parked copies for one queue; presence then says a consumer is back
-while an aio-pika consumer takes every message off the queue. Measured: time to the first
+while an aio-pika consumer takes every message off the queue (from BENCH_CONSUMER_DELAY
+seconds on: a slow agent, so the queue fills to the bound). Measured: time to the first
 message and to the last, copies per second, the service's peak RSS, the queue's deepest
 ready count (sampled every 20 ms by a passive declare) against
 QUEUEKEEPER_PARK_RELEASE_MAX_IN_FLIGHT, and whether every copy came once and in order.
@@ -34,6 +35,9 @@ from queuekeeper.parking.gate import ParkingGate
 
 PARKED = int(os.environ.get("BENCH_PARKED", "100000"))
 BOUND = int(os.environ.get("BENCH_PARK_BOUND", "1000"))
+# Seconds the consumer waits after presence says it is back: the queue then fills to the
+# bound and must stay there (a slow agent).
+CONSUMER_DELAY = float(os.environ.get("BENCH_CONSUMER_DELAY", "0"))
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 
 
@@ -123,13 +127,16 @@ async def release(settings: Settings, dsn: str) -> None:
                 if len(received) >= PARKED:
                     done.set()
 
-            await declared.consume(take)
             probe = await connection.channel()
             deepest, peak_rss = 0, rss_before
             began = time.perf_counter()
             await _present(dsn, vhost, queue)
             first_at: float | None = None
+            consuming = False
             while not done.is_set() and time.perf_counter() - began < 1800:
+                if not consuming and time.perf_counter() - began >= CONSUMER_DELAY:
+                    await declared.consume(take)
+                    consuming = True
                 depth = (await probe.declare_queue(queue, passive=True)).declaration_result
                 deepest = max(deepest, depth.message_count or 0)
                 peak_rss = max(peak_rss, _rss_mib(service.process.pid))
@@ -139,6 +146,7 @@ async def release(settings: Settings, dsn: str) -> None:
             took = time.perf_counter() - began
         in_order = received == sorted(received)
         print(
+            f"consumer from {CONSUMER_DELAY:g} s; "
             f"released {len(received)} of {PARKED} in {took:.1f} s "
             f"({len(received) / took:.0f}/s); first after {first_at or 0:.2f} s; "
             f"queue depth max {deepest} (bound {BOUND}); "
