@@ -55,18 +55,28 @@ async def test_copies_for_an_away_queue_park_and_go_out_in_order_when_it_returns
     assert COPIES_PARKED._value.get() - parked_before == 60
     detail = (await client.get("/api/internal/events/away-000/", headers=_service())).json()
     assert detail["deliveries"][0]["state"] == "parked"
+    # A backend waiting for the copies hears at once that they are parked, and why.
+    started = asyncio.get_running_loop().time()
+    answer = await post_event(
+        client, order_event(registered.offering, event_id="waited"), wait=True
+    )
+    assert asyncio.get_running_loop().time() - started < 5
+    (copy,) = answer.json()["deliveries"]
+    assert copy["state"] == "parked"
+    assert copy["reason"].startswith("parked: its queue has had no consumer")
+    ids.append("waited")
 
     # A consumer returns: everything parked goes out, oldest first.
     released_before = COPIES_RELEASED._value.get()
     await set_presence(state.sessions, vhost, queue, consumers=1)
-    await wait_for_states(state.sessions, queue, {"published": 61})
+    await wait_for_states(state.sessions, queue, {"published": 62})
     received = [m.message_id for m in await drain(vhost, queue)]
     assert received == ["early", *ids]
-    assert COPIES_RELEASED._value.get() - released_before == 60
+    assert COPIES_RELEASED._value.get() - released_before == 61
 
     # Once the backlog is out, new copies reach the queue again (within a look of the gate).
     await post_event(client, order_event(registered.offering, event_id="after"))
-    await wait_for_states(state.sessions, queue, {"published": 62})
+    await wait_for_states(state.sessions, queue, {"published": 63})
     assert [m.message_id for m in await drain(vhost, queue)] == ["after"]
 
 

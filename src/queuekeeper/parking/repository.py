@@ -113,6 +113,10 @@ async def in_flight(session: Executor, vhost: str, queue: str) -> bool:
     return found is not None
 
 
+PARKED_REASON = (
+    "parked: its queue has had no consumer for longer than park_after_seconds; published, "
+    "in acceptance order, when one returns"
+)
 _PARK = (
     update(DELIVERIES)
     .where(
@@ -127,6 +131,7 @@ _PARK = (
         claimed_until=None,
         # Not an attempt: nothing was published.
         attempts=DELIVERIES.c.attempts - 1,
+        last_error=PARKED_REASON,
     )
 )
 
