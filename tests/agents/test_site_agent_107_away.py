@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,23 @@ def _event(offering: uuid.UUID, n: int) -> dict[str, Any]:
         "object_type": object_type,
         "payload": valid_payload(object_type),
     }
+
+
+async def _boundary() -> datetime:
+    await asyncio.sleep(0.05)
+    moment = datetime.now(UTC)
+    await asyncio.sleep(0.05)
+    return moment
+
+
+async def _post(http: httpx.AsyncClient, events: list[dict[str, Any]]) -> None:
+    response = await http.post(
+        "/api/internal/events/batch/",
+        json={"events": events},
+        headers=SERVICE,
+        params={"wait": "true"},
+    )
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.timeout(600)
@@ -100,8 +118,31 @@ async def test_107_away_longer_than_its_ttl_gets_every_event_once_in_order_on_re
                     await asyncio.sleep(0.05)
                 first_after = time.monotonic() - subscribed
                 received = await second.wait_received(EVENTS + 1, timeout=240)
+
+                # A replay of a window re-sends exactly that window's events, marked.
+                window = [_event(offering, EVENTS + n) for n in range(20)]
+                since = await _boundary()
+                await _post(http, window[:10])
+                await _post(http, window[10:])
+                until = await _boundary()
+                await _post(http, [_event(offering, EVENTS + 20)])
+                await second.wait_received(EVENTS + 22, timeout=60)
+                replay = await http.post(
+                    f"/api/event-consumers/{consumer['rmq_username']}/replay/",
+                    json={"since": since.isoformat(), "until": until.isoformat()},
+                    headers=agent.headers,
+                )
+                assert replay.status_code == 202, replay.text
+                assert replay.json() == {"replayed": 20}
+                again = (await second.wait_received(EVENTS + 42, timeout=60))[EVENTS + 22 :]
+                await asyncio.sleep(1)  # nothing more than the window
+                assert len(second.received()) == EVENTS + 42
             finally:
                 await second.stop()
+            replayed = [item["headers"]["amqp-message-id"] for item in again]
+            assert replayed == [event["event_id"] for event in window]
+            assert {item["headers"].get("x-queuekeeper-replay") for item in again} == {"true"}
+            received = received[: EVENTS + 1]
             ids = [item["headers"]["amqp-message-id"] for item in received]
             assert len(ids) == len(set(ids)) == EVENTS + 1, second.log_tail()
             assert ids == ["away-expired", *(event["event_id"] for event in events)]
@@ -110,7 +151,7 @@ async def test_107_away_longer_than_its_ttl_gets_every_event_once_in_order_on_re
                 sent = by_id[item["headers"]["amqp-message-id"]]
                 assert item["object_type"] == sent["object_type"]
                 assert json.loads(item["body"])["object_type"] == sent["object_type"]
-            await wait_for_states(sessions, queue, {"published": EVENTS + 1})
+            await wait_for_states(sessions, queue, {"published": EVENTS + 42})
             print(f"\nfirst parked copy {first_after:.2f} s after subscribe")
     finally:
         await engine.dispose()
