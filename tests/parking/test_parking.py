@@ -187,3 +187,21 @@ async def test_dead_letters_expired_while_away_come_back_first_then_the_parked_c
             await asyncio.sleep(0.05)
     assert received == [*expired, *parked]
     assert await queue_depth(vhost, "waldur.dlq.messages") == 0
+
+
+@pytest.mark.settings(**FAST, queue_type="quorum")
+async def test_a_quorum_queue_parks_and_releases_in_order_too(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    state: Runtime = app.state.queuekeeper
+    registered = await register(backend)
+    queue, vhost = registered.queue_name, registered.vhost
+    await set_presence(state.sessions, vhost, queue, consumers=0, away_for=3600)
+    await asyncio.sleep(0.3)
+    ids = [f"quorum-{n:02}" for n in range(30)]
+    await post_batch(client, [order_event(registered.offering, event_id=i) for i in ids])
+    await wait_for_states(state.sessions, queue, {"parked": 30})
+    assert await queue_depth(vhost, queue) == 0
+    await set_presence(state.sessions, vhost, queue, consumers=1)
+    await wait_for_states(state.sessions, queue, {"published": 30})
+    assert [m.message_id for m in await drain(vhost, queue)] == ids
