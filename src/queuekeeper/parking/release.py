@@ -40,6 +40,7 @@ log = structlog.get_logger(__name__)
 
 RELEASE_BATCH = 500  # parked copies moved back to pending at once (at most)
 FULL_PAUSE = 0.2  # seconds to wait while the queue holds its bound of ready messages
+STOP_GRACE = 2.0  # seconds a stopping releaser lets a step in flight finish
 
 
 def release_lock(vhost: str, queue: str) -> str:
@@ -74,6 +75,11 @@ class Releaser:
     async def stop(self) -> None:
         self._stopping.set()
         tasks = [task for task in (self._task, *self._releasing.values()) if task is not None]
+        if tasks:
+            # Each checks `_stopping` between steps: let a statement in flight finish
+            # (cancelled inside one, an aiosqlite connection would be left unreturned).
+            _done, pending = await asyncio.wait(tasks, timeout=STOP_GRACE)
+            tasks = list(pending)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
