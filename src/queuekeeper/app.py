@@ -55,6 +55,11 @@ from queuekeeper.observability.endpoints import MULTIPROC_ENV
 from queuekeeper.observability.endpoints import router as metrics_router
 from queuekeeper.observability.http import ObservabilityMiddleware
 from queuekeeper.observability.metrics import observe_management_call
+from queuekeeper.parking import retention
+from queuekeeper.parking.endpoints import agent_router as replay_router
+from queuekeeper.parking.endpoints import queues_router as queue_replay_router
+from queuekeeper.parking.gate import ParkingGate
+from queuekeeper.parking.release import Releaser
 from queuekeeper.reconcile import service as reconcile
 from queuekeeper.reconcile import stale
 from queuekeeper.reconcile.endpoints import router as admin_router
@@ -153,6 +158,12 @@ JOBS: JobTable = {
         interval=lambda settings: settings.token_expiry_interval_seconds,
         quiet=True,
     ),
+    Job.RETENTION: JobSpec(
+        Job.RETENTION,
+        retention.apply_retention,
+        interval=lambda settings: settings.retention_interval_seconds,
+        on_change=retention.count_change,
+    ),
 }
 
 
@@ -166,6 +177,8 @@ class Runtime(AppState):
     intake: Intake
     # Started by the lifespan when configured; None otherwise (and in tests without them).
     relay: Relay | None = None
+    # Releases parked copies when their queue's agent returns (beside the relay).
+    releaser: Releaser | None = None
     relay_engine: AsyncEngine | None = None
     scheduler: JobScheduler | None = None
     # What readiness last reported down, so a change is logged once, not per probe.
@@ -207,9 +220,13 @@ def start_relay(state: Runtime) -> Relay:
     engine = create_engine(settings, pool_size=settings.relay_concurrency + 2)
     state.relay_engine = engine
     relay = Relay(settings, engine, state.publisher, state.provisioner, state.signals)
+    gate = ParkingGate(settings, engine)
+    relay.hold_back = gate.hold_back
     relay.start()
     state.relay = relay
     state.intake.relay = relay  # events accepted here go to it already claimed
+    state.releaser = Releaser(settings, engine, relay, state.publisher, gate, state.jobs)
+    state.releaser.start()
     return relay
 
 
@@ -229,6 +246,9 @@ async def shutdown(state: Runtime) -> None:
         await state.scheduler.stop()
         state.scheduler = None
     await state.jobs.stop()  # runs started with `Prefer: respond-async`
+    if state.releaser is not None:
+        await state.releaser.stop()
+        state.releaser = None
     if state.relay is not None:
         state.intake.relay = None
         await state.relay.stop()
@@ -344,6 +364,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         health_router,
         metrics_router,
         outbox_router,
+        replay_router,
+        queue_replay_router,
     ):
         app.include_router(router, dependencies=checked)
     return app

@@ -6,6 +6,7 @@ checks that the two agree.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from functools import lru_cache
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -369,11 +370,40 @@ class Settings(BaseSettings):
         description="Seconds `?wait=true` waits for every copy to be confirmed or to fail; "
         "copies still unsettled then are answered as `pending`.",
     )
-    event_retention_seconds: float = Field(
-        default=7 * 86_400,
+    event_retention_days: float = Field(
+        default=14,
         gt=0,
-        description="Events (and their delivery records) older than this whose copies are all "
-        "settled are deleted; a repeated event_id is recognised within this window.",
+        description="Days events and their copies are kept after acceptance (contract §11): a "
+        "parked copy older than this is given up with the reason `retention`, the retention "
+        "job deletes older events whose copies are settled, a repeated event_id is recognised "
+        "within this window, and a replay reaches this far back.",
+    )
+    park_after_seconds: float = Field(
+        default=300,
+        gt=0,
+        description="Seconds a registered queue may have no consumer before its new copies are "
+        "parked in the outbox instead of published (contract §11); they are published, in "
+        "acceptance order, when a consumer returns.",
+    )
+    park_release_max_in_flight: int = Field(
+        default=1000,
+        ge=1,
+        description="Most messages a queue holds ready while its parked copies are released: "
+        "the release publishes only while the queue (counted exactly, on the broker) is below "
+        "it. Keep it well below `queue_max_length`.",
+    )
+    park_check_interval: float = Field(
+        default=1.0,
+        gt=0,
+        description="Seconds between each replica's look at which queues park their copies and "
+        "which have a consumer again (the first parked copy reaches a returning agent within "
+        "its presence delay plus this).",
+    )
+    retention_interval_seconds: int = Field(
+        default=21_600,
+        ge=0,
+        description="Seconds between retention runs (give up parked copies past retention, "
+        "delete events past it page by page); 0 = only on demand.",
     )
     relay_enabled: bool = Field(
         default=True,
@@ -505,6 +535,10 @@ class Settings(BaseSettings):
     def management_urls(self) -> list[str]:
         """The Management API base URLs, in the configured order, without a trailing slash."""
         return [url.rstrip("/") for url in split_urls(self.management_url)]
+
+    @property
+    def event_retention(self) -> timedelta:
+        return timedelta(days=self.event_retention_days)
 
     @property
     def is_sqlite(self) -> bool:

@@ -29,6 +29,7 @@ from sqlalchemy import (
     Uuid,
     and_,
     case,
+    false,
     null,
     or_,
     text,
@@ -326,6 +327,10 @@ class Event(Base):
     accepted: Mapped[datetime] = mapped_column(default=utcnow, index=True)
 
 
+# A queue's copies that hold its newer copies back: parked, or released and not yet out.
+PARKED_OR_RELEASING = "parked_at IS NOT NULL AND state IN ('parked', 'pending')"
+
+
 class Delivery(Base):
     """One copy of an event for one queue: the transactional outbox."""
 
@@ -338,6 +343,17 @@ class Delivery(Base):
             "id",
             postgresql_where=text("state = 'pending'"),
             sqlite_where=text("state = 'pending'"),
+        ),
+        # The parked copies of each queue, and those released but not yet published, in
+        # acceptance order (migration 0011_parking; docs/decisions/015-parking.md).
+        Index(
+            "ix_deliveries_parked",
+            "vhost",
+            "queue_name",
+            "state",
+            "id",
+            postgresql_where=text(PARKED_OR_RELEASING),
+            sqlite_where=text(PARKED_OR_RELEASING),
         ),
     )
 
@@ -371,6 +387,12 @@ class Delivery(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     created: Mapped[datetime] = mapped_column(default=utcnow)
     finished: Mapped[datetime | None]
+    # When it was first parked (contract §11); kept while a released copy waits to be
+    # published, so newer copies of its queue park behind it until the backlog is out.
+    parked_at: Mapped[datetime | None]
+    # A replay's copy: published with `x-queuekeeper-replay: "true"`. A database default
+    # only, so the accept path's inserts need not name it.
+    replay: Mapped[bool] = mapped_column(Boolean, server_default=false())
 
 
 class JobRun(Base):

@@ -1,10 +1,11 @@
-"""The relay's own rules: leases, backoff, outbox figures, pruning, stopping."""
+"""The relay's own rules: leases, backoff, outbox figures, stopping (pruning: the retention
+job, tests/parking/test_retention.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import httpx
 import pytest
@@ -15,7 +16,7 @@ from queuekeeper.app import Runtime
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.events.outbox import Outbox
 from queuekeeper.events.relay import Relay
-from queuekeeper.models import Delivery, Event, utcnow
+from queuekeeper.models import Delivery, utcnow
 from queuekeeper.observability.metrics import OUTBOX_OLDEST_AGE, OUTBOX_PENDING
 from tests.events.support import (
     SERVICE,
@@ -138,36 +139,6 @@ async def test_outbox_depth_is_readable_and_exported(
         await relay.stop()
         await publisher.close()
     assert (await client.get("/api/admin/outbox/")).status_code == 401
-
-
-async def test_old_settled_events_are_pruned_and_pending_ones_kept(
-    app: FastAPI, client: httpx.AsyncClient, backend: Backend
-) -> None:
-    registered = await register(backend)
-    offering = registered.offering
-    await post_event(client, order_event(offering, event_id="old-pending"))
-    other = await backend.put_offering()
-    await post_event(client, order_event(other, event_id="old-settled"))  # no recipients
-    await post_event(client, order_event(other, event_id="recent"))
-    async with app.state.queuekeeper.sessions() as session:
-        await session.execute(
-            update(Event)
-            .where(Event.event_id.in_(["old-pending", "old-settled"]))
-            .values(accepted=utcnow() - timedelta(days=30))
-        )
-        await session.commit()
-    relay, publisher = _relay(app)
-    try:
-        assert await relay.prune() == 1
-    finally:
-        await publisher.close()
-    pruned = await client.get("/api/internal/events/old-settled/", headers=SERVICE)
-    assert pruned.status_code == 404
-    await event_detail(client, "old-pending")
-    await event_detail(client, "recent")
-    # Once pruned, the id is new again: the dedupe window is the retention time.
-    response = await post_event(client, order_event(other, event_id="old-settled"))
-    assert response.json()["duplicate"] is False
 
 
 async def test_a_stopping_relay_stops_at_once_when_idle(app: FastAPI) -> None:

@@ -36,7 +36,7 @@ async def test_scheduler_fires_reconcile_and_records_the_run(
         state: Runtime = app.state.queuekeeper
         jobs = {job.name for job in scheduled(state).jobs()}
         # Redrive is on demand unless an interval is configured.
-        assert jobs == {Job.RECONCILE, Job.CLEANUP_STALE, Job.REVOKE_EXPIRED}
+        assert jobs == {Job.RECONCILE, Job.CLEANUP_STALE, Job.REVOKE_EXPIRED, Job.RETENTION}
         deadline = time.monotonic() + 10
         while True:
             async with state.sessions() as session:

@@ -62,6 +62,8 @@ class Policy:
     registration: bool = False
     # The backend's accept routes: admitted up to `events_max_in_flight` at once.
     admission: bool = False
+    # An agent route a service token may call too (common/access.py `Intake.service_too`).
+    service_too: bool = False
 
 
 class Policies:
@@ -76,6 +78,7 @@ class Policies:
         for found in declared_routes(routes):
             body = found.intake.body if found.intake is not None else DEFAULT_BODY
             admitted = found.intake is not None and found.intake.admission
+            service_too = found.intake is not None and found.intake.service_too
             by_method = {
                 method: Policy(
                     found.caller,
@@ -83,6 +86,7 @@ class Policies:
                     body.setting,
                     registration=found.caller is Caller.AGENT and method in REGISTRATION_METHODS,
                     admission=admitted and method == "POST",
+                    service_too=service_too,
                 )
                 for method in found.methods
             }
@@ -212,6 +216,8 @@ class RequestGuard:
         token = credentials(headers.get("authorization"), service=rule.caller is Caller.SERVICE)
         if rule.caller is Caller.SERVICE and is_service_token(token, self.settings.service_tokens):
             return  # the backend's calls, single events among them, cost no session
+        if rule.service_too and is_service_token(token, self.settings.service_tokens):
+            return  # the endpoint's dependency tells the service from an agent
         engine: AsyncEngine = scope["app"].state.queuekeeper.engine
         if rule.caller is Caller.SERVICE:
             await authenticate_service(engine, token, self.settings)

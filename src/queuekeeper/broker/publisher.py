@@ -227,6 +227,16 @@ class AmqpPublisher:
             return [Result(Outcome.UNREACHABLE, describe(exc))] * len(items)
         return list(results)
 
+    async def queue_ready(self, vhost: str, queue: str) -> int | None:
+        """The queue's ready messages now, exactly (a passive declare, not the Management
+        API's lagging figure); None when it cannot be read (gone, node down, no broker)."""
+        try:
+            async with self._use(vhost) as entry:
+                return await entry.ready_messages(queue)
+        except CONNECT_ERRORS as exc:
+            log.info("queue_not_readable", vhost=vhost, queue=queue, error=describe(exc))
+            return None
+
     async def _publish_one(self, entry: _VhostConnection, item: Outgoing) -> Result:
         message_id = item.message.message_id or ""
         try:

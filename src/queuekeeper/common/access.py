@@ -43,22 +43,26 @@ DEFAULT_BODY = BodyLimit(lambda settings: settings.body_max_bytes, "body_max_byt
 
 @dataclass(frozen=True)
 class Intake:
-    """What an endpoint adds to its router's declaration: a body limit of its own, and
-    whether its POSTs are admitted only up to `events_max_in_flight` at once."""
+    """What an endpoint adds to its router's declaration: a body limit of its own, whether
+    its POSTs are admitted only up to `events_max_in_flight` at once, and (an agent route)
+    whether a service token may call it too (its endpoint then tells the two apart)."""
 
     body: BodyLimit
     admission: bool = False
+    service_too: bool = False
 
 
 _INTAKE = "__queuekeeper_intake__"
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 
 
-def intake(body: BodyLimit, *, admission: bool = False) -> Callable[[Endpoint], Endpoint]:
+def intake(
+    body: BodyLimit, *, admission: bool = False, service_too: bool = False
+) -> Callable[[Endpoint], Endpoint]:
     """Decorates an endpoint (under its route decorator) with its own `Intake`."""
 
     def mark(endpoint: Endpoint) -> Endpoint:
-        setattr(endpoint, _INTAKE, Intake(body, admission))
+        setattr(endpoint, _INTAKE, Intake(body, admission, service_too))
         return endpoint
 
     return mark

@@ -10,7 +10,12 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
-from queuekeeper.models import EventConsumer, EventSubscriptionQueue, GivenUpDeadLetter
+from queuekeeper.models import (
+    EventConsumer,
+    EventSubscriptionQueue,
+    GivenUpDeadLetter,
+    QueuePresence,
+)
 
 
 async def is_registered(session: AsyncSession, vhost: str, queue_name: str) -> bool:
@@ -28,6 +33,16 @@ async def is_registered(session: AsyncSession, vhost: str, queue_name: str) -> b
         .limit(1)
     )
     return found is not None
+
+
+async def is_away(session: AsyncSession, vhost: str, queue_name: str) -> bool:
+    """Whether the queue has had no consumer since some time (queue_presence)."""
+    away_since = await session.scalar(
+        select(QueuePresence.away_since).where(
+            QueuePresence.vhost == vhost, QueuePresence.queue_name == queue_name
+        )
+    )
+    return away_since is not None
 
 
 def record_given_up(session: AsyncSession, records: Sequence[GivenUpDeadLetter]) -> None:

@@ -67,6 +67,7 @@ class Target:
 
     registered: bool
     present: bool
+    away: bool = False  # no consumer (queue_presence): its copies park meanwhile
     depth: int = 0
     sent: int = 0
     full: bool = False
@@ -106,7 +107,11 @@ async def redrive_now(jobs: JobRunner, vhost: str | None, *, background: bool) -
     return await run_now(jobs, Job.REDRIVE, background=background, body=redrive_body(vhost))
 
 
-async def redrive(context: JobContext, run: Run, only: str | None = None) -> None:
+async def redrive(
+    context: JobContext, run: Run, only: str | None = None, queue: str | None = None
+) -> None:
+    """Every vhost's dead letters; `only` one vhost's; with `queue`, only that queue's, as
+    the release of a returning agent's parked copies does first (contract §11)."""
     vhosts = await context.provisioner.owned_vhosts()
     if only is not None:
         if only not in vhosts:
@@ -123,16 +128,22 @@ async def redrive(context: JobContext, run: Run, only: str | None = None) -> Non
                 ssl_context=amqp_ssl_context(context.settings),
             )
             async with connection:
-                await VhostRedrive(context, run, vhost, connection).execute()
+                await VhostRedrive(context, run, vhost, connection, queue).execute()
         run.report("vhosts", done, len(vhosts))
 
 
 class VhostRedrive:
     def __init__(
-        self, context: JobContext, run: Run, vhost: str, connection: AbstractConnection
+        self,
+        context: JobContext,
+        run: Run,
+        vhost: str,
+        connection: AbstractConnection,
+        queue: str | None = None,
     ) -> None:
         self.context, self.settings, self.run = context, context.settings, run
         self.vhost, self.connection = vhost, connection
+        self.queue = queue
         self.targets: dict[str, Target] = {}
         self.held: list[AbstractIncomingMessage] = []
         self.now = utcnow()
@@ -198,7 +209,11 @@ class VhostRedrive:
         redriven = _int(headers.get(REDRIVE_HEADER))
         born = _aware(message.timestamp) or _first_death(deaths)
         if not origin:
+            if self.queue is not None:
+                return Verdict("leave", None, "other_queue")
             return Verdict("give_up", None, "no_origin", "no x-death header: its queue is unknown")
+        if self.queue is not None and origin != self.queue:
+            return Verdict("leave", origin, "other_queue")
         if redriven >= settings.redrive_max_attempts:
             return Verdict(
                 "give_up",
@@ -206,7 +221,13 @@ class VhostRedrive:
                 "too_many_redrives",
                 f"redriven {redriven} times already (limit {settings.redrive_max_attempts})",
             )
+        if self.queue is None and (await self.target(origin)).away:
+            # Its agent is away: sent back now it would only expire again. The release on
+            # its return redrives it first, whatever its age (docs/decisions/015-parking.md).
+            return Verdict("leave", origin, "agent_away")
         max_age = timedelta(seconds=settings.redrive_max_age_seconds)
+        if self.queue is not None:  # a returning agent's: kept as long as its events are
+            max_age = settings.event_retention
         if born is not None and self.now - born > max_age:
             return Verdict(
                 "give_up",
@@ -237,7 +258,8 @@ class VhostRedrive:
             return known
         async with self.context.sessions() as session:
             registered = await repository.is_registered(session, self.vhost, name)
-        target = Target(registered=registered, present=False)
+            away = registered and await repository.is_away(session, self.vhost, name)
+        target = Target(registered=registered, present=False, away=away)
         if registered:
             assert self.probe is not None
             try:

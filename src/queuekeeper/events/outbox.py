@@ -65,6 +65,7 @@ class Claimed:
     object_type: str
     accepted: datetime
     body: str  # the stored payload JSON, sent as it is
+    replay: bool = False  # a replay's copy (contract §11): marked with a header
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ FROM due, events e
 WHERE d.id = due.id AND d.event_id = e.event_id
 RETURNING d.id, d.event_id, d.queue_uuid, d.consumer_uuid, d.queue_name, d.vhost,
           d.attempts, d.created, d.last_error, d.offering_uuid, e.offering_uuid,
-          e.object_type, e.accepted, e.payload::text
+          e.object_type, e.accepted, e.payload::text, d.replay
 """
 RENEW = """
 UPDATE deliveries SET claimed_until = $3, next_attempt_at = $3

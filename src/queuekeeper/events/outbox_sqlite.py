@@ -161,6 +161,7 @@ CLAIM = (
         DELIVERIES.c.created,
         DELIVERIES.c.last_error,
         DELIVERIES.c.offering_uuid,
+        DELIVERIES.c.replay,
     )
 )
 EVENTS_OF = select(
@@ -276,7 +277,7 @@ class SqliteOutbox:
             event_ids = list({row[1] for row in deliveries})
             result = await connection.execute(EVENTS_OF, {"b_event_ids": event_ids})
             events = {row[0]: tuple(row[1:]) for row in result}
-        return [(*row, *events[row[1]]) for row in deliveries]
+        return [(*row[:-1], *events[row[1]], row[-1]) for row in deliveries]
 
     async def renew(self, relay_id: str, ids: Collection[int], until: datetime) -> set[int]:
         async with self.engine.begin() as connection:

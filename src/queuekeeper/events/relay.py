@@ -30,7 +30,7 @@ import secrets
 import socket
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -60,7 +60,6 @@ from queuekeeper.observability.metrics import (
 log = structlog.get_logger(__name__)
 
 HOUSEKEEPING_INTERVAL = 5.0  # seconds between outbox gauge refreshes and idle-connection sweeps
-PRUNE_INTERVAL = 60.0
 STOP_GRACE = 5.0  # seconds a stopping relay lets a batch in flight finish
 QUEUE_GONE = (
     "its queue is no longer registered (access revoked, or the queue, subscription, "
@@ -69,6 +68,11 @@ QUEUE_GONE = (
 # A queue re-declared after a return is retried at once this many times, then with backoff.
 IMMEDIATE_RETRIES = 3
 CONSUMER_SCHEMA_VERSION = 1
+REPLAY_HEADER = "x-queuekeeper-replay"
+
+
+# (relay id, claimed copies) -> the copies to publish now; it parks the others.
+HoldBack = Callable[[str, list[Claimed]], Awaitable[list[Claimed]]]
 
 
 def new_relay_id() -> str:
@@ -103,6 +107,8 @@ def event_message(item: Claimed) -> aio_pika.Message:
             "offering_uuid": offering,
             "object_type": item.object_type,
             "event_id": item.event_id,
+            # A string: RabbitMQ's STOMP adapter drops boolean AMQP headers (contract §11).
+            **({REPLAY_HEADER: "true"} if item.replay else {}),
         },
     )
 
@@ -136,7 +142,7 @@ class Relay:
         self.settings = settings
         # Claims, renewals and settlements: the outbox's (events/outbox.py).
         self.outbox = Outbox(engine, settings)
-        # Housekeeping's reads and the prune stand alone too: autocommit connections, no
+        # Housekeeping's reads stand alone too: autocommit connections, no
         # BEGIN/COMMIT round trips and no ORM session to set up per statement.
         self.engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.publisher = publisher
@@ -156,6 +162,9 @@ class Relay:
         # lease ends: renewed while they wait, so a busy process does not lose its claims
         # to another relay and publish them twice.
         self._held: dict[int, datetime] = {}
+        # Parks the copies of queues whose agent is away before they are published
+        # (parking/gate.py; docs/decisions/015-parking.md); None: nothing parks.
+        self.hold_back: HoldBack | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -330,12 +339,16 @@ class Relay:
             self._held[item.id] = lease.until
         return claimed
 
-    async def process(self, claimed: list[Claimed]) -> None:
-        """Publish a claimed batch and write back what became of each copy."""
+    async def process(self, claimed: list[Claimed], *, park: bool = True) -> None:
+        """Publish a claimed batch and write back what became of each copy; `park=False`
+        for released parked copies, which go out whatever the queue's state."""
         try:
-            await self._process(claimed)
+            to_publish = claimed
+            if park and self.hold_back is not None:
+                to_publish = await self.hold_back(self.id, claimed)
+            await self._process(to_publish)
         finally:
-            for item in claimed:  # settled, or left to its lease: no longer renewed
+            for item in claimed:  # settled, parked, or left to its lease: no longer renewed
                 self._held.pop(item.id, None)
 
     async def _process(self, claimed: list[Claimed]) -> None:
@@ -474,8 +487,6 @@ class Relay:
 
     # --- housekeeping ---------------------------------------------------------------------
     async def _housekeeping(self) -> None:
-        last_prune = 0.0
-        loop = asyncio.get_running_loop()
         while not self._stopping.is_set():
             try:
                 await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
@@ -486,9 +497,6 @@ class Relay:
                 await self.renew_leases()
                 await self.refresh_gauges()
                 await self.publisher.close_idle()
-                if loop.time() - last_prune >= PRUNE_INTERVAL:
-                    last_prune = loop.time()
-                    await self.prune()
             except Exception as exc:  # housekeeping never takes the relay down
                 log.warning("relay_housekeeping_failed", error=repr(exc)[:500])
 
@@ -515,11 +523,3 @@ class Relay:
         CONSUMERS.set(consumers)
         OUTBOX_PENDING.set(depth.pending)
         OUTBOX_OLDEST_AGE.set(depth.oldest_pending_age_seconds)
-
-    async def prune(self) -> int:
-        cutoff = utcnow() - timedelta(seconds=self.settings.event_retention_seconds)
-        async with self.engine.connect() as connection:
-            deleted = await repository.prune_events(connection, cutoff)
-        if deleted:
-            log.info("events_pruned", events=deleted)
-        return deleted

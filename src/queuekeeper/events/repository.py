@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, String, Table, case, delete, exists, func, literal_column, select
+from sqlalchemy import Row, String, Table, case, func, literal_column, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from queuekeeper.models import Base, DeliveryState, Event, EventConsumer, EventSubscriptionQueue
@@ -112,15 +112,3 @@ async def outbox_depth(session: Executor, now: datetime) -> OutboxDepth:
         claimed=int(row[1]),
         oldest_pending_age_seconds=(now - oldest).total_seconds() if oldest else 0.0,
     )
-
-
-async def prune_events(session: Executor, cutoff: datetime, limit: int = 1000) -> int:
-    """Delete up to `limit` events accepted before `cutoff` with no copy still pending."""
-    pending = exists().where(
-        DELIVERIES.c.event_id == EVENTS.c.event_id, DELIVERIES.c.state == PENDING
-    )
-    old = select(EVENTS.c.event_id).where(EVENTS.c.accepted < cutoff, ~pending).limit(limit)
-    result = await session.execute(
-        delete(EVENTS).where(EVENTS.c.event_id.in_(old.scalar_subquery()))
-    )
-    return int(getattr(result, "rowcount", 0) or 0)

@@ -54,7 +54,8 @@ class RunOut(Schema):
 
     uuid: HexUUID
     job: Job = Field(
-        description="`reconcile`, `cleanup_stale`, `redrive_dead_letters` or `revoke_expired`."
+        description="`reconcile`, `cleanup_stale`, `redrive_dead_letters`, `revoke_expired` "
+        "or `retention`."
     )
     trigger: Trigger = Field(description="`schedule`, `api` or `cli`.")
     dry_run: bool

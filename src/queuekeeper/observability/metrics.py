@@ -159,3 +159,22 @@ COPIES = Counter(
     "queue) and stage (queued: written to the outbox; published: confirmed by the broker).",
     ["kind", "stage"],
 )
+
+# --- an agent away loses nothing (contract §11) -------------------------------------------
+COPIES_PARKED = Counter(
+    "queuekeeper_copies_parked_total",
+    "Copies parked in the outbox because their queue's agent was away (or its backlog was).",
+)
+COPIES_RELEASED = Counter(
+    "queuekeeper_copies_released_total",
+    "Parked copies released to their queue after a consumer returned.",
+)
+COPIES_GIVEN_UP_RETENTION = Counter(
+    "queuekeeper_copies_given_up_retention_total",
+    "Parked copies given up because they were older than QUEUEKEEPER_EVENT_RETENTION_DAYS.",
+)
+REPLAYS = Counter(
+    "queuekeeper_replays_total",
+    "Replays of a time window to a queue, by who asked.",
+    ["caller"],
+)

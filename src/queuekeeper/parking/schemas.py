@@ -1,0 +1,47 @@
+"""Replay bodies and answers (contract §11)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from queuekeeper.events.payloads import OBJECT_TYPES, ObjectType
+
+
+class ReplayWindow(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"since": "2026-11-20T18:00:00Z", "until": "2026-11-23T08:00:00Z"}]
+        },
+    )
+
+    since: datetime = Field(
+        description="ISO 8601; events accepted at or after it are replayed. Not in the future, "
+        "not older than `QUEUEKEEPER_EVENT_RETENTION_DAYS` (a 400 names the oldest time "
+        "available). Without an offset it is read as UTC."
+    )
+    until: datetime | None = Field(
+        default=None,
+        description="ISO 8601; events accepted before it. Defaults to now; not before `since`.",
+    )
+    object_types: list[ObjectType] | None = Field(
+        default=None,
+        max_length=len(OBJECT_TYPES),
+        description="Only these object types; omitted or empty: every type the queue received.",
+    )
+
+
+class ReplayAdminWindow(ReplayWindow):
+    model_config = ConfigDict(extra="forbid")
+
+    queue_name: str = Field(min_length=1, max_length=255, description="A registered queue.")
+    vhost: str = Field(min_length=1, max_length=64, description="Its vhost.")
+
+
+class ReplayOut(BaseModel):
+    replayed: int = Field(
+        description="Copies written to the outbox, published in acceptance order with their "
+        'original `message_id` and the header `x-queuekeeper-replay: "true"`.'
+    )

@@ -1,0 +1,100 @@
+"""Replay (contract §11): every event accepted in a window that a queue received, or would
+have received (parked, given up, rejected: whatever became of its copy), is written to the
+outbox again for that queue, marked as a replay.
+
+The replayed copies are ordinary outbox copies: published by the relay with their original
+`message_id`, in acceptance order (the order of their first copies), parked like any other
+while the queue's agent is away, and lost by nothing that loses no other copy.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from queuekeeper.config import Settings
+from queuekeeper.consumers.service import get_consumer
+from queuekeeper.exceptions import BadRequest, NotFound
+from queuekeeper.models import User, utcnow
+from queuekeeper.observability.metrics import REPLAYS
+from queuekeeper.parking import repository
+from queuekeeper.parking.repository import ReplayTarget
+from queuekeeper.parking.schemas import ReplayAdminWindow, ReplayOut, ReplayWindow
+
+
+def _utc(value: datetime) -> datetime:
+    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def checked_window(
+    window: ReplayWindow, settings: Settings, now: datetime
+) -> tuple[datetime, datetime]:
+    """(since, until), or a BadRequest naming the field at fault."""
+    since = _utc(window.since)
+    until = _utc(window.until) if window.until is not None else now
+    if since > now:
+        raise BadRequest(
+            f"`since` ({since.isoformat()}) is in the future (now: {now.isoformat()}).",
+            field="since",
+        )
+    if until < since:
+        raise BadRequest(
+            f"`until` ({until.isoformat()}) is before `since` ({since.isoformat()}).",
+            field="until",
+        )
+    oldest = now - settings.event_retention
+    if since < oldest:
+        raise BadRequest(
+            f"`since` ({since.isoformat()}) is older than retention "
+            f"(QUEUEKEEPER_EVENT_RETENTION_DAYS={settings.event_retention_days:g}); the oldest "
+            f"time available is {oldest.isoformat()}.",
+            field="since",
+            extra={"oldest_available": oldest.isoformat()},
+        )
+    return since, min(until, now)
+
+
+async def _replay(
+    session: AsyncSession,
+    settings: Settings,
+    target: ReplayTarget,
+    window: ReplayWindow,
+    caller: str,
+) -> ReplayOut:
+    now = utcnow()
+    since, until = checked_window(window, settings, now)
+    replayed = await repository.copy_for_replay(
+        session, target, since, until, window.object_types or None, now
+    )
+    await session.commit()
+    REPLAYS.labels(caller=caller).inc()
+    return ReplayOut(replayed=replayed)
+
+
+async def replay_consumer(
+    session: AsyncSession,
+    settings: Settings,
+    caller: User | None,
+    consumer_uuid: str,
+    window: ReplayWindow,
+) -> ReplayOut:
+    """The owner's (or, for a service token, any) consumer; another user's is NotFound."""
+    consumer = await get_consumer(session, caller, consumer_uuid)
+    target = ReplayTarget(consumer.vhost, consumer.queue_name, None, consumer.uuid)
+    return await _replay(
+        session, settings, target, window, "service" if caller is None else "agent"
+    )
+
+
+async def replay_queue(
+    session: AsyncSession, settings: Settings, window: ReplayAdminWindow
+) -> ReplayOut:
+    """Any registered queue, legacy or consumer, by vhost and name."""
+    target = await repository.find_queue(session, window.vhost, window.queue_name)
+    if target is None:
+        raise NotFound(
+            f"No registered queue {window.queue_name!r} in vhost {window.vhost!r}.",
+            field="queue_name",
+        )
+    return await _replay(session, settings, target, window, "admin")
