@@ -57,8 +57,11 @@ if [ "$want_postgresql" = 1 ] && ! port_open 5432; then
 fi
 
 # --- RabbitMQ -----------------------------------------------------------------------
-PLUGINS="rabbitmq_management rabbitmq_stomp rabbitmq_web_stomp"
-plugins_up() { port_open 15672 && port_open 15674 && port_open 61613; }
+PLUGINS="rabbitmq_management rabbitmq_stomp rabbitmq_web_stomp rabbitmq_event_exchange"
+# The event exchange opens no port: it is up when `rabbitmq-plugins` lists it running
+# (`[E*]`). Presence (consumers arriving and leaving) is learnt from it (docs/architecture.md).
+event_exchange_up() { rabbitmq-plugins list -e -m 2>/dev/null | grep -qx rabbitmq_event_exchange; }
+plugins_up() { port_open 15672 && port_open 15674 && port_open 61613 && event_exchange_up; }
 if [ "$want_rabbitmq" = 1 ] && ! { port_open 5672 && plugins_up; }; then
   if ! command -v rabbitmq-server >/dev/null && ! [ -x /usr/sbin/rabbitmq-server ]; then
     apt_install rabbitmq-server
@@ -73,6 +76,7 @@ if [ "$want_rabbitmq" = 1 ] && ! { port_open 5672 && plugins_up; }; then
   if ! plugins_up; then
     log "enabling $PLUGINS"
     # shellcheck disable=SC2086
+    # Online: enabling plugins on a running node neither restarts it nor drops connections.
     rabbitmq-plugins enable $PLUGINS >/dev/null 2>&1 \
       || stop_with "RabbitMQ lacks its plugins; run: $(as_root rabbitmq-plugins enable $PLUGINS)"
   fi
@@ -82,5 +86,5 @@ if [ "$want_rabbitmq" = 1 ] && ! { port_open 5672 && plugins_up; }; then
 fi
 services=()
 [ "$want_postgresql" = 1 ] && services+=(PostgreSQL)
-[ "$want_rabbitmq" = 1 ] && services+=("RabbitMQ (management, STOMP, web-STOMP)")
+[ "$want_rabbitmq" = 1 ] && services+=("RabbitMQ (management, STOMP, web-STOMP, event exchange)")
 log "up: ${services[*]}"

@@ -19,6 +19,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from queuekeeper.admin.endpoints import router as runs_router
 from queuekeeper.auth.guard import RequestGuard
 from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.presence import PresenceListener
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.common.access import declared_routes
@@ -55,6 +56,8 @@ from queuekeeper.observability.endpoints import MULTIPROC_ENV
 from queuekeeper.observability.endpoints import router as metrics_router
 from queuekeeper.observability.http import ObservabilityMiddleware
 from queuekeeper.observability.metrics import observe_management_call
+from queuekeeper.presence import service as presence
+from queuekeeper.presence.endpoints import router as presence_router
 from queuekeeper.reconcile import service as reconcile
 from queuekeeper.reconcile import stale
 from queuekeeper.reconcile.endpoints import router as admin_router
@@ -153,6 +156,13 @@ JOBS: JobTable = {
         interval=lambda settings: settings.token_expiry_interval_seconds,
         quiet=True,
     ),
+    Job.PRESENCE: JobSpec(
+        Job.PRESENCE,
+        presence.check,
+        interval=lambda settings: settings.presence_interval_seconds,
+        on_change=presence.count_change,
+        quiet=True,
+    ),
 }
 
 
@@ -168,6 +178,9 @@ class Runtime(AppState):
     relay: Relay | None = None
     relay_engine: AsyncEngine | None = None
     scheduler: JobScheduler | None = None
+    # Consumers arriving and leaving, from the broker's event exchange (contract §11).
+    presence_listener: PresenceListener | None = None
+    presence_writer: presence.PresenceWriter | None = None
     # What readiness last reported down, so a change is logged once, not per probe.
     readiness_down: tuple[str, ...] = ()
     readiness_nodes_down: tuple[str, ...] = ()
@@ -213,6 +226,16 @@ def start_relay(state: Runtime) -> Relay:
     return relay
 
 
+def start_presence(state: Runtime) -> None:
+    """Every replica listens: each writes what it hears as absolute counts, so the replica
+    that hears a consumer leave need not be the one that holds its queue's copies."""
+    writer = presence.PresenceWriter(state.settings, state.sessions)
+    writer.start()
+    listener = PresenceListener(state.settings, writer.on_event)
+    listener.start()
+    state.presence_writer, state.presence_listener = writer, listener
+
+
 def start_scheduler(state: Runtime) -> JobScheduler:
     scheduler = JobScheduler(state.jobs.context, JOBS)
     scheduler.start()
@@ -229,6 +252,12 @@ async def shutdown(state: Runtime) -> None:
         await state.scheduler.stop()
         state.scheduler = None
     await state.jobs.stop()  # runs started with `Prefer: respond-async`
+    if state.presence_listener is not None:
+        await state.presence_listener.stop()
+        state.presence_listener = None
+    if state.presence_writer is not None:
+        await state.presence_writer.stop()
+        state.presence_writer = None
     if state.relay is not None:
         state.intake.relay = None
         await state.relay.stop()
@@ -243,7 +272,11 @@ async def shutdown(state: Runtime) -> None:
 
 @asynccontextmanager
 async def running(
-    settings: Settings, *, relay: bool = False, scheduler: bool = False
+    settings: Settings,
+    *,
+    relay: bool = False,
+    scheduler: bool = False,
+    presence_events: bool = False,
 ) -> AsyncIterator[Runtime]:
     """The one start-up and shutdown: `serve` (through the lifespan), `relay`, and the CLI's
     job and import commands all run inside it."""
@@ -253,6 +286,8 @@ async def running(
             start_relay(state)
         if scheduler:
             start_scheduler(state)
+        if presence_events:
+            start_presence(state)
         yield state
     finally:
         await shutdown(state)
@@ -265,7 +300,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         declared_routes(app.routes)  # a route that declares no caller stops the start
         async with running(
-            settings, relay=settings.relay_enabled, scheduler=settings.scheduler_enabled
+            settings,
+            relay=settings.relay_enabled,
+            scheduler=settings.scheduler_enabled,
+            presence_events=settings.presence_events_enabled,
         ) as state:
             app.state.queuekeeper = state
             log.info(
@@ -337,6 +375,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         directory_router,
         identities_router,
         consumers_router,
+        presence_router,
         identities_admin_router,
         admin_router,
         runs_router,

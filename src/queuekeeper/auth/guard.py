@@ -81,7 +81,8 @@ class Policies:
                     found.caller,
                     body.size(settings),
                     body.setting,
-                    registration=found.caller is Caller.AGENT and method in REGISTRATION_METHODS,
+                    registration=found.caller is Caller.AGENT
+                    and (method in REGISTRATION_METHODS or found.rate_limited),
                     admission=admitted and method == "POST",
                 )
                 for method in found.methods
@@ -212,6 +213,10 @@ class RequestGuard:
         token = credentials(headers.get("authorization"), service=rule.caller is Caller.SERVICE)
         if rule.caller is Caller.SERVICE and is_service_token(token, self.settings.service_tokens):
             return  # the backend's calls, single events among them, cost no session
+        if rule.caller is Caller.AGENT and is_service_token(token, self.settings.service_tokens):
+            # The backend's call to an agent route: not rate limited; the route's own
+            # dependency says whether it takes a service token (403 where it needs an agent).
+            return
         engine: AsyncEngine = scope["app"].state.queuekeeper.engine
         if rule.caller is Caller.SERVICE:
             await authenticate_service(engine, token, self.settings)

@@ -64,6 +64,16 @@ def intake(body: BodyLimit, *, admission: bool = False) -> Callable[[Endpoint], 
     return mark
 
 
+_COUNTED = "__queuekeeper_counted__"
+
+
+def rate_limited(endpoint: Endpoint) -> Endpoint:
+    """Decorates an agent endpoint (under its route decorator) that is counted against the
+    per-token rate limit although it is no POST or PUT (those always are)."""
+    setattr(endpoint, _COUNTED, True)
+    return endpoint
+
+
 class CallerRoute(APIRoute):
     caller: ClassVar[Caller]
 
@@ -99,6 +109,7 @@ class Declared:
     methods: frozenset[str]
     caller: Caller
     intake: Intake | None
+    rate_limited: bool = False
 
 
 def declared_routes(routes: Sequence[BaseRoute]) -> list[Declared]:
@@ -125,6 +136,7 @@ def declared_routes(routes: Sequence[BaseRoute]) -> list[Declared]:
                 frozenset(context.methods or ()),
                 caller,
                 getattr(context.endpoint, _INTAKE, None),
+                bool(getattr(context.endpoint, _COUNTED, False)),
             )
         )
     return found

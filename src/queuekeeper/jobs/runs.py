@@ -58,6 +58,7 @@ class Job(enum.StrEnum):
     CLEANUP_STALE = "cleanup_stale"
     REDRIVE = "redrive_dead_letters"
     REVOKE_EXPIRED = "revoke_expired"
+    PRESENCE = "presence"
 
 
 class Trigger(enum.StrEnum):
