@@ -186,7 +186,7 @@ OLDEST_PARKED_AGE = Gauge(
 )
 COPIES_GIVEN_UP_RETENTION = Counter(
     "queuekeeper_copies_given_up_retention_total",
-    "Parked copies given up because their event is older than QUEUEKEEPER_EVENT_RETENTION_DAYS.",
+    "Parked copies given up because their event is older than the retention period.",
 )
 REPLAYS = Counter(
     "queuekeeper_replays_total",
