@@ -76,7 +76,6 @@ class PresenceWriter:
         self._pending: dict[Key, ConsumerEvent] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.written = 0  # rows written, for tests and logs
 
     async def on_event(self, event: ConsumerEvent) -> None:
         if not topology.is_registered_kind(event.queue):
@@ -117,14 +116,17 @@ class PresenceWriter:
         for key in wanted:
             by_vhost[key[0]].append(batch[key])
         for vhost, events in by_vhost.items():
-            written = await observe(
-                self.settings,
-                self.sessions,
-                vhost,
-                [event.queue for event in events],
-                away_from={event.queue: event.at for event in events if not event.arrived},
-            )
-            self.written += written
+            try:
+                await observe(
+                    self.settings,
+                    self.sessions,
+                    vhost,
+                    [event.queue for event in events],
+                    away_from={event.queue: event.at for event in events if not event.arrived},
+                )
+            except CONNECT_ERRORS as exc:  # this vhost only (deleted meanwhile, node down)
+                log.info("presence_not_asked", vhost=vhost, error=describe(exc))
+                continue
             log.info(
                 "presence_changed",
                 vhost=vhost,
