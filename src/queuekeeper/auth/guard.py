@@ -62,6 +62,8 @@ class Policy:
     registration: bool = False
     # The backend's accept routes: admitted up to `events_max_in_flight` at once.
     admission: bool = False
+    # An agent route that a service token may call too (`access.service_too`).
+    service_too: bool = False
 
 
 class Policies:
@@ -84,6 +86,7 @@ class Policies:
                     registration=found.caller is Caller.AGENT
                     and (method in REGISTRATION_METHODS or found.rate_limited),
                     admission=admitted and method == "POST",
+                    service_too=found.service_too,
                 )
                 for method in found.methods
             }
@@ -213,10 +216,8 @@ class RequestGuard:
         token = credentials(headers.get("authorization"), service=rule.caller is Caller.SERVICE)
         if rule.caller is Caller.SERVICE and is_service_token(token, self.settings.service_tokens):
             return  # the backend's calls, single events among them, cost no session
-        if rule.caller is Caller.AGENT and is_service_token(token, self.settings.service_tokens):
-            # The backend's call to an agent route: not rate limited; the route's own
-            # dependency says whether it takes a service token (403 where it needs an agent).
-            return
+        if rule.service_too and is_service_token(token, self.settings.service_tokens):
+            return  # the backend acting for any agent: not counted against an agent's limit
         engine: AsyncEngine = scope["app"].state.queuekeeper.engine
         if rule.caller is Caller.SERVICE:
             await authenticate_service(engine, token, self.settings)

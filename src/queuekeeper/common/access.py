@@ -65,12 +65,21 @@ def intake(body: BodyLimit, *, admission: bool = False) -> Callable[[Endpoint], 
 
 
 _COUNTED = "__queuekeeper_counted__"
+_SERVICE_TOO = "__queuekeeper_service_too__"
 
 
 def rate_limited(endpoint: Endpoint) -> Endpoint:
     """Decorates an agent endpoint (under its route decorator) that is counted against the
     per-token rate limit although it is no POST or PUT (those always are)."""
     setattr(endpoint, _COUNTED, True)
+    return endpoint
+
+
+def service_too(endpoint: Endpoint) -> Endpoint:
+    """Decorates an agent endpoint that a service token may call as well (the backend acting
+    for any agent): the guard lets that token through, uncounted, to the endpoint's own
+    dependency. On other agent routes a service token is refused before the body is read."""
+    setattr(endpoint, _SERVICE_TOO, True)
     return endpoint
 
 
@@ -110,6 +119,7 @@ class Declared:
     caller: Caller
     intake: Intake | None
     rate_limited: bool = False
+    service_too: bool = False
 
 
 def declared_routes(routes: Sequence[BaseRoute]) -> list[Declared]:
@@ -137,6 +147,7 @@ def declared_routes(routes: Sequence[BaseRoute]) -> list[Declared]:
                 caller,
                 getattr(context.endpoint, _INTAKE, None),
                 bool(getattr(context.endpoint, _COUNTED, False)),
+                bool(getattr(context.endpoint, _SERVICE_TOO, False)),
             )
         )
     return found

@@ -36,6 +36,7 @@ router = caller_router(Caller.AGENT, tags=["agents"])
     ),
 )
 @access.rate_limited
+@access.service_too
 async def consumer_status(
     consumer_uuid: str,
     caller: AgentOrService,
