@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
 from queuekeeper.jobs.runs import Job, Trigger
@@ -162,6 +163,18 @@ async def test_the_periodic_check_repairs_what_no_event_said(
     again = await status(client, unread["rmq_username"], agent.headers)
     assert again["away_since"] is not None
     assert datetime.fromisoformat(again["away_since"]) == first_seen
+    # The run set the gauges the alerts read: both queues without a consumer, the longest
+    # away since the first sight.
+    scrape = (await client.get("/metrics")).text
+    samples = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(scrape)
+        for sample in family.samples
+    }
+    assert samples["queuekeeper_queues_without_consumer"] == 2
+    longest = samples["queuekeeper_queue_longest_away_seconds"]
+    assert longest == pytest.approx((datetime.now(UTC) - first_seen).total_seconds(), abs=5)
+    assert samples["queuekeeper_parked_copies"] == 0
 
 
 async def test_replicas_agree_whichever_hears_the_event(
