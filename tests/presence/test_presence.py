@@ -96,7 +96,11 @@ async def test_arrival_and_departure_are_known_within_seconds(
         assert took < 5, f"arrival learnt after {took:.1f} s"
         # The Management API's connection list is statistics, a few seconds behind.
         answer, _ = await wait_status(
-            client, consumer_uuid, agent.headers, lambda a: a["connections"], timeout=15
+            client,
+            consumer_uuid,
+            agent.headers,
+            lambda a: a["connections"] and a["connections"][0]["connected_at"],
+            timeout=15,
         )
         (connection,) = answer["connections"]
         assert connection["peer_host"] in ("127.0.0.1", "::1")

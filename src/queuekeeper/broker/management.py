@@ -610,10 +610,14 @@ class ManagementClient:
         by_name = {connection.name: connection for connection in connections}
         found: dict[str, dict[str, ConnectionInfo]] = {}
         for consumer in consumers:
-            connection = by_name.get(consumer.connection_name) or ConnectionInfo(
-                consumer.connection_name, consumer.peer_host, consumer.peer_port, None, None
-            )
-            found.setdefault(consumer.queue, {})[connection.name] = connection
+            connection = by_name.get(consumer.connection_name)
+            if connection is None and consumer.peer_host is not None:
+                # Listed among the consumers before its connection's statistics arrived.
+                connection = ConnectionInfo(
+                    consumer.connection_name, consumer.peer_host, consumer.peer_port, None, None
+                )
+            if connection is not None:  # else: neither list knows its peer yet
+                found.setdefault(consumer.queue, {})[connection.name] = connection
         oldest = datetime.max.replace(tzinfo=UTC)
         return {
             queue: sorted(named.values(), key=lambda c: (c.connected_at or oldest, c.name))
