@@ -160,8 +160,7 @@ JOBS: JobTable = {
         Job.PRESENCE,
         presence.check,
         interval=lambda settings: settings.presence_interval_seconds,
-        on_change=presence.count_change,
-        quiet=True,
+        quiet=True,  # its gauges are set once per run (presence.refresh_gauges)
     ),
 }
 

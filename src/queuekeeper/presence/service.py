@@ -162,10 +162,6 @@ async def observe(
 
 
 # --- the periodic check (the `presence` job) ------------------------------------------------
-def count_change(counter: str) -> None:
-    """The job's metric hook: nothing per change; the gauges are set once per run."""
-
-
 async def check(context: JobContext, run: Run) -> None:
     """Compare every registered queue's presence row with the broker's listing; ask the
     queues where they disagree (or that have no row); forget rows of unregistered queues."""
