@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## make run: install, make sure the local RabbitMQ is up (management, STOMP, web-STOMP), migrate,
+## make run: install, make sure the local RabbitMQ is up (management, STOMP, web-STOMP, event
+## exchange), migrate,
 ## and serve on the embedded default (SQLite file, local RabbitMQ)
 run: install
 	@MAKE_TARGET=run bash scripts/ensure-services.sh rabbitmq

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Makes sure PostgreSQL and RabbitMQ (with the management, STOMP and web-STOMP
-# plugins) answer on loopback. Starts them when installed but down; installs
+# Makes sure PostgreSQL and RabbitMQ (with the management, STOMP, web-STOMP and event
+# exchange plugins) answer on loopback. Starts them when installed but down; installs
 # them with apt on Debian when missing and running as root. Idempotent.
 #
 #   ensure-services.sh            both (make test)
@@ -57,8 +57,21 @@ if [ "$want_postgresql" = 1 ] && ! port_open 5432; then
 fi
 
 # --- RabbitMQ -----------------------------------------------------------------------
-PLUGINS="rabbitmq_management rabbitmq_stomp rabbitmq_web_stomp"
-plugins_up() { port_open 15672 && port_open 15674 && port_open 61613; }
+PLUGINS="rabbitmq_management rabbitmq_stomp rabbitmq_web_stomp rabbitmq_event_exchange"
+# The event exchange opens no port: it is up when the Management API shows the exchange it
+# declares (`amq.rabbitmq.event` in vhost /), asked as the local default user (RABBITMQ_USER
+# and RABBITMQ_PASSWORD override guest/guest), so no root or Erlang cookie is needed to ask.
+# Presence (consumers arriving and leaving) is learnt from it (docs/architecture.md).
+event_exchange_up() {
+  python3 - "${RABBITMQ_USER:-guest}" "${RABBITMQ_PASSWORD:-guest}" 2>/dev/null <<'EOF'
+import base64, sys, urllib.request
+request = urllib.request.Request("http://127.0.0.1:15672/api/exchanges/%2F/amq.rabbitmq.event")
+login = base64.b64encode(f"{sys.argv[1]}:{sys.argv[2]}".encode()).decode()
+request.add_header("Authorization", f"Basic {login}")
+urllib.request.urlopen(request, timeout=5)
+EOF
+}
+plugins_up() { port_open 15672 && port_open 15674 && port_open 61613 && event_exchange_up; }
 if [ "$want_rabbitmq" = 1 ] && ! { port_open 5672 && plugins_up; }; then
   if ! command -v rabbitmq-server >/dev/null && ! [ -x /usr/sbin/rabbitmq-server ]; then
     apt_install rabbitmq-server
@@ -73,6 +86,7 @@ if [ "$want_rabbitmq" = 1 ] && ! { port_open 5672 && plugins_up; }; then
   if ! plugins_up; then
     log "enabling $PLUGINS"
     # shellcheck disable=SC2086
+    # Online: enabling plugins on a running node neither restarts it nor drops connections.
     rabbitmq-plugins enable $PLUGINS >/dev/null 2>&1 \
       || stop_with "RabbitMQ lacks its plugins; run: $(as_root rabbitmq-plugins enable $PLUGINS)"
   fi
@@ -82,5 +96,5 @@ if [ "$want_rabbitmq" = 1 ] && ! { port_open 5672 && plugins_up; }; then
 fi
 services=()
 [ "$want_postgresql" = 1 ] && services+=(PostgreSQL)
-[ "$want_rabbitmq" = 1 ] && services+=("RabbitMQ (management, STOMP, web-STOMP)")
+[ "$want_rabbitmq" = 1 ] && services+=("RabbitMQ (management, STOMP, web-STOMP, event exchange)")
 log "up: ${services[*]}"

@@ -19,6 +19,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from queuekeeper.admin.endpoints import router as runs_router
 from queuekeeper.auth.guard import RequestGuard
 from queuekeeper.broker.management import ManagementClient
+from queuekeeper.broker.presence import PresenceListener
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.common.access import declared_routes
@@ -60,6 +61,8 @@ from queuekeeper.parking.endpoints import agent_router as replay_router
 from queuekeeper.parking.endpoints import queues_router as queue_replay_router
 from queuekeeper.parking.gate import ParkingGate
 from queuekeeper.parking.release import Releaser
+from queuekeeper.presence import service as presence
+from queuekeeper.presence.endpoints import router as presence_router
 from queuekeeper.reconcile import service as reconcile
 from queuekeeper.reconcile import stale
 from queuekeeper.reconcile.endpoints import router as admin_router
@@ -164,6 +167,12 @@ JOBS: JobTable = {
         interval=lambda settings: settings.retention_interval_seconds,
         on_change=retention.count_change,
     ),
+    Job.PRESENCE: JobSpec(
+        Job.PRESENCE,
+        presence.check,
+        interval=lambda settings: settings.presence_interval_seconds,
+        quiet=True,  # its gauges are set once per run (presence.refresh_gauges)
+    ),
 }
 
 
@@ -181,6 +190,9 @@ class Runtime(AppState):
     releaser: Releaser | None = None
     relay_engine: AsyncEngine | None = None
     scheduler: JobScheduler | None = None
+    # Consumers arriving and leaving, from the broker's event exchange (contract §11).
+    presence_listener: PresenceListener | None = None
+    presence_writer: presence.PresenceWriter | None = None
     # What readiness last reported down, so a change is logged once, not per probe.
     readiness_down: tuple[str, ...] = ()
     readiness_nodes_down: tuple[str, ...] = ()
@@ -230,6 +242,16 @@ def start_relay(state: Runtime) -> Relay:
     return relay
 
 
+def start_presence(state: Runtime) -> None:
+    """Every replica listens: each writes what it hears as absolute counts, so the replica
+    that hears a consumer leave need not be the one that holds its queue's copies."""
+    writer = presence.PresenceWriter(state.settings, state.sessions)
+    writer.start()
+    listener = PresenceListener(state.settings, writer.on_event)
+    listener.start()
+    state.presence_writer, state.presence_listener = writer, listener
+
+
 def start_scheduler(state: Runtime) -> JobScheduler:
     scheduler = JobScheduler(state.jobs.context, JOBS)
     scheduler.start()
@@ -249,6 +271,12 @@ async def shutdown(state: Runtime) -> None:
     if state.releaser is not None:
         await state.releaser.stop()
         state.releaser = None
+    if state.presence_listener is not None:
+        await state.presence_listener.stop()
+        state.presence_listener = None
+    if state.presence_writer is not None:
+        await state.presence_writer.stop()
+        state.presence_writer = None
     if state.relay is not None:
         state.intake.relay = None
         await state.relay.stop()
@@ -263,7 +291,11 @@ async def shutdown(state: Runtime) -> None:
 
 @asynccontextmanager
 async def running(
-    settings: Settings, *, relay: bool = False, scheduler: bool = False
+    settings: Settings,
+    *,
+    relay: bool = False,
+    scheduler: bool = False,
+    presence_events: bool = False,
 ) -> AsyncIterator[Runtime]:
     """The one start-up and shutdown: `serve` (through the lifespan), `relay`, and the CLI's
     job and import commands all run inside it."""
@@ -273,6 +305,8 @@ async def running(
             start_relay(state)
         if scheduler:
             start_scheduler(state)
+        if presence_events:
+            start_presence(state)
         yield state
     finally:
         await shutdown(state)
@@ -285,7 +319,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         declared_routes(app.routes)  # a route that declares no caller stops the start
         async with running(
-            settings, relay=settings.relay_enabled, scheduler=settings.scheduler_enabled
+            settings,
+            relay=settings.relay_enabled,
+            scheduler=settings.scheduler_enabled,
+            presence_events=settings.presence_events_enabled,
         ) as state:
             app.state.queuekeeper = state
             log.info(
@@ -357,6 +394,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         directory_router,
         identities_router,
         consumers_router,
+        presence_router,
         identities_admin_router,
         admin_router,
         runs_router,

@@ -336,6 +336,20 @@ class Settings(BaseSettings):
         description="Dead letters examined per vhost per redrive run (bounds memory).",
     )
 
+    # --- presence: who reads each queue (contract §11) --------------------------------------------
+    presence_events_enabled: bool = Field(
+        default=True,
+        description="Learn within seconds when a consumer arrives at or leaves a registered "
+        "queue, from RabbitMQ's event exchange (plugin `rabbitmq_event_exchange`, read in vhost "
+        "`/`). Off: only the periodic check (QUEUEKEEPER_PRESENCE_INTERVAL_SECONDS) does.",
+    )
+    presence_interval_seconds: int = Field(
+        default=60,
+        ge=0,
+        description="Seconds between checks of every registered queue's consumers against the "
+        "Management API (repairs a missed event or a restart); 0 = only on demand.",
+    )
+
     # --- publishing (contract §6) ----------------------------------------------------------------
     events_batch_max: int = Field(
         default=1000, ge=1, description="Most events one POST /api/internal/events/batch/ takes."
@@ -382,8 +396,8 @@ class Settings(BaseSettings):
         default=300,
         gt=0,
         description="Seconds a registered queue may have no consumer before its new copies are "
-        "parked in the outbox instead of published (contract §11); they are published, in "
-        "acceptance order, when a consumer returns.",
+        "parked in the outbox instead of published and its status says `agent_away` (contract "
+        "§11); the parked copies are published, in acceptance order, when a consumer returns.",
     )
     park_release_max_in_flight: int = Field(
         default=1000,

@@ -36,7 +36,13 @@ async def test_scheduler_fires_reconcile_and_records_the_run(
         state: Runtime = app.state.queuekeeper
         jobs = {job.name for job in scheduled(state).jobs()}
         # Redrive is on demand unless an interval is configured.
-        assert jobs == {Job.RECONCILE, Job.CLEANUP_STALE, Job.REVOKE_EXPIRED, Job.RETENTION}
+        assert jobs == {
+            Job.RECONCILE,
+            Job.CLEANUP_STALE,
+            Job.REVOKE_EXPIRED,
+            Job.RETENTION,
+            Job.PRESENCE,
+        }
         deadline = time.monotonic() + 10
         while True:
             async with state.sessions() as session:
@@ -61,10 +67,14 @@ async def test_first_run_waits_one_interval(settings: Settings, clean_state: Non
         state: Runtime = app.state.queuekeeper
         next_runs = {job.name: job.next_run for job in scheduled(state).jobs()}
     assert None not in next_runs.values()
-    # The frequent expiry check aside (seconds), the first run of each job is hours away.
+    # The frequent checks aside (expiry: seconds; presence: a minute), the first run of each
+    # job is hours away.
     expiry_check = next_runs.pop(Job.REVOKE_EXPIRED)
     assert expiry_check is not None
     assert (expiry_check - utcnow()).total_seconds() > 3
+    presence_check = next_runs.pop(Job.PRESENCE)
+    assert presence_check is not None
+    assert (presence_check - utcnow()).total_seconds() > 30
     soonest = min(run for run in next_runs.values() if run is not None)
     assert (soonest - utcnow()).total_seconds() > 5 * 3600
 

@@ -129,6 +129,7 @@ def test_rabbitmq_has_the_plugins_and_ports_agents_need() -> None:
         "rabbitmq_management",
         "rabbitmq_stomp",
         "rabbitmq_web_stomp",
+        "rabbitmq_event_exchange",  # presence: consumers arriving and leaving
     }
 
 

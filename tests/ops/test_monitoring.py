@@ -47,6 +47,8 @@ REQUIRED_ALERTS = {
     "QueuekeeperNotReady",
     "QueuekeeperManagementApiErrors",
     "QueuekeeperQueueWithoutConsumer",  # consumers missing on registered queues
+    "QueuekeeperAgentAway",  # contract §11: an agent away longer than a threshold
+    "QueuekeeperParkedNearingRetention",  # parked copies nearing retention
 }
 
 _KEYWORDS = {

@@ -62,7 +62,7 @@ class Policy:
     registration: bool = False
     # The backend's accept routes: admitted up to `events_max_in_flight` at once.
     admission: bool = False
-    # An agent route a service token may call too (common/access.py `Intake.service_too`).
+    # An agent route that a service token may call too (`access.service_too`).
     service_too: bool = False
 
 
@@ -78,15 +78,15 @@ class Policies:
         for found in declared_routes(routes):
             body = found.intake.body if found.intake is not None else DEFAULT_BODY
             admitted = found.intake is not None and found.intake.admission
-            service_too = found.intake is not None and found.intake.service_too
             by_method = {
                 method: Policy(
                     found.caller,
                     body.size(settings),
                     body.setting,
-                    registration=found.caller is Caller.AGENT and method in REGISTRATION_METHODS,
+                    registration=found.caller is Caller.AGENT
+                    and (method in REGISTRATION_METHODS or found.rate_limited),
                     admission=admitted and method == "POST",
-                    service_too=service_too,
+                    service_too=found.service_too,
                 )
                 for method in found.methods
             }
@@ -217,7 +217,7 @@ class RequestGuard:
         if rule.caller is Caller.SERVICE and is_service_token(token, self.settings.service_tokens):
             return  # the backend's calls, single events among them, cost no session
         if rule.service_too and is_service_token(token, self.settings.service_tokens):
-            return  # the endpoint's dependency tells the service from an agent
+            return  # the backend acting for any agent: not counted against an agent's limit
         engine: AsyncEngine = scope["app"].state.queuekeeper.engine
         if rule.caller is Caller.SERVICE:
             await authenticate_service(engine, token, self.settings)

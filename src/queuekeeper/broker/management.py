@@ -12,6 +12,7 @@ import ssl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -137,6 +138,66 @@ class Permission:
     @property
     def permissions(self) -> Permissions:
         return Permissions(configure=self.configure, write=self.write, read=self.read)
+
+
+@dataclass(frozen=True)
+class ConsumerInfo:
+    """One consumer of a queue, and the connection it came on (its channel's details)."""
+
+    queue: str
+    vhost: str
+    consumer_tag: str
+    connection_name: str
+    peer_host: str | None = None
+    peer_port: int | None = None
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], vhost: str) -> ConsumerInfo:
+        queue = body.get("queue")
+        channel = body.get("channel_details")
+        queue = queue if isinstance(queue, dict) else {}
+        channel = channel if isinstance(channel, dict) else {}
+        host, port = channel.get("peer_host"), channel.get("peer_port")
+        return cls(
+            queue=str(queue.get("name") or ""),
+            vhost=str(queue.get("vhost") or vhost),
+            consumer_tag=str(body.get("consumer_tag") or ""),
+            connection_name=str(channel.get("connection_name") or ""),
+            peer_host=host if isinstance(host, str) else None,
+            peer_port=_count(port),
+        )
+
+
+@dataclass(frozen=True)
+class ConnectionInfo:
+    """A client connection: who is on the other end, since when, and with what client."""
+
+    name: str
+    peer_host: str | None
+    peer_port: int | None
+    connected_at: datetime | None
+    client: str | None  # product and version from the client's properties, else the protocol
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> ConnectionInfo:
+        at = body.get("connected_at")  # milliseconds since the epoch
+        properties = body.get("client_properties")
+        properties = properties if isinstance(properties, dict) else {}
+        product, version = properties.get("product"), properties.get("version")
+        client = " ".join(str(part) for part in (product, version) if part) or None
+        protocol = body.get("protocol")
+        host = body.get("peer_host")
+        return cls(
+            name=str(body.get("name") or ""),
+            peer_host=host if isinstance(host, str) else None,
+            peer_port=_count(body.get("peer_port")),
+            connected_at=(
+                datetime.fromtimestamp(at / 1000, UTC)
+                if isinstance(at, int | float) and not isinstance(at, bool)
+                else None
+            ),
+            client=client or (str(protocol) if protocol else None),
+        )
 
 
 def _dicts(body: Any) -> list[dict[str, Any]]:
@@ -519,6 +580,49 @@ class ManagementClient:
             if isinstance(item.get("name"), str)
         ]
         return QueuePage(items, page, int(body.get("page_count") or 0))
+
+    # --- who consumes (presence, contract §11) -------------------------------------------
+    async def list_consumers(self, vhost: str) -> list[ConsumerInfo]:
+        """The vhost's consumers; the broker's statistics, a few seconds behind (the event
+        exchange and a passive declare are not: broker/presence.py)."""
+        path = f"/consumers/{_q(vhost)}"
+        try:
+            response = await self._request("GET", path, "consumer")
+        except ManagementNotFound:
+            return []
+        return [ConsumerInfo.parse(item, vhost) for item in _dicts(self._json(response, path))]
+
+    async def list_connections(self, vhost: str) -> list[ConnectionInfo]:
+        path = f"/vhosts/{_q(vhost)}/connections"
+        columns = "name,peer_host,peer_port,connected_at,client_properties,protocol"
+        try:
+            response = await self._request("GET", path, "connection", params={"columns": columns})
+        except ManagementNotFound:
+            return []
+        return [ConnectionInfo.parse(item) for item in _dicts(self._json(response, path))]
+
+    async def queue_connections(self, vhost: str) -> dict[str, list[ConnectionInfo]]:
+        """Each queue of `vhost` that has consumers: the connections they came on (one entry
+        per connection, however many consumers it holds), oldest first."""
+        consumers, connections = await asyncio.gather(
+            self.list_consumers(vhost), self.list_connections(vhost)
+        )
+        by_name = {connection.name: connection for connection in connections}
+        found: dict[str, dict[str, ConnectionInfo]] = {}
+        for consumer in consumers:
+            connection = by_name.get(consumer.connection_name)
+            if connection is None and consumer.peer_host is not None:
+                # Listed among the consumers before its connection's statistics arrived.
+                connection = ConnectionInfo(
+                    consumer.connection_name, consumer.peer_host, consumer.peer_port, None, None
+                )
+            if connection is not None:  # else: neither list knows its peer yet
+                found.setdefault(consumer.queue, {})[connection.name] = connection
+        oldest = datetime.max.replace(tzinfo=UTC)
+        return {
+            queue: sorted(named.values(), key=lambda c: (c.connected_at or oldest, c.name))
+            for queue, named in found.items()
+        }
 
     # --- connections and limits (revocation, quotas) --------------------------------------
     async def close_user_connections(self, user: str) -> bool:

@@ -43,29 +43,44 @@ DEFAULT_BODY = BodyLimit(lambda settings: settings.body_max_bytes, "body_max_byt
 
 @dataclass(frozen=True)
 class Intake:
-    """What an endpoint adds to its router's declaration: a body limit of its own, whether
-    its POSTs are admitted only up to `events_max_in_flight` at once, and (an agent route)
-    whether a service token may call it too (its endpoint then tells the two apart)."""
+    """What an endpoint adds to its router's declaration: a body limit of its own, and
+    whether its POSTs are admitted only up to `events_max_in_flight` at once."""
 
     body: BodyLimit
     admission: bool = False
-    service_too: bool = False
 
 
 _INTAKE = "__queuekeeper_intake__"
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 
 
-def intake(
-    body: BodyLimit, *, admission: bool = False, service_too: bool = False
-) -> Callable[[Endpoint], Endpoint]:
+def intake(body: BodyLimit, *, admission: bool = False) -> Callable[[Endpoint], Endpoint]:
     """Decorates an endpoint (under its route decorator) with its own `Intake`."""
 
     def mark(endpoint: Endpoint) -> Endpoint:
-        setattr(endpoint, _INTAKE, Intake(body, admission, service_too))
+        setattr(endpoint, _INTAKE, Intake(body, admission))
         return endpoint
 
     return mark
+
+
+_COUNTED = "__queuekeeper_counted__"
+_SERVICE_TOO = "__queuekeeper_service_too__"
+
+
+def rate_limited(endpoint: Endpoint) -> Endpoint:
+    """Decorates an agent endpoint (under its route decorator) that is counted against the
+    per-token rate limit although it is no POST or PUT (those always are)."""
+    setattr(endpoint, _COUNTED, True)
+    return endpoint
+
+
+def service_too(endpoint: Endpoint) -> Endpoint:
+    """Decorates an agent endpoint that a service token may call as well (the backend acting
+    for any agent): the guard lets that token through, uncounted, to the endpoint's own
+    dependency. On other agent routes a service token is refused before the body is read."""
+    setattr(endpoint, _SERVICE_TOO, True)
+    return endpoint
 
 
 class CallerRoute(APIRoute):
@@ -103,6 +118,8 @@ class Declared:
     methods: frozenset[str]
     caller: Caller
     intake: Intake | None
+    rate_limited: bool = False
+    service_too: bool = False
 
 
 def declared_routes(routes: Sequence[BaseRoute]) -> list[Declared]:
@@ -129,6 +146,8 @@ def declared_routes(routes: Sequence[BaseRoute]) -> list[Declared]:
                 frozenset(context.methods or ()),
                 caller,
                 getattr(context.endpoint, _INTAKE, None),
+                bool(getattr(context.endpoint, _COUNTED, False)),
+                bool(getattr(context.endpoint, _SERVICE_TOO, False)),
             )
         )
     return found

@@ -33,7 +33,7 @@ from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishErr
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
-from queuekeeper.broker.amqp import amqp_nodes, amqp_ssl_context, connect_vhost
+from queuekeeper.broker.amqp import CONNECT_ERRORS, amqp_nodes, amqp_ssl_context, connect_vhost
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.sieve import copy_of
 from queuekeeper.config import Settings
@@ -426,3 +426,38 @@ async def dead_letter_counts(
         return DeadLetterQueueOut.from_info(vhost, settings.dlq_name, info)
 
     return list(await asyncio.gather(*(one(vhost) for vhost in vhosts)))
+
+
+async def dead_letters_by_queue(settings: Settings, vhost: str) -> dict[str, int]:
+    """How many of the vhost's dead letters came from each queue (their `x-death`).
+
+    The dead-letter queue is one per vhost, so this looks at it: its messages are taken
+    unacknowledged (at most `redrive_max_messages`), counted, and all given back in order
+    when the channel closes. A dead letter a redrive holds at that moment is not seen.
+    """
+    connection, _node = await connect_vhost(
+        amqp_nodes(settings),
+        vhost,
+        connect_timeout=settings.amqp_connect_timeout,
+        ssl_context=amqp_ssl_context(settings),
+    )
+    counts: dict[str, int] = {}
+    try:
+        channel = await connection.channel(publisher_confirms=False)
+        try:
+            queue = await channel.declare_queue(settings.dlq_name, passive=True)
+        except ChannelNotFoundEntity:
+            return counts
+        waiting = queue.declaration_result.message_count or 0
+        for _ in range(min(waiting, settings.redrive_max_messages)):
+            message = await queue.get(no_ack=False, fail=False)
+            if message is None:
+                break
+            headers = dict(message.headers or {})
+            origin = _origin(headers, _deaths(headers)) or ""
+            counts[origin] = counts.get(origin, 0) + 1
+    finally:
+        # Closing returns every message taken to the queue, in its place.
+        with suppress(*CONNECT_ERRORS):
+            await connection.close()
+    return counts

@@ -59,6 +59,7 @@ class Job(enum.StrEnum):
     REDRIVE = "redrive_dead_letters"
     REVOKE_EXPIRED = "revoke_expired"
     RETENTION = "retention"
+    PRESENCE = "presence"
 
 
 class Trigger(enum.StrEnum):

@@ -160,7 +160,30 @@ COPIES = Counter(
     ["kind", "stage"],
 )
 
-# --- an agent away loses nothing (contract §11) -------------------------------------------
+# --- presence, parking, replay (contract §11) ---------------------------------------------------
+# Set by the `presence` job on whichever replica ran it last: every replica reads the same
+# database, so the largest live value is the truth.
+QUEUES_WITHOUT_CONSUMER = Gauge(
+    "queuekeeper_queues_without_consumer",
+    "Registered queues that have no consumer now.",
+    multiprocess_mode="livemax",
+)
+QUEUES_LONGEST_AWAY = Gauge(
+    "queuekeeper_queue_longest_away_seconds",
+    "How long the registered queue without a consumer for the longest has had none (0: every "
+    "queue has one).",
+    multiprocess_mode="livemax",
+)
+PARKED_COPIES = Gauge(
+    "queuekeeper_parked_copies",
+    "Copies held in the outbox because their queue's agent is away.",
+    multiprocess_mode="livemax",
+)
+OLDEST_PARKED_AGE = Gauge(
+    "queuekeeper_oldest_parked_copy_age_seconds",
+    "Age (since its event's acceptance) of the oldest parked copy; 0 when none is parked.",
+    multiprocess_mode="livemax",
+)
 COPIES_PARKED = Counter(
     "queuekeeper_copies_parked_total",
     "Copies parked in the outbox because their queue's agent was away (or its backlog was).",

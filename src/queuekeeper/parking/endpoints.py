@@ -6,7 +6,7 @@ from fastapi import status
 
 from queuekeeper.admin.routes import ADMIN_ERRORS, admin_router
 from queuekeeper.auth.dependencies import AgentOrService
-from queuekeeper.common.access import DEFAULT_BODY, Caller, intake
+from queuekeeper.common.access import Caller, service_too
 from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.parking import service
@@ -47,7 +47,7 @@ _REPLAY_DESCRIPTION = (
         },
     ),
 )
-@intake(DEFAULT_BODY, service_too=True)
+@service_too
 async def replay_consumer(
     consumer_uuid: str,
     window: ReplayWindow,

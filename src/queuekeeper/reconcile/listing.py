@@ -33,7 +33,9 @@ from queuekeeper.reconcile.repository import QueueRow
 
 # What reconcile needs; no statistics, so the broker can skip computing them.
 RECONCILE_COLUMNS = "name,arguments,durable,auto_delete"
-VIEW_COLUMNS = "name,arguments,durable,auto_delete,messages,consumers"
+VIEW_COLUMNS = (
+    "name,arguments,durable,auto_delete,messages,messages_ready,messages_unacknowledged,consumers"
+)
 
 
 class UnsortedListing(Exception):

@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import enum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field, PrivateAttr
 
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import QueueInfo
 from queuekeeper.common.schemas import HexUUID
+from queuekeeper.presence.schemas import QueueStatusFields
 from queuekeeper.reconcile.repository import QueueRow
 
 
@@ -18,8 +19,9 @@ class QueueState(enum.StrEnum):
     FOREIGN_VHOST = "foreign_vhost"  # registered, but its vhost is not ours to look into
 
 
-class QueueStateOut(BaseModel):
-    """One queue as the database and the broker see it."""
+class QueueStateOut(QueueStatusFields):
+    """One queue as the database and the broker see it, and (registered) why it is silent:
+    the fields of `GET /api/event-consumers/{uuid}/status/` (contract §11)."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -38,6 +40,24 @@ class QueueStateOut(BaseModel):
                     "differences": [],
                     "messages": 0,
                     "consumers": 1,
+                    "connected": True,
+                    "connections": [
+                        {
+                            "peer_host": "192.0.2.10",
+                            "peer_port": 51234,
+                            "connected_at": "2026-11-27T08:00:01Z",
+                            "client": "Web STOMP 1.2",
+                        }
+                    ],
+                    "away_since": None,
+                    "ready": 0,
+                    "unacked": 0,
+                    "parked": 0,
+                    "oldest_parked_at": None,
+                    "dead_letters": 0,
+                    "last_delivered_at": "2026-11-27T09:12:40Z",
+                    "delivery_blocked_reason": None,
+                    "delivery_blocked_detail": None,
                 }
             ]
         }
@@ -68,7 +88,8 @@ class QueueStateOut(BaseModel):
         description="Ready plus unacknowledged, as of the broker's last statistics tick; null "
         "when not present or not yet known."
     )
-    consumers: int | None = None
+    # The broker's entry, for the status fields (`reconcile/view.py`); not in the answer.
+    _broker: QueueInfo | None = PrivateAttr(default=None)
 
     @classmethod
     def from_row(
@@ -85,7 +106,7 @@ class QueueStateOut(BaseModel):
         `present` and `arguments_ok` are null for a foreign vhost: nothing was asked there.
         """
         foreign = state is QueueState.FOREIGN_VHOST
-        return cls(
+        entry = cls(
             queue_name=name,
             vhost=vhost,
             state=state,
@@ -101,3 +122,9 @@ class QueueStateOut(BaseModel):
             messages=broker.messages if broker else None,
             consumers=broker.consumers if broker else None,
         )
+        entry._broker = broker
+        return entry
+
+    @property
+    def broker(self) -> QueueInfo | None:
+        return self._broker

@@ -14,6 +14,8 @@ from queuekeeper.broker import topology
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.exceptions import BadRequest
 from queuekeeper.jobs.runs import JobContext
+from queuekeeper.presence import service as presence
+from queuekeeper.presence.schemas import QueueStatusFields
 from queuekeeper.reconcile import repository
 from queuekeeper.reconcile.listing import VIEW_COLUMNS, ListedQueue, vhost_queues
 from queuekeeper.reconcile.schemas import QueueState, QueueStateOut
@@ -128,4 +130,25 @@ async def queue_page(
         if offset <= total < offset + limit:
             page.append(entry)
         total += 1
-    return total, page
+    return total, await with_status(context, page)
+
+
+async def with_status(context: JobContext, page: list[QueueStateOut]) -> list[QueueStateOut]:
+    """The page's registered queues with why each is silent (contract §11): asked for the
+    page only, so the cost follows the page size, not the number of queues."""
+    listed = {
+        (entry.vhost, entry.queue_name): entry.broker
+        for entry in page
+        if entry.registered and entry.state is not QueueState.FOREIGN_VHOST
+    }
+    if not listed:
+        return page
+    async with context.sessions() as session:
+        found = await presence.statuses_of(session, context.provisioner, context.settings, listed)
+    fields = list(QueueStatusFields.model_fields)
+    return [
+        entry.model_copy(update={name: getattr(status, name) for name in fields})
+        if (status := found.get((entry.vhost, entry.queue_name))) is not None
+        else entry
+        for entry in page
+    ]
