@@ -160,9 +160,12 @@ def serve(
         help="Accept worker processes; overrides QUEUEKEEPER_ACCEPT_WORKERS.",
     ),
 ) -> None:
-    """Run the service: on PostgreSQL, accept workers and relay processes under one
-    supervisor (QUEUEKEEPER_ACCEPT_WORKERS, QUEUEKEEPER_RELAY_PROCESSES); on SQLite, or
-    with one worker and no relay process, one process (uvicorn) with the relay in it."""
+    """Run the service (HTTP, relay, scheduled jobs).
+
+    On PostgreSQL: accept workers and relay processes under one supervisor
+    (QUEUEKEEPER_ACCEPT_WORKERS, QUEUEKEEPER_RELAY_PROCESSES). On SQLite, or with one
+    worker and no relay process: one process (uvicorn) with the relay in it.
+    """
     import structlog
     import uvicorn
 
