@@ -87,6 +87,20 @@ def _pct(values: list[float], pct: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * pct / 100))]
 
 
+def _cpu_by_kind(pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far by kind of process: `accept` workers, `relay` processes and the
+    `serve` supervisor (or the one process)."""
+    used: dict[str, float] = {}
+    for pid in pids:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        kind = "accept" if b"accept" in command else "relay" if b"relay" in command else "serve"
+        used[kind] = used.get(kind, 0.0) + process_cpu_seconds(pid)
+    return used
+
+
 def _rss_mib(pids: list[int]) -> float:
     rss = 0.0
     for pid in pids:
@@ -114,6 +128,8 @@ class Step:
     # From each request written on a connection to its answer: the service's own part.
     served_p99: float | None = None
     generator_cpu_ms: float = 0.0
+    # CPU ms per event by kind of process (accept worker, relay, supervisor) when several.
+    cpu_kinds: dict[str, float] = field(default_factory=dict)
 
     @property
     def held(self) -> bool:
@@ -138,6 +154,10 @@ class Step:
             text += f", log lines/event {self.log_lines:.2f}"
         if self.confirm_p99 is not None:
             text += f", accept-to-confirm p99 {self.confirm_p99 * 1e3:.1f} ms"
+        if len(self.cpu_kinds) > 1:
+            text += ", CPU by process kind " + ", ".join(
+                f"{kind} {ms:.2f}" for kind, ms in sorted(self.cpu_kinds.items())
+            )
         return text + ("  held" if self.held else "  NOT held")
 
 
@@ -213,6 +233,7 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     prefix = f"{pipeline.name[:3]}-{rate}-{secrets.token_hex(3)}-"
     count = int(rate * seconds)
     cpu = process_cpu_seconds(*pipeline.pids())
+    cpu_kinds = _cpu_by_kind(pipeline.pids())
     sessions, lines = await pipeline.sessions(), pipeline.log_lines()
     start, results, generator_cpu = await generate(pipeline.target, rate, seconds, prefix)
     scheduled = {f"{prefix}{n}": start + n / rate for n in range(count)}
@@ -228,6 +249,10 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
         await asyncio.sleep(0.05)
     step = Step(rate=rate, sent=count)
     step.cpu_ms = (process_cpu_seconds(*pipeline.pids()) - cpu) / count * 1e3
+    step.cpu_kinds = {
+        kind: (used - cpu_kinds.get(kind, 0.0)) / count * 1e3
+        for kind, used in _cpu_by_kind(pipeline.pids()).items()
+    }
     step.generator_cpu_ms = generator_cpu / count * 1e3
     step.sessions = await pipeline.sessions() - sessions
     step.log_lines = (pipeline.log_lines() - lines) / count
