@@ -151,12 +151,13 @@ class Service:
         }
         command = [str(Path(sys.executable).parent / "queuekeeper"), "serve"]
         log = open(os.environ.get("BENCH_SERVICE_LOG", os.devnull), "wb")  # noqa: SIM115
-        workers = os.environ.get("BENCH_WORKERS", "1")
+        # --workers overrides QUEUEKEEPER_ACCEPT_WORKERS: only when asked for.
+        workers = os.environ.get("BENCH_WORKERS")
         if os.environ.get("BENCH_RELAY_PROCESS") == "1":
             self.relay = subprocess.Popen([command[0], "relay"], env=env, stdout=log, stderr=log)
             env = {**env, "QUEUEKEEPER_RELAY_ENABLED": "false"}
         self.process = subprocess.Popen(
-            [*command, "--port", str(self.port), "--workers", workers],
+            [*command, "--port", str(self.port), *(["--workers", workers] if workers else [])],
             env=env,
             stdout=log,
             stderr=log,

@@ -21,7 +21,8 @@ A real consumer (aio-pika, in this process, which does nothing else during a ste
 every message off the queue; accept-to-consume = consumed minus scheduled send. A rate is
 *held* when at least 95 % of the offered events were consumed within the step (plus 1 s)
 and their p99 is at most 20 ms; the capacity is the highest rate held. Service CPU per
-event is read from /proc over each step, summed over serve and every process it runs.
+event accepted is read from /proc over each step, summed over serve and every process it
+runs, and by kind of process (accept, relay, serve).
 Then the last model runs at half the best capacity for BENCH_RSS_SECONDS (300, the 5
 minutes of goal 6) while the RSS of all its processes is sampled.
 
@@ -248,9 +249,11 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     ) < len(answers):
         await asyncio.sleep(0.05)
     step = Step(rate=rate, sent=count)
-    step.cpu_ms = (process_cpu_seconds(*pipeline.pids()) - cpu) / count * 1e3
+    # Per event accepted: past capacity a refusal (503) costs a fraction of an accept.
+    done = max(1, len(answers))
+    step.cpu_ms = (process_cpu_seconds(*pipeline.pids()) - cpu) / done * 1e3
     step.cpu_kinds = {
-        kind: (used - cpu_kinds.get(kind, 0.0)) / count * 1e3
+        kind: (used - cpu_kinds.get(kind, 0.0)) / done * 1e3
         for kind, used in _cpu_by_kind(pipeline.pids()).items()
     }
     step.generator_cpu_ms = generator_cpu / count * 1e3

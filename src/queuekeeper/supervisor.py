@@ -117,7 +117,8 @@ class Supervisor:
     stopping: bool = False
 
     def plan(self, sock: socket.socket) -> None:
-        executable = str(Path(sys.executable).parent / "queuekeeper")
+        # This interpreter, not a `queuekeeper` script that may live elsewhere on PATH.
+        module = [sys.executable, "-m", "queuekeeper.supervisor"]
         base = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         for index in range(self.accept_workers):
             env = dict(base)
@@ -127,11 +128,11 @@ class Supervisor:
                 # The jobs run in one process (the job locks would keep one run at a time
                 # anyway; this saves the others the attempt).
                 env["QUEUEKEEPER_SCHEDULER_ENABLED"] = "false"
-            command = [sys.executable, "-m", "queuekeeper.supervisor", "accept", str(sock.fileno())]
+            command = [*module, "accept", str(sock.fileno())]
             self.children.append(Child("accept", index, command, env, (sock.fileno(),)))
         for index in range(self.relay_processes):
             env = {**base, "QUEUEKEEPER_SCHEDULER_ENABLED": "false"}
-            self.children.append(Child("relay", index, [executable, "relay"], env))
+            self.children.append(Child("relay", index, [*module, "relay"], env))
 
     def run(self) -> int:
         sock = bind(self.host, self.port)
@@ -294,5 +295,9 @@ def serve_accept_worker(fd: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["accept"]:
         serve_accept_worker(int(sys.argv[2]))
+    elif sys.argv[1:] == ["relay"]:
+        from queuekeeper.cli import relay
+
+        relay()  # `queuekeeper relay`
     else:
-        sys.exit("usage: python -m queuekeeper.supervisor accept <fd>")
+        sys.exit("usage: python -m queuekeeper.supervisor accept <fd> | relay")
