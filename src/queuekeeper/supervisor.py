@@ -128,7 +128,7 @@ class Supervisor:
                 # The jobs run in one process (the job locks would keep one run at a time
                 # anyway; this saves the others the attempt).
                 env["QUEUEKEEPER_SCHEDULER_ENABLED"] = "false"
-            command = [*module, "accept", str(sock.fileno())]
+            command = [*module, "accept", str(sock.fileno()), str(os.getpid())]
             self.children.append(Child("accept", index, command, env, (sock.fileno(),)))
         for index in range(self.relay_processes):
             env = {**base, "QUEUEKEEPER_SCHEDULER_ENABLED": "false"}
@@ -268,7 +268,7 @@ def alive(pid: int | None) -> bool:
     return True
 
 
-def serve_accept_worker(fd: int) -> None:
+def serve_accept_worker(fd: int, supervisor: int) -> None:
     """An accept worker: uvicorn on the socket the supervisor bound."""
     import uvicorn
 
@@ -277,7 +277,9 @@ def serve_accept_worker(fd: int) -> None:
     from queuekeeper.logging import configure_logging
 
     configure_logging(get_settings())
-    if os.getppid() == 1:  # the supervisor died before prctl took effect
+    # The supervisor died before prctl took effect. Compared with its pid, not with 1: in
+    # a container the supervisor may be pid 1 itself.
+    if os.getppid() != supervisor:
         sys.exit(1)
     sock = socket.socket(fileno=fd)
     freeze_startup_objects()
@@ -294,10 +296,10 @@ def serve_accept_worker(fd: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["accept"]:
-        serve_accept_worker(int(sys.argv[2]))
+        serve_accept_worker(int(sys.argv[2]), int(sys.argv[3]))
     elif sys.argv[1:] == ["relay"]:
         from queuekeeper.cli import relay
 
         relay()  # `queuekeeper relay`
     else:
-        sys.exit("usage: python -m queuekeeper.supervisor accept <fd> | relay")
+        sys.exit("usage: python -m queuekeeper.supervisor accept <fd> <supervisor pid> | relay")
