@@ -40,6 +40,18 @@ def process_cpu_seconds(*pids: int) -> float:
     return used
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants now (Linux /proc), parents first."""
+    found, index = [pid], 0
+    while index < len(found):
+        current = found[index]
+        index += 1
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{current}/task").iterdir():
+                found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
 async def _admin(sql: str) -> None:
     import asyncpg
 

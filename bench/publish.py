@@ -47,6 +47,7 @@ import httpx
 from bench._support import (
     bench_database,
     process_cpu_seconds,
+    process_tree,
     remove_broker_objects,
     stat_cpu,
 )
@@ -124,9 +125,10 @@ class CpuShares:
 class Service:
     """`queuekeeper serve` in a subprocess, and an HTTP client for it."""
 
-    def __init__(self, settings: Settings, port: int) -> None:
+    def __init__(self, settings: Settings, port: int, **env: str) -> None:
         self.settings = settings
         self.port = port
+        self.env = env  # QUEUEKEEPER_* overrides (the process model)
         self.process: subprocess.Popen[bytes] | None = None
         self.relay: subprocess.Popen[bytes] | None = None  # with BENCH_RELAY_PROCESS=1
         self.last_cpu = 0.0  # service CPU seconds of the last timed phase
@@ -145,15 +147,17 @@ class Service:
             "QUEUEKEEPER_SERVICE_TOKENS": TOKEN,
             "QUEUEKEEPER_QUEUE_MAX_LENGTH": str(self.settings.queue_max_length),
             "QUEUEKEEPER_PUBLIC_URL": f"http://127.0.0.1:{self.port}",
+            **self.env,
         }
         command = [str(Path(sys.executable).parent / "queuekeeper"), "serve"]
         log = open(os.environ.get("BENCH_SERVICE_LOG", os.devnull), "wb")  # noqa: SIM115
-        workers = os.environ.get("BENCH_WORKERS", "1")
+        # --workers overrides QUEUEKEEPER_ACCEPT_WORKERS: only when asked for.
+        workers = os.environ.get("BENCH_WORKERS")
         if os.environ.get("BENCH_RELAY_PROCESS") == "1":
             self.relay = subprocess.Popen([command[0], "relay"], env=env, stdout=log, stderr=log)
             env = {**env, "QUEUEKEEPER_RELAY_ENABLED": "false"}
         self.process = subprocess.Popen(
-            [*command, "--port", str(self.port), "--workers", workers],
+            [*command, "--port", str(self.port), *(["--workers", workers] if workers else [])],
             env=env,
             stdout=log,
             stderr=log,
@@ -175,9 +179,14 @@ class Service:
                 except subprocess.TimeoutExpired:
                     process.kill()
 
+    def pids(self) -> list[int]:
+        """The service's processes now: serve, what it supervises, and the relay apart."""
+        roots = [p.pid for p in (self.process, self.relay) if p is not None]
+        return [pid for root in roots for pid in process_tree(root)]
+
     def cpu_seconds(self) -> float:
         """User + system CPU the service's processes have used (Linux /proc)."""
-        return process_cpu_seconds(*(p.pid for p in (self.process, self.relay) if p is not None))
+        return process_cpu_seconds(*self.pids())
 
     async def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         response = await self.http.request(method, path, **kwargs)

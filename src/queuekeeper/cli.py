@@ -38,7 +38,7 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _freeze_startup_objects() -> None:
+def freeze_startup_objects() -> None:
     """Modules, classes and schemas live as long as the process: keep them out of the
     garbage collector's way (a full collection took 130 ms under load, 7 ms frozen)."""
     import gc
@@ -154,35 +154,61 @@ def _prepare_multiprocess_dir() -> str:
 def serve(
     host: str | None = typer.Option(None, help="Default: QUEUEKEEPER_HOST."),
     port: int | None = typer.Option(None, help="Default: QUEUEKEEPER_PORT."),
-    workers: int = typer.Option(
-        1,
+    workers: int | None = typer.Option(
+        None,
         min=1,
-        help="Worker processes. One per container is the recommended set-up (scale with "
-        "replicas); more switch metrics to Prometheus multiprocess mode.",
+        help="Accept worker processes; overrides QUEUEKEEPER_ACCEPT_WORKERS.",
     ),
 ) -> None:
-    """Run the HTTP service (uvicorn)."""
+    """Run the service (HTTP, relay, scheduled jobs).
+
+    On PostgreSQL: accept workers and relay processes under one supervisor
+    (QUEUEKEEPER_ACCEPT_WORKERS, QUEUEKEEPER_RELAY_PROCESSES). On SQLite, or with one
+    worker and no relay process: one process (uvicorn) with the relay in it.
+    """
     import structlog
     import uvicorn
 
     from queuekeeper.logging import configure_logging
+    from queuekeeper.supervisor import Supervisor, process_counts
 
     settings = get_settings()
     configure_logging(settings)
-    _port_free(host or settings.host, port or settings.port, from_option=port is not None)
+    bind_host, bind_port = host or settings.host, port or settings.port
+    _port_free(bind_host, bind_port, from_option=port is not None)
     _ready_database(settings, serving=True)
-    if workers > 1 or os.environ.get(MULTIPROC_ENV):
-        directory = _prepare_multiprocess_dir()
-        structlog.get_logger("queuekeeper.cli").info(
-            "metrics_multiprocess_mode", directory=directory, workers=workers
+    accept_workers, relay_processes = process_counts(settings, workers)
+    logger = structlog.get_logger("queuekeeper.cli")
+    if settings.is_sqlite and ((settings.accept_workers or 1) > 1 or settings.relay_processes):
+        logger.info(
+            "single_process_on_sqlite",
+            detail="SQLite runs one process with the relay in it; "
+            "QUEUEKEEPER_ACCEPT_WORKERS and QUEUEKEEPER_RELAY_PROCESSES apply on PostgreSQL",
         )
-    _freeze_startup_objects()
+    if accept_workers > 1 or relay_processes or os.environ.get(MULTIPROC_ENV):
+        directory = _prepare_multiprocess_dir()
+        logger.info(
+            "metrics_multiprocess_mode",
+            directory=directory,
+            accept_workers=accept_workers,
+            relay_processes=relay_processes,
+        )
+    if accept_workers > 1 or relay_processes:
+        supervisor = Supervisor(
+            settings,
+            bind_host,
+            bind_port,
+            accept_workers,
+            relay_processes,
+            Path(os.environ[MULTIPROC_ENV]),
+        )
+        raise typer.Exit(supervisor.run())
+    freeze_startup_objects()
     uvicorn.run(
         "queuekeeper.app:serve_app",
         factory=True,
-        host=host or settings.host,
-        port=port or settings.port,
-        workers=workers,
+        host=bind_host,
+        port=bind_port,
         log_config=None,
         # queuekeeper logs each request itself, with its request id.
         access_log=False,
@@ -539,7 +565,7 @@ def relay() -> None:
     settings = get_settings()
     configure_logging(settings)
     _ready_database(settings)
-    _freeze_startup_objects()
+    freeze_startup_objects()
 
     async def run() -> None:
         async with running(settings, relay=True) as state:

@@ -424,6 +424,21 @@ class Settings(BaseSettings):
         description="Run the outbox relay inside the service. Switch off when the relay runs "
         "as its own process (`queuekeeper relay`).",
     )
+    accept_workers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Processes `serve` starts to accept HTTP requests, all on the one port "
+        "(PostgreSQL only; SQLite is one process). Default: half the cores available, at "
+        "least 1 (docs/scaling.md).",
+    )
+    relay_processes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Outbox relay processes `serve` starts beside the accept workers "
+        "(PostgreSQL only); 0 runs the relay inside the accept process instead, as on "
+        "SQLite. Default: a quarter of the cores available, at least 1 (0 when "
+        "`relay_enabled` is off).",
+    )
     relay_batch_size: int = Field(default=1000, ge=1, description="Deliveries claimed at once.")
     relay_concurrency: int = Field(
         default=2, ge=1, description="Batches one relay keeps in flight at the same time."

@@ -21,7 +21,9 @@ class CheckResult(NodeResult):
     nodes: dict[str, NodeResult] | None = Field(
         default=None,
         description="`amqp` and `management`: each configured node (`host:port`) and whether "
-        "it answered. The check is ok while at least one node answers.",
+        "it answered. The check is ok while at least one node answers. `processes`: each "
+        "process `serve` supervises (`accept-0`, `relay-0`, ...) and whether it runs; ok "
+        "while at least one of each kind runs.",
     )
 
 
@@ -70,5 +72,6 @@ class Readiness(BaseModel):
         "ready, docs/operations.md)."
     )
     checks: dict[str, CheckResult] = Field(
-        description="One entry per dependency: `database`, `amqp`, `management`."
+        description="One entry per dependency: `database`, `amqp`, `management`; and "
+        "`processes` when `serve` runs several processes (docs/scaling.md)."
     )

@@ -9,6 +9,7 @@ one node answers, and the report names each node and whether it answered.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -26,6 +27,7 @@ from queuekeeper.common.redact import default_redactor
 from queuekeeper.config import Settings
 from queuekeeper.health.schemas import CheckResult, NodeResult, Readiness
 from queuekeeper.installation import service as installation
+from queuekeeper.supervisor import process_check, read_status
 
 log = structlog.get_logger(__name__)
 
@@ -150,6 +152,18 @@ async def readiness(state: Watched) -> Readiness:
         _across_nodes(settings.management_urls, partial(check_management_node, state), limit),
     )
     report = {"database": database, "amqp": amqp, "management": management}
+    status = read_status(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+    if status is not None:  # under `serve`'s supervisor: every process it runs
+        ok, running, error = process_check(status)
+        report["processes"] = CheckResult(
+            ok=ok,
+            seconds=0.0,
+            error=error,
+            nodes={
+                name: NodeResult(ok=up, seconds=0.0, error=None if up else "not running")
+                for name, up in running.items()
+            },
+        )
     down = [name for name, result in report.items() if not result.ok]
     nodes_down = [
         f"{name} {label}"

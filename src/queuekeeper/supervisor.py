@@ -1,0 +1,305 @@
+"""`queuekeeper serve` on PostgreSQL: accept workers and relay processes, supervised.
+
+One event loop cannot spread an accept's HTTP, its store and the relay's publishing over
+several cores (docs/decisions/016-process-model.md). So `serve` binds the port once and
+starts `accept_workers` processes that all accept on that one socket (inherited, so the
+kernel hands each connection to whichever worker takes it), and `relay_processes`
+`queuekeeper relay` processes that take the outbox's work through LISTEN/NOTIFY and
+leases (docs/decisions/007-notify-wakeups.md). This process only supervises: it restarts
+a child that dies, and on SIGTERM or SIGINT stops them all within `stop_seconds`.
+
+What it knows is written to `processes.json` in the metrics directory (the children's
+shared PROMETHEUS_MULTIPROC_DIR), which `/readyz` of whichever worker answers reads, so a
+probe covers every process; `/metrics` sums the children's metric files.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from queuekeeper.config import Settings
+
+log = structlog.get_logger(__name__)
+
+STATUS_FILE = "processes.json"
+# A child that dies sooner than this after its start is restarted after a growing delay
+# (1 s doubling up to RESTART_MAX), so one that cannot start does not spin.
+STABLE_SECONDS = 10.0
+RESTART_MAX = 30.0
+PR_SET_PDEATHSIG = 1
+
+
+def cores() -> int:
+    """The cores this process may run on (a container's CPU set, not the host's)."""
+    return len(os.sched_getaffinity(0)) or 1
+
+
+def process_counts(settings: Settings, workers: int | None = None) -> tuple[int, int]:
+    """(accept workers, relay processes) for this settings: the settings, else from the
+    cores available. SQLite is one process, relay inside: one writer at a time gains
+    nothing from more, and LISTEN/NOTIFY, which wakes a relay in another process, is
+    PostgreSQL's."""
+    if settings.is_sqlite:
+        return workers or 1, 0  # `--workers` given: uvicorn-style workers, each its relay
+    accept = workers or settings.accept_workers or max(1, cores() // 2)
+    relays = settings.relay_processes
+    if relays is None:
+        relays = max(1, cores() // 4) if settings.relay_enabled else 0
+    return accept, relays
+
+
+@dataclass
+class Child:
+    role: str  # "accept" or "relay"
+    index: int
+    command: list[str]
+    env: dict[str, str]
+    pass_fds: tuple[int, ...] = ()
+    process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    restarts: int = 0
+    delay: float = 0.5  # doubled at each quick death: 1 s, 2 s, ... RESTART_MAX
+    restart_at: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    def start(self) -> None:
+        # Our own executable and arguments, never input from outside.
+        self.process = subprocess.Popen(  # noqa: S603
+            self.command, env=self.env, pass_fds=self.pass_fds, preexec_fn=_die_with_parent
+        )
+        self.started = time.monotonic()
+        self.restart_at = None
+        log.info("process_started", process=self.name, pid=self.process.pid)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the supervisor dies (even by kill -9), so no
+    worker is left holding the port."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+@dataclass
+class Supervisor:
+    settings: Settings
+    host: str
+    port: int
+    accept_workers: int
+    relay_processes: int
+    metrics_dir: Path
+    stop_seconds: float = 10.0
+    children: list[Child] = field(default_factory=list)
+    stopping: bool = False
+
+    def plan(self, sock: socket.socket) -> None:
+        # This interpreter, not a `queuekeeper` script that may live elsewhere on PATH.
+        module = [sys.executable, "-m", "queuekeeper.supervisor"]
+        base = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        for index in range(self.accept_workers):
+            env = dict(base)
+            if self.relay_processes:
+                env["QUEUEKEEPER_RELAY_ENABLED"] = "false"
+            if index > 0:
+                # The jobs run in one process (the job locks would keep one run at a time
+                # anyway; this saves the others the attempt).
+                env["QUEUEKEEPER_SCHEDULER_ENABLED"] = "false"
+            command = [*module, "accept", str(sock.fileno()), str(os.getpid())]
+            self.children.append(Child("accept", index, command, env, (sock.fileno(),)))
+        for index in range(self.relay_processes):
+            env = {**base, "QUEUEKEEPER_SCHEDULER_ENABLED": "false"}
+            self.children.append(Child("relay", index, [*module, "relay"], env))
+
+    def run(self) -> int:
+        sock = bind(self.host, self.port)
+        self.plan(sock)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._request_stop)
+        log.info(
+            "supervisor_started",
+            pid=os.getpid(),
+            accept_workers=self.accept_workers,
+            relay_processes=self.relay_processes,
+            port=sock.getsockname()[1],
+        )
+        for child in self.children:
+            child.start()
+        self.write_status()
+        while not self.stopping:
+            self.watch()
+            time.sleep(0.2)
+        sock.close()
+        self.stop()
+        return 0
+
+    def _request_stop(self, signum: int, _frame: Any) -> None:
+        self.stopping = True
+
+    def watch(self) -> None:
+        """Restart what died (after its delay); write the status when anything changed."""
+        changed = False
+        now = time.monotonic()
+        for child in self.children:
+            process = child.process
+            if process is not None and process.poll() is not None:
+                lived = now - child.started
+                child.delay = 0.5 if lived > STABLE_SECONDS else min(child.delay * 2, RESTART_MAX)
+                child.restart_at = now + (0.0 if lived > STABLE_SECONDS else child.delay)
+                log.warning(
+                    "process_died",
+                    process=child.name,
+                    pid=process.pid,
+                    returncode=process.returncode,
+                    restart_in=round(child.restart_at - now, 1),
+                )
+                _mark_dead(process.pid)
+                child.process = None
+                changed = True
+            if child.process is None and child.restart_at is not None and now >= child.restart_at:
+                child.restarts += 1
+                child.start()
+                changed = True
+        if changed:
+            self.write_status()
+
+    def stop(self) -> None:
+        """SIGTERM to every child; SIGKILL to what is still running after stop_seconds."""
+        running = [c.process for c in self.children if c.process is not None]
+        for process in running:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.stop_seconds
+        for process in running:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("process_killed", pid=process.pid, after_seconds=self.stop_seconds)
+                process.kill()
+                process.wait()
+            _mark_dead(process.pid)
+        (self.metrics_dir / STATUS_FILE).unlink(missing_ok=True)
+        log.info("supervisor_stopped")
+
+    def write_status(self) -> None:
+        status = {
+            "supervisor": os.getpid(),
+            "processes": [
+                {
+                    "name": child.name,
+                    "role": child.role,
+                    "pid": child.process.pid if child.process is not None else None,
+                    "restarts": child.restarts,
+                }
+                for child in self.children
+            ],
+        }
+        target = self.metrics_dir / STATUS_FILE
+        temporary = target.with_suffix(".tmp")
+        temporary.write_text(json.dumps(status))
+        temporary.replace(target)  # a reader sees the old file or the new, never half
+
+
+def _mark_dead(pid: int) -> None:
+    """Drop a dead child's live gauges from /metrics (its counters stay in the totals)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+def read_status(directory: str | None) -> dict[str, Any] | None:
+    """What the supervisor last wrote; None when this process is not supervised."""
+    if not directory:
+        return None
+    try:
+        status: dict[str, Any] = json.loads((Path(directory) / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return status
+
+
+def process_check(status: dict[str, Any]) -> tuple[bool, dict[str, bool], str | None]:
+    """(ok, each process and whether it runs, why not ok) from the supervisor's status: ok
+    while at least one process of each role runs (one being restarted is named, not
+    fatal: the others take its connections, or its outbox work once its leases end)."""
+    running = {entry["name"]: alive(entry["pid"]) for entry in status["processes"]}
+    roles = {entry["role"] for entry in status["processes"]}
+    missing = sorted(
+        role
+        for role in roles
+        if not any(running[e["name"]] for e in status["processes"] if e["role"] == role)
+    )
+    error = f"no {' or '.join(missing)} process running (being restarted)" if missing else None
+    return not missing, running, error
+
+
+def alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def serve_accept_worker(fd: int, supervisor: int) -> None:
+    """An accept worker: uvicorn on the socket the supervisor bound."""
+    import uvicorn
+
+    from queuekeeper.cli import freeze_startup_objects
+    from queuekeeper.config import get_settings
+    from queuekeeper.logging import configure_logging
+
+    configure_logging(get_settings())
+    # The supervisor died before prctl took effect. Compared with its pid, not with 1: in
+    # a container the supervisor may be pid 1 itself.
+    if os.getppid() != supervisor:
+        sys.exit(1)
+    sock = socket.socket(fileno=fd)
+    freeze_startup_objects()
+    config = uvicorn.Config(
+        "queuekeeper.app:serve_app",
+        factory=True,
+        log_config=None,
+        access_log=False,  # queuekeeper logs each request itself
+        proxy_headers=False,  # see cli.serve
+        timeout_graceful_shutdown=5,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["accept"]:
+        serve_accept_worker(int(sys.argv[2]), int(sys.argv[3]))
+    elif sys.argv[1:] == ["relay"]:
+        from queuekeeper.cli import relay
+
+        relay()  # `queuekeeper relay`
+    else:
+        sys.exit("usage: python -m queuekeeper.supervisor accept <fd> <supervisor pid> | relay")
