@@ -462,6 +462,5 @@ class QueuePresence(Base):
     # Null while a consumer is attached; else when the last one left (or when the queue
     # was first seen without one).
     away_since: Mapped[datetime | None]
-    last_delivered_at: Mapped[datetime | None]
     changed: Mapped[datetime] = mapped_column(default=utcnow)
     checked: Mapped[datetime | None]  # the last Management API listing that saw this queue
