@@ -138,12 +138,14 @@ def _prepare_multiprocess_dir() -> str:
     It must start empty (stale files would add a previous run's counts), so queuekeeper
     empties the one it is given or makes a fresh one.
     """
+    from queuekeeper.supervisor import STATUS_FILE
+
     directory = os.environ.get(MULTIPROC_ENV)
     if directory:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        for stale in path.glob("*.db"):
-            stale.unlink()
+        for stale in [*path.glob("*.db"), path / STATUS_FILE]:
+            stale.unlink(missing_ok=True)
     else:
         directory = tempfile.mkdtemp(prefix="queuekeeper-metrics-")
         os.environ[MULTIPROC_ENV] = directory  # inherited by the worker processes

@@ -122,7 +122,9 @@ class Supervisor:
         base = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
         for index in range(self.accept_workers):
             env = dict(base)
-            if self.relay_processes:
+            if self.relay_processes or (self.settings.is_sqlite and index > 0):
+                # On SQLite one relay in all: its locks (the releaser's per-queue lock among
+                # them) hold within one process only (docs/decisions/016-process-model.md).
                 env["QUEUEKEEPER_RELAY_ENABLED"] = "false"
             if index > 0:
                 # The jobs run in one process (the job locks would keep one run at a time

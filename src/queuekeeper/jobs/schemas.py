@@ -54,8 +54,8 @@ class RunOut(Schema):
 
     uuid: HexUUID
     job: Job = Field(
-        description="`reconcile`, `cleanup_stale`, `redrive_dead_letters`, `revoke_expired` "
-        "or `retention`."
+        description="`reconcile`, `cleanup_stale`, `redrive_dead_letters`, `revoke_expired`, "
+        "`retention` or `presence`."
     )
     trigger: Trigger = Field(description="`schedule`, `api` or `cli`.")
     dry_run: bool
