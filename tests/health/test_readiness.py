@@ -248,7 +248,10 @@ async def test_readiness_reuses_one_broker_connection_and_reconnects_after_a_cut
     settings: Settings,
 ) -> None:
     with tcp_proxy() as amqp:
-        proxied = settings.model_copy(update={"amqp_url": amqp.amqp_url()})
+        # The presence listener's own connection (contract §11) is not the probes' business.
+        proxied = settings.model_copy(
+            update={"amqp_url": amqp.amqp_url(), "presence_events_enabled": False}
+        )
         async with serving(proxied) as (http, _state):
             for _ in range(5):
                 assert (await http.get("/readyz")).status_code == 200

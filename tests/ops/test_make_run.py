@@ -78,5 +78,5 @@ async def test_make_run_serves_with_its_services_up(tmp_path: Path) -> None:
             process.wait()
         await _remove_broker_objects(Settings(instance_name=instance))
     text = output.read_text()
-    assert "ensure-services: up: RabbitMQ (management, STOMP, web-STOMP)" in text
+    assert "ensure-services: up: RabbitMQ (management, STOMP, web-STOMP, event exchange)" in text
     assert (tmp_path / "run.db").exists()

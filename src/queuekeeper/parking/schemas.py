@@ -34,13 +34,27 @@ class ReplayWindow(BaseModel):
 
 
 class ReplayAdminWindow(ReplayWindow):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "queue_name": "consumer_0dc9a3e1b2f84c7d9e6a5b4c3d2e1f00",
+                    "vhost": "8b1a0c2d3e4f5a6b7c8d9e0f1a2b3c4d",
+                    "since": "2026-11-20T18:00:00Z",
+                    "until": "2026-11-23T08:00:00Z",
+                }
+            ]
+        },
+    )
 
     queue_name: str = Field(min_length=1, max_length=255, description="A registered queue.")
     vhost: str = Field(min_length=1, max_length=64, description="Its vhost.")
 
 
 class ReplayOut(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"replayed": 412}]})
+
     replayed: int = Field(
         description="Copies written to the outbox, published in acceptance order with their "
         'original `message_id` and the header `x-queuekeeper-replay: "true"`.'
