@@ -26,6 +26,7 @@ def upgrade() -> None:
         sa.Column("queue_name", sa.String(255), nullable=False),
         sa.Column("consumers", sa.Integer(), nullable=False),
         sa.Column("away_since", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("returned_from", sa.DateTime(timezone=True), nullable=True),
         sa.Column("changed", sa.DateTime(timezone=True), nullable=False),
         sa.Column("checked", sa.DateTime(timezone=True), nullable=True),
         sa.PrimaryKeyConstraint("vhost", "queue_name", name=op.f("pk_queue_presence")),

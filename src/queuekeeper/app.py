@@ -60,7 +60,7 @@ from queuekeeper.parking import retention
 from queuekeeper.parking.endpoints import agent_router as replay_router
 from queuekeeper.parking.endpoints import queues_router as queue_replay_router
 from queuekeeper.parking.gate import ParkingGate
-from queuekeeper.parking.release import Releaser
+from queuekeeper.parking.release import MAX_RELEASES, Releaser
 from queuekeeper.presence import service as presence
 from queuekeeper.presence.endpoints import router as presence_router
 from queuekeeper.reconcile import service as reconcile
@@ -229,7 +229,7 @@ def start_relay(state: Runtime) -> Relay:
     """The outbox relay, in this process (`queuekeeper relay` too)."""
     settings = state.settings
     # Its own small pool: the relay's statements never wait behind the API's requests.
-    engine = create_engine(settings, pool_size=settings.relay_concurrency + 2)
+    engine = create_engine(settings, pool_size=settings.relay_concurrency + 2 + MAX_RELEASES)
     state.relay_engine = engine
     relay = Relay(settings, engine, state.publisher, state.provisioner, state.signals)
     gate = ParkingGate(settings, engine)

@@ -462,5 +462,9 @@ class QueuePresence(Base):
     # Null while a consumer is attached; else when the last one left (or when the queue
     # was first seen without one).
     away_since: Mapped[datetime | None]
+    # Set to `away_since` when a consumer returns, cleared once the release has redriven
+    # the queue's dead letters: a queue whose agent came back is redriven even when nothing
+    # of it was parked (its copies may have expired into the dead-letter queue meanwhile).
+    returned_from: Mapped[datetime | None]
     changed: Mapped[datetime] = mapped_column(default=utcnow)
     checked: Mapped[datetime | None]  # the last Management API listing that saw this queue

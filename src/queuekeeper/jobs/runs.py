@@ -66,6 +66,9 @@ class Trigger(enum.StrEnum):
     SCHEDULE = "schedule"
     API = "api"
     CLI = "cli"
+    # A returning agent's release redrives its queue's dead letters first (contract §11):
+    # never "not due", whatever the scheduled redrive did this interval.
+    RELEASE = "release"
 
 
 class RunStatus(enum.StrEnum):

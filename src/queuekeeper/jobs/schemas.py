@@ -57,7 +57,10 @@ class RunOut(Schema):
         description="`reconcile`, `cleanup_stale`, `redrive_dead_letters`, `revoke_expired`, "
         "`retention` or `presence`."
     )
-    trigger: Trigger = Field(description="`schedule`, `api` or `cli`.")
+    trigger: Trigger = Field(
+        description="`schedule`, `api`, `cli` or `release` (the redrive a returning agent's "
+        "release runs first)."
+    )
     dry_run: bool
     started: UTCDateTime
     finished: UTCDateTime | None

@@ -39,6 +39,9 @@ from queuekeeper.parking.repository import Queue
 log = structlog.get_logger(__name__)
 
 RELEASE_BATCH = 500  # parked copies moved back to pending at once (at most)
+# Queues one process releases at once: each release holds a connection of the relay's pool
+# for its whole length (its per-queue lock), beside the relay's own (app.py sizes the pool).
+MAX_RELEASES = 2
 FULL_PAUSE = 0.2  # seconds to wait while the queue holds its bound of ready messages
 STOP_GRACE = 2.0  # seconds a stopping releaser lets a step in flight finish
 
@@ -105,6 +108,8 @@ class Releaser:
         for queue in returned:
             if queue in self._releasing:
                 continue
+            if len(self._releasing) >= MAX_RELEASES:
+                break  # the rest start as these end (each holds a connection throughout)
             task = asyncio.create_task(self.release(*queue), name=f"release-{queue[1]}")
             self._releasing[queue] = task
             task.add_done_callback(partial(self._finished, queue))
@@ -131,7 +136,7 @@ class Releaser:
         if self.jobs is None:
             return True
         record = await self.jobs.run(
-            Job.REDRIVE, Trigger.SCHEDULE, body=partial(redrive, only=vhost, queue=queue)
+            Job.REDRIVE, Trigger.RELEASE, body=partial(redrive, only=vhost, queue=queue)
         )
         if record.status in (RunStatus.SUCCEEDED.value, RunStatus.PARTIAL.value):
             return True

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
-from sqlalchemy import ColumnElement, case, delete, exists, false, func, or_, select, tuple_, update
+from sqlalchemy import ColumnElement, and_, case, delete, exists, false, func, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -47,7 +47,8 @@ async def record(
     """Write what was observed at `observed` unless the row holds a newer observation (another
     replica's, or a later event's): replicas racing on one queue leave the newest answer.
     `away_since` is kept while the queue stays without consumer, set to `away_from` when it
-    loses its last one, cleared when one arrives. True when written."""
+    loses its last one, cleared when one arrives (and kept as `returned_from` until the
+    release has redriven the queue's dead letters). True when written."""
     dialect: Any = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
     statement = dialect.insert(QueuePresence).values(
         vhost=vhost,
@@ -64,6 +65,13 @@ async def record(
             "away_since": case(
                 (new.consumers > 0, None),
                 else_=func.coalesce(QueuePresence.away_since, new.away_since),
+            ),
+            "returned_from": case(
+                (
+                    and_(new.consumers > 0, QueuePresence.away_since.is_not(None)),
+                    QueuePresence.away_since,
+                ),
+                else_=QueuePresence.returned_from,
             ),
             "changed": new.changed,
         },
