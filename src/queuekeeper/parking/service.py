@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.config import Settings
 from queuekeeper.consumers.service import get_consumer
+from queuekeeper.events.outbox import Outbox, ReplayTarget
 from queuekeeper.exceptions import BadRequest, NotFound
 from queuekeeper.models import User, utcnow
 from queuekeeper.observability.metrics import REPLAYS
 from queuekeeper.parking import repository
-from queuekeeper.parking.repository import ReplayTarget
 from queuekeeper.parking.schemas import ReplayAdminWindow, ReplayOut, ReplayWindow
 
 
@@ -56,7 +56,7 @@ def checked_window(
 
 
 async def _replay(
-    session: AsyncSession,
+    engine: AsyncEngine,
     settings: Settings,
     target: ReplayTarget,
     window: ReplayWindow,
@@ -64,16 +64,17 @@ async def _replay(
 ) -> ReplayOut:
     now = utcnow()
     since, until = checked_window(window, settings, now)
-    replayed = await repository.copy_for_replay(
-        session, target, since, until, window.object_types or None, now
+    # The outbox writes the copies (one statement, committed as it runs).
+    replayed = await Outbox(engine, settings).add_replays(
+        target, since, until, window.object_types or None, now
     )
-    await session.commit()
     REPLAYS.labels(caller=caller).inc()
     return ReplayOut(replayed=replayed)
 
 
 async def replay_consumer(
     session: AsyncSession,
+    engine: AsyncEngine,
     settings: Settings,
     caller: User | None,
     consumer_uuid: str,
@@ -82,13 +83,11 @@ async def replay_consumer(
     """The owner's (or, for a service token, any) consumer; another user's is NotFound."""
     consumer = await get_consumer(session, caller, consumer_uuid)
     target = ReplayTarget(consumer.vhost, consumer.queue_name, None, consumer.uuid)
-    return await _replay(
-        session, settings, target, window, "service" if caller is None else "agent"
-    )
+    return await _replay(engine, settings, target, window, "service" if caller is None else "agent")
 
 
 async def replay_queue(
-    session: AsyncSession, settings: Settings, window: ReplayAdminWindow
+    session: AsyncSession, engine: AsyncEngine, settings: Settings, window: ReplayAdminWindow
 ) -> ReplayOut:
     """Any registered queue, legacy or consumer, by vhost and name."""
     target = await repository.find_queue(session, window.vhost, window.queue_name)
@@ -97,4 +96,4 @@ async def replay_queue(
             f"No registered queue {window.queue_name!r} in vhost {window.vhost!r}.",
             field="queue_name",
         )
-    return await _replay(session, settings, target, window, "admin")
+    return await _replay(engine, settings, target, window, "admin")
