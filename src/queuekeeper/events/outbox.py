@@ -81,16 +81,6 @@ class Claimed:
 
 
 @dataclass(frozen=True)
-class ReplayTarget:
-    """A registered queue, as a replay's copies name it."""
-
-    vhost: str
-    queue_name: str
-    queue_uuid: uuid.UUID | None  # a legacy per-type queue
-    consumer_uuid: uuid.UUID | None  # a consumer's queue
-
-
-@dataclass(frozen=True)
 class Lease:
     """A relay's hold on copies until `until`."""
 
@@ -171,14 +161,7 @@ class _Statements(Protocol):
         self, before: datetime, limit: int, now: datetime, reason: str
     ) -> int: ...
 
-    async def add_replays(
-        self,
-        queue: tuple[str, str, Any, Any],
-        since: datetime,
-        until: datetime,
-        object_types: Sequence[str] | None,
-        now: datetime,
-    ) -> int: ...
+    async def add_replays(self, replay: Mapping[str, Any]) -> int: ...
 
 
 class Outbox:
@@ -271,17 +254,26 @@ class Outbox:
 
     async def add_replays(
         self,
-        target: ReplayTarget,
+        to: Copy,
         since: datetime,
         until: datetime,
         object_types: Sequence[str] | None,
         now: datetime,
     ) -> int:
-        """Write a new pending copy, marked as a replay, of every event accepted in
-        [since, until) (of `object_types`, or all) that had a copy for `target`'s queue
-        (whatever became of it), in acceptance order; returns how many."""
-        queue = (target.vhost, target.queue_name, target.queue_uuid, target.consumer_uuid)
-        return await self.statements.add_replays(queue, since, until, object_types, now)
+        """Write a new pending copy for `to`'s queue, marked as a replay, of every event
+        accepted in [since, until) (of `object_types`, or all) that had a copy for that
+        queue (whatever became of it), in acceptance order; returns how many."""
+        replay = {
+            "vhost": to.vhost,
+            "queue_name": to.queue_name,
+            "queue_uuid": to.queue_uuid,
+            "consumer_uuid": to.consumer_uuid,
+            "since": since,
+            "until": until,
+            "object_types": list(object_types) if object_types else None,
+            "now": now,
+        }
+        return await self.statements.add_replays(replay)
 
 
 def _claimed(rows: Sequence[Sequence[Any]]) -> list[Claimed]:

@@ -209,6 +209,16 @@ WITH firsts AS (
 )
 SELECT count(*) FROM added
 """
+REPLAY_PARAMETERS = (
+    "vhost",
+    "queue_name",
+    "queue_uuid",
+    "consumer_uuid",
+    "since",
+    "until",
+    "object_types",
+    "now",
+)
 
 
 def _database_error(sql: str, exc: BaseException, lost: bool) -> DBAPIError:
@@ -407,17 +417,9 @@ class PostgresOutbox:
     async def give_up_parked(self, before: datetime, limit: int, now: datetime, reason: str) -> int:
         return int((await self._run(GIVE_UP_PARKED, before, limit, now, reason))[0][0])
 
-    async def add_replays(
-        self,
-        queue: tuple[str, str, Any, Any],
-        since: datetime,
-        until: datetime,
-        object_types: Sequence[str] | None,
-        now: datetime,
-    ) -> int:
-        """`queue`: (vhost, queue_name, queue_uuid, consumer_uuid) of the replay's copies."""
-        types = list(object_types) if object_types else None
-        return int((await self._run(ADD_REPLAYS, *queue, since, until, types, now))[0][0])
+    async def add_replays(self, replay: Mapping[str, Any]) -> int:
+        arguments = [replay[name] for name in REPLAY_PARAMETERS]
+        return int((await self._run(ADD_REPLAYS, *arguments))[0][0])
 
 
 async def listen(

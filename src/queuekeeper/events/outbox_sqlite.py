@@ -278,9 +278,9 @@ GIVE_UP_PARKED = (
 )
 
 
-def _add_replays(types: bool) -> Any:
+def _add_replays(of: bool) -> Any:
     """`outbox_postgres.ADD_REPLAYS` in Core: one INSERT ... SELECT, in the order of each
-    event's first copy for the queue (acceptance order)."""
+    event's first copy for the queue (acceptance order); `of`: only some object types."""
     first_copy = (
         select(
             func.min(DELIVERIES.c.id).label("first_id"),
@@ -289,27 +289,27 @@ def _add_replays(types: bool) -> Any:
         )
         .join(EVENTS, EVENTS.c.event_id == DELIVERIES.c.event_id)
         .where(
-            DELIVERIES.c.vhost == bindparam("r_vhost"),
-            DELIVERIES.c.queue_name == bindparam("r_name"),
+            DELIVERIES.c.vhost == bindparam("vhost"),
+            DELIVERIES.c.queue_name == bindparam("queue_name"),
             DELIVERIES.c.replay.is_(False),
-            EVENTS.c.accepted >= bindparam("r_since", type_=_WHEN),
-            EVENTS.c.accepted < bindparam("r_until", type_=_WHEN),
-            *([EVENTS.c.object_type.in_(bindparam("r_types", expanding=True))] if types else []),
+            EVENTS.c.accepted >= bindparam("since", type_=_WHEN),
+            EVENTS.c.accepted < bindparam("until", type_=_WHEN),
+            *([EVENTS.c.object_type.in_(bindparam("object_types", expanding=True))] if of else []),
         )
         .group_by(DELIVERIES.c.event_id, DELIVERIES.c.offering_uuid)
         .subquery()
     )
     source = select(
         first_copy.c.event_id,
-        bindparam("r_queue", type_=DELIVERIES.c.queue_uuid.type),
-        bindparam("r_consumer", type_=DELIVERIES.c.consumer_uuid.type),
-        bindparam("r_name", type_=DELIVERIES.c.queue_name.type),
-        bindparam("r_vhost", type_=DELIVERIES.c.vhost.type),
+        bindparam("queue_uuid", type_=DELIVERIES.c.queue_uuid.type),
+        bindparam("consumer_uuid", type_=DELIVERIES.c.consumer_uuid.type),
+        bindparam("queue_name", type_=DELIVERIES.c.queue_name.type),
+        bindparam("vhost", type_=DELIVERIES.c.vhost.type),
         first_copy.c.offering_uuid,
         literal(PENDING.value, DELIVERIES.c.state.type),
         literal(0, DELIVERIES.c.attempts.type),
-        bindparam("r_now", type_=_WHEN),
-        bindparam("r_created", type_=_WHEN),
+        bindparam("now", type_=_WHEN),
+        bindparam("created", type_=_WHEN),
         literal(True, DELIVERIES.c.replay.type),
     ).order_by(first_copy.c.first_id)
     columns = ["event_id", "queue_uuid", "consumer_uuid", "queue_name", "vhost"]
@@ -433,30 +433,10 @@ class SqliteOutbox:
             result = await connection.execute(GIVE_UP_PARKED, parameters)
         return int(result.rowcount or 0)
 
-    async def add_replays(
-        self,
-        queue: tuple[str, str, Any, Any],
-        since: datetime,
-        until: datetime,
-        object_types: Sequence[str] | None,
-        now: datetime,
-    ) -> int:
-        """`queue`: (vhost, queue_name, queue_uuid, consumer_uuid) of the replay's copies."""
-        vhost, name, queue_uuid, consumer_uuid = queue
-        parameters: dict[str, Any] = {
-            "r_vhost": vhost,
-            "r_name": name,
-            "r_queue": queue_uuid,
-            "r_consumer": consumer_uuid,
-            "r_since": since,
-            "r_until": until,
-            "r_now": now,
-            "r_created": now,
-        }
-        if object_types:
-            parameters["r_types"] = list(object_types)
+    async def add_replays(self, replay: Mapping[str, Any]) -> int:
+        statement = ADD_REPLAYS[replay["object_types"] is not None]
         async with self.engine.begin() as connection:
-            result = await connection.execute(ADD_REPLAYS[bool(object_types)], parameters)
+            result = await connection.execute(statement, {**replay, "created": replay["now"]})
         return int(result.rowcount or 0)
 
 

@@ -26,7 +26,7 @@ from sqlalchemy import (
 )
 
 from queuekeeper.db import Executor
-from queuekeeper.events.outbox import ReplayTarget
+from queuekeeper.events.recipients import Copy
 from queuekeeper.events.repository import DELIVERIES, EVENTS
 from queuekeeper.models import (
     PARKED_OR_RELEASING,
@@ -158,19 +158,20 @@ async def oldest_event(session: Executor) -> datetime | None:
 
 
 # --- replay -------------------------------------------------------------------------------
-async def find_queue(session: Executor, vhost: str, queue_name: str) -> ReplayTarget | None:
+async def find_queue(session: Executor, vhost: str, queue_name: str) -> Copy | None:
+    """The registered queue of that name, as its copies name it."""
     consumer = await session.scalar(
         select(EventConsumer.uuid).where(
             EventConsumer.vhost == vhost, EventConsumer.queue_name == queue_name
         )
     )
     if consumer is not None:
-        return ReplayTarget(vhost, queue_name, None, consumer)
+        return Copy(None, consumer, queue_name, vhost)
     legacy = await session.scalar(
         select(EventSubscriptionQueue.uuid).where(
             EventSubscriptionQueue.vhost == vhost, EventSubscriptionQueue.queue_name == queue_name
         )
     )
     if legacy is not None:
-        return ReplayTarget(vhost, queue_name, legacy, None)
+        return Copy(legacy, None, queue_name, vhost)
     return None

@@ -15,7 +15,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.config import Settings
 from queuekeeper.consumers.service import get_consumer
-from queuekeeper.events.outbox import Outbox, ReplayTarget
+from queuekeeper.events.outbox import Outbox
+from queuekeeper.events.recipients import Copy
 from queuekeeper.exceptions import BadRequest, NotFound
 from queuekeeper.models import User, utcnow
 from queuekeeper.observability.metrics import REPLAYS
@@ -58,7 +59,7 @@ def checked_window(
 async def _replay(
     engine: AsyncEngine,
     settings: Settings,
-    target: ReplayTarget,
+    target: Copy,
     window: ReplayWindow,
     caller: str,
 ) -> ReplayOut:
@@ -82,7 +83,7 @@ async def replay_consumer(
 ) -> ReplayOut:
     """The owner's (or, for a service token, any) consumer; another user's is NotFound."""
     consumer = await get_consumer(session, caller, consumer_uuid)
-    target = ReplayTarget(consumer.vhost, consumer.queue_name, None, consumer.uuid)
+    target = Copy(None, consumer.uuid, consumer.queue_name, consumer.vhost)
     return await _replay(engine, settings, target, window, "service" if caller is None else "agent")
 
 
