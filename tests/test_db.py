@@ -9,7 +9,8 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
@@ -20,9 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
-from queuekeeper.events.outbox import Outbox
+from queuekeeper.events.outbox import PARKED_REASON, Outbox
 from queuekeeper.events.outbox_postgres import EVENT_COLUMNS
-from queuekeeper.events.repository import EVENTS
+from queuekeeper.events.repository import DELIVERIES, EVENTS
 from queuekeeper.models import User
 from tests.helpers import database_statements
 from tests.pg_refusing import at_port, refusing_postgres
@@ -280,6 +281,46 @@ async def test_a_constraint_violation_is_an_integrity_error_and_rolls_back(
     async with outbox.statements.transaction() as unit:  # the connection went back usable
         await unit.insert_events([_event("later")])
     assert set(await _stored(engine)) == {"taken", "later"}
+
+
+def _utc(value: datetime) -> datetime:
+    return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+async def test_an_unparked_copy_is_claimed_as_a_claim_takes_it(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """Parking's writes through the outbox, on either database: a copy parked by the relay
+    holding it and released to another comes back as that relay's claim would have taken
+    it (same row mapping, same lease rule), and only once."""
+    outbox = _outbox(engine, settings)
+    async with outbox.statements.transaction() as unit:
+        await unit.insert_events([_event("e1"), _event("e2")])
+        await unit.insert_deliveries([_copy_of("e1"), _copy_of("e2")], ids=False)
+    now = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)  # the copies' `next_attempt_at`
+    claimed, _ = await outbox.claim("relay-a", now, 10)
+    assert [item.event_id for item in claimed] == ["e1", "e2"]
+    ids = [item.id for item in claimed]
+    await outbox.park("relay-b", ids, now)  # not relay-b's to park: nothing moves
+    assert await outbox.unpark("relay-b", "v", "q", 10, now) == ([], outbox.lease("relay-b", now))
+    await outbox.park("relay-a", ids, now)
+
+    later = now + timedelta(seconds=1)
+    released, lease = await outbox.unpark("relay-b", "v", "q", 1, later)  # the oldest only
+    assert lease == outbox.lease("relay-b", later)
+    assert released == [replace(claimed[0], created=later, last_error=PARKED_REASON)]
+    rest, _ = await outbox.unpark("relay-b", "v", "q", 10, later)
+    assert [item.id for item in rest] == [ids[1]]
+    assert (await outbox.unpark("relay-b", "v", "q", 10, later))[0] == []
+    async with engine.connect() as connection:
+        rows = await connection.execute(
+            select(DELIVERIES.c.state, DELIVERIES.c.claimed_by, DELIVERIES.c.claimed_until)
+        )
+        held = {(state, by, _utc(until)) for state, by, until in rows}
+    assert held == {("pending", "relay-b", lease.until)}
+    # Renewed and settled as any claimed copy.
+    renewed, _ = await outbox.renew("relay-b", ids, later)
+    assert renewed == set(ids)
 
 
 async def _pid(unit: object) -> int:

@@ -2,11 +2,15 @@
 
 Every write of a copy's life goes through here: `store` (accepted events and their
 copies, in the request's transaction), `claim`, `renew`, the settlements (`publish`,
-`reject`, `give_up`, `reschedule`) and `release`. The lease rule lives in `Outbox.lease`
-alone: a copy is held by a relay until its lease ends, and a held copy is simply not due
+`reject`, `give_up`, `reschedule`) and `release`; and parking's (parking/ decides when,
+the outbox writes): `park`, `unpark` (parked copies back to pending, claimed as a claim
+claims), `give_up_parked` (retention) and `add_replays` (a replay's new copies); no
+other module writes a copy's state. The lease rule lives in `Outbox.lease` alone: a copy
+is held by a relay until its lease ends, and a held copy is simply not due
 (`next_attempt_at` is the lease's end), so a relay that dies leaves its copies due again
 when its leases run out. Only `state = 'pending'` copies that are due are ever claimed;
-any other state (published, rejected, given up, parked) is never taken.
+any other state (published, rejected, given up, parked) is never taken, except that
+`unpark` takes a queue's parked copies back.
 
 Where the statements run: on PostgreSQL `outbox_postgres.py` (plain SQL on asyncpg,
 docs/decisions/008-driver-path.md), on SQLite its twin `outbox_sqlite.py` (SQLAlchemy
@@ -20,7 +24,7 @@ import json
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -47,6 +51,14 @@ log = structlog.get_logger(__name__)
 # copies committed unclaimed: a relay anywhere may take them now. Relays poll as well, so
 # a lost notification delays a copy by at most the poll interval and loses nothing.
 DUE_CHANNEL = "queuekeeper_outbox_due"
+
+# Why a copy is parked, or was given up while parked (its `last_error`, listed with the
+# event's copies).
+PARKED_REASON = (
+    "parked: its queue has had no consumer for longer than park_after_seconds; published, "
+    "in acceptance order, when one returns"
+)
+RETENTION_REASON = "retention: parked longer than event_retention_days; not published"
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,20 @@ class _Statements(Protocol):
         self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]
     ) -> None: ...
 
+    async def park(
+        self, relay_id: str, ids: Collection[int], now: datetime, reason: str
+    ) -> None: ...
+
+    async def unpark(
+        self, relay_id: str, vhost: str, queue: str, limit: int, until: datetime
+    ) -> list[Sequence[Any]]: ...
+
+    async def give_up_parked(
+        self, before: datetime, limit: int, now: datetime, reason: str
+    ) -> int: ...
+
+    async def add_replays(self, replay: Mapping[str, Any]) -> int: ...
+
 
 class Outbox:
     def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
@@ -146,8 +172,8 @@ class Outbox:
         )
 
     def lease(self, relay_id: str, now: datetime) -> Lease:
-        """The lease rule: a claim, a store handed to a relay and a renewal all hold the
-        copies for `relay_lease_seconds` from now."""
+        """The lease rule: a claim, a store handed to a relay, an unpark and a renewal all
+        hold the copies for `relay_lease_seconds` from now."""
         return Lease(relay_id, now + self.lease_length)
 
     # --- the intake's side ---------------------------------------------------------------
@@ -163,8 +189,7 @@ class Outbox:
         """Take up to `limit` due copies for `relay_id`, oldest first."""
         lease = self.lease(relay_id, now)
         rows = await self.statements.claim(relay_id, now, lease.until, limit)
-        claimed = sorted((Claimed(*row) for row in rows), key=lambda item: item.id)
-        return claimed, lease
+        return _claimed(rows), lease
 
     async def renew(
         self, relay_id: str, ids: Collection[int], now: datetime
@@ -202,6 +227,58 @@ class Outbox:
         """A settled copy stays settled: only a pending one is settled."""
         if ids:
             await self.statements.finish(ids, state.value, now, error)
+
+    # --- parking's side (docs/decisions/015-parking.md): parking decides, the outbox writes
+    async def park(self, relay_id: str, ids: Collection[int], now: datetime) -> None:
+        """Park copies `relay_id` holds (claimed or handed over): from pending to parked."""
+        if ids:
+            await self.statements.park(relay_id, ids, now, PARKED_REASON)
+
+    async def unpark(
+        self, relay_id: str, vhost: str, queue: str, limit: int, now: datetime
+    ) -> tuple[list[Claimed], Lease]:
+        """Move the queue's oldest `limit` parked copies back to pending, claimed for
+        `relay_id` under the lease rule as a claim is (a relay that dies leaves them due, and
+        they park again behind the queue's backlog: nothing is lost). Returns them in
+        acceptance order (outbox id order)."""
+        lease = self.lease(relay_id, now)
+        rows = await self.statements.unpark(relay_id, vhost, queue, limit, lease.until)
+        # The relay's delivery_max_age counts from the release: a copy parked for days is
+        # not too old to publish (retention bounds it instead).
+        return [replace(item, created=now) for item in _claimed(rows)], lease
+
+    async def give_up_parked(self, before: datetime, limit: int, now: datetime) -> int:
+        """Give up (for retention) up to `limit` parked copies created before `before`;
+        returns how many."""
+        return await self.statements.give_up_parked(before, limit, now, RETENTION_REASON)
+
+    async def add_replays(
+        self,
+        to: Copy,
+        since: datetime,
+        until: datetime,
+        object_types: Sequence[str] | None,
+        now: datetime,
+    ) -> int:
+        """Write a new pending copy for `to`'s queue, marked as a replay, of every event
+        accepted in [since, until) (of `object_types`, or all) that had a copy for that
+        queue (whatever became of it), in acceptance order; returns how many."""
+        replay = {
+            "vhost": to.vhost,
+            "queue_name": to.queue_name,
+            "queue_uuid": to.queue_uuid,
+            "consumer_uuid": to.consumer_uuid,
+            "since": since,
+            "until": until,
+            "object_types": list(object_types) if object_types else None,
+            "now": now,
+        }
+        return await self.statements.add_replays(replay)
+
+
+def _claimed(rows: Sequence[Sequence[Any]]) -> list[Claimed]:
+    """A claim's (or an unpark's) rows as the relay takes them, in acceptance order."""
+    return sorted((Claimed(*row) for row in rows), key=lambda item: item.id)
 
 
 class _Store:

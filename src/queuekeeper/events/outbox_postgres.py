@@ -2,11 +2,13 @@
 
 The only module that talks to the driver itself (docs/decisions/008-driver-path.md): the
 store of accepted events and the relay's claim, renew, settle and release, each run per
-request or per batch. asyncpg prepares each statement once per connection (its statement
-cache) and binds lists as arrays, so one statement serves one row or thousands. The
-connection is one of SQLAlchemy's pool, checked out through `AsyncEngine.connect()` and
-reached with `get_raw_connection().driver_connection`, so the pool's size, recycling and
-reset stay SQLAlchemy's and there is no second pool to size.
+request or per batch; and parking's writes of a copy (park, unpark, the retention's
+give-up, the replay's insert), which the outbox owns as well. asyncpg prepares each
+statement once per connection (its statement cache) and binds lists as arrays, so one
+statement serves one row or thousands. The connection is one of SQLAlchemy's pool,
+checked out through `AsyncEngine.connect()` and reached with
+`get_raw_connection().driver_connection`, so the pool's size, recycling and reset stay
+SQLAlchemy's and there is no second pool to size.
 
 A failure is raised as SQLAlchemy would raise it (`DBAPIError`, `IntegrityError` for a
 constraint), so the error handlers (errors.py) answer a lost connection or a database
@@ -106,10 +108,15 @@ UPDATE deliveries d
 SET attempts = d.attempts + 1, claimed_by = $3, claimed_until = $4, next_attempt_at = $4
 FROM due, events e
 WHERE d.id = due.id AND d.event_id = e.event_id
+"""
+# What a claimed copy carries (`outbox.Claimed`, in its fields' order): the claim's and the
+# unpark's alike.
+_CLAIMED = """
 RETURNING d.id, d.event_id, d.queue_uuid, d.consumer_uuid, d.queue_name, d.vhost,
           d.attempts, d.created, d.last_error, d.offering_uuid, e.offering_uuid,
           e.object_type, e.accepted, e.payload::text, d.replay
 """
+CLAIM += _CLAIMED
 RENEW = """
 UPDATE deliveries SET claimed_until = $3, next_attempt_at = $3
 WHERE id = ANY($1::bigint[]) AND state = 'pending' AND claimed_by = $2
@@ -141,6 +148,77 @@ SET next_attempt_at = r.next, last_error = r.error, claimed_by = NULL, claimed_u
 FROM unnest($1::bigint[], $2::timestamptz[], $3::text[]) AS r(id, next, error)
 WHERE d.id = r.id AND d.state = 'pending' AND d.claimed_by = $4
 """
+
+# --- parking's writes (docs/decisions/015-parking.md) -------------------------------------
+# The parked copies' statements spell `ix_deliveries_parked`'s predicate as migration
+# 0011_parking defines it (models.PARKED_OR_RELEASING), so the planner uses that index.
+# A copy a relay holds (claimed or handed over) parks: not an attempt, nothing was published.
+PARK = """
+UPDATE deliveries
+SET state = 'parked', parked_at = coalesce(parked_at, $3), claimed_by = NULL,
+    claimed_until = NULL, attempts = attempts - 1, last_error = $4
+WHERE id = ANY($1::bigint[]) AND state = 'pending' AND claimed_by = $2
+"""
+# The queue's oldest parked copies, back to pending and claimed as `CLAIM` claims.
+UNPARK = """
+WITH oldest AS (
+    SELECT id FROM deliveries
+    WHERE parked_at IS NOT NULL AND state IN ('parked', 'pending')
+        AND state = 'parked' AND vhost = $1 AND queue_name = $2
+    ORDER BY id
+    LIMIT $3
+)
+UPDATE deliveries d
+SET state = 'pending', attempts = d.attempts + 1, claimed_by = $4, claimed_until = $5,
+    next_attempt_at = $5
+FROM oldest, events e
+WHERE d.id = oldest.id AND d.state = 'parked' AND d.event_id = e.event_id
+"""
+UNPARK += _CLAIMED
+GIVE_UP_PARKED = """
+WITH expired AS (
+    SELECT id FROM deliveries
+    WHERE parked_at IS NOT NULL AND state IN ('parked', 'pending')
+        AND state = 'parked' AND created < $1
+    LIMIT $2
+), given_up AS (
+    UPDATE deliveries d SET state = 'given_up', finished = $3, last_error = $4
+    FROM expired WHERE d.id = expired.id AND d.state = 'parked'
+    RETURNING 1
+)
+SELECT count(*) FROM given_up
+"""
+# A new pending copy, marked as a replay, of each event accepted in [$5, $6) (of the
+# object types $7, or all for NULL) that had a copy for the queue, inserted in the order
+# of each event's first copy (acceptance order).
+ADD_REPLAYS = """
+WITH firsts AS (
+    SELECT min(d.id) AS first_id, d.event_id, d.offering_uuid
+    FROM deliveries d JOIN events e ON e.event_id = d.event_id
+    WHERE d.vhost = $1 AND d.queue_name = $2 AND NOT d.replay
+        AND e.accepted >= $5 AND e.accepted < $6
+        AND ($7::varchar[] IS NULL OR e.object_type = ANY($7::varchar[]))
+    GROUP BY d.event_id, d.offering_uuid
+), added AS (
+    INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost,
+                            offering_uuid, state, attempts, next_attempt_at, created, replay)
+    SELECT event_id, $3::uuid, $4::uuid, $2::varchar, $1::varchar, offering_uuid, 'pending',
+           0, $8::timestamptz, $8::timestamptz, true
+    FROM firsts ORDER BY first_id
+    RETURNING 1
+)
+SELECT count(*) FROM added
+"""
+REPLAY_PARAMETERS = (
+    "vhost",
+    "queue_name",
+    "queue_uuid",
+    "consumer_uuid",
+    "since",
+    "until",
+    "object_types",
+    "now",
+)
 
 
 def _database_error(sql: str, exc: BaseException, lost: bool) -> DBAPIError:
@@ -327,6 +405,21 @@ class PostgresOutbox:
     async def reschedule(self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]) -> None:
         ids, when, errors = ([r[k] for r in retries] for k in range(3))
         await self._run(RESCHEDULE, ids, when, errors, relay_id)
+
+    async def park(self, relay_id: str, ids: Collection[int], now: datetime, reason: str) -> None:
+        await self._run(PARK, list(ids), relay_id, now, reason)
+
+    async def unpark(
+        self, relay_id: str, vhost: str, queue: str, limit: int, until: datetime
+    ) -> list[Sequence[Any]]:
+        return await self._run(UNPARK, vhost, queue, limit, relay_id, until)
+
+    async def give_up_parked(self, before: datetime, limit: int, now: datetime, reason: str) -> int:
+        return int((await self._run(GIVE_UP_PARKED, before, limit, now, reason))[0][0])
+
+    async def add_replays(self, replay: Mapping[str, Any]) -> int:
+        arguments = [replay[name] for name in REPLAY_PARAMETERS]
+        return int((await self._run(ADD_REPLAYS, *arguments))[0][0])
 
 
 async def listen(

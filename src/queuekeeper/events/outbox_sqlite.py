@@ -2,7 +2,8 @@
 
 Same statements, same rows in and out; SQLite has one writer at a time, so a plain
 UPDATE already claims exclusively, and it cannot return columns of an UPDATE's FROM
-tables, so a claim reads its events apart.
+tables, so a claim (and an unpark) reads its events apart. Parking's writes of a copy
+live here too, as in the twin (docs/decisions/015-parking.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from sqlalchemy import (
     and_,
     bindparam,
     cast,
+    func,
     literal,
+    literal_column,
     null,
     or_,
     select,
@@ -33,7 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from queuekeeper.events.recipients import CONSUMER, SUBSCRIPTION
 from queuekeeper.events.repository import DELIVERIES, EVENTS
-from queuekeeper.models import Base, DeliveryState
+from queuekeeper.models import PARKED_OR_RELEASING, Base, DeliveryState
 
 OFFERINGS = Base.metadata.tables["offerings"]
 ACCESS = Base.metadata.tables["offering_access"]
@@ -132,6 +135,21 @@ INSERT_DELIVERIES_RETURNING = DELIVERIES.insert().returning(
     DELIVERIES.c.id, DELIVERIES.c.event_id, DELIVERIES.c.queue_uuid, DELIVERIES.c.consumer_uuid
 )
 
+# What a claimed copy carries of its own row (`outbox.Claimed` less its event's columns,
+# read apart by `EVENTS_OF`): the claim's and the unpark's alike.
+_CLAIMED = (
+    DELIVERIES.c.id,
+    DELIVERIES.c.event_id,
+    DELIVERIES.c.queue_uuid,
+    DELIVERIES.c.consumer_uuid,
+    DELIVERIES.c.queue_name,
+    DELIVERIES.c.vhost,
+    DELIVERIES.c.attempts,
+    DELIVERIES.c.created,
+    DELIVERIES.c.last_error,
+    DELIVERIES.c.offering_uuid,
+    DELIVERIES.c.replay,
+)
 _DUE = (
     select(DELIVERIES.c.id)
     .where(
@@ -150,19 +168,7 @@ CLAIM = (
         claimed_until=bindparam("b_until", type_=_WHEN),
         next_attempt_at=bindparam("b_until", type_=_WHEN),
     )
-    .returning(
-        DELIVERIES.c.id,
-        DELIVERIES.c.event_id,
-        DELIVERIES.c.queue_uuid,
-        DELIVERIES.c.consumer_uuid,
-        DELIVERIES.c.queue_name,
-        DELIVERIES.c.vhost,
-        DELIVERIES.c.attempts,
-        DELIVERIES.c.created,
-        DELIVERIES.c.last_error,
-        DELIVERIES.c.offering_uuid,
-        DELIVERIES.c.replay,
-    )
+    .returning(*_CLAIMED)
 )
 EVENTS_OF = select(
     EVENTS.c.event_id,
@@ -213,6 +219,105 @@ RESCHEDULE = (
         claimed_until=None,
     )
 )
+
+
+# --- parking's writes (docs/decisions/015-parking.md) -------------------------------------
+PARKED = DeliveryState.PARKED
+# Written as `ix_deliveries_parked` is defined (migration 0011_parking), so SQLite uses it.
+_PARKED_OR_RELEASING: ColumnElement[bool] = literal_column(PARKED_OR_RELEASING)
+# A copy a relay holds (claimed or handed over) parks: not an attempt, nothing was published.
+PARK = _HELD.values(
+    state=PARKED,
+    parked_at=func.coalesce(DELIVERIES.c.parked_at, bindparam("b_now", type_=_WHEN)),
+    claimed_by=None,
+    claimed_until=None,
+    attempts=DELIVERIES.c.attempts - 1,
+    last_error=bindparam("b_reason"),
+)
+_OLDEST_PARKED = (
+    select(DELIVERIES.c.id)
+    .where(
+        _PARKED_OR_RELEASING,
+        DELIVERIES.c.state == PARKED,
+        DELIVERIES.c.vhost == bindparam("b_vhost"),
+        DELIVERIES.c.queue_name == bindparam("b_queue"),
+    )
+    .order_by(DELIVERIES.c.id)
+    .limit(bindparam("b_limit"))
+)
+# The queue's oldest parked copies, back to pending and claimed as `CLAIM` claims.
+UNPARK = (
+    update(DELIVERIES)
+    .where(DELIVERIES.c.id.in_(_OLDEST_PARKED.scalar_subquery()), DELIVERIES.c.state == PARKED)
+    .values(
+        state=PENDING,
+        attempts=DELIVERIES.c.attempts + 1,
+        claimed_by=bindparam("b_relay"),
+        claimed_until=bindparam("b_until", type_=_WHEN),
+        next_attempt_at=bindparam("b_until", type_=_WHEN),
+    )
+    .returning(*_CLAIMED)
+)
+_EXPIRED = (
+    select(DELIVERIES.c.id)
+    .where(
+        _PARKED_OR_RELEASING,
+        DELIVERIES.c.state == PARKED,
+        DELIVERIES.c.created < bindparam("b_before", type_=_WHEN),
+    )
+    .limit(bindparam("b_limit"))
+)
+GIVE_UP_PARKED = (
+    update(DELIVERIES)
+    .where(DELIVERIES.c.id.in_(_EXPIRED.scalar_subquery()), DELIVERIES.c.state == PARKED)
+    .values(
+        state=DeliveryState.GIVEN_UP,
+        finished=bindparam("b_now", type_=_WHEN),
+        last_error=bindparam("b_reason"),
+    )
+)
+
+
+def _add_replays(of: bool) -> Any:
+    """`outbox_postgres.ADD_REPLAYS` in Core: one INSERT ... SELECT, in the order of each
+    event's first copy for the queue (acceptance order); `of`: only some object types."""
+    first_copy = (
+        select(
+            func.min(DELIVERIES.c.id).label("first_id"),
+            DELIVERIES.c.event_id,
+            DELIVERIES.c.offering_uuid,
+        )
+        .join(EVENTS, EVENTS.c.event_id == DELIVERIES.c.event_id)
+        .where(
+            DELIVERIES.c.vhost == bindparam("vhost"),
+            DELIVERIES.c.queue_name == bindparam("queue_name"),
+            DELIVERIES.c.replay.is_(False),
+            EVENTS.c.accepted >= bindparam("since", type_=_WHEN),
+            EVENTS.c.accepted < bindparam("until", type_=_WHEN),
+            *([EVENTS.c.object_type.in_(bindparam("object_types", expanding=True))] if of else []),
+        )
+        .group_by(DELIVERIES.c.event_id, DELIVERIES.c.offering_uuid)
+        .subquery()
+    )
+    source = select(
+        first_copy.c.event_id,
+        bindparam("queue_uuid", type_=DELIVERIES.c.queue_uuid.type),
+        bindparam("consumer_uuid", type_=DELIVERIES.c.consumer_uuid.type),
+        bindparam("queue_name", type_=DELIVERIES.c.queue_name.type),
+        bindparam("vhost", type_=DELIVERIES.c.vhost.type),
+        first_copy.c.offering_uuid,
+        literal(PENDING.value, DELIVERIES.c.state.type),
+        literal(0, DELIVERIES.c.attempts.type),
+        bindparam("now", type_=_WHEN),
+        bindparam("created", type_=_WHEN),
+        literal(True, DELIVERIES.c.replay.type),
+    ).order_by(first_copy.c.first_id)
+    columns = ["event_id", "queue_uuid", "consumer_uuid", "queue_name", "vhost"]
+    columns += ["offering_uuid", "state", "attempts", "next_attempt_at", "created", "replay"]
+    return DELIVERIES.insert().from_select(columns, source)
+
+
+ADD_REPLAYS = {types: _add_replays(types) for types in (False, True)}
 
 
 class StoreUnit:
@@ -271,13 +376,7 @@ class SqliteOutbox:
             if await connection.scalar(_DUE, {"b_now": now, "b_limit": 1}) is None:
                 return []
             parameters = {"b_now": now, "b_limit": limit, "b_relay": relay_id, "b_until": until}
-            deliveries = (await connection.execute(CLAIM, parameters)).all()
-            if not deliveries:
-                return []
-            event_ids = list({row[1] for row in deliveries})
-            result = await connection.execute(EVENTS_OF, {"b_event_ids": event_ids})
-            events = {row[0]: tuple(row[1:]) for row in result}
-        return [(*row[:-1], *events[row[1]], row[-1]) for row in deliveries]
+            return await _with_events(connection, await connection.execute(CLAIM, parameters))
 
     async def renew(self, relay_id: str, ids: Collection[int], until: datetime) -> set[int]:
         async with self.engine.begin() as connection:
@@ -312,3 +411,42 @@ class SqliteOutbox:
         ]
         async with self.engine.begin() as connection:
             await connection.execute(RESCHEDULE, rows)
+
+    async def park(self, relay_id: str, ids: Collection[int], now: datetime, reason: str) -> None:
+        parameters = {"b_ids": list(ids), "b_relay": relay_id, "b_now": now, "b_reason": reason}
+        async with self.engine.begin() as connection:
+            await connection.execute(PARK, parameters)
+
+    async def unpark(
+        self, relay_id: str, vhost: str, queue: str, limit: int, until: datetime
+    ) -> list[Sequence[Any]]:
+        parameters = {"b_vhost": vhost, "b_queue": queue, "b_limit": limit}
+        async with self.engine.begin() as connection:
+            result = await connection.execute(
+                UNPARK, {**parameters, "b_relay": relay_id, "b_until": until}
+            )
+            return await _with_events(connection, result)
+
+    async def give_up_parked(self, before: datetime, limit: int, now: datetime, reason: str) -> int:
+        parameters = {"b_before": before, "b_limit": limit, "b_now": now, "b_reason": reason}
+        async with self.engine.begin() as connection:
+            result = await connection.execute(GIVE_UP_PARKED, parameters)
+        return int(result.rowcount or 0)
+
+    async def add_replays(self, replay: Mapping[str, Any]) -> int:
+        statement = ADD_REPLAYS[replay["object_types"] is not None]
+        async with self.engine.begin() as connection:
+            result = await connection.execute(statement, {**replay, "created": replay["now"]})
+        return int(result.rowcount or 0)
+
+
+async def _with_events(connection: AsyncConnection, claimed: Any) -> list[Sequence[Any]]:
+    """The claimed rows with their events' columns, in `outbox.Claimed`'s order (SQLite
+    cannot return an UPDATE's FROM tables)."""
+    deliveries = claimed.all()
+    if not deliveries:
+        return []
+    event_ids = list({row[1] for row in deliveries})
+    result = await connection.execute(EVENTS_OF, {"b_event_ids": event_ids})
+    events = {row[0]: tuple(row[1:]) for row in result}
+    return [(*row[:-1], *events[row[1]], row[-1]) for row in deliveries]

@@ -11,7 +11,7 @@ from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.parking import service
 from queuekeeper.parking.schemas import ReplayAdminWindow, ReplayOut, ReplayWindow
-from queuekeeper.state import SessionDep, SettingsDep
+from queuekeeper.state import EngineDep, SessionDep, SettingsDep
 
 agent_router = caller_router(Caller.AGENT, tags=["agents"])
 queues_router = admin_router("/queues")
@@ -53,9 +53,10 @@ async def replay_consumer(
     window: ReplayWindow,
     caller: AgentOrService,
     session: SessionDep,
+    engine: EngineDep,
     settings: SettingsDep,
 ) -> ReplayOut:
-    return await service.replay_consumer(session, settings, caller, consumer_uuid, window)
+    return await service.replay_consumer(session, engine, settings, caller, consumer_uuid, window)
 
 
 @queues_router.post(
@@ -76,6 +77,6 @@ async def replay_consumer(
     },
 )
 async def replay_queue(
-    window: ReplayAdminWindow, session: SessionDep, settings: SettingsDep
+    window: ReplayAdminWindow, session: SessionDep, engine: EngineDep, settings: SettingsDep
 ) -> ReplayOut:
-    return await service.replay_queue(session, settings, window)
+    return await service.replay_queue(session, engine, settings, window)

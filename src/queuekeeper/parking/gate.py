@@ -15,7 +15,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper.config import Settings
-from queuekeeper.events.outbox import Claimed
+from queuekeeper.events.outbox import Claimed, Outbox
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import COPIES_PARKED
 from queuekeeper.parking import repository
@@ -29,6 +29,7 @@ class ParkingGate:
         self.settings = settings
         # Single statements: autocommit, as the relay's own.
         self.engine = engine.execution_options(isolation_level="AUTOCOMMIT")
+        self.outbox = Outbox(engine, settings)  # parks the copies (the outbox writes them)
         self.held: frozenset[Queue] = frozenset()
         self._read = False
         self._lock = asyncio.Lock()
@@ -66,8 +67,7 @@ class ParkingGate:
             ]
             if not parked:
                 return claimed
-            async with self.engine.connect() as connection:
-                await repository.park(connection, relay_id, [item.id for item in parked], utcnow())
+            await self.outbox.park(relay_id, [item.id for item in parked], utcnow())
         COPIES_PARKED.inc(len(parked))
         ids = {item.id for item in parked}
         return [item for item in claimed if item.id not in ids]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import suppress
-from datetime import timedelta
 from functools import partial
 
 import structlog
@@ -145,7 +144,6 @@ class Releaser:
 
     async def _release_parked(self, vhost: str, queue: str) -> int:
         bound = self.settings.park_release_max_in_flight
-        lease = timedelta(seconds=self.settings.relay_lease_seconds)
         sent = 0
         while not self._stopping.is_set():
             async with self.reader.connect() as connection:
@@ -164,17 +162,10 @@ class Releaser:
             if room <= 0:
                 await asyncio.sleep(FULL_PAUSE)
                 continue
-            now = utcnow()
-            async with self.reader.connect() as connection:
-                batch = await repository.release(
-                    connection,
-                    self.relay.id,
-                    vhost,
-                    queue,
-                    min(room, RELEASE_BATCH),
-                    now + lease,
-                    now,
-                )
+            # Claimed for this replica's relay under the outbox's lease rule, as its claims.
+            batch, _lease = await self.relay.outbox.unpark(
+                self.relay.id, vhost, queue, min(room, RELEASE_BATCH), utcnow()
+            )
             if not batch:
                 break
             await self.relay.process(batch, park=False)

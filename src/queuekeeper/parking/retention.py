@@ -8,6 +8,7 @@ at once: a run cut short keeps what it did, and the next run goes on.
 
 from __future__ import annotations
 
+from queuekeeper.events.outbox import Outbox
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import COPIES_GIVEN_UP_RETENTION
@@ -25,10 +26,10 @@ async def apply_retention(context: JobContext, run: Run) -> None:
     now = utcnow()
     cutoff = now - context.settings.event_retention
     engine = context.engine.execution_options(isolation_level="AUTOCOMMIT")
+    outbox = Outbox(context.engine, context.settings)
     given_up = pruned = 0
     while True:
-        async with engine.connect() as connection:
-            page = await repository.give_up_expired(connection, cutoff, PAGE, now)
+        page = await outbox.give_up_parked(cutoff, PAGE, now)
         given_up += page
         COPIES_GIVEN_UP_RETENTION.inc(page)
         if page < PAGE:

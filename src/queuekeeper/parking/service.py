@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.config import Settings
 from queuekeeper.consumers.service import get_consumer
+from queuekeeper.events.outbox import Outbox
+from queuekeeper.events.recipients import Copy
 from queuekeeper.exceptions import BadRequest, NotFound
 from queuekeeper.models import User, utcnow
 from queuekeeper.observability.metrics import REPLAYS
 from queuekeeper.parking import repository
-from queuekeeper.parking.repository import ReplayTarget
 from queuekeeper.parking.schemas import ReplayAdminWindow, ReplayOut, ReplayWindow
 
 
@@ -56,24 +57,25 @@ def checked_window(
 
 
 async def _replay(
-    session: AsyncSession,
+    engine: AsyncEngine,
     settings: Settings,
-    target: ReplayTarget,
+    target: Copy,
     window: ReplayWindow,
     caller: str,
 ) -> ReplayOut:
     now = utcnow()
     since, until = checked_window(window, settings, now)
-    replayed = await repository.copy_for_replay(
-        session, target, since, until, window.object_types or None, now
+    # The outbox writes the copies (one statement, committed as it runs).
+    replayed = await Outbox(engine, settings).add_replays(
+        target, since, until, window.object_types or None, now
     )
-    await session.commit()
     REPLAYS.labels(caller=caller).inc()
     return ReplayOut(replayed=replayed)
 
 
 async def replay_consumer(
     session: AsyncSession,
+    engine: AsyncEngine,
     settings: Settings,
     caller: User | None,
     consumer_uuid: str,
@@ -81,14 +83,12 @@ async def replay_consumer(
 ) -> ReplayOut:
     """The owner's (or, for a service token, any) consumer; another user's is NotFound."""
     consumer = await get_consumer(session, caller, consumer_uuid)
-    target = ReplayTarget(consumer.vhost, consumer.queue_name, None, consumer.uuid)
-    return await _replay(
-        session, settings, target, window, "service" if caller is None else "agent"
-    )
+    target = Copy(None, consumer.uuid, consumer.queue_name, consumer.vhost)
+    return await _replay(engine, settings, target, window, "service" if caller is None else "agent")
 
 
 async def replay_queue(
-    session: AsyncSession, settings: Settings, window: ReplayAdminWindow
+    session: AsyncSession, engine: AsyncEngine, settings: Settings, window: ReplayAdminWindow
 ) -> ReplayOut:
     """Any registered queue, legacy or consumer, by vhost and name."""
     target = await repository.find_queue(session, window.vhost, window.queue_name)
@@ -97,4 +97,4 @@ async def replay_queue(
             f"No registered queue {window.queue_name!r} in vhost {window.vhost!r}.",
             field="queue_name",
         )
-    return await _replay(session, settings, target, window, "admin")
+    return await _replay(engine, settings, target, window, "admin")
