@@ -12,7 +12,9 @@ import pytest
 from fastapi import FastAPI
 
 from queuekeeper.app import Runtime
+from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import COPIES_PARKED, COPIES_RELEASED
+from queuekeeper.presence import repository as presence_repository
 from tests.brokers import BROKER
 from tests.events.support import (
     drain,
@@ -186,6 +188,52 @@ async def test_dead_letters_expired_while_away_come_back_first_then_the_parked_c
                 break
             await asyncio.sleep(0.05)
     assert received == [*expired, *parked]
+    assert await queue_depth(vhost, "waldur.dlq.messages") == 0
+
+
+@pytest.mark.settings(**FAST, queue_message_ttl_ms=300)
+async def test_a_return_redrives_the_dead_letters_even_when_nothing_was_parked(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """Away for less than park_after: nothing parks, but what was published meanwhile
+    expired into the dead-letter queue; the return alone brings it back."""
+    state: Runtime = app.state.queuekeeper
+    registered = await register(backend)
+    queue, vhost = registered.queue_name, registered.vhost
+    await set_presence(state.sessions, vhost, queue, consumers=0, away_for=30)
+    await asyncio.sleep(0.3)
+    expired = [f"expired-{n}" for n in range(3)]
+    await post_batch(
+        client, [order_event(registered.offering, event_id=i) for i in expired], wait=True
+    )
+    for _ in range(100):
+        if await queue_depth(vhost, "waldur.dlq.messages") == 3:
+            break
+        await asyncio.sleep(0.05)
+    assert await queue_depth(vhost, "waldur.dlq.messages") == 3
+
+    received: list[str] = []
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
+    async with connection:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(queue, passive=True)
+
+        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            received.append(str(message.message_id))
+            await message.ack()
+
+        await declared.consume(take)
+        # What the presence listener writes when it sees the consumer arrive.
+        async with state.sessions() as session:
+            await presence_repository.record(
+                session, vhost, queue, 1, observed=utcnow(), away_from=utcnow()
+            )
+            await session.commit()
+        for _ in range(200):
+            if len(received) >= 3:
+                break
+            await asyncio.sleep(0.05)
+    assert received == expired
     assert await queue_depth(vhost, "waldur.dlq.messages") == 0
 
 

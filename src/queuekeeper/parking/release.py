@@ -138,6 +138,8 @@ class Releaser:
             Job.REDRIVE, Trigger.RELEASE, body=partial(redrive, only=vhost, queue=queue)
         )
         if record.status in (RunStatus.SUCCEEDED.value, RunStatus.PARTIAL.value):
+            async with self.reader.connect() as connection:
+                await repository.redriven(connection, vhost, queue)
             return True
         log.info("parking_redrive_deferred", vhost=vhost, queue=queue, status=record.status)
         return False

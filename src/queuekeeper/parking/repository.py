@@ -23,6 +23,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    update,
 )
 
 from queuekeeper.db import Executor
@@ -67,7 +68,8 @@ async def held_queues(session: Executor, away_before: datetime) -> set[Queue]:
 
 
 async def returned_queues(session: Executor) -> list[Queue]:
-    """Queues with parked copies and a consumer again: the ones to release."""
+    """Queues with a consumer again and parked copies, or back from an absence whose dead
+    letters are not yet redriven (`returned_from`): the ones to release."""
     parked = exists().where(
         _PARKED_OR_RELEASING,
         DELIVERIES.c.state == _PARKED,
@@ -76,10 +78,21 @@ async def returned_queues(session: Executor) -> list[Queue]:
     )
     rows = await session.execute(
         select(PRESENCE.c.vhost, PRESENCE.c.queue_name).where(
-            PRESENCE.c.consumers > 0, PRESENCE.c.away_since.is_(None), parked
+            PRESENCE.c.consumers > 0,
+            PRESENCE.c.away_since.is_(None),
+            or_(parked, PRESENCE.c.returned_from.is_not(None)),
         )
     )
     return [(vhost, queue) for vhost, queue in rows]
+
+
+async def redriven(session: Executor, vhost: str, queue: str) -> None:
+    """The queue's dead letters are back: its return needs no more redrive."""
+    await session.execute(
+        update(PRESENCE)
+        .where(PRESENCE.c.vhost == vhost, PRESENCE.c.queue_name == queue)
+        .values(returned_from=None)
+    )
 
 
 async def is_present(session: Executor, vhost: str, queue: str) -> bool:
