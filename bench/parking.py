@@ -190,7 +190,7 @@ async def gate_cost() -> None:
     settings = Settings(database_url="sqlite+aiosqlite:///:memory:")
     engine = create_async_engine(settings.database_url)  # no statement is run on it
     gate = ParkingGate(settings, engine)
-    gate._read = True
+    gate._read_at = float("inf")  # never stale: the view below is what it decides by
     now = datetime.now(UTC)
     copy = Claimed(
         1, "e", uuid.uuid4(), None, "q", "v", 1, now, None, None, uuid.uuid4(), "order", now, "{}"

@@ -339,6 +339,14 @@ class Relay:
             self._held[item.id] = lease.until
         return claimed
 
+    async def unpark(self, vhost: str, queue: str, limit: int) -> list[Claimed]:
+        """Take a returned queue's oldest parked copies, claimed for this relay (and renewed
+        like its claims while they wait), to publish with `process(..., park=False)`."""
+        released, lease = await self.outbox.unpark(self.id, vhost, queue, limit, utcnow())
+        for item in released:
+            self._held[item.id] = lease.until
+        return released
+
     async def process(self, claimed: list[Claimed], *, park: bool = True) -> None:
         """Publish a claimed batch and write back what became of each copy; `park=False`
         for released parked copies, which go out whatever the queue's state."""

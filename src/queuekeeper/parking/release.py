@@ -29,7 +29,6 @@ from queuekeeper.config import Settings
 from queuekeeper.deadletters.service import redrive
 from queuekeeper.events.relay import Relay
 from queuekeeper.jobs.runs import Job, JobRunner, RunStatus, Trigger
-from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import COPIES_RELEASED
 from queuekeeper.parking import repository
 from queuekeeper.parking.gate import ParkingGate
@@ -165,9 +164,7 @@ class Releaser:
                 await asyncio.sleep(FULL_PAUSE)
                 continue
             # Claimed for this replica's relay under the outbox's lease rule, as its claims.
-            batch, _lease = await self.relay.outbox.unpark(
-                self.relay.id, vhost, queue, min(room, RELEASE_BATCH), utcnow()
-            )
+            batch = await self.relay.unpark(vhost, queue, min(room, RELEASE_BATCH))
             if not batch:
                 break
             await self.relay.process(batch, park=False)

@@ -10,6 +10,7 @@ partial index `ix_deliveries_parked` (migration 0011_parking) serves.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -23,6 +24,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    tuple_,
     update,
 )
 
@@ -55,16 +57,51 @@ def _backlog(presence: Any) -> Any:
     )
 
 
-async def held_queues(session: Executor, away_before: datetime) -> set[Queue]:
-    """Queues whose new copies park: away since before `away_before`, or still holding
-    parked copies, or released ones not yet published (their order comes first). Every
-    queue that ever parked has a presence row (nothing parks without one)."""
+@dataclass(frozen=True)
+class ParkView:
+    """What the gate decides by: the queues without a consumer and since when, and the
+    queues still holding parked copies or released ones not yet out."""
+
+    away: dict[Queue, datetime]
+    backlog: frozenset[Queue]
+
+
+async def park_view(session: Executor) -> ParkView:
+    """One statement: every presence row away or with a backlog. Every queue that ever
+    parked has a presence row (nothing parks without one)."""
+    backlog = _backlog(PRESENCE)
+    rows = await session.execute(
+        select(PRESENCE.c.vhost, PRESENCE.c.queue_name, PRESENCE.c.away_since, backlog).where(
+            or_(PRESENCE.c.away_since.is_not(None), backlog)
+        )
+    )
+    away: dict[Queue, datetime] = {}
+    held: set[Queue] = set()
+    for vhost, queue, away_since, has_backlog in rows:
+        if away_since is not None:
+            away[(vhost, queue)] = _aware(away_since)
+        if has_backlog:
+            held.add((vhost, queue))
+    return ParkView(away, frozenset(held))
+
+
+async def backlogged(session: Executor, queues: Collection[Queue]) -> set[Queue]:
+    """Which of `queues` hold parked copies or released ones not yet out, now."""
+    if not queues:
+        return set()
     rows = await session.execute(
         select(PRESENCE.c.vhost, PRESENCE.c.queue_name).where(
-            or_(PRESENCE.c.away_since <= away_before, _backlog(PRESENCE))
+            tuple_(PRESENCE.c.vhost, PRESENCE.c.queue_name).in_(list(queues)),
+            _backlog(PRESENCE),
         )
     )
     return {(vhost, queue) for vhost, queue in rows}
+
+
+def _aware(value: datetime | str) -> datetime:
+    if isinstance(value, str):  # SQLite hands a bare column of a mixed select back as text
+        value = datetime.fromisoformat(value)
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 async def returned_queues(session: Executor) -> list[Queue]:
