@@ -167,11 +167,15 @@ class VhostRedrive:
         redrives: list[tuple[AbstractIncomingMessage, str]] = []
         give_ups: list[tuple[AbstractIncomingMessage, GivenUpDeadLetter]] = []
         try:
-            for _ in range(min(depth, settings.redrive_max_messages)):
+            wanted = min(depth, settings.redrive_max_messages)
+            for taken in range(wanted):
                 message = await dlq.get(
                     no_ack=False, fail=False, timeout=settings.management_timeout
                 )
                 if message is None:
+                    # Fewer than declared: another reader (a status count, another redrive)
+                    # holds the rest unacknowledged for now; a release must try again.
+                    self.run.find("held_elsewhere", wanted - taken)
                     break
                 self.run.find("examined")
                 verdict = await self.judge(message)

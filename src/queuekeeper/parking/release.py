@@ -136,6 +136,12 @@ class Releaser:
         record = await self.jobs.run(
             Job.REDRIVE, Trigger.RELEASE, body=partial(redrive, only=vhost, queue=queue)
         )
+        held_elsewhere = (record.found or {}).get("held_elsewhere")
+        if held_elsewhere:
+            # Dead letters another reader held were not seen: sending parked copies now
+            # would put them ahead of those; the next tick tries again.
+            log.info("parking_redrive_deferred", vhost=vhost, queue=queue, held=held_elsewhere)
+            return False
         if record.status in (RunStatus.SUCCEEDED.value, RunStatus.PARTIAL.value):
             async with self.reader.connect() as connection:
                 await repository.redriven(connection, vhost, queue)
