@@ -5,6 +5,8 @@ when a consumer is back."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aio_pika
 import httpx
@@ -17,6 +19,7 @@ from queuekeeper.observability.metrics import COPIES_PARKED, COPIES_RELEASED
 from queuekeeper.presence import repository as presence_repository
 from tests.brokers import BROKER
 from tests.events.support import (
+    Registered,
     drain,
     order_event,
     post_batch,
@@ -28,7 +31,56 @@ from tests.helpers import Backend, Operator
 from tests.parking.support import set_presence, wait_for_states
 
 FAST = {"park_after_seconds": 60, "park_check_interval": 0.1}
+DLQ = "waldur.dlq.messages"
 pytestmark = pytest.mark.settings(**FAST)
+
+
+async def _away(state: Runtime, backend: Backend, *, away_for: int) -> Registered:
+    """A registered queue whose consumer left `away_for` seconds ago, as the gate sees it."""
+    registered = await register(backend)
+    await set_presence(
+        state.sessions, registered.vhost, registered.queue_name, consumers=0, away_for=away_for
+    )
+    await asyncio.sleep(0.3)  # a few looks of the gate
+    return registered
+
+
+async def _post(client: httpx.AsyncClient, registered: Registered, ids: list[str]) -> None:
+    await post_batch(client, [order_event(registered.offering, event_id=i) for i in ids])
+
+
+async def _expired_into_dlq(client: httpx.AsyncClient, registered: Any, ids: list[str]) -> None:
+    """Publish `ids` to the queue (its consumer gone for less than park_after) and wait
+    until they have expired into the vhost's dead-letter queue."""
+    await post_batch(client, [order_event(registered.offering, event_id=i) for i in ids], wait=True)
+    for _ in range(100):
+        if await queue_depth(registered.vhost, DLQ) == len(ids):
+            break
+        await asyncio.sleep(0.05)
+    assert await queue_depth(registered.vhost, DLQ) == len(ids)
+
+
+async def _received_on_return(
+    vhost: str, queue: str, count: int, come_back: Callable[[], Awaitable[None]]
+) -> list[str]:
+    """Consume the queue, then say the consumer is back (`come_back`); what arrives."""
+    received: list[str] = []
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
+    async with connection:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(queue, passive=True)
+
+        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+            received.append(str(message.message_id))
+            await message.ack()
+
+        await declared.consume(take)
+        await come_back()
+        for _ in range(200):
+            if len(received) >= count:
+                break
+            await asyncio.sleep(0.05)
+    return received
 
 
 async def test_copies_for_an_away_queue_park_and_go_out_in_order_when_it_returns(
@@ -87,12 +139,10 @@ async def test_a_release_never_fills_the_queue_past_its_bound(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     state: Runtime = app.state.queuekeeper
-    registered = await register(backend)
+    registered = await _away(state, backend, away_for=3600)
     queue, vhost = registered.queue_name, registered.vhost
-    await set_presence(state.sessions, vhost, queue, consumers=0, away_for=3600)
-    await asyncio.sleep(0.3)
     ids = [f"bound-{n:02}" for n in range(40)]
-    await post_batch(client, [order_event(registered.offering, event_id=i) for i in ids])
+    await _post(client, registered, ids)
     await wait_for_states(state.sessions, queue, {"parked": 40})
 
     # Presence says a consumer is back; a slow one takes a message now and then.
@@ -119,12 +169,10 @@ async def test_newer_copies_park_behind_a_backlog_until_it_is_out(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     state: Runtime = app.state.queuekeeper
-    registered = await register(backend)
+    registered = await _away(state, backend, away_for=3600)
     queue, vhost = registered.queue_name, registered.vhost
-    await set_presence(state.sessions, vhost, queue, consumers=0, away_for=3600)
-    await asyncio.sleep(0.3)
     first = [f"first-{n:02}" for n in range(20)]
-    await post_batch(client, [order_event(registered.offering, event_id=i) for i in first])
+    await _post(client, registered, first)
     await wait_for_states(state.sessions, queue, {"parked": 20})
     # Back, and events keep coming while the backlog is released: none overtakes it.
     await set_presence(state.sessions, vhost, queue, consumers=1)
@@ -152,43 +200,23 @@ async def test_dead_letters_expired_while_away_come_back_first_then_the_parked_c
     await set_presence(state.sessions, vhost, queue, consumers=0, away_for=30)
     await asyncio.sleep(0.3)
     expired = [f"expired-{n}" for n in range(5)]
-    await post_batch(
-        client, [order_event(registered.offering, event_id=i) for i in expired], wait=True
-    )
-    for _ in range(100):
-        if await queue_depth(vhost, "waldur.dlq.messages") == 5:
-            break
-        await asyncio.sleep(0.05)
-    assert await queue_depth(vhost, "waldur.dlq.messages") == 5
+    await _expired_into_dlq(client, registered, expired)
     # Past park_after: new copies park; a redrive meanwhile leaves the dead letters be.
     await set_presence(state.sessions, vhost, queue, consumers=0, away_for=120)
     await asyncio.sleep(0.3)
     parked = [f"parked-{n}" for n in range(10)]
-    await post_batch(client, [order_event(registered.offering, event_id=i) for i in parked])
+    await _post(client, registered, parked)
     await wait_for_states(state.sessions, queue, {"published": 5, "parked": 10})
     run = await operator.redrive(vhost)
     assert run["found"].get("left_agent_away") == 5, run
-    assert await queue_depth(vhost, "waldur.dlq.messages") == 5
+    assert await queue_depth(vhost, DLQ) == 5
 
     # The agent subscribes: its dead letters first, then what was parked, in order.
-    received: list[str] = []
-    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
-    async with connection:
-        channel = await connection.channel()
-        declared = await channel.declare_queue(queue, passive=True)
-
-        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            received.append(str(message.message_id))
-            await message.ack()
-
-        await declared.consume(take)
-        await set_presence(state.sessions, vhost, queue, consumers=1)
-        for _ in range(200):
-            if len(received) >= 15:
-                break
-            await asyncio.sleep(0.05)
+    received = await _received_on_return(
+        vhost, queue, 15, lambda: set_presence(state.sessions, vhost, queue, consumers=1)
+    )
     assert received == [*expired, *parked]
-    assert await queue_depth(vhost, "waldur.dlq.messages") == 0
+    assert await queue_depth(vhost, DLQ) == 0
 
 
 @pytest.mark.settings(**FAST, queue_message_ttl_ms=300)
@@ -198,43 +226,21 @@ async def test_a_return_redrives_the_dead_letters_even_when_nothing_was_parked(
     """Away for less than park_after: nothing parks, but what was published meanwhile
     expired into the dead-letter queue; the return alone brings it back."""
     state: Runtime = app.state.queuekeeper
-    registered = await register(backend)
+    registered = await _away(state, backend, away_for=30)
     queue, vhost = registered.queue_name, registered.vhost
-    await set_presence(state.sessions, vhost, queue, consumers=0, away_for=30)
-    await asyncio.sleep(0.3)
     expired = [f"expired-{n}" for n in range(3)]
-    await post_batch(
-        client, [order_event(registered.offering, event_id=i) for i in expired], wait=True
-    )
-    for _ in range(100):
-        if await queue_depth(vhost, "waldur.dlq.messages") == 3:
-            break
-        await asyncio.sleep(0.05)
-    assert await queue_depth(vhost, "waldur.dlq.messages") == 3
+    await _expired_into_dlq(client, registered, expired)
 
-    received: list[str] = []
-    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
-    async with connection:
-        channel = await connection.channel()
-        declared = await channel.declare_queue(queue, passive=True)
-
-        async def take(message: aio_pika.abc.AbstractIncomingMessage) -> None:
-            received.append(str(message.message_id))
-            await message.ack()
-
-        await declared.consume(take)
-        # What the presence listener writes when it sees the consumer arrive.
+    async def come_back() -> None:  # what the presence listener writes on the arrival
         async with state.sessions() as session:
             await presence_repository.record(
                 session, vhost, queue, 1, observed=utcnow(), away_from=utcnow()
             )
             await session.commit()
-        for _ in range(200):
-            if len(received) >= 3:
-                break
-            await asyncio.sleep(0.05)
+
+    received = await _received_on_return(vhost, queue, 3, come_back)
     assert received == expired
-    assert await queue_depth(vhost, "waldur.dlq.messages") == 0
+    assert await queue_depth(vhost, DLQ) == 0
 
 
 @pytest.mark.settings(**FAST, queue_type="quorum")
@@ -242,12 +248,10 @@ async def test_a_quorum_queue_parks_and_releases_in_order_too(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     state: Runtime = app.state.queuekeeper
-    registered = await register(backend)
+    registered = await _away(state, backend, away_for=3600)
     queue, vhost = registered.queue_name, registered.vhost
-    await set_presence(state.sessions, vhost, queue, consumers=0, away_for=3600)
-    await asyncio.sleep(0.3)
     ids = [f"quorum-{n:02}" for n in range(30)]
-    await post_batch(client, [order_event(registered.offering, event_id=i) for i in ids])
+    await _post(client, registered, ids)
     await wait_for_states(state.sessions, queue, {"parked": 30})
     assert await queue_depth(vhost, queue) == 0
     await set_presence(state.sessions, vhost, queue, consumers=1)
