@@ -44,10 +44,10 @@ REQUIRE_TOOLS := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null &&
 export QK_REQUIRE_TOOLS = $(REQUIRE_TOOLS)
 
 test-postgres: install services tools
-	$(BIN)/pytest -q -m "not container"
+	$(BIN)/pytest -q -m "not container" --durations=15
 
 test-sqlite: install services tools
-	QK_TEST_DB=sqlite $(BIN)/pytest -q -m "not container"
+	QK_TEST_DB=sqlite $(BIN)/pytest -q -m "not container" --durations=15
 
 ## make test-image: build the container image with podman/buildah and run it against the
 ## local PostgreSQL and RabbitMQ (once; tests/ops/test_image.py)
