@@ -489,7 +489,8 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
             # The RSS run on the last model's service, still running.
             rss_rate = max(100, best.capacity // 2)
             last = services[-1]
-            rss = await rss_run(last.pipeline, rss_rate, RSS_SECONDS)  # type: ignore[attr-defined]
+            if RSS_SECONDS > 0:  # BENCH_RSS_SECONDS=0: a shorter run, without the memory phase
+                rss = await rss_run(last.pipeline, rss_rate, RSS_SECONDS)  # type: ignore[attr-defined]
     finally:
         for consumer_ in consumers:
             await consumer_.close()
