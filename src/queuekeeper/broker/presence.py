@@ -42,6 +42,7 @@ EVENT_EXCHANGE = "amq.rabbitmq.event"
 EVENT_VHOST = "/"  # where the plugin declares its exchange (its default)
 ROUTING_KEYS = ("consumer.created", "consumer.deleted")
 RETRY_SECONDS = (1, 2, 5, 10, 30)
+STOP_SECONDS = 5.0  # the most a stop or a close waits on the broker
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,12 @@ class PresenceListener:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # A stop that lands while the connection is being opened or closed must not wait
+            # on the broker's answer: the service stops within seconds whatever it does.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(self._task, return_exceptions=True), STOP_SECONDS
+                )
             self._task = None
 
     async def _run(self) -> None:
@@ -146,8 +152,8 @@ class PresenceListener:
             log.info("presence_listener_up", node=node, exchange=EVENT_EXCHANGE)
             await closed
         finally:
-            with contextlib.suppress(*CONNECT_ERRORS):
-                await connection.close()
+            with contextlib.suppress(*CONNECT_ERRORS, TimeoutError):
+                await asyncio.wait_for(connection.close(), STOP_SECONDS)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         event = ConsumerEvent.parse(message.routing_key or "", dict(message.headers or {}))
