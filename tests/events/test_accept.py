@@ -21,7 +21,7 @@ from tests.events.support import (
 )
 from tests.helpers import Backend, database_statements
 
-pytestmark = pytest.mark.settings(relay_enabled=False)
+pytestmark = pytest.mark.settings(relay_enabled=False, presence_events_enabled=False)
 
 U = "6f1c2a3b4d5e4f60a1b2c3d4e5f60718"
 MINIMAL_PAYLOADS: dict[str, dict[str, Any]] = {

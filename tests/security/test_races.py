@@ -408,6 +408,10 @@ async def test_refused_registrations_racing_a_deletion_leave_no_empty_vhost(
 # --- the cost of a registration stays O(1) ---------------------------------------------
 
 
+# Counted statements are the request's own: no relay or presence writer beside it.
+@pytest.mark.settings(
+    registration_rate_limit="10000/second", relay_enabled=False, presence_events_enabled=False
+)
 async def test_a_repeat_registration_costs_the_same_however_much_its_owner_holds(
     app: FastAPI, backend: Backend
 ) -> None:

@@ -54,6 +54,7 @@ async def test_repeat_answers_200_with_the_same_body(backend: Backend) -> None:
     assert again.json() == first.json()
 
 
+@pytest.mark.settings(relay_enabled=False, presence_events_enabled=False)  # the request's own
 async def test_a_repeat_call_reads_the_database_twice(app: FastAPI, backend: Backend) -> None:
     """An agent starting again calls once per (offering, object type): one token lookup (the
     request guard's, handed to the route) and one read of what the route checks. The queue
@@ -168,6 +169,7 @@ async def test_concurrent_identical_calls_give_one_201_and_200s(
     assert len(listed.json()) == 1
 
 
+@pytest.mark.settings(relay_enabled=False, presence_events_enabled=False)  # the request's own
 async def test_a_new_queue_is_four_statements(app: FastAPI, backend: Backend) -> None:
     """The token, the context read, then the new row's transaction: the advisory lock and
     the insert, which re-checks the grant itself (BEGIN and COMMIT are the driver's, not
