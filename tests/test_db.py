@@ -234,8 +234,8 @@ async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
     outbox = _outbox(engine, settings)
     rows = [_event("a", ["u1", "u2"]), _event("b"), _event("c", [])]
     with database_statements(engine) as statements:
-        async with outbox.statements.transaction() as unit:
-            returned = await unit.insert_events(rows)
+        async with outbox.statements.store() as unit:
+            returned, _ = await unit.insert(rows, [])
     assert len(statements) == 1  # three rows, one statement, on either database
     # Read back through SQLAlchemy: what the driver wrote is what SQLAlchemy reads.
     stored = await _stored(engine)
@@ -244,42 +244,44 @@ async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
     assert stored["a"]["user_uuids"] == ["u1", "u2"]
     assert stored["b"]["user_uuids"] is None
     assert returned == {"a", "b", "c"}
-    # ON CONFLICT DO NOTHING: only the new row comes back.
-    async with outbox.statements.transaction() as unit:
-        again = await unit.insert_events([_event("a"), _event("d")])
+    # ON CONFLICT DO NOTHING: only the new row comes back, and only its copies are written
+    # (an event stored before keeps its first copies).
+    async with outbox.statements.store() as unit:
+        again, copies = await unit.insert(
+            [_event("a"), _event("d")], [_copy_of("a"), _copy_of("d"), _copy_of("d")]
+        )
     assert again == {"d"}
-
-
-async def test_a_block_that_raises_leaves_nothing(engine: AsyncEngine, settings: Settings) -> None:
-    async def failing() -> None:
-        async with _outbox(engine, settings).statements.transaction() as unit:
-            await unit.insert_events([_event("gone")])
-            raise RuntimeError("the caller failed after its statement")
-
-    with pytest.raises(RuntimeError):
-        await failing()
-    assert await _stored(engine) == {}
+    assert [(event_id, queue) for _id, event_id, queue, _consumer in copies] == [
+        ("d", None),
+        ("d", None),
+    ]
+    first, second = (copy[0] for copy in copies)
+    assert first < second  # written in the order given: acceptance order
 
 
 async def test_a_constraint_violation_is_an_integrity_error_and_rolls_back(
     engine: AsyncEngine, settings: Settings
 ) -> None:
-    """What the intake retries on (a recipient deleted under it), on either database: here a
-    copy of an event that is not there."""
+    """What the intake retries on (a recipient deleted under it), on either database: a
+    copy for a queue that is not there. The store writes all or nothing: the new event
+    beside it is not stored either."""
     outbox = _outbox(engine, settings)
-    async with outbox.statements.transaction() as unit:
-        await unit.insert_events([_event("taken")])
+    async with outbox.statements.store() as unit:
+        await unit.insert([_event("taken")], [])
 
     async def conflicting() -> None:
-        async with outbox.statements.transaction() as unit:
-            await unit.insert_events([_event("new")])
-            await unit.insert_deliveries([_copy_of("missing")], ids=False)
+        async with outbox.statements.store() as unit:
+            gone = {**_copy_of("new"), "queue_uuid": uuid.uuid4()}
+            await unit.insert([_event("new")], [_copy_of("new"), gone])
 
     with pytest.raises(IntegrityError):
         await conflicting()
     assert set(await _stored(engine)) == {"taken"}
-    async with outbox.statements.transaction() as unit:  # the connection went back usable
-        await unit.insert_events([_event("later")])
+    copies = select(func.count()).select_from(DELIVERIES)
+    async with engine.connect() as connection:
+        assert (await connection.execute(copies)).scalar() == 0
+    async with outbox.statements.store() as unit:  # the connection went back usable
+        await unit.insert([_event("later")], [])
     assert set(await _stored(engine)) == {"taken", "later"}
 
 
@@ -294,9 +296,8 @@ async def test_an_unparked_copy_is_claimed_as_a_claim_takes_it(
     holding it and released to another comes back as that relay's claim would have taken
     it (same row mapping, same lease rule), and only once."""
     outbox = _outbox(engine, settings)
-    async with outbox.statements.transaction() as unit:
-        await unit.insert_events([_event("e1"), _event("e2")])
-        await unit.insert_deliveries([_copy_of("e1"), _copy_of("e2")], ids=False)
+    async with outbox.statements.store() as unit:
+        await unit.insert([_event("e1"), _event("e2")], [_copy_of("e1"), _copy_of("e2")])
     now = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)  # the copies' `next_attempt_at`
     claimed, _ = await outbox.claim("relay-a", now, 10)
     assert [item.event_id for item in claimed] == ["e1", "e2"]
@@ -330,7 +331,7 @@ async def _pid(unit: object) -> int:
     return int(row[0])
 
 
-async def test_a_connection_lost_in_a_transaction_is_a_dbapi_error_and_the_pool_recovers(
+async def test_a_connection_lost_between_statements_is_a_dbapi_error_and_the_pool_recovers(
     engine: AsyncEngine, settings: Settings
 ) -> None:
     if settings.is_sqlite:
@@ -338,18 +339,20 @@ async def test_a_connection_lost_in_a_transaction_is_a_dbapi_error_and_the_pool_
     outbox = _outbox(engine, settings)
 
     async def cut_off() -> None:
-        async with outbox.statements.transaction() as unit:
-            await unit.insert_events([_event("lost")])
+        async with outbox.statements.store() as unit:
+            await unit.insert([_event("lost")], [])
             await _terminate(settings, [await _pid(unit)])
-            await unit.insert_events([_event("after")])
+            await unit.insert([_event("after")], [])
 
     with pytest.raises(DBAPIError) as raised:
         await cut_off()
     assert raised.value.connection_invalidated
     assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
-    async with outbox.statements.transaction() as unit:
-        await unit.insert_events([_event("recovered")])
-    assert set(await _stored(engine)) == {"recovered"}
+    async with outbox.statements.store() as unit:
+        await unit.insert([_event("recovered")], [])
+    # Each store's write is one statement, committed as it ran: the first stays, the one
+    # that met the lost connection wrote nothing.
+    assert set(await _stored(engine)) == {"lost", "recovered"}
 
 
 async def test_after_a_lost_outbox_connection_every_connection_as_old_is_replaced(
@@ -367,8 +370,8 @@ async def test_after_a_lost_outbox_connection_every_connection_as_old_is_replace
     outcomes = []
     for index in range(3):
         try:
-            async with outbox.statements.transaction() as unit:
-                await unit.insert_events([_event(f"e{index}")])
+            async with outbox.statements.store() as unit:
+                await unit.insert([_event(f"e{index}")], [])
             outcomes.append("ok")
         except DBAPIError:
             outcomes.append("failed")
@@ -385,8 +388,9 @@ async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
     outbox = _outbox(engine, settings)
 
     async def cancelled() -> None:
-        async with outbox.statements.transaction() as unit:
-            await unit.insert_events([_event("cancelled")])
+        async with outbox.statements.store() as unit:
+            if settings.is_sqlite:  # one transaction: what it wrote goes with it
+                await unit.insert([_event("cancelled")], [])
             started.set()
             if where == "in a statement" and not settings.is_sqlite:
                 await unit.driver.fetch("SELECT pg_sleep(5)")  # type: ignore[attr-defined]
@@ -400,8 +404,8 @@ async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert await _stored(engine) == {}
-    async with outbox.statements.transaction() as unit:  # the pool serves one that works
-        await unit.insert_events([_event("next")])
+    async with outbox.statements.store() as unit:  # the pool serves one that works
+        await unit.insert([_event("next")], [])
     assert set(await _stored(engine)) == {"next"}
     if not settings.is_sqlite:
         admin = await _admin(settings)

@@ -52,10 +52,10 @@ async def _presence(engine: AsyncEngine, away_since: datetime | None) -> None:
 
 async def _copies(outbox: Outbox, created: list[datetime]) -> list[Claimed]:
     """Copies of queue v/q accepted at `created`, claimed by relay-a (as registered copies)."""
-    async with outbox.statements.transaction() as unit:
+    async with outbox.statements.store() as unit:
         names = [f"e{n}" for n in range(len(created))]
-        await unit.insert_events([_event(name) for name in names])
-        await unit.insert_deliveries(
+        await unit.insert(
+            [_event(name) for name in names],
             [{**_copy_of(name), "created": at} for name, at in zip(names, created, strict=True)],
             ids=False,
         )

@@ -117,19 +117,21 @@ class _StoreUnit(Protocol):
         self, offerings: Collection[Any], object_types: Collection[str], now: datetime
     ) -> list[tuple[Any, ...]]: ...
 
-    async def insert_events(self, rows: Sequence[Mapping[str, Any]]) -> set[str]: ...
-
     async def event_counts(self, event_ids: Collection[str]) -> dict[str, tuple[int, int]]: ...
 
-    async def insert_deliveries(
-        self, rows: Sequence[Mapping[str, Any]], *, ids: bool
-    ) -> list[tuple[Any, ...]]: ...
+    async def insert(
+        self,
+        events: Sequence[Mapping[str, Any]],
+        copies: Sequence[Mapping[str, Any]],
+        *,
+        ids: bool = True,
+    ) -> tuple[set[str], list[tuple[Any, ...]]]: ...
 
 
 class _Statements(Protocol):
     """What `outbox_postgres.PostgresOutbox` and `outbox_sqlite.SqliteOutbox` both run."""
 
-    def transaction(self) -> AbstractAsyncContextManager[_StoreUnit]: ...
+    def store(self) -> AbstractAsyncContextManager[_StoreUnit]: ...
 
     async def claim(
         self, relay_id: str, now: datetime, until: datetime, limit: int
@@ -180,8 +182,12 @@ class Outbox:
     async def store(self, group: Sequence[Request], now: datetime, lease: Lease | None) -> Stored:
         """Store a group of requests in one transaction, committed on return. With `lease`,
         the copies are written already claimed by it (the lease is in the insert) and
-        returned as `handed`; without, they are written pending for any relay."""
-        async with self.statements.transaction() as unit:
+        returned as `handed`; without, they are written pending for any relay.
+
+        What is written is written at once or not at all: on PostgreSQL by one statement
+        after the recipients' read, on SQLite in one transaction
+        (docs/decisions/017-single-event-cost.md)."""
+        async with self.statements.store() as unit:
             return await _Store(unit, group, now, lease).run()
 
     # --- the relay's side: each statement stands alone, guarded by the row's state ------
@@ -309,9 +315,7 @@ class _Store:
         index = await self.find_recipients()
         self.refuse_unknown_offerings(index)
         self.plan_events(index)
-        if self.event_rows:
-            self.inserted = await self.unit.insert_events(list(self.event_rows.values()))
-        handed = await self.insert_copies()
+        handed = await self.insert() if self.event_rows else []
         repeated = set(self.first_of) - self.inserted
         earlier = await self.unit.event_counts(repeated) if repeated else {}
         self.answer(earlier)
@@ -362,19 +366,21 @@ class _Store:
                     event, event_id, request.bodies[position], found, self.now
                 )
 
-    async def insert_copies(self) -> list[Claimed]:
-        """One copy per recipient of each event inserted now; with a lease, written held by
+    async def insert(self) -> list[Claimed]:
+        """The planned events, and one copy per recipient of each that is new (an event
+        stored before keeps its first copies); with a lease, the copies are written held by
         it and returned as the relay would have claimed them."""
-        self.copies = [
+        planned = [
             (event_id, copy)
             for event_id in self.first_of
-            if event_id in self.inserted
             for copy in self.recipients[event_id].copies
         ]
-        if not self.copies:
-            return []
-        rows = [self._copy_row(event_id, copy) for event_id, copy in self.copies]
-        returned = await self.unit.insert_deliveries(rows, ids=self.lease is not None)
+        self.inserted, returned = await self.unit.insert(
+            list(self.event_rows.values()),
+            [self._copy_row(event_id, copy) for event_id, copy in planned],
+            ids=self.lease is not None,
+        )
+        self.copies = [(event_id, copy) for event_id, copy in planned if event_id in self.inserted]
         to_consumers = sum(1 for _, copy in self.copies if copy.consumer_uuid is not None)
         COPIES.labels(kind="consumer", stage="queued").inc(to_consumers)
         COPIES.labels(kind="legacy", stage="queued").inc(len(self.copies) - to_consumers)

@@ -68,29 +68,48 @@ FROM offerings o LEFT JOIN (
 ) r ON r.offering_uuid = o.uuid
 WHERE o.uuid = ANY($1::uuid[])
 """
-# ON CONFLICT DO NOTHING makes a concurrent repeat wait for the first insert and then see
-# the conflict, so each event_id is accepted exactly once.
-INSERT_EVENTS = """
-INSERT INTO events (event_id, offering_uuid, offering_uuids, object_type, payload,
-                    user_uuids, queued, skipped_unregistered, accepted)
-SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::json[], $4::varchar[], $5::json[],
-                     $6::json[], $7::int[], $8::int[], $9::timestamptz[])
-ON CONFLICT DO NOTHING
-RETURNING event_id
-"""
 EVENT_COUNTS = """
 SELECT event_id, queued, skipped_unregistered FROM events WHERE event_id = ANY($1::varchar[])
 """
-_DELIVERY_VALUES = """
-INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost,
-                        offering_uuid, state, attempts, claimed_by, claimed_until,
-                        next_attempt_at, created)
-SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::uuid[], $4::varchar[], $5::varchar[],
-                     $6::uuid[], $7::varchar[], $8::int[], $9::varchar[],
-                     $10::timestamptz[], $11::timestamptz[], $12::timestamptz[])
+# The events whose id is new and the copies of those events, in one statement: it commits
+# as it runs (atomic, durable when answered), so a store is two round trips (the
+# recipients, then this) with no BEGIN and no COMMIT of its own
+# (docs/decisions/017-single-event-cost.md). The copies are inserted in the order they are
+# given (acceptance order: ids follow it); a copy of an event that was not new is dropped.
+# The foreign key to `events` is checked at the statement's end, when the new events are
+# there. Returned: ('e', event_id, ...) per new event, ('d', event_id, id, queue, consumer)
+# per copy.
+INSERT_ACCEPTED = """
+WITH new_events AS (
+    INSERT INTO events (event_id, offering_uuid, offering_uuids, object_type, payload,
+                        user_uuids, queued, skipped_unregistered, accepted)
+    SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::json[], $4::varchar[], $5::json[],
+                         $6::json[], $7::int[], $8::int[], $9::timestamptz[])
+    ON CONFLICT DO NOTHING
+    RETURNING event_id
+), copies AS (
+    INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost,
+                            offering_uuid, state, attempts, claimed_by, claimed_until,
+                            next_attempt_at, created)
+    SELECT c.event_id, c.queue_uuid, c.consumer_uuid, c.queue_name, c.vhost,
+           c.offering_uuid, c.state, c.attempts, c.claimed_by, c.claimed_until,
+           c.next_attempt_at, c.created
+    FROM unnest($10::varchar[], $11::uuid[], $12::uuid[], $13::varchar[], $14::varchar[],
+                $15::uuid[], $16::varchar[], $17::int[], $18::varchar[],
+                $19::timestamptz[], $20::timestamptz[], $21::timestamptz[])
+         WITH ORDINALITY AS c(event_id, queue_uuid, consumer_uuid, queue_name, vhost,
+                              offering_uuid, state, attempts, claimed_by, claimed_until,
+                              next_attempt_at, created, position)
+    WHERE c.event_id IN (SELECT event_id FROM new_events)
+    ORDER BY c.position
+    RETURNING id, event_id, queue_uuid, consumer_uuid
+)
+SELECT 'e' AS kind, event_id, NULL::bigint AS id, NULL::uuid AS queue_uuid,
+       NULL::uuid AS consumer_uuid
+FROM new_events
+UNION ALL
+SELECT 'd', event_id, id, queue_uuid, consumer_uuid FROM copies
 """
-INSERT_DELIVERIES = _DELIVERY_VALUES
-INSERT_DELIVERIES_RETURNING = _DELIVERY_VALUES + "RETURNING id, event_id, queue_uuid, consumer_uuid"
 
 # 'pending' is written out, not bound: the partial index of pending rows is used only when
 # the planner sees the literal it was defined with (asyncpg plans prepared statements).
@@ -269,7 +288,7 @@ async def _checked_out(engine: AsyncEngine) -> AsyncIterator[_Driver]:
             yield driver
         finally:
             # SQLAlchemy's reset on return rolls back only what it began: a connection left
-            # in a transaction of ours (a cancelled ROLLBACK) or closed never goes back.
+            # in a transaction (a statement cut off half-way) or closed never goes back.
             raw = driver.driver
             if not connection.invalidated and (raw.is_closed() or raw.is_in_transaction()):
                 await connection.invalidate()
@@ -320,7 +339,7 @@ def _decoded(value: Any) -> Any:
 
 
 class StoreUnit:
-    """The store's statements, inside one transaction."""
+    """The store's statements, on one connection: read the recipients, then write."""
 
     def __init__(self, driver: _Driver) -> None:
         self.driver = driver
@@ -332,27 +351,27 @@ class StoreUnit:
         records = await self.driver.fetch(RECIPIENTS, list(offerings), list(object_types), now)
         return [(*r[:4], _decoded(r[4]), *r[5:]) for r in records]
 
-    async def insert_events(self, rows: Sequence[Mapping[str, Any]]) -> set[str]:
-        """Insert the events whose id is new; returns the ids inserted."""
-        arrays = _arrays(rows, EVENT_COLUMNS)
-        return {record[0] for record in await self.driver.fetch(INSERT_EVENTS, *arrays)}
-
     async def event_counts(self, event_ids: Collection[str]) -> dict[str, tuple[int, int]]:
         records = await self.driver.fetch(EVENT_COUNTS, list(event_ids))
         return {record[0]: (record[1], record[2]) for record in records}
 
-    async def insert_deliveries(
-        self, rows: Sequence[Mapping[str, Any]], *, ids: bool
-    ) -> list[tuple[Any, ...]]:
-        """Insert the copies; with `ids`, (id, event_id, queue_uuid, consumer_uuid) of each."""
-        sql = INSERT_DELIVERIES_RETURNING if ids else INSERT_DELIVERIES
-        return [tuple(r) for r in await self.driver.fetch(sql, *_arrays(rows, DELIVERY_COLUMNS))]
-
-
-async def _begin(driver: Any) -> Any:
-    transaction = driver.transaction()
-    await transaction.start()
-    return transaction
+    async def insert(
+        self,
+        events: Sequence[Mapping[str, Any]],
+        copies: Sequence[Mapping[str, Any]],
+        *,
+        ids: bool = True,
+    ) -> tuple[set[str], list[tuple[Any, ...]]]:
+        """Insert the events whose id is new and the copies of those (the others' copies
+        are dropped), in one statement; returns the new event ids and (id, event_id,
+        queue_uuid, consumer_uuid) of each copy inserted (whatever `ids` says: the
+        statement returns them anyway)."""
+        records = await self.driver.fetch(
+            INSERT_ACCEPTED, *_arrays(events, EVENT_COLUMNS), *_arrays(copies, DELIVERY_COLUMNS)
+        )
+        inserted = {record[1] for record in records if record[0] == "e"}
+        copied = [(r[2], r[1], r[3], r[4]) for r in records if r[0] == "d"]
+        return inserted, copied
 
 
 class PostgresOutbox:
@@ -360,21 +379,11 @@ class PostgresOutbox:
         self.engine = engine
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[StoreUnit]:
-        """Committed when the block ends, rolled back if it raises."""
+    async def store(self) -> AsyncIterator[StoreUnit]:
+        """One store's connection. No transaction around it: the store's one write
+        (`StoreUnit.insert`) is a single statement, atomic and committed as it runs."""
         async with _checked_out(self.engine) as driver:
-            # A connection the server closed while it sat in the pool fails here, at once.
-            transaction = await driver.call(_begin(driver.driver), "BEGIN")
-            try:
-                yield StoreUnit(driver)
-            except BaseException:
-                if not driver.driver.is_closed():
-                    # A failed or cancelled rollback leaves it in the transaction: invalidated
-                    # on its way back (`_checked_out`).
-                    with contextlib.suppress(BaseException):
-                        await transaction.rollback()
-                raise
-            await driver.call(transaction.commit(), "COMMIT")
+            yield StoreUnit(driver)
 
     # Each of the relay's statements stands alone (guarded by the row's state): no
     # transaction around it, so it commits as it runs.

@@ -334,28 +334,31 @@ class StoreUnit:
         result = await self.connection.execute(RECIPIENTS, {**parameters, "now": now})
         return [tuple(row) for row in result]
 
-    async def insert_events(self, rows: Sequence[Mapping[str, Any]]) -> set[str]:
-        """Insert the events whose id is new; returns the ids inserted."""
-        if not rows:
-            return set()
-        return set((await self.connection.execute(INSERT_EVENTS, list(rows))).scalars())
-
     async def event_counts(self, event_ids: Collection[str]) -> dict[str, tuple[int, int]]:
         result = await self.connection.execute(EVENT_COUNTS, {"event_ids": list(event_ids)})
         return {row[0]: (row[1], row[2]) for row in result}
 
-    async def insert_deliveries(
-        self, rows: Sequence[Mapping[str, Any]], *, ids: bool
-    ) -> list[tuple[Any, ...]]:
-        """Insert the copies; with `ids`, (id, event_id, queue_uuid, consumer_uuid) of each."""
+    async def insert(
+        self,
+        events: Sequence[Mapping[str, Any]],
+        copies: Sequence[Mapping[str, Any]],
+        *,
+        ids: bool = True,
+    ) -> tuple[set[str], list[tuple[Any, ...]]]:
+        """Insert the events whose id is new and the copies of those (the others' copies
+        are dropped), in the store's transaction; returns the new event ids and, with
+        `ids`, (id, event_id, queue_uuid, consumer_uuid) of each copy inserted."""
+        if not events:
+            return set(), []
+        inserted = set((await self.connection.execute(INSERT_EVENTS, list(events))).scalars())
+        rows = [row for row in copies if row["event_id"] in inserted]
         if not rows:
-            return []
+            return inserted, []
         if not ids:
-            await self.connection.execute(INSERT_DELIVERIES, list(rows))
-            return []
-        return [
-            tuple(r) for r in await self.connection.execute(INSERT_DELIVERIES_RETURNING, list(rows))
-        ]
+            await self.connection.execute(INSERT_DELIVERIES, rows)
+            return inserted, []
+        returned = await self.connection.execute(INSERT_DELIVERIES_RETURNING, rows)
+        return inserted, [tuple(r) for r in returned]
 
 
 class SqliteOutbox:
@@ -363,8 +366,9 @@ class SqliteOutbox:
         self.engine = engine
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[StoreUnit]:
-        """Committed when the block ends, rolled back if it raises."""
+    async def store(self) -> AsyncIterator[StoreUnit]:
+        """One store's transaction: committed when the block ends, rolled back if it
+        raises."""
         async with self.engine.begin() as connection:
             yield StoreUnit(connection)
 
