@@ -478,6 +478,7 @@ class Profiler:
                 "raw",
                 "--rate",
                 "200",
+                "--subprocesses",  # `serve` supervises: its accept workers and relays
                 "--output",
                 str(Path(self.directory) / f"{phase}.txt"),
             ],

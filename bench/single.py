@@ -59,6 +59,7 @@ from bench._support import (
     bench_database,
     free_port,
     process_cpu_seconds,
+    process_system_seconds,
     remove_broker_objects,
 )
 from bench.publish import TOKEN, Profiler, Service, _payload, confirm_times
@@ -122,6 +123,7 @@ class Step:
     refused_p99: float = 0.0
     answer_p99: float = 0.0
     cpu_ms: float = 0.0
+    kernel_ms: float = 0.0  # of cpu_ms, in the kernel
     sessions: int = 0
     duplicates: int = 0
     log_lines: float = 0.0
@@ -131,6 +133,9 @@ class Step:
     generator_cpu_ms: float = 0.0
     # CPU ms per event by kind of process (accept worker, relay, supervisor) when several.
     cpu_kinds: dict[str, float] = field(default_factory=dict)
+    # Where the tail came from: the half-seconds of the step (from its start) with the most
+    # events over the p99 goal, and how many each; a periodic stall shows as a period.
+    late: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def held(self) -> bool:
@@ -146,7 +151,7 @@ class Step:
             f"  {name:11s} {self.rate:5d}/s: achieved {self.achieved:7.1f}/s, "
             f"p50 {self.p50 * 1e3:7.1f} ms, p99 {self.p99 * 1e3:8.1f} ms, "
             f"answer p99 {self.answer_p99 * 1e3:7.1f} ms{served}, CPU {self.cpu_ms:.2f} "
-            f"ms/event (generator {self.generator_cpu_ms:.2f}), db sessions opened "
+            f"ms/event (kernel {self.kernel_ms:.2f}; generator {self.generator_cpu_ms:.2f}), db sessions opened "
             f"{self.sessions}, consumed twice {self.duplicates}"
         )
         if self.refused:
@@ -158,6 +163,10 @@ class Step:
         if len(self.cpu_kinds) > 1:
             text += ", CPU by process kind " + ", ".join(
                 f"{kind} {ms:.2f}" for kind, ms in sorted(self.cpu_kinds.items())
+            )
+        if not self.held and self.late:
+            text += ", late events by half-second " + " ".join(
+                f"{at:.1f}s:{count}" for at, count in self.late
             )
         return text + ("  held" if self.held else "  NOT held")
 
@@ -234,6 +243,7 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     prefix = f"{pipeline.name[:3]}-{rate}-{secrets.token_hex(3)}-"
     count = int(rate * seconds)
     cpu = process_cpu_seconds(*pipeline.pids())
+    kernel = process_system_seconds(*pipeline.pids())
     cpu_kinds = _cpu_by_kind(pipeline.pids())
     sessions, lines = await pipeline.sessions(), pipeline.log_lines()
     start, results, generator_cpu = await generate(pipeline.target, rate, seconds, prefix)
@@ -252,6 +262,7 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     # Per event accepted: past capacity a refusal (503) costs a fraction of an accept.
     done = max(1, len(answers))
     step.cpu_ms = (process_cpu_seconds(*pipeline.pids()) - cpu) / done * 1e3
+    step.kernel_ms = (process_system_seconds(*pipeline.pids()) - kernel) / done * 1e3
     step.cpu_kinds = {
         kind: (used - cpu_kinds.get(kind, 0.0)) / done * 1e3
         for kind, used in _cpu_by_kind(pipeline.pids()).items()
@@ -264,6 +275,7 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     in_window = sum(1 for key in scheduled if received.get(key, float("inf")) <= window_end)
     step.achieved = in_window / seconds
     step.p50, step.p99 = _pct(latencies, 50), _pct(latencies, 99)
+    step.late = _late_windows(scheduled, received, start)
     step.answer_p99 = _pct(answers, 99)
     step.served_p99 = _pct([row[3] for row in results if row[1] == 202], 99)
     step.refused, step.refused_p99 = len(refused), _pct(refused, 99) if refused else 0.0
@@ -272,6 +284,19 @@ async def run_step(pipeline: Pipeline, rate: int, seconds: float) -> Step:
     step.duplicates = pipeline.consumer.duplicates
     pipeline.consumer.duplicates = 0
     return step
+
+
+def _late_windows(
+    scheduled: dict[str, float], received: dict[str, float], start: float
+) -> list[tuple[float, int]]:
+    """The (up to 6) half-seconds with the most events consumed later than the p99 goal,
+    in time order."""
+    windows: dict[float, int] = {}
+    for key, at in scheduled.items():
+        if received.get(key, float("inf")) - at > P99_GOAL:
+            window = int((at - start) * 2) / 2
+            windows[window] = windows.get(window, 0) + 1
+    return sorted(sorted(windows.items(), key=lambda item: -item[1])[:6])
 
 
 async def sweep(pipeline: Pipeline) -> list[Step]:

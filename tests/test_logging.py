@@ -21,6 +21,8 @@ from queuekeeper.models import User
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Backend
 
+SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
+
 
 class LogCapture:
     def __init__(self) -> None:
@@ -187,4 +189,53 @@ def test_duplicate_and_chatty_library_lines_stay_out_at_info(settings: Settings)
             "logger": "uvicorn.error",
             "timestamp": lines[0]["timestamp"],
         }
+    ]
+
+
+async def _accept_lines(
+    settings: Settings, client: httpx.AsyncClient, backend: Backend, level: str
+) -> list[dict[str, Any]]:
+    """The access lines of a stored event, a recognised repeat and a refused event."""
+    capture = LogCapture()
+    configure_logging(settings, level=level, log_format="json", stream=capture.stream)
+    offering = await backend.put_offering()
+    event = {"offering_uuid": offering.hex, "object_type": "order", "event_id": f"logged-{level}"}
+    event["payload"] = {"order_uuid": offering.hex}
+    bad = {**event, "event_id": f"refused-{level}", "offering_uuid": "0" * 32}
+    for body, status in ((event, 202), (event, 200), (bad, 400)):
+        response = await client.post("/api/internal/events/", json=body, headers=SERVICE)
+        assert response.status_code == status, response.text
+    lines = capture.lines()
+    return [
+        x
+        for x in lines
+        if x.get("path") == "/api/internal/events/" and x["event"] == "http_request"
+    ]
+
+
+@pytest.mark.settings(relay_enabled=False, scheduler_enabled=False)
+async def test_accepted_events_are_not_an_info_line_each_unless_asked_for(
+    settings: Settings, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """A backend's single events cost no access line each at INFO: their answers are logged
+    at DEBUG; a refusal is logged at INFO as every other request."""
+    lines = await _accept_lines(settings, client, backend, "INFO")
+    assert [(line["level"], line["status"]) for line in lines] == [("info", 400)]
+    lines = await _accept_lines(settings, client, backend, "DEBUG")
+    assert [(line["level"], line["status"]) for line in lines] == [
+        ("debug", 202),
+        ("debug", 200),
+        ("info", 400),
+    ]
+
+
+@pytest.mark.settings(relay_enabled=False, scheduler_enabled=False, log_accepted_events=True)
+async def test_accepted_events_are_an_info_line_each_when_asked_for(
+    settings: Settings, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    lines = await _accept_lines(settings, client, backend, "INFO")
+    assert [(line["level"], line["status"]) for line in lines] == [
+        ("info", 202),
+        ("info", 200),
+        ("info", 400),
     ]

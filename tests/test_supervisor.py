@@ -4,6 +4,10 @@ the supervisor's status; the processes themselves: tests/ops/test_process_model.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +60,21 @@ def test_processes_check_is_unready_only_when_no_process_of_a_kind_runs() -> Non
     ok, _, error = supervisor.process_check(status)
     assert not ok
     assert error == "no relay process running (being restarted)"
+
+
+def test_a_child_killed_but_not_yet_reaped_is_not_alive() -> None:
+    """A killed child stays a zombie until its supervisor reaps it (every 0.2 s): `/readyz`
+    must not count it as running in the meantime."""
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert supervisor.alive(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        for _ in range(50):  # the kill is asynchronous
+            if not supervisor.alive(child.pid):
+                break
+            time.sleep(0.02)
+        assert not supervisor.alive(child.pid)
+        assert Path(f"/proc/{child.pid}").exists()  # not reaped: a zombie, yet not alive
+    finally:
+        child.wait()
+    assert not supervisor.alive(child.pid)

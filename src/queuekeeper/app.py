@@ -376,7 +376,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_docs(app)
     # Added first, so innermost of these: the request is logged with its id and real peer.
     app.add_middleware(RequestGuard, settings=settings)
-    app.add_middleware(ObservabilityMiddleware)
+    app.add_middleware(ObservabilityMiddleware, log_accepted_events=settings.log_accepted_events)
     # X-Forwarded-For only from the proxies the operator lists; otherwise the real peer.
     app.add_middleware(ProxyHeadersMiddleware, trusted_hosts=settings.forwarded_allow_ips)
     if settings.root_path:

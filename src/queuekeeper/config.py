@@ -252,6 +252,14 @@ class Settings(BaseSettings):
         default="INFO",
         description="Root log level (`DEBUG`, `INFO`, `WARNING`, `ERROR`).",
     )
+    log_accepted_events: bool = Field(
+        default=False,
+        description="Log each answer of the backend's accept routes (POST "
+        "/api/internal/events/ and /batch/) that stored or recognised its events at INFO, "
+        "as every other request is. Off: at DEBUG, so a backend's single events do not "
+        "cost a log line each (refusals and failures are logged at INFO or WARNING "
+        "either way; the `queuekeeper_events_accepted_total` metric counts them).",
+    )
     log_format: Literal["auto", "json", "console"] = Field(
         default="auto",
         description="`json` (one object per line), `console` (readable), or `auto`: "

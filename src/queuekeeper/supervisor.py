@@ -259,6 +259,8 @@ def process_check(status: dict[str, Any]) -> tuple[bool, dict[str, bool], str | 
 
 
 def alive(pid: int | None) -> bool:
+    """Whether `pid` runs: a killed child that its supervisor has not reaped yet (a zombie)
+    does not, though a signal to it still succeeds."""
     if pid is None:
         return False
     try:
@@ -267,7 +269,11 @@ def alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc to ask: the signal said it is there
+    return state not in ("Z", "X")
 
 
 def serve_accept_worker(fd: int, supervisor: int) -> None:

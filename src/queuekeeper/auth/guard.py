@@ -45,7 +45,9 @@ from queuekeeper.auth.dependencies import (
 )
 from queuekeeper.auth.ratelimit import RegistrationLimiter
 from queuekeeper.auth.tokens import is_service_token, token_digest
+from queuekeeper.common import lean
 from queuekeeper.common.access import DEFAULT_BODY, Caller, declared_routes
+from queuekeeper.common.lean import LeanEndpoint
 from queuekeeper.config import Settings
 from queuekeeper.errors import DATABASE_ERRORS, database_error_response, domain_error_response
 from queuekeeper.exceptions import DomainError, TooLarge, Unavailable
@@ -64,6 +66,9 @@ class Policy:
     admission: bool = False
     # An agent route that a service token may call too (`access.service_too`).
     service_too: bool = False
+    # The accept routes' lean endpoint and the route it serves (common/lean.py).
+    lean: LeanEndpoint | None = None
+    route: BaseRoute | None = None
 
 
 class Policies:
@@ -87,6 +92,8 @@ class Policies:
                     and (method in REGISTRATION_METHODS or found.rate_limited),
                     admission=admitted and method == "POST",
                     service_too=found.service_too,
+                    lean=found.intake.lean if found.intake and method == "POST" else None,
+                    route=found.route,
                 )
                 for method in found.methods
             }
@@ -205,6 +212,9 @@ class RequestGuard:
             # Raised here, outside the app, its exception handlers would not see it.
             failed = database_error_response(Request(scope), exc, self.settings.retry_after_seconds)
             await failed(scope, receive, send)
+            return
+        if length is not None and not streamed and rule.lean is not None and rule.route:
+            await lean.serve(rule.lean, rule.route, self.app, scope, receive, send)
             return
         if (length is not None and not streamed) or not _routed(scope):
             # The server delivers no more than Content-Length bytes; an unknown route reads none.

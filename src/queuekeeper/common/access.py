@@ -21,6 +21,7 @@ from fastapi.params import Depends
 from fastapi.routing import APIRoute, iter_route_contexts
 from starlette.routing import BaseRoute
 
+from queuekeeper.common.lean import LeanEndpoint
 from queuekeeper.config import Settings
 
 
@@ -43,25 +44,36 @@ DEFAULT_BODY = BodyLimit(lambda settings: settings.body_max_bytes, "body_max_byt
 
 @dataclass(frozen=True)
 class Intake:
-    """What an endpoint adds to its router's declaration: a body limit of its own, and
-    whether its POSTs are admitted only up to `events_max_in_flight` at once."""
+    """What an endpoint adds to its router's declaration: a body limit of its own, whether
+    its POSTs are admitted only up to `events_max_in_flight` at once, and a lean endpoint
+    tried before FastAPI's (common/lean.py)."""
 
     body: BodyLimit
     admission: bool = False
+    lean: LeanEndpoint | None = None
 
 
 _INTAKE = "__queuekeeper_intake__"
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 
 
-def intake(body: BodyLimit, *, admission: bool = False) -> Callable[[Endpoint], Endpoint]:
+def intake(
+    body: BodyLimit, *, admission: bool = False, lean: LeanEndpoint | None = None
+) -> Callable[[Endpoint], Endpoint]:
     """Decorates an endpoint (under its route decorator) with its own `Intake`."""
 
     def mark(endpoint: Endpoint) -> Endpoint:
-        setattr(endpoint, _INTAKE, Intake(body, admission))
+        setattr(endpoint, _INTAKE, Intake(body, admission, lean))
         return endpoint
 
     return mark
+
+
+def accepts_events(route: object) -> bool:
+    """Whether `route` is one of the backend's accept routes (its endpoint's intake is
+    admitted): the service's high-volume calls."""
+    declared = getattr(getattr(route, "endpoint", None), _INTAKE, None)
+    return isinstance(declared, Intake) and declared.admission
 
 
 _COUNTED = "__queuekeeper_counted__"
@@ -120,6 +132,7 @@ class Declared:
     intake: Intake | None
     rate_limited: bool = False
     service_too: bool = False
+    route: BaseRoute | None = None
 
 
 def declared_routes(routes: Sequence[BaseRoute]) -> list[Declared]:
@@ -148,6 +161,7 @@ def declared_routes(routes: Sequence[BaseRoute]) -> list[Declared]:
                 getattr(context.endpoint, _INTAKE, None),
                 bool(getattr(context.endpoint, _COUNTED, False)),
                 bool(getattr(context.endpoint, _SERVICE_TOO, False)),
+                route,
             )
         )
     return found

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import Query, Request, Response, status
+from starlette.types import Scope
 
 from queuekeeper.admin.routes import admin_router as make_admin_router
 from queuekeeper.auth.dependencies import authorization_header, service_router
+from queuekeeper.common import lean
 from queuekeeper.common.access import BodyLimit, Caller, intake, router
 from queuekeeper.common.input_guard import refuse, unstorable_body
 from queuekeeper.common.openapi import error_responses
@@ -28,8 +30,10 @@ internal_router = service_router(prefix="/api/internal/events", tags=["internal"
 # pace is dominated by the HTTP stack, and each dependency FastAPI solves per request costs
 # more than the statement it serves (docs/decisions/013-lean-accept-routes.md). The request
 # guard authenticates them before the body is read, as it does every service route
-# (auth/guard.py); they check for input no database can take themselves, and encode their
-# answer once, with pydantic.
+# (auth/guard.py), and serves them on the lean path first (common/lean.py,
+# docs/decisions/017-single-event-cost.md); FastAPI's route answers what the lean path
+# leaves to it (every refusal of the body or the query). Both check for input no database
+# can take, and encode their answer once, with pydantic.
 # app.py includes this router first, so its routes are also the first the router tries.
 accept_router = router(Caller.SERVICE, prefix="/api/internal/events", tags=["internal"])
 SERVICE_SECURITY: dict[str, Any] = {"security": [{authorization_header.scheme_name: []}]}
@@ -49,8 +53,8 @@ BATCH_BODY = BodyLimit(
 )
 
 
-def _intake(request: Request) -> Intake:
-    accepting: Intake = request.app.state.queuekeeper.intake
+def _intake(scope: Scope) -> Intake:
+    accepting: Intake = scope["app"].state.queuekeeper.intake
     return accepting
 
 
@@ -92,6 +96,32 @@ def _answer(answer: EventAccepted | EventBatchAccepted, *, ok: bool) -> Response
     )
 
 
+async def _publish_event(scope: Scope, raw: bytes, body: EventIn, wait: bool) -> Response:
+    refuse(unstorable_body(raw))
+    (answer,) = await service.publish(_intake(scope), [body], batch=False, wait=wait)
+    return _answer(answer, ok=answer.duplicate or wait)
+
+
+async def _lean_publish_event(scope: Scope, raw: bytes) -> Response | None:
+    wait, body = lean.flag(scope, "wait"), lean.parsed(scope, raw, EventIn)
+    if wait is None or body is None:
+        return None
+    return await _publish_event(scope, raw, body, wait)
+
+
+async def _publish_batch(scope: Scope, raw: bytes, body: EventBatchIn, wait: bool) -> Response:
+    refuse(unstorable_body(raw))
+    answers = await service.publish(_intake(scope), body.events, batch=True, wait=wait)
+    return _answer(EventBatchAccepted(events=answers), ok=wait)
+
+
+async def _lean_publish_batch(scope: Scope, raw: bytes) -> Response | None:
+    wait, body = lean.flag(scope, "wait"), lean.parsed(scope, raw, EventBatchIn)
+    if wait is None or body is None:
+        return None
+    return await _publish_batch(scope, raw, body, wait)
+
+
 @accept_router.post(
     "/",
     status_code=status.HTTP_202_ACCEPTED,
@@ -108,11 +138,9 @@ def _answer(answer: EventAccepted | EventBatchAccepted, *, ok: bool) -> Response
     },
     openapi_extra=SERVICE_SECURITY,
 )
-@intake(EVENT_BODY, admission=True)
+@intake(EVENT_BODY, admission=True, lean=_lean_publish_event)
 async def publish_event(request: Request, body: EventIn, wait: Wait = False) -> Response:
-    refuse(unstorable_body(await request.body()))
-    (answer,) = await service.publish(_intake(request), [body], batch=False, wait=wait)
-    return _answer(answer, ok=answer.duplicate or wait)
+    return await _publish_event(request.scope, await request.body(), body, wait)
 
 
 @accept_router.post(
@@ -128,11 +156,9 @@ async def publish_event(request: Request, body: EventIn, wait: Wait = False) -> 
     },
     openapi_extra=SERVICE_SECURITY,
 )
-@intake(BATCH_BODY, admission=True)
+@intake(BATCH_BODY, admission=True, lean=_lean_publish_batch)
 async def publish_batch(request: Request, body: EventBatchIn, wait: Wait = False) -> Response:
-    refuse(unstorable_body(await request.body()))
-    answers = await service.publish(_intake(request), body.events, batch=True, wait=wait)
-    return _answer(EventBatchAccepted(events=answers), ok=wait)
+    return await _publish_batch(request.scope, await request.body(), body, wait)
 
 
 @internal_router.get(

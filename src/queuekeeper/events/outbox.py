@@ -21,6 +21,7 @@ in `intake.py`; what the relay does with a claimed copy, in `relay.py`.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -46,6 +47,7 @@ from queuekeeper.observability.metrics import (
 )
 
 log = structlog.get_logger(__name__)
+_DEBUG = logging.getLogger(__name__)
 
 # PostgreSQL NOTIFY channel on which a trigger of `deliveries` (migration 0006) announces
 # copies committed unclaimed: a relay anywhere may take them now. Relays poll as well, so
@@ -319,14 +321,15 @@ class _Store:
         repeated = set(self.first_of) - self.inserted
         earlier = await self.unit.event_counts(repeated) if repeated else {}
         self.answer(earlier)
-        log.debug(
-            "events_accepted",
-            requests=len(self.group),
-            events=len(self.event_rows),
-            new=len(self.inserted),
-            deliveries=len(self.copies),
-            handed=len(handed),
-        )
+        if _DEBUG.isEnabledFor(logging.DEBUG):  # a dropped line still costs its call
+            log.debug(
+                "events_accepted",
+                requests=len(self.group),
+                events=len(self.event_rows),
+                new=len(self.inserted),
+                deliveries=len(self.copies),
+                handed=len(handed),
+            )
         results = [result for result in self.results if result is not None]
         return Stored(results, handed, len(self.copies))
 

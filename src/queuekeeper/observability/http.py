@@ -6,6 +6,7 @@ as the endpoint and every log line of the request carries it.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -14,9 +15,11 @@ import structlog
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from queuekeeper.common.access import accepts_events
 from queuekeeper.observability.metrics import HTTP_LATENCY, HTTP_REQUESTS
 
 log = structlog.get_logger("queuekeeper.http")
+_stdlib_log = logging.getLogger("queuekeeper.http")
 
 REQUEST_ID_HEADER = "X-Request-ID"
 # A caller's id is kept when it is short and plain, so it can be searched for in logs;
@@ -45,8 +48,11 @@ def route_template(scope: Scope) -> str:
 
 
 class ObservabilityMiddleware:
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, log_accepted_events: bool = True) -> None:
         self.app = app
+        # The accept routes' successful answers at DEBUG unless asked for: a log line costs
+        # about a tenth of a single event's CPU (docs/decisions/017-single-event-cost.md).
+        self.log_accepted_events = log_accepted_events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -69,8 +75,7 @@ class ObservabilityMiddleware:
             finally:
                 self._record(scope, status, time.perf_counter() - started)
 
-    @staticmethod
-    def _record(scope: Scope, status: int, seconds: float) -> None:
+    def _record(self, scope: Scope, status: int, seconds: float) -> None:
         route = route_template(scope)
         method = scope["method"] if scope["method"] in _METHODS else "OTHER"
         fields = {
@@ -88,5 +93,8 @@ class ObservabilityMiddleware:
         HTTP_LATENCY.labels(method=method, route=route).observe(seconds)
         if status >= 500:
             log.warning("http_request", **fields)
+        elif status < 400 and not self.log_accepted_events and accepts_events(scope.get("route")):
+            if _stdlib_log.isEnabledFor(logging.DEBUG):  # a dropped line still costs its call
+                log.debug("http_request", **fields)
         else:
             log.info("http_request", **fields)
