@@ -210,7 +210,12 @@ class AmqpPublisher:
             return []
         try:
             async with self._use(vhost) as entry:
-                results = await asyncio.gather(*(self._publish_one(entry, item) for item in items))
+                if len(items) == 1:  # a single event's copy: no task to run it
+                    results = [await self._publish_one(entry, items[0])]
+                else:
+                    results = await asyncio.gather(
+                        *(self._publish_one(entry, item) for item in items)
+                    )
                 if any(result is NACKED for result in results):
                     queues = [item.routing_key for item in items]
                     results = await self.verdict.judge(vhost, queues, results, entry.ready_messages)

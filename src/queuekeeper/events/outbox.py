@@ -61,6 +61,9 @@ PARKED_REASON = (
     "in acceptance order, when one returns"
 )
 RETENTION_REASON = "retention: parked longer than event_retention_days; not published"
+# Bound once: a child's lookup per store costs more than its increment.
+_QUEUED_CONSUMER = COPIES.labels(kind="consumer", stage="queued")
+_QUEUED_LEGACY = COPIES.labels(kind="legacy", stage="queued")
 
 
 @dataclass(frozen=True)
@@ -385,8 +388,8 @@ class _Store:
         )
         self.copies = [(event_id, copy) for event_id, copy in planned if event_id in self.inserted]
         to_consumers = sum(1 for _, copy in self.copies if copy.consumer_uuid is not None)
-        COPIES.labels(kind="consumer", stage="queued").inc(to_consumers)
-        COPIES.labels(kind="legacy", stage="queued").inc(len(self.copies) - to_consumers)
+        _QUEUED_CONSUMER.inc(to_consumers)
+        _QUEUED_LEGACY.inc(len(self.copies) - to_consumers)
         if self.lease is None:
             return []
         ids = {(event_id, queue or consumer): i for i, event_id, queue, consumer in returned}

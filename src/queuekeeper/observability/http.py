@@ -10,6 +10,7 @@ import logging
 import re
 import time
 import uuid
+from typing import Any
 
 import structlog
 from starlette.datastructures import MutableHeaders
@@ -53,6 +54,9 @@ class ObservabilityMiddleware:
         # The accept routes' successful answers at DEBUG unless asked for: a log line costs
         # about a tenth of a single event's CPU (docs/decisions/017-single-event-cost.md).
         self.log_accepted_events = log_accepted_events
+        # (method, route template, status) -> its request counter and latency histogram;
+        # bounded by the routes, methods and statuses (an unmatched path is one route).
+        self._series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -89,8 +93,15 @@ class ObservabilityMiddleware:
         if route in UNTRACKED_ROUTES:
             log.debug("http_request", **fields)
             return
-        HTTP_REQUESTS.labels(method=method, route=route, status=str(status)).inc()
-        HTTP_LATENCY.labels(method=method, route=route).observe(seconds)
+        counted = self._series.get((method, route, status))
+        if counted is None:  # bound once per series: a lookup per request costs more
+            counted = (
+                HTTP_REQUESTS.labels(method=method, route=route, status=str(status)),
+                HTTP_LATENCY.labels(method=method, route=route),
+            )
+            self._series[(method, route, status)] = counted
+        counted[0].inc()
+        counted[1].observe(seconds)
         if status >= 500:
             log.warning("http_request", **fields)
         elif status < 400 and not self.log_accepted_events and accepts_events(scope.get("route")):
