@@ -151,8 +151,8 @@ class Step:
             f"  {name:11s} {self.rate:5d}/s: achieved {self.achieved:7.1f}/s, "
             f"p50 {self.p50 * 1e3:7.1f} ms, p99 {self.p99 * 1e3:8.1f} ms, "
             f"answer p99 {self.answer_p99 * 1e3:7.1f} ms{served}, CPU {self.cpu_ms:.2f} "
-            f"ms/event (kernel {self.kernel_ms:.2f}; generator {self.generator_cpu_ms:.2f}), db sessions opened "
-            f"{self.sessions}, consumed twice {self.duplicates}"
+            f"ms/event (kernel {self.kernel_ms:.2f}; generator {self.generator_cpu_ms:.2f}), "
+            f"db sessions opened {self.sessions}, consumed twice {self.duplicates}"
         )
         if self.refused:
             text += f", refused {self.refused} (answered in p99 {self.refused_p99 * 1e3:.1f} ms)"
