@@ -13,7 +13,7 @@ BENCH_STEP_SECONDS (8) against
        INSERT + COMMIT, then an aio-pika persistent confirmed mandatory publish,
        then the answer (line protocol, no HTTP);
   queuekeeper: `queuekeeper serve` in each process model of BENCH_PROCESS_MODELS
-       (`<accept workers>x<relay processes>`, default 1x1,2x1,1x2,2x2; 1x0 is one
+       (`<accept workers>x<relay processes>`, default 1x0,1x1,2x1,1x2,2x2; 1x0 is one
        process with the relay in it), single events POSTed to /api/internal/events/
        over CONNECTIONS kept-alive connections.
 
@@ -73,7 +73,7 @@ RSS_SECONDS = float(os.environ.get("BENCH_RSS_SECONDS", "300"))
 PIPELINES = os.environ.get("BENCH_PIPELINES", "raw,queuekeeper").split(",")
 # Process models of the service swept, `<accept workers>x<relay processes>` (0 relay
 # processes: the relay runs inside the one accept process, as on SQLite).
-MODELS = os.environ.get("BENCH_PROCESS_MODELS", "1x1,2x1,1x2,2x2").split(",")
+MODELS = os.environ.get("BENCH_PROCESS_MODELS", "1x0,1x1,2x1,1x2,2x2").split(",")
 P99_GOAL = 0.020
 ACHIEVED_GOAL = 0.95
 CONNECTIONS = 128  # client connections per pipeline: enough for 1500/s at 85 ms each

@@ -1,10 +1,10 @@
 """Group commit: accept requests that arrive together share one transaction.
 
-A backend sends events one at a time, as they happen. Each request in its own
-transaction costs a connection checkout, four round trips and a commit (an fsync)
-per event; here the requests waiting while one transaction runs are stored
-together in the next one, so under load a transaction carries many requests and
-the per-event cost falls, while a lone request still goes straight through. Each
+A backend sends events one at a time, as they happen. Each request stored on its own
+costs a connection checkout, two round trips and a commit (an fsync) per event; here the
+requests waiting while one store runs are stored together in the next one, so under load
+a store carries many requests and the per-event cost falls, while a lone request still
+goes straight through. Each
 request is answered only after the commit that holds it (nothing is answered
 before it is durable), and each keeps its own outcome: an unknown offering in one
 request fails that request alone.
