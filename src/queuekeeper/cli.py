@@ -549,7 +549,6 @@ def _is_terminal() -> bool:
     return sys.stdout.isatty()
 
 
-@app.command()
 def _run_loop(main: Coroutine[Any, Any, None]) -> None:
     """Run a long-lived process's loop on uvloop, as uvicorn runs the accept workers' (the
     relay's CPU per event is a third lower than on asyncio's loop), or asyncio's where
@@ -562,6 +561,7 @@ def _run_loop(main: Coroutine[Any, Any, None]) -> None:
     uvloop.run(main)
 
 
+@app.command()
 def relay() -> None:
     """Run the outbox relay alone (no HTTP) until interrupted.
 
