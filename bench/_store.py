@@ -1,13 +1,15 @@
-"""The intake's transaction for one single event, against asyncpg alone.
+"""The intake's store of one single event, against asyncpg alone.
 
-What docs/decisions/008-driver-path.md bought, and the figure docs/benchmarks.md reports.
+What docs/decisions/008-driver-path.md and 017-single-event-cost.md bought, and the figure
+docs/benchmarks.md reports.
 
 On a fresh, migrated PostgreSQL database with one offering, one agent with access and one
-registered queue: `Outbox.store` for one event (the recipients query, the event row, its
-delivery, the event counts when there are repeats, BEGIN and COMMIT, and the connection's
-checkout from the engine's pool) in alternating blocks of 300, CPU of this process per
-event (`time.process_time`), beside the same three statements written by hand on a
-connection of asyncpg's own (the floor). Not part of `make bench`:
+registered queue: `Outbox.store` for one event (the recipients query, then one statement
+writing the event row and its delivery, the event counts when there are repeats, and the
+connection's checkout from the engine's pool) in alternating blocks of 300, CPU of this
+process per event (`time.process_time`), beside the same two round trips written by hand
+on a connection of asyncpg's own (the floor: the recipients, then one statement inserting
+the event and its delivery). Not part of `make bench`:
 
     python -m bench._store
 """
@@ -47,15 +49,16 @@ LEFT JOIN event_subscription_queues q ON q.subscription_uuid = s.uuid
   AND q.offering_uuid = o.uuid AND q.object_type = ANY($3)
 WHERE o.uuid = ANY($1)
 """
-INSERT_EVENT = """
-INSERT INTO events (event_id, offering_uuid, object_type, payload, user_uuids, queued,
-  skipped_unregistered, accepted)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING RETURNING event_id
-"""
-INSERT_DELIVERY = """
+# The event and its delivery in one statement, as the store writes them.
+INSERT_ACCEPTED = """
+WITH new_event AS (
+  INSERT INTO events (event_id, offering_uuid, object_type, payload, user_uuids, queued,
+    skipped_unregistered, accepted)
+  VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING RETURNING event_id
+)
 INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost, state,
   attempts, claimed_by, claimed_until, next_attempt_at, created)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+SELECT event_id, $9, NULL, $10, $11, 'pending', 1, 'bench', $12, $12, $12 FROM new_event
 RETURNING id, event_id, queue_uuid, consumer_uuid
 """
 
@@ -103,25 +106,22 @@ async def _run(url: str) -> None:
 
     async def raw() -> None:
         event_id, now = uuid.uuid4().hex, utcnow()
-        async with floor.transaction():
-            rows = await floor.fetch(RECIPIENTS, [offering], now, ["order"])
-            await floor.fetch(
-                INSERT_EVENT, event_id, offering, "order", json.dumps(PAYLOAD), None, 1, 0, now
-            )
-            await floor.fetch(
-                INSERT_DELIVERY,
-                event_id,
-                rows[0][2],
-                None,
-                rows[0][3],
-                rows[0][4],
-                "pending",
-                1,
-                "bench",
-                now,
-                now,
-                now,
-            )
+        rows = await floor.fetch(RECIPIENTS, [offering], now, ["order"])
+        await floor.fetch(
+            INSERT_ACCEPTED,
+            event_id,
+            offering,
+            "order",
+            json.dumps(PAYLOAD),
+            None,
+            1,
+            0,
+            now,
+            rows[0][2],
+            rows[0][3],
+            rows[0][4],
+            now,
+        )
 
     ways = {
         "Outbox.store": service,
