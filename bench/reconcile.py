@@ -44,11 +44,8 @@ from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.passwords import rabbit_password_hash
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.broker.publisher import AmqpPublisher
-from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine, create_sessionmaker
-from queuekeeper.events.intake import Intake
 from queuekeeper.events.payloads import OBJECT_TYPES
 from queuekeeper.installation import service as installation
 from queuekeeper.jobs.runs import Job, JobContext, JobRunner, Trigger
@@ -96,9 +93,7 @@ def _state(settings: Settings, counts: Counts) -> AppState:
         sessions=sessions,
         management=management,
         provisioner=provisioner,
-        publisher=AmqpPublisher(settings),  # opens nothing: a reconcile never publishes
         jobs=JobRunner(JobContext(settings, engine, sessions, management, provisioner), JOBS),
-        intake=Intake(engine, sessions, settings, OutboxSignals()),
     )
 
 
