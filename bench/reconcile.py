@@ -427,6 +427,9 @@ def main() -> None:
             instance_name=f"qkbench-reconcile-{uuid.uuid4().hex[:10]}",
             scheduler_enabled=False,
             management_timeout=60.0,
+            # The 1,000 orphans are the point: the deletion guard would hold the run back.
+            reconcile_max_deletions=100_000,
+            reconcile_max_delete_share=1.0,
         )
         try:
             asyncio.run(bench(settings))
