@@ -43,11 +43,16 @@ typecheck: install
 REQUIRE_TOOLS := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && echo 1)
 export QK_REQUIRE_TOOLS = $(REQUIRE_TOOLS)
 
+# Two workers, a test file each at a time: the suite waits on brokers, agents and
+# subprocesses more than it computes (one worker kept two cores ~40 % busy).
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
+
 test-postgres: install services tools
-	$(BIN)/pytest -q -m "not container" --durations=15
+	$(BIN)/pytest -q -m "not container" $(PYTEST_PARALLEL) --durations=15
 
 test-sqlite: install services tools
-	QK_TEST_DB=sqlite $(BIN)/pytest -q -m "not container" --durations=15
+	QK_TEST_DB=sqlite $(BIN)/pytest -q -m "not container" $(PYTEST_PARALLEL) --durations=15
 
 ## make test-image: build the container image with podman/buildah and run it against the
 ## local PostgreSQL and RabbitMQ (once; tests/ops/test_image.py)

@@ -105,14 +105,11 @@ def settings(database_url: str, request: pytest.FixtureRequest) -> Settings:
 async def _empty_database(settings: Settings) -> None:
     engine = create_engine(settings)
     tables = [table.name for table in reversed(Base.metadata.sorted_tables)]
+    # DELETE, children first, not TRUNCATE: a test leaves a few rows, and PostgreSQL's
+    # TRUNCATE of every table costs ~0.1 s (new files for each) against ~1 ms.
     async with engine.begin() as connection:
-        if settings.is_sqlite:
-            for table in tables:
-                await connection.execute(text(f'DELETE FROM "{table}"'))
-        else:
-            await connection.execute(
-                text("TRUNCATE " + ", ".join(f'"{t}"' for t in tables) + " CASCADE")
-            )
+        for table in tables:
+            await connection.execute(text(f'DELETE FROM "{table}"'))
     await engine.dispose()
 
 
