@@ -141,7 +141,7 @@ CLAIM += _CLAIMED
 # pending copies (as it would `state = 'pending'`): that index's statistics
 # lag a burst (taken when nearly every copy was published, they say pending copies are
 # few), and with the plain `state = 'pending'` the planner then read the whole backlog
-# through that index for every settled batch (a backlog of 20,000 copies: 110-150 us per
+# through that index for every settled batch (a backlog of 20,000 copies: 110-170 us per
 # copy settled, against 30-40 us through the primary key; docs/decisions/018-outbox-plans.md).
 RENEW = """
 UPDATE deliveries SET claimed_until = $3, next_attempt_at = $3
