@@ -463,6 +463,13 @@ class Settings(BaseSettings):
         description="Seconds an idle relay waits before looking for due deliveries again "
         "(events accepted by the same process wake it at once).",
     )
+    relay_settle_interval: float = Field(
+        default=0.05,
+        ge=0,
+        description="Seconds the relay gathers confirmed copies before writing them "
+        "published in one statement (a `?wait=true` request waiting in the same process "
+        "has them written at once); 0 writes each batch as it is confirmed.",
+    )
     relay_backoff_base: float = Field(
         default=1.0, gt=0, description="First retry delay (s) after the broker was unreachable."
     )

@@ -55,3 +55,6 @@ class Signal:
 class OutboxSignals:
     accepted: Signal = field(default_factory=Signal)  # new deliveries: wake the relay
     settled: Signal = field(default_factory=Signal)  # deliveries settled: wake `?wait=true`
+    # `?wait=true` requests in this process, from before their store to their answer: while
+    # one is, the relay writes confirmed copies at once rather than every settle interval.
+    waiting: int = 0

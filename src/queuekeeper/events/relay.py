@@ -169,6 +169,13 @@ class Relay:
         # Parks the copies of queues whose agent is away before they are published
         # (parking/gate.py; docs/decisions/015-parking.md); None: nothing parks.
         self.hold_back: HoldBack | None = None
+        # Copies of the dispatch loop's batches confirmed and not yet written published:
+        # written together every `relay_settle_interval` (docs/decisions/019-settle-interval.md).
+        self._confirmed: list[int] = []
+        self._confirmed_to_consumers = 0
+        self._confirmed_added = Signal()
+        self._settle_now = Signal()  # a stop, or a `?wait=true` waiter: cut the interval short
+        self._write_now = False
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -177,6 +184,7 @@ class Relay:
         self._tasks = [
             asyncio.create_task(self._dispatch(), name="relay-dispatch"),
             asyncio.create_task(self._housekeeping(), name="relay-housekeeping"),
+            asyncio.create_task(self._write_confirmed_loop(), name="relay-settle"),
         ]
         if self.engine.dialect.name == "postgresql":
             self._tasks.append(asyncio.create_task(self._listen(), name="relay-listen"))
@@ -194,7 +202,14 @@ class Relay:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._tasks = []
         released = await self._release_handed()
-        log.info("relay_stopped", relay=self.id, cut_short=len(pending), released=released)
+        unwritten = await self._write_confirmed()
+        log.info(
+            "relay_stopped",
+            relay=self.id,
+            cut_short=len(pending),
+            released=released,
+            confirmed_unwritten=unwritten,
+        )
 
     async def _release_handed(self) -> int:
         """Give back copies handed over but not started, so another relay publishes them
@@ -218,6 +233,8 @@ class Relay:
     def request_stop(self) -> None:
         self._stopping.set()
         self._wake.notify()
+        self._confirmed_added.notify()
+        self._settle_now.notify()
 
     def _on_accepted(self) -> None:
         self._claim_wanted = True
@@ -326,7 +343,7 @@ class Relay:
 
     async def _process_logged(self, claimed: list[Claimed]) -> None:
         try:
-            await self.process(claimed)
+            await self.process(claimed, gather=True)
         except Exception as exc:  # claims not settled are retried when their lease ends
             log.error("relay_batch_failed", relay=self.id, error=repr(exc)[:500])
 
@@ -351,19 +368,23 @@ class Relay:
             self._held[item.id] = lease.until
         return released
 
-    async def process(self, claimed: list[Claimed], *, park: bool = True) -> None:
+    async def process(
+        self, claimed: list[Claimed], *, park: bool = True, gather: bool = False
+    ) -> None:
         """Publish a claimed batch and write back what became of each copy; `park=False`
-        for released parked copies, which go out whatever the queue's state."""
+        for released parked copies, which go out whatever the queue's state. With `gather`
+        (the dispatch loop's batches), the confirmed copies are written published with
+        those of the next `relay_settle_interval`, not before returning."""
         try:
             to_publish = claimed
             if park and self.hold_back is not None:
                 to_publish = await self.hold_back(self.id, claimed)
-            await self._process(to_publish)
+            await self._process(to_publish, gather=gather)
         finally:
             for item in claimed:  # settled, parked, or left to its lease: no longer renewed
                 self._held.pop(item.id, None)
 
-    async def _process(self, claimed: list[Claimed]) -> None:
+    async def _process(self, claimed: list[Claimed], *, gather: bool = False) -> None:
         now = utcnow()
         settlement = _Settlement()
         by_vhost: dict[str, list[Claimed]] = defaultdict(list)
@@ -397,6 +418,8 @@ class Relay:
                 self._retry_later(settlement, item, result.error or "broker unreachable")
         if to_recreate:
             await self._recreate_queues(settlement, to_recreate)
+        if gather and self.settings.relay_settle_interval > 0 and settlement.published:
+            self._gather_confirmed(settlement)
         await self._settle(settlement)
 
     async def _publish_vhost(
@@ -474,16 +497,65 @@ class Relay:
             else:
                 self._retry_later(settlement, item, error)
 
+    def _gather_confirmed(self, settlement: _Settlement) -> None:
+        """Leave the settlement's confirmed copies to `_write_confirmed_loop`; at once when a
+        `?wait=true` request of this process waits for copies to settle."""
+        self._confirmed.extend(settlement.published)
+        self._confirmed_to_consumers += settlement.published_to_consumers
+        settlement.published, settlement.published_to_consumers = [], 0
+        self._confirmed_added.notify()
+        if self.signals.waiting:
+            self._write_now = True
+            self._settle_now.notify()
+
+    async def _write_confirmed_loop(self) -> None:
+        """Write gathered confirmed copies published, those of one `relay_settle_interval`
+        in one statement: at a backend's pace each batch holds one copy, and its own
+        statement was a round trip and a wake-up per event. A copy confirmed and not yet
+        written is still pending: a relay that dies before writing it leaves it to its
+        lease, published again (at-least-once, as a death between confirm and write
+        always was); a stop writes it (`stop`)."""
+        while not self._stopping.is_set():
+            seen = self._confirmed_added.generation
+            if not self._confirmed:
+                await self._confirmed_added.wait(HOUSEKEEPING_INTERVAL, since=seen)
+                continue
+            if not self._write_now:
+                await self._settle_now.wait(self.settings.relay_settle_interval)
+            if self._stopping.is_set():
+                return  # `stop` writes what is left, once the batches in flight are done
+            self._write_now = False
+            if await self._write_confirmed() is None:  # the database is down: not lost
+                await self._settle_now.wait(self.settings.relay_backoff_base)
+
+    async def _write_confirmed(self) -> int | None:
+        """Write the gathered confirmed copies published; how many, None if it failed (they
+        stay gathered, written with the next ones)."""
+        ids, count = self._confirmed, self._confirmed_to_consumers
+        if not ids:
+            return 0
+        self._confirmed, self._confirmed_to_consumers = [], 0
+        settlement = _Settlement(published=ids, published_to_consumers=count)
+        try:
+            await self._settle(settlement)
+        except Exception as exc:
+            self._confirmed[:0] = ids
+            self._confirmed_to_consumers += count
+            log.error("relay_settle_failed", relay=self.id, error=repr(exc)[:500])
+            return None
+        return len(ids)
+
     async def _settle(self, settlement: _Settlement) -> None:
         now = utcnow()
         rejected = sum(len(ids) for ids in settlement.rejected.values())
         published = len(settlement.published)
         # Each counter moves right after its statement commits (each stands alone), with
         # no await between, so a `?wait=true` waiter never sees rows not yet counted.
-        await self.outbox.publish(settlement.published, now)
-        _PUBLISHED.inc(published)
-        _PUBLISHED_CONSUMER.inc(settlement.published_to_consumers)
-        _PUBLISHED_LEGACY.inc(published - settlement.published_to_consumers)
+        if published:
+            await self.outbox.publish(settlement.published, now)
+            _PUBLISHED.inc(published)
+            _PUBLISHED_CONSUMER.inc(settlement.published_to_consumers)
+            _PUBLISHED_LEGACY.inc(published - settlement.published_to_consumers)
         for error, ids in settlement.rejected.items():
             await self.outbox.reject(ids, now, error)
             DELIVERIES.labels(outcome="rejected").inc(len(ids))

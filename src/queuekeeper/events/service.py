@@ -205,11 +205,18 @@ async def publish(
         # A single event's body is bounded by this limit already (auth/guard.py).
         check_payload_sizes(events, settings.event_payload_max_bytes)
     prefix = "events" if batch else ""
-    accepted = await intake.accept(events, validate_payloads(events, prefix), prefix)
-    if wait:
+    bodies = validate_payloads(events, prefix)
+    if not wait:
+        return (await intake.accept(events, bodies, prefix)).answers
+    signals = intake.signals
+    signals.waiting += 1
+    try:
+        accepted = await intake.accept(events, bodies, prefix)
         await wait_settled(
-            intake.sessions, accepted.answers, intake.signals.settled, settings.events_wait_timeout
+            intake.sessions, accepted.answers, signals.settled, settings.events_wait_timeout
         )
+    finally:
+        signals.waiting -= 1
     return accepted.answers
 
 
