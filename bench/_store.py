@@ -9,7 +9,9 @@ writing the event row and its delivery, the event counts when there are repeats,
 connection's checkout from the engine's pool) in alternating blocks of 300, CPU of this
 process per event (`time.process_time`), beside the same two round trips written by hand
 on a connection of asyncpg's own (the floor: the recipients, then one statement inserting
-the event and its delivery). Not part of `make bench`:
+the event and its delivery). `Outbox.store` runs twice: with the recipients read by every
+store (what the floor does), and as the service runs it, remembering them (one round trip;
+docs/decisions/020-recipient-digest.md). Not part of `make bench`:
 
     python -m bench._store
 """
@@ -104,6 +106,10 @@ async def _run(url: str) -> None:
         now = utcnow()
         await store.store([Request([event], [PAYLOAD], "")], now, store.lease("bench", now))
 
+    async def reading() -> None:
+        store.statements.recipients._entries.clear()  # type: ignore[attr-defined]
+        await service()
+
     async def raw() -> None:
         event_id, now = uuid.uuid4().hex, utcnow()
         rows = await floor.fetch(RECIPIENTS, [offering], now, ["order"])
@@ -124,7 +130,8 @@ async def _run(url: str) -> None:
         )
 
     ways = {
-        "Outbox.store": service,
+        "Outbox.store, recipients remembered": service,
+        "Outbox.store, recipients read by each store": reading,
         "asyncpg alone, own connection": raw,
     }
     try:

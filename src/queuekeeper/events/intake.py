@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
 from queuekeeper.events.outbox import Accepted, Claimed, Outbox, Request
+from queuekeeper.events.recipients import RecipientsChanged
 from queuekeeper.events.schemas import EventIn
 from queuekeeper.exceptions import DomainError, Unavailable
 from queuekeeper.models import utcnow
@@ -144,6 +145,14 @@ class Intake:
             except IntegrityError:
                 if attempt + 1 == ATTEMPTS:
                     raise
+                log.info("event_recipients_changed_retrying", attempt=attempt + 1)
+                continue
+            except RecipientsChanged:
+                if attempt + 1 == ATTEMPTS:
+                    raise Unavailable(
+                        "The recipients of these events changed while they were stored, "
+                        f"{ATTEMPTS} times over; nothing of this request was stored. Retry."
+                    ) from None
                 log.info("event_recipients_changed_retrying", attempt=attempt + 1)
                 continue
             # Committed: only now may anyone hear of it.

@@ -23,11 +23,13 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from queuekeeper.events.recipients import RecipientsChanged
 
 _SQLSTATE_CONSTRAINT = "23"
 T = TypeVar("T")
@@ -42,7 +44,7 @@ async def send(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
 # left-joined with the subscriptions (with their queue for a requested type) and the
 # consumers of owners who are active, hold an unexpired token and have access to them, so
 # an unknown offering yields no row at all (events/recipients.py decides from the rows).
-RECIPIENTS = """
+RECIPIENT_ROWS = """
 SELECT o.uuid, r.kind, r.recipient_uuid, r.user_uuid, r.filter, r.queue_uuid,
        r.object_type, r.queue_name, r.vhost
 FROM offerings o LEFT JOIN (
@@ -68,23 +70,36 @@ FROM offerings o LEFT JOIN (
 ) r ON r.offering_uuid = o.uuid
 WHERE o.uuid = ANY($1::uuid[])
 """
+# The rows, and on each a digest of them all: what a store remembers them by
+# (`RecipientCache`), checked again by the write (`INSERT_ACCEPTED`).
+_DIGEST = "md5(coalesce(string_agg(r::text, ',' ORDER BY r::text), ''))"
+_EMPTY_DIGEST = "d41d8cd98f00b204e9800998ecf8427e"  # md5(''): no rows
+# Built from the module's constants alone (no input reaches them), so the rule has one text.
+_ROWS = "WITH r AS (" + RECIPIENT_ROWS + ")\n"
+RECIPIENTS = _ROWS + "SELECT r.*, (SELECT " + _DIGEST + " FROM r) FROM r"  # noqa: S608 - constants
 EVENT_COUNTS = """
 SELECT event_id, queued, skipped_unregistered FROM events WHERE event_id = ANY($1::varchar[])
 """
 # The events whose id is new and the copies of those events, in one statement: it commits
 # as it runs (atomic, durable when answered), so a store is two round trips (the
 # recipients, then this) with no BEGIN and no COMMIT of its own
-# (docs/decisions/017-single-event-cost.md). The copies are inserted in the order they are
-# given (acceptance order: ids follow it); a copy of an event that was not new is dropped.
-# The foreign key to `events` is checked at the statement's end, when the new events are
-# there. Returned: ('e', event_id, ...) per new event, ('d', event_id, id, queue, consumer)
-# per copy.
-INSERT_ACCEPTED = """
-WITH new_events AS (
+# (docs/decisions/017-single-event-cost.md), and one when the recipients are remembered
+# (docs/decisions/020-recipient-digest.md). The statement reads the recipients of the
+# offerings $1 and types $2 at $3 again (`RECIPIENT_ROWS`, with the same parameters) and
+# writes nothing unless their digest is still $4, the digest of the rows the copies were
+# planned from. The copies are inserted in the
+# order they are given (acceptance order: ids follow it); a copy of an event that was not
+# new is dropped. The foreign key to `events` is checked at the statement's end, when the
+# new events are there. Returned: ('g', digest now) once, ('e', event_id, ...) per new
+# event, ('d', event_id, id, queue, consumer) per copy.
+_FRESH = "WITH fresh AS (SELECT " + _DIGEST + " AS digest FROM (" + RECIPIENT_ROWS + ") r"  # noqa: S608 - constants
+_WRITE = """
+), new_events AS (
     INSERT INTO events (event_id, offering_uuid, offering_uuids, object_type, payload,
                         user_uuids, queued, skipped_unregistered, accepted)
-    SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::json[], $4::varchar[], $5::json[],
-                         $6::json[], $7::int[], $8::int[], $9::timestamptz[])
+    SELECT * FROM unnest($5::varchar[], $6::uuid[], $7::json[], $8::varchar[], $9::json[],
+                         $10::json[], $11::int[], $12::int[], $13::timestamptz[])
+    WHERE (SELECT digest FROM fresh) = $4
     ON CONFLICT DO NOTHING
     RETURNING event_id
 ), copies AS (
@@ -94,9 +109,9 @@ WITH new_events AS (
     SELECT c.event_id, c.queue_uuid, c.consumer_uuid, c.queue_name, c.vhost,
            c.offering_uuid, c.state, c.attempts, c.claimed_by, c.claimed_until,
            c.next_attempt_at, c.created
-    FROM unnest($10::varchar[], $11::uuid[], $12::uuid[], $13::varchar[], $14::varchar[],
-                $15::uuid[], $16::varchar[], $17::int[], $18::varchar[],
-                $19::timestamptz[], $20::timestamptz[], $21::timestamptz[])
+    FROM unnest($14::varchar[], $15::uuid[], $16::uuid[], $17::varchar[], $18::varchar[],
+                $19::uuid[], $20::varchar[], $21::int[], $22::varchar[],
+                $23::timestamptz[], $24::timestamptz[], $25::timestamptz[])
          WITH ORDINALITY AS c(event_id, queue_uuid, consumer_uuid, queue_name, vhost,
                               offering_uuid, state, attempts, claimed_by, claimed_until,
                               next_attempt_at, created, position)
@@ -104,12 +119,15 @@ WITH new_events AS (
     ORDER BY c.position
     RETURNING id, event_id, queue_uuid, consumer_uuid
 )
-SELECT 'e' AS kind, event_id, NULL::bigint AS id, NULL::uuid AS queue_uuid,
+SELECT 'g' AS kind, digest AS event_id, NULL::bigint AS id, NULL::uuid AS queue_uuid,
        NULL::uuid AS consumer_uuid
-FROM new_events
+FROM fresh
+UNION ALL
+SELECT 'e', event_id, NULL, NULL, NULL FROM new_events
 UNION ALL
 SELECT 'd', event_id, id, queue_uuid, consumer_uuid FROM copies
 """
+INSERT_ACCEPTED = _FRESH + _WRITE
 
 # 'pending' is written out, not bound: the partial index of pending rows is used only when
 # the planner sees the literal it was defined with (asyncpg plans prepared statements).
@@ -345,18 +363,61 @@ def _decoded(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-class StoreUnit:
-    """The store's statements, on one connection: read the recipients, then write."""
+_Key = tuple[frozenset[Any], frozenset[str]]
+_NO_KEY: _Key = (frozenset(), frozenset())
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
-    def __init__(self, driver: _Driver) -> None:
+
+class RecipientCache:
+    """The recipients' rows of recent stores by (offerings, object types), with their digest
+    (docs/decisions/020-recipient-digest.md). Remembered rows are never trusted alone: the
+    write that uses them reads the recipients again in the same statement and writes nothing
+    unless their digest is unchanged, so a revoked token, access or queue stops receiving as
+    at once as when every store read them first. Only rows that name every offering asked
+    about are kept (an unknown offering is refused from a fresh read, never a remembered one)."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._entries: dict[_Key, tuple[str, list[tuple[Any, ...]]]] = {}
+
+    def get(self, key: _Key) -> tuple[str, list[tuple[Any, ...]]] | None:
+        return self._entries.get(key)
+
+    def put(self, key: _Key, digest: str, rows: list[tuple[Any, ...]]) -> None:
+        if len(self._entries) >= self.size:
+            del self._entries[next(iter(self._entries))]  # the oldest
+        self._entries[key] = (digest, rows)
+
+    def drop(self, key: _Key) -> None:
+        self._entries.pop(key, None)
+
+
+class StoreUnit:
+    """The store's statements, on one connection: read the recipients (or remember them),
+    then write."""
+
+    def __init__(self, driver: _Driver, cache: RecipientCache) -> None:
         self.driver = driver
+        self.cache = cache
+        self._read: tuple[_Key, list[Any], list[str], datetime, str] | None = None
 
     async def recipients(
         self, offerings: Collection[Any], object_types: Collection[str], now: datetime
     ) -> list[tuple[Any, ...]]:
         """(offering, kind, recipient, owner, filter, queue, object type, name, vhost)."""
-        records = await self.driver.fetch(RECIPIENTS, list(offerings), list(object_types), now)
-        return [(*r[:4], _decoded(r[4]), *r[5:]) for r in records]
+        key = (frozenset(offerings), frozenset(object_types))
+        asked, types = list(key[0]), list(key[1])
+        remembered = self.cache.get(key)
+        if remembered is None:
+            records = await self.driver.fetch(RECIPIENTS, asked, types, now)
+            rows = [(*r[:4], _decoded(r[4]), *r[5:9]) for r in records]
+            digest = records[0][9] if records else _EMPTY_DIGEST
+            if {row[0] for row in rows} == key[0]:
+                self.cache.put(key, digest, rows)
+        else:
+            digest, rows = remembered
+        self._read = (key, asked, types, now, digest)
+        return rows
 
     async def event_counts(self, event_ids: Collection[str]) -> dict[str, tuple[int, int]]:
         records = await self.driver.fetch(EVENT_COUNTS, list(event_ids))
@@ -370,12 +431,24 @@ class StoreUnit:
         ids: bool = True,
     ) -> tuple[set[str], list[tuple[Any, ...]]]:
         """Insert the events whose id is new and the copies of those (the others' copies
-        are dropped), in one statement; returns the new event ids and (id, event_id,
-        queue_uuid, consumer_uuid) of each copy inserted (whatever `ids` says: the
-        statement returns them anyway)."""
+        are dropped), in one statement, if the recipients read by `recipients` are still
+        the recipients (else `RecipientsChanged`, nothing written); returns the new event
+        ids and (id, event_id, queue_uuid, consumer_uuid) of each copy inserted (whatever
+        `ids` says: the statement returns them anyway)."""
+        # Without a read first (a test's own rows) nothing is checked: no offerings asked.
+        key, asked, types, now, digest = self._read or (_NO_KEY, [], [], _EPOCH, _EMPTY_DIGEST)
         records = await self.driver.fetch(
-            INSERT_ACCEPTED, *_arrays(events, EVENT_COLUMNS), *_arrays(copies, DELIVERY_COLUMNS)
+            INSERT_ACCEPTED,
+            asked,
+            types,
+            now,
+            digest,
+            *_arrays(events, EVENT_COLUMNS),
+            *_arrays(copies, DELIVERY_COLUMNS),
         )
+        if next(record[1] for record in records if record[0] == "g") != digest:
+            self.cache.drop(key)
+            raise RecipientsChanged
         inserted = {record[1] for record in records if record[0] == "e"}
         copied = [(r[2], r[1], r[3], r[4]) for r in records if r[0] == "d"]
         return inserted, copied
@@ -384,13 +457,14 @@ class StoreUnit:
 class PostgresOutbox:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self.recipients = RecipientCache()
 
     @asynccontextmanager
     async def store(self) -> AsyncIterator[StoreUnit]:
         """One store's connection. No transaction around it: the store's one write
         (`StoreUnit.insert`) is a single statement, atomic and committed as it runs."""
         async with _checked_out(self.engine) as driver:
-            yield StoreUnit(driver)
+            yield StoreUnit(driver, self.recipients)
 
     # Each of the relay's statements stands alone (guarded by the row's state): no
     # transaction around it, so it commits as it runs.

@@ -28,6 +28,11 @@ from typing import Any
 from queuekeeper.common.schemas import as_uuid
 
 
+class RecipientsChanged(Exception):
+    """The recipients a store planned its copies from changed before its write, which wrote
+    nothing: the store reads them again and plans again."""
+
+
 @dataclass(frozen=True)
 class Copy:
     """One outbox copy of an event: a subscription's queue (`queue_uuid`) or a consumer's

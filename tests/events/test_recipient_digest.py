@@ -1,0 +1,166 @@
+"""A store remembers the recipients it read (docs/decisions/020-recipient-digest.md): on
+PostgreSQL the next event of the same offering and type is one statement, and a change of who
+may receive it (access revoked, owner deactivated, token expired, a queue registered) is seen
+by the very next event, as when every store read the recipients first."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import func, select
+
+from queuekeeper.events import outbox_postgres
+from queuekeeper.models import Delivery
+from tests.conftest import TEST_DB
+from tests.events.support import SERVICE, Registered, order_event, post_event, register
+from tests.helpers import Backend, database_statements
+
+# A store on PostgreSQL: the recipients' read and the write; on SQLite: the read, the events
+# and their copies (the SQLite twin remembers nothing).
+COLD = 3 if TEST_DB == "sqlite" else 2
+WARM = 3 if TEST_DB == "sqlite" else 1
+
+
+async def _accepted(app: FastAPI, client: httpx.AsyncClient, offering: uuid.UUID) -> Any:
+    """Post one event; its answer and the statements its store ran."""
+    with database_statements(app.state.queuekeeper.engine) as statements:
+        response = await post_event(client, order_event(offering))
+    assert response.status_code == 202, response.text
+    store = [s for s in statements if "offering_access" in s or "INSERT INTO" in s]
+    return response.json(), len(store)
+
+
+async def _copies(app: FastAPI, event_id: str) -> int:
+    async with app.state.queuekeeper.sessions() as session:
+        found = await session.scalar(
+            select(func.count()).select_from(Delivery).where(Delivery.event_id == event_id)
+        )
+    return int(found or 0)
+
+
+async def test_the_next_event_of_an_offering_is_one_statement_on_postgresql(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    first, cold = await _accepted(app, client, registered.offering)
+    second, warm = await _accepted(app, client, registered.offering)
+    assert (first["queued"], second["queued"]) == (1, 1)
+    assert (cold, warm) == (COLD, WARM)
+    assert await _copies(app, second["event_id"]) == 1
+
+
+async def _revoke_access(client: httpx.AsyncClient, registered: Registered) -> None:
+    response = await client.delete(
+        f"/api/internal/offerings/{registered.offering}/users/{registered.agent.uuid}/",
+        headers=SERVICE,
+    )
+    assert response.status_code == 204, response.text
+
+
+async def _deactivate(client: httpx.AsyncClient, registered: Registered) -> None:
+    agent = registered.agent
+    response = await client.put(
+        f"/api/internal/users/{agent.uuid}/",
+        json={"username": f"user-{agent.uuid.hex[:8]}", "is_active": False},
+        headers=SERVICE,
+    )
+    assert response.status_code == 200, response.text
+
+
+async def _delete_user(client: httpx.AsyncClient, registered: Registered) -> None:
+    response = await client.delete(f"/api/internal/users/{registered.agent.uuid}/", headers=SERVICE)
+    assert response.status_code == 204, response.text
+
+
+Change = Callable[[httpx.AsyncClient, Registered], Awaitable[None]]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(_revoke_access, id="access-revoked"),
+        pytest.param(_deactivate, id="owner-deactivated"),
+        pytest.param(_delete_user, id="owner-deleted"),
+    ],
+)
+async def test_a_revocation_is_seen_by_the_next_event(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, change: Change
+) -> None:
+    registered = await register(backend)
+    other = await register(backend, offering=registered.offering)  # keeps the offering served
+    first, _ = await _accepted(app, client, registered.offering)
+    assert first["queued"] == 2
+    await change(client, registered)
+    second, statements = await _accepted(app, client, registered.offering)
+    assert second["queued"] == 1
+    assert await _copies(app, second["event_id"]) == 1
+    # PostgreSQL: the write with the remembered recipients wrote nothing; read again, written.
+    assert statements == (COLD if TEST_DB == "sqlite" else 3)
+    assert other.queue_name
+
+
+async def test_an_expired_token_is_seen_by_the_next_event(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    agent = registered.agent
+    expires = datetime.now(UTC) + timedelta(seconds=1.5)
+    response = await client.put(
+        f"/api/internal/users/{agent.uuid}/",
+        json={"username": f"user-{agent.uuid.hex[:8]}", "token_expires_at": expires.isoformat()},
+        headers=SERVICE,
+    )
+    assert response.status_code == 200, response.text
+    first, _ = await _accepted(app, client, registered.offering)
+    assert first["queued"] == 1
+    await asyncio.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.2)
+    # Nothing was written between: only the clock says the owner may no longer receive.
+    second, _ = await _accepted(app, client, registered.offering)
+    assert second["queued"] == 0
+    assert await _copies(app, second["event_id"]) == 0
+
+
+async def test_a_queue_registered_after_is_sent_the_next_event(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    first, _ = await _accepted(app, client, registered.offering)
+    assert first["queued"] == 1
+    await register(backend, offering=registered.offering)
+    second, _ = await _accepted(app, client, registered.offering)
+    assert second["queued"] == 2
+    assert await _copies(app, second["event_id"]) == 2
+
+
+@pytest.mark.skipif(
+    TEST_DB == "sqlite",
+    reason="the write's own check of the recipients is PostgreSQL's statement "
+    "(outbox_postgres.INSERT_ACCEPTED); the SQLite twin reads them in the write's transaction",
+)
+async def test_access_revoked_between_the_read_and_the_write_gets_no_copy(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registered = await register(backend)
+    real_insert = outbox_postgres.StoreUnit.insert
+    revoked = False
+
+    async def revoke_first(self: outbox_postgres.StoreUnit, *args: Any, **kwargs: Any) -> Any:
+        nonlocal revoked
+        if not revoked:  # committed after this store read the recipients, before it writes
+            revoked = True
+            await _revoke_access(client, registered)
+        return await real_insert(self, *args, **kwargs)
+
+    monkeypatch.setattr(outbox_postgres.StoreUnit, "insert", revoke_first)
+    response = await post_event(client, order_event(registered.offering))
+    assert response.status_code == 202, response.text
+    assert revoked
+    assert response.json()["queued"] == 0
+    assert await _copies(app, response.json()["event_id"]) == 0
