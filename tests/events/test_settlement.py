@@ -5,7 +5,7 @@ lost or answered early for it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
+from collections.abc import Sequence
 from datetime import datetime
 
 import httpx
@@ -21,7 +21,7 @@ from tests.events.support import (
     register,
     wait_settled,
 )
-from tests.helpers import Backend
+from tests.helpers import Backend, database_statements
 
 
 def _relay(app: FastAPI) -> Relay:
@@ -51,15 +51,21 @@ async def test_single_events_confirmed_within_the_interval_are_written_in_one_st
     relay.settings = relay.settings.model_copy(update={"relay_settle_interval": interval})
     registered = await register(backend)
     event_ids = []
-    for _ in range(3):  # one after another, as a backend sends them
-        response = await post_event(client, order_event(registered.offering))
-        assert response.status_code == 202
-        event_ids.append(response.json()["event_id"])
-        # Confirmed before the next is sent: each is a batch of its own.
-        while await queue_depth(registered.vhost, registered.queue_name) < len(event_ids):
-            await asyncio.sleep(0.01)
-    # One statement writes one `finished` stamp for every copy it settles.
-    assert len(set(await _finished(client, event_ids))) == statements
+    # The relay's engine (its own pool); on PostgreSQL every statement sent to asyncpg.
+    with database_statements(app.state.queuekeeper.relay_engine) as sent:
+        for _ in range(3):  # one after another, as a backend sends them
+            response = await post_event(client, order_event(registered.offering))
+            assert response.status_code == 202
+            event_ids.append(response.json()["event_id"])
+            # Confirmed before the next is sent: each is a batch of its own.
+            while await queue_depth(registered.vhost, registered.queue_name) < len(event_ids):
+                await asyncio.sleep(0.01)
+        stamps = await _finished(client, event_ids)
+    writes = [s for s in sent if s.lstrip().startswith("UPDATE deliveries") and "finished" in s]
+    assert len(writes) == statements, writes
+    # Each copy's `finished` is when the broker confirmed it, not when it was written.
+    assert stamps == sorted(stamps)
+    assert len(set(stamps)) == 3
 
 
 @pytest.mark.settings(relay_settle_interval=30.0)
@@ -95,17 +101,17 @@ async def test_a_failed_write_of_confirmed_copies_is_retried_not_published_again
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     relay = _relay(app)
-    real_publish = relay.outbox.publish
+    real_publish = relay.outbox.published_at
     calls = 0
 
-    async def down_once(ids: Collection[int], now: datetime) -> None:
+    async def down_once(confirmed: Sequence[tuple[int, datetime]]) -> None:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise ConnectionError("the database went away")
-        await real_publish(ids, now)
+        await real_publish(confirmed)
 
-    relay.outbox.publish = down_once  # type: ignore[method-assign]
+    relay.outbox.published_at = down_once  # type: ignore[method-assign]
     registered = await register(backend)
     response = await post_event(client, order_event(registered.offering))
     (stamp,) = await _finished(client, [response.json()["event_id"]])

@@ -150,6 +150,8 @@ class _Statements(Protocol):
         self, ids: Collection[int], state: str, now: datetime, error: str | None
     ) -> None: ...
 
+    async def published_at(self, confirmed: Sequence[tuple[int, datetime]]) -> None: ...
+
     async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None: ...
 
     async def reschedule(
@@ -218,6 +220,11 @@ class Outbox:
 
     async def publish(self, ids: Collection[int], now: datetime) -> None:
         await self._finish(ids, DeliveryState.PUBLISHED, now, None)
+
+    async def published_at(self, confirmed: Sequence[tuple[int, datetime]]) -> None:
+        """Settle (id, when the broker confirmed it) as published, in one statement."""
+        if confirmed:
+            await self.statements.published_at(confirmed)
 
     async def reject(self, ids: Collection[int], now: datetime, error: str) -> None:
         await self._finish(ids, DeliveryState.REJECTED, now, error)

@@ -178,6 +178,13 @@ SET state = $2, finished = $3, claimed_by = NULL, claimed_until = NULL,
     last_error = coalesce($4, last_error)
 WHERE id = ANY($1::bigint[]) AND (state || '') = 'pending'
 """
+# Each copy with its own `finished`: the time the broker confirmed it.
+PUBLISHED_AT = """
+UPDATE deliveries d
+SET state = 'published', finished = r.at, claimed_by = NULL, claimed_until = NULL
+FROM unnest($1::bigint[], $2::timestamptz[]) AS r(id, at)
+WHERE d.id = r.id AND (d.state || '') = 'pending'
+"""
 GIVE_UP = """
 UPDATE deliveries d
 SET state = 'given_up', finished = $3, claimed_by = NULL, claimed_until = NULL,
@@ -487,6 +494,10 @@ class PostgresOutbox:
         self, ids: Collection[int], state: str, now: datetime, error: str | None
     ) -> None:
         await self._run(FINISH, list(ids), state, now, error)
+
+    async def published_at(self, confirmed: Sequence[tuple[int, datetime]]) -> None:
+        ids, times = [i for i, _ in confirmed], [at for _, at in confirmed]
+        await self._run(PUBLISHED_AT, ids, times)
 
     async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
         ids, errors = [i for i, _ in reasons], [e for _, e in reasons]

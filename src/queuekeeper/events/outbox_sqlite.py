@@ -201,6 +201,10 @@ FINISH = _SETTLE.where(
     DELIVERIES.c.id.in_(bindparam("b_ids", expanding=True)), DELIVERIES.c.state == PENDING
 ).values(state=bindparam("b_state"))
 FINISH_WITH_ERROR = FINISH.values(last_error=bindparam("b_error"))
+# Each copy with its own `finished`: the time the broker confirmed it.
+PUBLISHED_AT = _SETTLE.where(
+    DELIVERIES.c.id == bindparam("b_id"), DELIVERIES.c.state == PENDING
+).values(state=DeliveryState.PUBLISHED)
 GIVE_UP = _SETTLE.where(DELIVERIES.c.id == bindparam("b_id"), DELIVERIES.c.state == PENDING).values(
     state=DeliveryState.GIVEN_UP, last_error=bindparam("b_error")
 )
@@ -402,6 +406,11 @@ class SqliteOutbox:
                 await connection.execute(FINISH, parameters)
             else:
                 await connection.execute(FINISH_WITH_ERROR, {**parameters, "b_error": error})
+
+    async def published_at(self, confirmed: Sequence[tuple[int, datetime]]) -> None:
+        rows = [{"b_id": i, "b_now": at} for i, at in confirmed]
+        async with self.engine.begin() as connection:
+            await connection.execute(PUBLISHED_AT, rows)
 
     async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
         rows = [{"b_id": i, "b_error": error, "b_now": now} for i, error in reasons]

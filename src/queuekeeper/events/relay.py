@@ -171,7 +171,7 @@ class Relay:
         self.hold_back: HoldBack | None = None
         # Copies of the dispatch loop's batches confirmed and not yet written published:
         # written together every `relay_settle_interval` (docs/decisions/019-settle-interval.md).
-        self._confirmed: list[int] = []
+        self._confirmed: list[tuple[int, datetime]] = []  # (copy, when confirmed)
         self._confirmed_to_consumers = 0
         self._confirmed_added = Signal()
         self._settle_now = Signal()  # a stop, or a `?wait=true` waiter: cut the interval short
@@ -500,7 +500,8 @@ class Relay:
     def _gather_confirmed(self, settlement: _Settlement) -> None:
         """Leave the settlement's confirmed copies to `_write_confirmed_loop`; at once when a
         `?wait=true` request of this process waits for copies to settle."""
-        self._confirmed.extend(settlement.published)
+        confirmed = utcnow()
+        self._confirmed.extend((i, confirmed) for i in settlement.published)
         self._confirmed_to_consumers += settlement.published_to_consumers
         settlement.published, settlement.published_to_consumers = [], 0
         self._confirmed_added.notify()
@@ -529,21 +530,26 @@ class Relay:
                 await self._settle_now.wait(self.settings.relay_backoff_base)
 
     async def _write_confirmed(self) -> int | None:
-        """Write the gathered confirmed copies published; how many, None if it failed (they
-        stay gathered, written with the next ones)."""
-        ids, count = self._confirmed, self._confirmed_to_consumers
-        if not ids:
+        """Write the gathered confirmed copies published, each `finished` when the broker
+        confirmed it; how many, None if it failed (they stay gathered, written with the
+        next ones)."""
+        confirmed, to_consumers = self._confirmed, self._confirmed_to_consumers
+        if not confirmed:
             return 0
         self._confirmed, self._confirmed_to_consumers = [], 0
-        settlement = _Settlement(published=ids, published_to_consumers=count)
         try:
-            await self._settle(settlement)
+            await self.outbox.published_at(confirmed)
         except Exception as exc:
-            self._confirmed[:0] = ids
-            self._confirmed_to_consumers += count
+            self._confirmed[:0] = confirmed
+            self._confirmed_to_consumers += to_consumers
             log.error("relay_settle_failed", relay=self.id, error=repr(exc)[:500])
             return None
-        return len(ids)
+        # As in `_settle`: counted right after the commit, no await between.
+        _PUBLISHED.inc(len(confirmed))
+        _PUBLISHED_CONSUMER.inc(to_consumers)
+        _PUBLISHED_LEGACY.inc(len(confirmed) - to_consumers)
+        self.signals.settled.notify()
+        return len(confirmed)
 
     async def _settle(self, settlement: _Settlement) -> None:
         now = utcnow()
