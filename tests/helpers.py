@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -82,6 +83,15 @@ class Backend:
             f"/api/internal/offerings/{offering_uuid}/users/{agent.uuid}/", headers=self.headers
         )
         assert response.status_code in (200, 201), response.text
+
+    async def expire_token_at(self, agent: Agent, when: datetime) -> None:
+        """The agent's token stops being valid at `when` (the user pushed again with it)."""
+        response = await self.client.put(
+            f"/api/internal/users/{agent.uuid}/",
+            json={"username": f"user-{agent.uuid.hex[:8]}", "token_expires_at": when.isoformat()},
+            headers=self.headers,
+        )
+        assert response.status_code == 200, response.text
 
     async def agent_with_offering(self) -> tuple[Agent, uuid.UUID]:
         agent = await self.put_user()

@@ -110,14 +110,8 @@ async def test_an_expired_token_is_seen_by_the_next_event(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     registered = await register(backend)
-    agent = registered.agent
     expires = datetime.now(UTC) + timedelta(seconds=1.5)
-    response = await client.put(
-        f"/api/internal/users/{agent.uuid}/",
-        json={"username": f"user-{agent.uuid.hex[:8]}", "token_expires_at": expires.isoformat()},
-        headers=SERVICE,
-    )
-    assert response.status_code == 200, response.text
+    await backend.expire_token_at(registered.agent, expires)
     first, _ = await _accepted(app, client, registered.offering)
     assert first["queued"] == 1
     await asyncio.sleep(max(0.0, (expires - datetime.now(UTC)).total_seconds()) + 0.2)

@@ -165,12 +165,7 @@ async def test_token_expiring_later_is_revoked_within_seconds(
     registered = await register(backend)
     agent = registered.agent
     expires = datetime.now(UTC) + timedelta(seconds=3)
-    response = await client.put(
-        f"/api/internal/users/{agent.uuid}/",
-        json={"username": f"user-{agent.uuid.hex[:8]}", "token_expires_at": expires.isoformat()},
-        headers=SERVICE,
-    )
-    assert response.status_code == 200, response.text
+    await backend.expire_token_at(agent, expires)
     consumer = await consume(registered, agent.token)
     await _receiving(client, registered, consumer)
     started = time.monotonic()
