@@ -539,9 +539,11 @@ class Relay:
         self._confirmed, self._confirmed_to_consumers = [], 0
         try:
             await self.outbox.published_at(confirmed)
-        except Exception as exc:
+        except BaseException as exc:  # a stop cutting the write short included: kept
             self._confirmed[:0] = confirmed
             self._confirmed_to_consumers += to_consumers
+            if not isinstance(exc, Exception):
+                raise
             log.error("relay_settle_failed", relay=self.id, error=repr(exc)[:500])
             return None
         # As in `_settle`: counted right after the commit, no await between.
