@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -143,6 +145,16 @@ class Operator:
         response = await self.client.get(path, params=params or None, headers=self.headers)
         assert response.status_code == 200, response.text
         return response.json()
+
+
+async def clear_of_a_window_edge(period: float = 60.0, margin: float = 10.0) -> None:
+    """Start a rate-limit test well inside one of the limiter's windows, which are aligned to
+    the clock: the sliding window counter weighs the previous window's calls by how much of it
+    still overlaps (docs/decisions/012-sliding-window-rate-limit.md), so calls straddling an
+    edge are counted as fewer than they were, and a test's last call may pass."""
+    left = period - time.time() % period
+    if left < margin:
+        await asyncio.sleep(left + 0.05)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import REPLAYS
 from tests.consumers.test_delivery import consumer_for, resource_event
 from tests.events.support import SERVICE, drain, order_event, post_batch, register
-from tests.helpers import Agent, Backend
+from tests.helpers import Agent, Backend, clear_of_a_window_edge
 
 
 def _iso(moment: datetime) -> str:
@@ -165,6 +165,7 @@ async def test_an_operator_replays_a_legacy_queue_by_name(
 async def test_replays_are_rate_limited_like_other_agent_writes(
     client: httpx.AsyncClient, backend: Backend
 ) -> None:
+    await clear_of_a_window_edge()
     agent, offering = await backend.agent_with_offering()
     consumer = (await consumer_for(agent, offering)).removeprefix("consumer_")
     answers = [

@@ -18,7 +18,7 @@ from queuekeeper.broker.management import ManagementClient
 from queuekeeper.models import Delivery, DeliveryState, Event, OfferingAccess
 from tests.conftest import SERVICE_TOKEN
 from tests.events.support import order_event, post_event
-from tests.helpers import Agent, Backend
+from tests.helpers import Agent, Backend, clear_of_a_window_edge
 from tests.presence.test_presence import register, status
 
 SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
@@ -222,6 +222,7 @@ async def test_another_users_consumer_is_not_found(
 async def test_status_is_rate_limited_like_the_agent_writes(
     backend: Backend, client: httpx.AsyncClient
 ) -> None:
+    await clear_of_a_window_edge()
     agent, offering = await backend.agent_with_offering()
     registration = await register(agent, offering)  # counted: 1 of 3
     path = f"/api/event-consumers/{registration['rmq_username']}/status/"

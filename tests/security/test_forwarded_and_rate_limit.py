@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.conftest import SERVICE_TOKEN
-from tests.helpers import Backend
+from tests.helpers import Backend, clear_of_a_window_edge
 
 MakeClient = Callable[..., Awaitable[httpx.AsyncClient]]
 
@@ -44,6 +44,7 @@ async def test_forwarded_for_is_ignored_unless_the_peer_is_a_listed_proxy(
 async def test_registration_calls_over_the_rate_are_429_with_retry_after(
     client: httpx.AsyncClient, backend: Backend
 ) -> None:
+    await clear_of_a_window_edge()
     agent, offering = await backend.agent_with_offering()
     other = await backend.put_user()
     subscription = await agent.create_subscription()
