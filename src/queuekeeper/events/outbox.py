@@ -1,12 +1,12 @@
 """The transactional outbox (the `deliveries` table) and its one owner, `Outbox`.
 
-Every write of a copy's life goes through here: `store` (accepted events and their
-copies, in the request's transaction), `claim`, `renew`, the settlements (`publish`,
-`reject`, `give_up`, `reschedule`) and `release`; and parking's (parking/ decides when,
-the outbox writes): `park`, `unpark` (parked copies back to pending, claimed as a claim
-claims), `give_up_parked` (retention) and `add_replays` (a replay's new copies); no
-other module writes a copy's state. The lease rule lives in `Outbox.lease` alone: a copy
-is held by a relay until its lease ends, and a held copy is simply not due
+Every write of a copy's life goes through here: `store` (accepted events and their copies,
+in the request's transaction), `claim`, `renew`, the settlements (`publish`,
+`published_at`, `reject`, `give_up`, `reschedule`) and `release`; and parking's (parking/
+decides when, the outbox writes): `park`, `unpark` (parked copies back to pending, claimed
+as a claim claims), `give_up_parked` (retention) and `add_replays` (a replay's new
+copies); no other module writes a copy's state. The lease rule lives in `Outbox.lease`
+alone: a copy is held by a relay until its lease ends, and a held copy is simply not due
 (`next_attempt_at` is the lease's end), so a relay that dies leaves its copies due again
 when its leases run out. Only `state = 'pending'` copies that are due are ever claimed;
 any other state (published, rejected, given up, parked) is never taken, except that
