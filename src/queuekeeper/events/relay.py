@@ -122,6 +122,14 @@ def _target(item: Claimed) -> uuid.UUID | None:
     return item.queue_uuid or item.consumer_uuid
 
 
+def _count_published(copies: int, to_consumers: int) -> None:
+    """Move the published counters; called right after the write commits, with no await
+    between, so a `?wait=true` waiter never sees rows not yet counted."""
+    _PUBLISHED.inc(copies)
+    _PUBLISHED_CONSUMER.inc(to_consumers)
+    _PUBLISHED_LEGACY.inc(copies - to_consumers)
+
+
 @dataclass
 class _Settlement:
     """What one batch decided, written back in one transaction."""
@@ -420,6 +428,8 @@ class Relay:
             await self._recreate_queues(settlement, to_recreate)
         if gather and self.settings.relay_settle_interval > 0 and settlement.published:
             self._gather_confirmed(settlement)
+            if not (settlement.rejected or settlement.given_up or settlement.retries):
+                return  # nothing else to write; the gathered write wakes the waiters
         await self._settle(settlement)
 
     async def _publish_vhost(
@@ -546,10 +556,7 @@ class Relay:
                 raise
             log.error("relay_settle_failed", relay=self.id, error=repr(exc)[:500])
             return None
-        # As in `_settle`: counted right after the commit, no await between.
-        _PUBLISHED.inc(len(confirmed))
-        _PUBLISHED_CONSUMER.inc(to_consumers)
-        _PUBLISHED_LEGACY.inc(len(confirmed) - to_consumers)
+        _count_published(len(confirmed), to_consumers)
         self.signals.settled.notify()
         return len(confirmed)
 
@@ -561,9 +568,7 @@ class Relay:
         # no await between, so a `?wait=true` waiter never sees rows not yet counted.
         if published:
             await self.outbox.publish(settlement.published, now)
-            _PUBLISHED.inc(published)
-            _PUBLISHED_CONSUMER.inc(settlement.published_to_consumers)
-            _PUBLISHED_LEGACY.inc(published - settlement.published_to_consumers)
+            _count_published(published, settlement.published_to_consumers)
         for error, ids in settlement.rejected.items():
             await self.outbox.reject(ids, now, error)
             DELIVERIES.labels(outcome="rejected").inc(len(ids))
