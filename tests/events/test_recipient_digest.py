@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from sqlalchemy import func, select
 
 from queuekeeper.events import outbox_postgres
-from queuekeeper.models import Delivery
+from queuekeeper.models import Delivery, Event
 from tests.conftest import TEST_DB
 from tests.events.support import SERVICE, Registered, order_event, post_event, register
 from tests.helpers import Backend, database_statements
@@ -158,3 +158,47 @@ async def test_access_revoked_between_the_read_and_the_write_gets_no_copy(
     assert revoked
     assert response.json()["queued"] == 0
     assert await _copies(app, response.json()["event_id"]) == 0
+
+
+async def _set_active(client: httpx.AsyncClient, registered: Registered, active: bool) -> None:
+    agent = registered.agent
+    response = await client.put(
+        f"/api/internal/users/{agent.uuid}/",
+        json={"username": f"user-{agent.uuid.hex[:8]}", "is_active": active},
+        headers=SERVICE,
+    )
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.skipif(
+    TEST_DB == "sqlite",
+    reason="the write's own check of the recipients is PostgreSQL's statement "
+    "(outbox_postgres.INSERT_ACCEPTED); the SQLite twin reads them in the write's transaction",
+)
+async def test_recipients_changing_before_every_write_is_a_503_that_stored_nothing(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    registered = await register(backend)
+    await register(backend, offering=registered.offering)  # keeps the offering served
+    real_insert = outbox_postgres.StoreUnit.insert
+    writes = 0
+
+    async def change_first(self: outbox_postgres.StoreUnit, *args: Any, **kwargs: Any) -> Any:
+        nonlocal writes
+        writes += 1  # each try read the recipients afresh; flip the owner before it writes
+        await _set_active(client, registered, active=writes % 2 == 0)
+        return await real_insert(self, *args, **kwargs)
+
+    monkeypatch.setattr(outbox_postgres.StoreUnit, "insert", change_first)
+    response = await post_event(client, order_event(registered.offering))
+    assert response.status_code == 503, response.text
+    assert "changed while they were stored, 3 times over" in response.text
+    assert "nothing of this request was stored" in response.text
+    assert writes == 3
+    async with app.state.queuekeeper.sessions() as session:
+        events = await session.scalar(
+            select(func.count())
+            .select_from(Event)
+            .where(Event.offering_uuid == registered.offering)
+        )
+    assert events == 0
