@@ -55,6 +55,8 @@ import aio_pika
 import asyncpg
 import uvloop
 
+from bench._cpuslice import available as slices_unavailable
+from bench._cpuslice import cpu_slices, throttled_seconds
 from bench._support import (
     bench_database,
     free_port,
@@ -79,6 +81,12 @@ ACHIEVED_GOAL = 0.95
 CONNECTIONS = 128  # client connections per pipeline: enough for 1500/s at 85 ms each
 # Load generator processes (bench/_loadgen.py); each sends every GENERATORS-th event.
 GENERATORS = int(os.environ.get("BENCH_GENERATORS", "1"))
+# The sliced sweep (bench/_cpuslice.py): each process of the service held to CPU_SLICE of a
+# core, every model of MODELS swept at SLICED_RATES; 0 skips it.
+CPU_SLICE = float(os.environ.get("BENCH_CPU_SLICE", "0.25"))
+SLICED_RATES = [
+    int(r) for r in os.environ.get("BENCH_SLICED_RATES", "100,200,300,400,600,800").split(",")
+]
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
 
 
@@ -299,9 +307,9 @@ def _late_windows(
     return sorted(sorted(windows.items(), key=lambda item: -item[1])[:6])
 
 
-async def sweep(pipeline: Pipeline) -> list[Step]:
+async def sweep(pipeline: Pipeline, rates: list[int] = RATES) -> list[Step]:
     steps = []
-    for rate in RATES:
+    for rate in rates:
         step = await run_step(pipeline, rate, STEP_SECONDS)
         print(step.line(pipeline.name), flush=True)
         steps.append(step)
@@ -392,10 +400,17 @@ class Model:
 
 
 async def run_model(
-    settings: Settings, dsn: str, service_log: Path, model: Model, sessions: Any
+    settings: Settings,
+    dsn: str,
+    service_log: Path,
+    model: Model,
+    sessions: Any,
+    *,
+    share: float = 0.0,
 ) -> Service:
     """Sweep `queuekeeper serve` in one process model; the service is left running (the
-    caller stops it) so the best model can go on to the RSS run."""
+    caller stops it) so the best model can go on to the RSS run. With `share`, each of its
+    processes is held to that share of a core for the sweep, at SLICED_RATES."""
     service = Service(
         settings,
         port=free_port(),
@@ -439,10 +454,17 @@ async def run_model(
     )
     service.pipeline = qk  # type: ignore[attr-defined]
     await run_step(qk, 100, 2)  # warm-up: connections, prepared statements
-    print(f"queuekeeper, {model.name} ({len(service.pids())} processes with serve):")
-    model.steps = await Profiler(service).record(
-        f"single-{model.accept_workers}x{model.relay_processes}", sweep(qk)
-    )
+    label = f"single-{model.accept_workers}x{model.relay_processes}"
+    if not share:
+        print(f"queuekeeper, {model.name} ({len(service.pids())} processes with serve):")
+        model.steps = await Profiler(service).record(label, sweep(qk))
+        return service
+    pids = service.pids()
+    print(f"queuekeeper, {model.name}, each of {len(pids)} processes held to {share:g} core:")
+    with cpu_slices(pids, share):
+        model.steps = await Profiler(service).record(f"{label}-sliced", sweep(qk, SLICED_RATES))
+        held_back = throttled_seconds(pids)
+    print(f"  held back by the slice {held_back:.1f} s in all over the sweep", flush=True)
     return service
 
 
@@ -467,6 +489,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     raw_steps: list[Step] = []
     rss: tuple[float, float, float] | None = None
     rss_rate = 0
+    sliced: list[Model] = []
     try:
         # --- raw pipeline ------------------------------------------------------------
         if "raw" in PIPELINES:
@@ -516,6 +539,18 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
             last = services[-1]
             if RSS_SECONDS > 0:  # BENCH_RSS_SECONDS=0: a shorter run, without the memory phase
                 rss = await rss_run(last.pipeline, rss_rate, RSS_SECONDS)  # type: ignore[attr-defined]
+            await last.stop()
+            if CPU_SLICE > 0 and (why_not := slices_unavailable()) is not None:
+                print(f"sliced sweep skipped: {why_not}")
+            elif CPU_SLICE > 0:
+                sliced.extend(Model(m.accept_workers, m.relay_processes) for m in models)
+                for model in sliced:
+                    service = await run_model(
+                        settings, dsn, service_log, model, sessions, share=CPU_SLICE
+                    )
+                    services.append(service)
+                    consumers.append(service.consumer)  # type: ignore[attr-defined]
+                    await service.stop()
     finally:
         for consumer_ in consumers:
             await consumer_.close()
@@ -527,6 +562,25 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
         await management.aclose()
     print(f"uptime after: {os.popen('uptime').read().strip()}")
     report(raw_steps, models, rss, rss_rate, penalty)
+    report_sliced(sliced)
+
+
+def report_sliced(sliced: list[Model]) -> None:
+    """The sliced sweep's scaling: each process held to CPU_SLICE of a core."""
+    if not sliced or not sliced[0].steps:
+        return
+    print(f"scaling with each process of the service held to {CPU_SLICE:g} core:")
+    for model in sliced:
+        cpu = ", ".join(f"{s.rate}/s {s.cpu_ms:.2f}" for s in model.steps if s.held)
+        print(f"  {model.name:20s} capacity {model.capacity:5d}/s (CPU ms/event held: {cpu})")
+    first = sliced[0]
+    widest = max(sliced, key=lambda m: m.accept_workers + m.relay_processes)
+    grows = widest.capacity > first.capacity
+    print(
+        f"GOAL 1 capacity grows with processes, each held to {CPU_SLICE:g} core: "
+        + ", ".join(f"{m.name} {m.capacity}/s" for m in sliced)
+        + f": {'met' if grows else 'NOT met'}"
+    )
 
 
 def report(
