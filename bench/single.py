@@ -620,11 +620,11 @@ def report(
         f"GOAL 1 capacity grows with processes: {first.name} {first.capacity}/s, "
         f"{last.name} {last.capacity}/s: {'met' if grows else 'NOT met'}"
     )
-    raw200 = next((s for s in raw_steps if s.rate == 200), Step(rate=0))
     at200, name = min(
         ((next((s for s in m.steps if s.rate == 200), m.steps[0]), m.name) for m in models),
         key=lambda pair: pair[0].cpu_ms,
     )
+    raw200 = next((s for s in raw_steps if s.rate == at200.rate), Step(rate=0))
     print(
         f"GOAL 2 service CPU per single event at {at200.rate}/s, over every process of the "
         f"service: {at200.cpu_ms:.2f} ms ({name}; raw pipeline {raw200.cpu_ms:.2f} ms; "
