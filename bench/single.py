@@ -25,6 +25,10 @@ event accepted is read from /proc over each step, summed over serve and every pr
 runs, and by kind of process (accept, relay, serve).
 Then the last model runs at half the best capacity for BENCH_RSS_SECONDS (300, the 5
 minutes of goal 6) while the RSS of all its processes is sampled.
+Last, the sliced sweep (`bench/_cpuslice.py`): every model again, at BENCH_SLICED_RATES
+(100-800/s), with each process of the service held to BENCH_CPU_SLICE (0.25) of a core, so
+that the service, not the two cores it shares with PostgreSQL and RabbitMQ, is the bound,
+as it is on a host with a core per process; BENCH_CPU_SLICE=0 skips it.
 
 Also printed per step: answers other than 202 (503 + Retry-After when the service sheds
 load), answer p99 from the scheduled send time and, in brackets, the pipeline's part of

@@ -226,7 +226,8 @@ class ConsumerOut(Schema):
         description="Why you see it: `self` (you own it) or `staff` (a service token)."
     )
     delivery_blocked_reason: str | None = Field(
-        description="Why events cannot reach it right now; null when nothing is known to block it."
+        description="Null on this row: why events cannot reach its queue takes Management API "
+        "calls per queue, so `GET /api/event-consumers/{uuid}/status/` answers it."
     )
     created: UTCDateTime
     modified: UTCDateTime
