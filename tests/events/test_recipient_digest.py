@@ -26,6 +26,11 @@ from tests.helpers import Backend, database_statements
 # and their copies (the SQLite twin remembers nothing).
 COLD = 3 if TEST_DB == "sqlite" else 2
 WARM = 3 if TEST_DB == "sqlite" else 1
+POSTGRESQL_ONLY = pytest.mark.skipif(
+    TEST_DB == "sqlite",
+    reason="the write's own check of the recipients is PostgreSQL's statement "
+    "(outbox_postgres.INSERT_ACCEPTED); the SQLite twin reads them in the write's transaction",
+)
 
 
 async def _accepted(app: FastAPI, client: httpx.AsyncClient, offering: uuid.UUID) -> Any:
@@ -64,14 +69,18 @@ async def _revoke_access(client: httpx.AsyncClient, registered: Registered) -> N
     assert response.status_code == 204, response.text
 
 
-async def _deactivate(client: httpx.AsyncClient, registered: Registered) -> None:
+async def _set_active(client: httpx.AsyncClient, registered: Registered, active: bool) -> None:
     agent = registered.agent
     response = await client.put(
         f"/api/internal/users/{agent.uuid}/",
-        json={"username": f"user-{agent.uuid.hex[:8]}", "is_active": False},
+        json={"username": f"user-{agent.uuid.hex[:8]}", "is_active": active},
         headers=SERVICE,
     )
     assert response.status_code == 200, response.text
+
+
+async def _deactivate(client: httpx.AsyncClient, registered: Registered) -> None:
+    await _set_active(client, registered, active=False)
 
 
 async def _delete_user(client: httpx.AsyncClient, registered: Registered) -> None:
@@ -133,68 +142,58 @@ async def test_a_queue_registered_after_is_sent_the_next_event(
     assert await _copies(app, second["event_id"]) == 2
 
 
-@pytest.mark.skipif(
-    TEST_DB == "sqlite",
-    reason="the write's own check of the recipients is PostgreSQL's statement "
-    "(outbox_postgres.INSERT_ACCEPTED); the SQLite twin reads them in the write's transaction",
-)
+def _before_each_write(
+    monkeypatch: pytest.MonkeyPatch, action: Callable[[int], Awaitable[None]]
+) -> list[int]:
+    """Run `action(n)` before a store's n-th write, after it read (or remembered) the
+    recipients: a change committed there is what the write's digest check is for. Returns
+    the writes made so far."""
+    real_insert = outbox_postgres.StoreUnit.insert
+    writes: list[int] = []
+
+    async def insert(self: outbox_postgres.StoreUnit, *args: Any, **kwargs: Any) -> Any:
+        writes.append(len(writes) + 1)
+        await action(writes[-1])
+        return await real_insert(self, *args, **kwargs)
+
+    monkeypatch.setattr(outbox_postgres.StoreUnit, "insert", insert)
+    return writes
+
+
+@POSTGRESQL_ONLY
 async def test_access_revoked_between_the_read_and_the_write_gets_no_copy(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     registered = await register(backend)
-    real_insert = outbox_postgres.StoreUnit.insert
-    revoked = False
 
-    async def revoke_first(self: outbox_postgres.StoreUnit, *args: Any, **kwargs: Any) -> Any:
-        nonlocal revoked
-        if not revoked:  # committed after this store read the recipients, before it writes
-            revoked = True
+    async def revoke_first(write: int) -> None:
+        if write == 1:
             await _revoke_access(client, registered)
-        return await real_insert(self, *args, **kwargs)
 
-    monkeypatch.setattr(outbox_postgres.StoreUnit, "insert", revoke_first)
+    writes = _before_each_write(monkeypatch, revoke_first)
     response = await post_event(client, order_event(registered.offering))
     assert response.status_code == 202, response.text
-    assert revoked
+    assert writes == [1, 2]  # the first write saw the change and wrote nothing; read again
     assert response.json()["queued"] == 0
     assert await _copies(app, response.json()["event_id"]) == 0
 
 
-async def _set_active(client: httpx.AsyncClient, registered: Registered, active: bool) -> None:
-    agent = registered.agent
-    response = await client.put(
-        f"/api/internal/users/{agent.uuid}/",
-        json={"username": f"user-{agent.uuid.hex[:8]}", "is_active": active},
-        headers=SERVICE,
-    )
-    assert response.status_code == 200, response.text
-
-
-@pytest.mark.skipif(
-    TEST_DB == "sqlite",
-    reason="the write's own check of the recipients is PostgreSQL's statement "
-    "(outbox_postgres.INSERT_ACCEPTED); the SQLite twin reads them in the write's transaction",
-)
+@POSTGRESQL_ONLY
 async def test_recipients_changing_before_every_write_is_a_503_that_stored_nothing(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     registered = await register(backend)
     await register(backend, offering=registered.offering)  # keeps the offering served
-    real_insert = outbox_postgres.StoreUnit.insert
-    writes = 0
 
-    async def change_first(self: outbox_postgres.StoreUnit, *args: Any, **kwargs: Any) -> Any:
-        nonlocal writes
-        writes += 1  # each try read the recipients afresh; flip the owner before it writes
-        await _set_active(client, registered, active=writes % 2 == 0)
-        return await real_insert(self, *args, **kwargs)
+    async def flip_owner(write: int) -> None:  # each try read the recipients afresh
+        await _set_active(client, registered, active=write % 2 == 0)
 
-    monkeypatch.setattr(outbox_postgres.StoreUnit, "insert", change_first)
+    writes = _before_each_write(monkeypatch, flip_owner)
     response = await post_event(client, order_event(registered.offering))
     assert response.status_code == 503, response.text
     assert "changed while they were stored, 3 times over" in response.text
     assert "nothing of this request was stored" in response.text
-    assert writes == 3
+    assert writes == [1, 2, 3]
     async with app.state.queuekeeper.sessions() as session:
         events = await session.scalar(
             select(func.count())
