@@ -22,7 +22,7 @@ ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 5000
 
 
-def available() -> str | None:
+def why_unavailable() -> str | None:
     """None when slices can be made here, else why not."""
     if not (ROOT / "cpu.cfs_quota_us").exists():
         return f"no cgroup v1 cpu controller with CFS bandwidth control at {ROOT}"

@@ -59,8 +59,7 @@ import aio_pika
 import asyncpg
 import uvloop
 
-from bench._cpuslice import available as slices_unavailable
-from bench._cpuslice import cpu_slices, throttled_seconds
+from bench._cpuslice import cpu_slices, throttled_seconds, why_unavailable
 from bench._support import (
     bench_database,
     free_port,
@@ -544,7 +543,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
             if RSS_SECONDS > 0:  # BENCH_RSS_SECONDS=0: a shorter run, without the memory phase
                 rss = await rss_run(last.pipeline, rss_rate, RSS_SECONDS)  # type: ignore[attr-defined]
             await last.stop()
-            if CPU_SLICE > 0 and (why_not := slices_unavailable()) is not None:
+            if CPU_SLICE > 0 and (why_not := why_unavailable()) is not None:
                 print(f"sliced sweep skipped: {why_not}")
             elif CPU_SLICE > 0:
                 sliced.extend(Model(m.accept_workers, m.relay_processes) for m in models)
