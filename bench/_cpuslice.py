@@ -22,6 +22,11 @@ ROOT = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 5000
 
 
+def _group(pid: int) -> Path:
+    """The cgroup this bench run makes for `pid`."""
+    return ROOT / f"qkbench-{os.getpid()}-{pid}"
+
+
 def why_unavailable() -> str | None:
     """None when slices can be made here, else why not."""
     if not (ROOT / "cpu.cfs_quota_us").exists():
@@ -37,7 +42,7 @@ def cpu_slices(pids: list[int], share: float) -> Iterator[None]:
     made: list[Path] = []
     try:
         for pid in pids:
-            group = ROOT / f"qkbench-{os.getpid()}-{pid}"
+            group = _group(pid)
             group.mkdir()
             made.append(group)
             (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
@@ -57,7 +62,7 @@ def throttled_seconds(pids: list[int]) -> float:
     """Time the slices held the processes back so far (cpu.stat's throttled_time)."""
     total = 0
     for pid in pids:
-        stat = ROOT / f"qkbench-{os.getpid()}-{pid}" / "cpu.stat"
+        stat = _group(pid) / "cpu.stat"
         with contextlib.suppress(OSError):
             for line in stat.read_text().splitlines():
                 name, _, value = line.partition(" ")
