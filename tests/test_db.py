@@ -303,14 +303,18 @@ async def test_an_unparked_copy_is_claimed_as_a_claim_takes_it(
     assert [item.event_id for item in claimed] == ["e1", "e2"]
     ids = [item.id for item in claimed]
     await outbox.park("relay-b", ids, now)  # not relay-b's to park: nothing moves
-    assert await outbox.unpark("relay-b", "v", "q", 10, now) == ([], outbox.lease("relay-b", now))
+    assert await outbox.unpark("relay-b", "v", "q", 10, now) == (
+        [],
+        0,
+        outbox.lease("relay-b", now),
+    )
     await outbox.park("relay-a", ids, now)
 
     later = now + timedelta(seconds=1)
-    released, lease = await outbox.unpark("relay-b", "v", "q", 1, later)  # the oldest only
+    released, _, lease = await outbox.unpark("relay-b", "v", "q", 1, later)  # the oldest only
     assert lease == outbox.lease("relay-b", later)
     assert released == [replace(claimed[0], created=later, last_error=PARKED_REASON)]
-    rest, _ = await outbox.unpark("relay-b", "v", "q", 10, later)
+    rest, _, _ = await outbox.unpark("relay-b", "v", "q", 10, later)
     assert [item.id for item in rest] == [ids[1]]
     assert (await outbox.unpark("relay-b", "v", "q", 10, later))[0] == []
     async with engine.connect() as connection:

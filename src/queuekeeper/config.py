@@ -414,6 +414,22 @@ class Settings(BaseSettings):
         "the release publishes only while the queue (counted exactly, on the broker) is below "
         "it. Keep it well below `queue_max_length`.",
     )
+    replay_max_copies: int = Field(
+        default=10_000,
+        ge=1,
+        description="Most copies one replay may write (contract §11): a window holding more "
+        "is refused with 400 naming the limit and the count (narrow it with `until` or "
+        "`object_types`). The default is a queue's `x-max-length`.",
+    )
+    replay_copies_per_second: float = Field(
+        default=500,
+        gt=0,
+        description="How fast replayed copies fall due, all replays together (contract §11): "
+        "a replay's copies are spaced this far apart behind every replay copy still pending, "
+        "so replays add at most this many copies a second to the relay's work and live copies "
+        "never wait behind them. Keep it well below the single-event capacity "
+        "(docs/benchmarks.md).",
+    )
     park_check_interval: float = Field(
         default=1.0,
         gt=0,

@@ -94,7 +94,7 @@ async def test_a_backlog_drained_in_one_view_is_asked_about_before_publishing(
     a, b = ParkingGate(slow_views, engine), ParkingGate(slow_views, engine)
     await a.refresh()
     await b.refresh()
-    released, _ = await outbox.unpark("relay-a", "v", "q", 10, T0)
+    released, _, _ = await outbox.unpark("relay-a", "v", "q", 10, T0)
     await outbox.publish([item.id for item in released], T0)  # the backlog is out
     await b.refresh()  # b sees it drained; a still acts on its older view
     assert await a.hold_back("relay-a", [older]) == []  # parked behind a backlog it still sees

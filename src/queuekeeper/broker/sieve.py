@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,12 +53,12 @@ class Sieved:
 
 
 async def remove_offering_copies(
-    settings: Settings, vhost: str, queue: str, offering_uuid: uuid.UUID
+    settings: Settings, vhost: str, queue: str, offering_uuids: Collection[uuid.UUID]
 ) -> Sieved:
-    """Read `queue` once through, dropping the copies of `offering_uuid` and publishing the
+    """Read `queue` once through, dropping the copies of `offering_uuids` and publishing the
     others again (to its tail, confirmed). The caller makes sure nobody else consumes the
     queue meanwhile: a message another consumer holds unacked is not seen."""
-    offering = offering_uuid.hex
+    offerings = {offering.hex for offering in offering_uuids}
     timeout = settings.management_timeout
     connection, _node = await connect_vhost(
         amqp_nodes(settings), vhost, connect_timeout=timeout, ssl_context=amqp_ssl_context(settings)
@@ -80,7 +81,7 @@ async def remove_offering_copies(
             if message is None:
                 break
             headers = dict(message.headers or {})
-            if str(headers.get(OFFERING_HEADER) or "") == offering:
+            if str(headers.get(OFFERING_HEADER) or "") in offerings:
                 await message.ack()
                 removed += 1
                 continue

@@ -216,21 +216,28 @@ async def needing_password(
     return list(rows)
 
 
-async def give_up_pending_copies(
+async def give_up_unsent_copies(
     session: AsyncSession,
-    consumer_uuids: Collection[uuid.UUID],
     offering_uuid: uuid.UUID,
     reason: str,
     now: datetime,
+    *,
+    consumer_uuids: Collection[uuid.UUID] = (),
+    queue_uuids: Collection[uuid.UUID] = (),
 ) -> int:
-    """Give up the copies of this offering's events still waiting for these consumers."""
-    if not consumer_uuids:
+    """Give up the copies of this offering's events that have not reached the broker
+    (pending or parked) for these consumers and subscription queues
+    (docs/decisions/021-authorized-when-published.md)."""
+    if not consumer_uuids and not queue_uuids:
         return 0
     result = await session.execute(
         update(Delivery)
         .where(
-            Delivery.consumer_uuid.in_(list(consumer_uuids)),
-            Delivery.state == DeliveryState.PENDING,
+            or_(
+                Delivery.consumer_uuid.in_(list(consumer_uuids)),
+                Delivery.queue_uuid.in_(list(queue_uuids)),
+            ),
+            Delivery.state.in_([DeliveryState.PENDING, DeliveryState.PARKED]),
             # A fan-out copy names its own offering; any other is its event's.
             or_(
                 Delivery.offering_uuid == offering_uuid,

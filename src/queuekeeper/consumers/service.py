@@ -17,7 +17,7 @@ there.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -157,7 +157,7 @@ async def _register(
     wanted: _Wanted,
 ) -> tuple[EventConsumer, bool]:
     try:
-        consumer, created = await _make_real(session, provisioner, settings, wanted)
+        consumer, created, dropped = await _make_real(session, provisioner, settings, wanted)
     except QueueConflict:
         CONSUMER_REGISTRATIONS.labels(route=route, outcome="conflict").inc()
         raise
@@ -165,6 +165,12 @@ async def _register(
         CONSUMER_REGISTRATIONS.labels(route=route, outcome="broker_unavailable").inc()
         raise
     CONSUMER_REGISTRATIONS.labels(route=route, outcome="created" if created else "reused").inc()
+    if dropped:
+        # The identity moved to another offering: what its queue holds of the old one goes,
+        # as after a revocation (docs/decisions/021-authorized-when-published.md).
+        consumer_uuid = consumer.uuid
+        await remove_revoked_copies(session, provisioner, wanted.owner_uuid, consumer_uuid, dropped)
+        consumer = await repository.get(session, consumer_uuid) or consumer
     log.info(
         "consumer_created" if created else "consumer_reused",
         consumer=consumer.uuid.hex,
@@ -192,7 +198,8 @@ async def _make_real(
     provisioner: Provisioner,
     settings: Settings,
     wanted: _Wanted,
-) -> tuple[EventConsumer, bool]:
+) -> tuple[EventConsumer, bool, set[uuid.UUID]]:
+    """The consumer, whether it is new, and the offerings it stopped being scoped to."""
     owner, owner_uuid = wanted.owner, wanted.owner_uuid
     # Refused before any lock is taken or the broker touched; checked again, locked, below.
     await _check_offerings(session, owner, wanted.offerings)
@@ -200,6 +207,7 @@ async def _make_real(
 
     vhost = topology.vhost_name(owner_uuid)
     touched: uuid.UUID | None = None  # the consumer whose broker objects this call wrote
+    dropped: set[uuid.UUID] = set()
     # The owner lock, from the look-up, the quota count and the read of the owner's token
     # to the commit: identical calls find the first one's row, parallel ones cannot pass
     # the quota together, and the broker user gets the token the database holds when the
@@ -243,7 +251,15 @@ async def _make_real(
                 session.add(consumer)
             else:
                 consumer = existing
-                _update(consumer, wanted, password_hash)
+                dropped = _update(consumer, wanted, password_hash)
+                for offering_uuid in dropped:
+                    await repository.give_up_unsent_copies(
+                        session,
+                        offering_uuid,
+                        "the consumer is no longer scoped to the offering (its identity moved)",
+                        utcnow(),
+                        consumer_uuids=[consumer_uuid],
+                    )
             await session.commit()
     except (IntegrityError, StaleDataError, _Gone) as exc:
         if touched is not None:
@@ -257,22 +273,24 @@ async def _make_real(
             ) from exc
         # End the read with a commit: a rollback would expire what is returned.
         await session.commit()
-        return winner, False
+        return winner, False, set()
     except BaseException:
         if touched is not None:
             await _unmake(session, provisioner, owner_uuid, touched)
         raise
-    return consumer, existing is None
+    return consumer, existing is None, dropped
 
 
 class _Gone(Exception):
     """The identity went before its consumer was made."""
 
 
-def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None) -> None:
+def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None) -> set[uuid.UUID]:
+    """Bring the row to what the registration asks; returns the offerings it loses."""
     if wanted.object_types is not None:
         consumer.object_types = list(wanted.object_types)
     bound = {scope.offering_uuid for scope in consumer.scopes}
+    dropped = bound - set(wanted.offerings)
     if bound != set(wanted.offerings):
         # The identity was moved to another offering (PUT): follow it, as Waldur does.
         consumer.scopes = [EventConsumerScope(offering_uuid=o) for o in wanted.offerings]
@@ -280,6 +298,7 @@ def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None)
     consumer.broker_state = BrokerState.OK
     consumer.auth_token_prefix = wanted.token_prefix
     consumer.modified = utcnow()
+    return dropped
 
 
 async def _unmake(
@@ -346,11 +365,12 @@ async def remove_revoked_copies(
     provisioner: Provisioner,
     owner_uuid: uuid.UUID,
     consumer_uuid: uuid.UUID,
-    offering_uuid: uuid.UUID,
+    offering_uuids: Collection[uuid.UUID],
 ) -> None:
-    """A consumer that lost `offering_uuid` as a scope (its owner's grant was revoked) and
-    kept others: take that offering's copies out of its queue, keeping the others
-    (docs/decisions/003-revoked-scope-copies.md).
+    """A consumer that lost `offering_uuids` as scopes (its owner's grant was revoked, or its
+    identity moved to another offering) and kept others: take those offerings' copies out of
+    its queue, keeping the others (docs/decisions/003-revoked-scope-copies.md,
+    docs/decisions/021-authorized-when-published.md).
 
     Under the owner lock, its broker login is switched off and its connections closed
     (what the agent held unacked goes back to the queue) while the queue is read through,
@@ -368,13 +388,13 @@ async def remove_revoked_copies(
             await provisioner.set_consumer_password(consumer_uuid, None)
             await provisioner.close_connections([name])
             sieved = await sieve.remove_offering_copies(
-                provisioner.settings, vhost, queue, offering_uuid
+                provisioner.settings, vhost, queue, offering_uuids
             )
         except Exception as exc:  # never turns the committed revocation into an error
             log.warning(
                 "revoked_copies_not_removed",
                 consumer=consumer_uuid.hex,
-                offering=offering_uuid.hex,
+                offerings=sorted(offering.hex for offering in offering_uuids),
                 error=repr(exc),
             )
         finally:
@@ -393,7 +413,7 @@ async def remove_revoked_copies(
         log.info(
             "revoked_copies_removed",
             consumer=consumer_uuid.hex,
-            offering=offering_uuid.hex,
+            offerings=sorted(offering.hex for offering in offering_uuids),
             removed=sieved.removed,
             kept=sieved.kept,
         )

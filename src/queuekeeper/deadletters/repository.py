@@ -4,12 +4,15 @@ The caller commits."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
+from datetime import datetime
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
+from queuekeeper.events.authorization import authorized_sql
 from queuekeeper.models import (
     EventConsumer,
     EventSubscriptionQueue,
@@ -33,6 +36,33 @@ async def is_registered(session: AsyncSession, vhost: str, queue_name: str) -> b
         .limit(1)
     )
     return found is not None
+
+
+# The offerings the queue `(:vhost, :queue)` may receive copies of now: a subscription
+# queue's own offering, a consumer's scopes, each passing the rule copies are published by.
+_RECEIVABLE = text(
+    """
+    SELECT t.offering FROM (
+        SELECT q.uuid AS queue, NULL::uuid AS consumer, q.offering_uuid AS offering
+        FROM event_subscription_queues q WHERE q.vhost = :vhost AND q.queue_name = :queue
+        UNION ALL
+        SELECT NULL::uuid, c.uuid, sc.offering_uuid
+        FROM event_consumers c JOIN event_consumer_scopes sc ON sc.consumer_uuid = c.uuid
+        WHERE c.vhost = :vhost AND c.queue_name = :queue
+    ) t
+    WHERE """  # noqa: S608 - the module's constants
+    + authorized_sql("t.queue", "t.consumer", "t.offering", "CAST(:now AS timestamptz)")
+)
+
+
+async def receivable_offerings(
+    session: AsyncSession, vhost: str, queue_name: str, now: datetime
+) -> set[str]:
+    """The offerings (hex) whose copies this queue's owner may receive now
+    (docs/decisions/021-authorized-when-published.md): one statement per queue a redrive
+    run meets, whatever the number of its dead letters."""
+    rows = await session.execute(_RECEIVABLE, {"vhost": vhost, "queue": queue_name, "now": now})
+    return {uuid.UUID(str(row[0])).hex for row in rows}
 
 
 async def is_away(session: AsyncSession, vhost: str, queue_name: str) -> bool:

@@ -35,7 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from queuekeeper.broker import topology
 from queuekeeper.broker.amqp import CONNECT_ERRORS, amqp_nodes, amqp_ssl_context, connect_vhost
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.broker.sieve import copy_of
+from queuekeeper.broker.sieve import OFFERING_HEADER, copy_of
 from queuekeeper.config import Settings
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
@@ -68,6 +68,7 @@ class Target:
     registered: bool
     present: bool
     away: bool = False  # no consumer (queue_presence): its copies park meanwhile
+    offerings: frozenset[str] = frozenset()  # hex: those its owner may receive now
     depth: int = 0
     sent: int = 0
     full: bool = False
@@ -242,6 +243,16 @@ class VhostRedrive:
         target = await self.target(origin)
         if not target.registered:
             return Verdict("give_up", origin, "queue_gone", f"queue {origin!r} is not registered")
+        offering = str(headers.get(OFFERING_HEADER) or "")
+        if offering and offering not in target.offerings:
+            # Published only to whom may receive it now, as every copy is
+            # (docs/decisions/021-authorized-when-published.md).
+            return Verdict(
+                "give_up",
+                origin,
+                "not_authorized",
+                f"the queue's owner may no longer receive events of offering {offering}",
+            )
         if not target.present:
             if not target.reported:
                 target.reported = True
@@ -263,7 +274,14 @@ class VhostRedrive:
         async with self.context.sessions() as session:
             registered = await repository.is_registered(session, self.vhost, name)
             away = registered and await repository.is_away(session, self.vhost, name)
-        target = Target(registered=registered, present=False, away=away)
+            offerings = (
+                await repository.receivable_offerings(session, self.vhost, name, self.now)
+                if registered
+                else set()
+            )
+        target = Target(
+            registered=registered, present=False, away=away, offerings=frozenset(offerings)
+        )
         if registered:
             assert self.probe is not None
             try:

@@ -364,18 +364,22 @@ async def revoke_access(
         gone = {consumer.uuid for consumer in consumers}
         scopes = await consumers_repository.scopes_of_owner_for(session, user_uuid, offering_uuid)
         narrowed = sorted({s.consumer_uuid for s in scopes if s.consumer_uuid not in gone})
+        # Every copy of the offering's events not yet on the broker, for the queues and
+        # consumers that lose it, is given up before the rows go (a deleted queue's copies
+        # would lose their link to it): docs/decisions/021-authorized-when-published.md.
+        await consumers_repository.give_up_unsent_copies(
+            session,
+            offering_uuid,
+            "the owner's access to the offering was revoked",
+            utcnow(),
+            consumer_uuids=[*narrowed, *gone],
+            queue_uuids=[queue.uuid for queue in queues],
+        )
         if grant is not None:
             await session.delete(grant)
         for row in [*queues, *consumers, *(s for s in scopes if s.consumer_uuid not in gone)]:
             await session.delete(row)
         await session.flush()
-        await consumers_repository.give_up_pending_copies(
-            session,
-            narrowed,
-            offering_uuid,
-            "the owner's access to the offering was revoked",
-            utcnow(),
-        )
         leftovers = BrokerLeftovers(queues=[(q.vhost, q.queue_name) for q in queues])
         await remove_leftovers_held(session, provisioner, leftovers.add_consumers(consumers))
         await session.commit()
@@ -389,7 +393,7 @@ async def revoke_access(
     )
     for consumer_uuid in narrowed:
         await consumers_service.remove_revoked_copies(
-            session, provisioner, user_uuid, consumer_uuid, offering_uuid
+            session, provisioner, user_uuid, consumer_uuid, [offering_uuid]
         )
     # A consumer of a deleted queue is cancelled by the broker; closing the logins that
     # read the offering's queues also ends anything else they held open for it.

@@ -41,6 +41,7 @@ from queuekeeper.exceptions import BadRequest, DomainError
 from queuekeeper.models import DeliveryState
 from queuekeeper.observability.metrics import (
     COPIES,
+    COPIES_REFUSED,
     EVENTS_ACCEPTED,
     EVENTS_DUPLICATE,
     SKIPPED_UNREGISTERED,
@@ -163,14 +164,16 @@ class _Statements(Protocol):
     ) -> None: ...
 
     async def unpark(
-        self, relay_id: str, vhost: str, queue: str, limit: int, until: datetime
+        self, relay_id: str, vhost: str, queue: str, limit: int, until: datetime, now: datetime
     ) -> list[Sequence[Any]]: ...
 
     async def give_up_parked(
         self, before: datetime, limit: int, now: datetime, reason: str
     ) -> int: ...
 
-    async def add_replays(self, replay: Mapping[str, Any]) -> int: ...
+    async def add_replays(
+        self, replay: Mapping[str, Any]
+    ) -> tuple[int, datetime | None, int, int]: ...
 
 
 class Outbox:
@@ -199,10 +202,11 @@ class Outbox:
 
     # --- the relay's side: each statement stands alone, guarded by the row's state ------
     async def claim(self, relay_id: str, now: datetime, limit: int) -> tuple[list[Claimed], Lease]:
-        """Take up to `limit` due copies for `relay_id`, oldest first."""
+        """Take up to `limit` due copies for `relay_id`, oldest first; those the owner may no
+        longer receive are given up instead (docs/decisions/021-authorized-when-published.md)."""
         lease = self.lease(relay_id, now)
         rows = await self.statements.claim(relay_id, now, lease.until, limit)
-        return _claimed(rows), lease
+        return _claimed(rows)[0], lease
 
     async def renew(
         self, relay_id: str, ids: Collection[int], now: datetime
@@ -254,16 +258,18 @@ class Outbox:
 
     async def unpark(
         self, relay_id: str, vhost: str, queue: str, limit: int, now: datetime
-    ) -> tuple[list[Claimed], Lease]:
+    ) -> tuple[list[Claimed], int, Lease]:
         """Move the queue's oldest `limit` parked copies back to pending, claimed for
         `relay_id` under the lease rule as a claim is (a relay that dies leaves them due, and
-        they park again behind the queue's backlog: nothing is lost). Returns them in
-        acceptance order (outbox id order)."""
+        they park again behind the queue's backlog: nothing is lost), and give up those the
+        owner may no longer receive. Returns the claimed in acceptance order (outbox id
+        order) and how many were given up."""
         lease = self.lease(relay_id, now)
-        rows = await self.statements.unpark(relay_id, vhost, queue, limit, lease.until)
+        rows = await self.statements.unpark(relay_id, vhost, queue, limit, lease.until, now)
+        claimed, refused = _claimed(rows)
         # The relay's delivery_max_age counts from the release: a copy parked for days is
         # not too old to publish (retention bounds it instead).
-        return [replace(item, created=now) for item in _claimed(rows)], lease
+        return [replace(item, created=now) for item in claimed], refused, lease
 
     async def give_up_parked(self, before: datetime, limit: int, now: datetime) -> int:
         """Give up (for retention) up to `limit` parked copies created before `before`;
@@ -277,10 +283,15 @@ class Outbox:
         until: datetime,
         object_types: Sequence[str] | None,
         now: datetime,
-    ) -> int:
+        max_copies: int,
+        per_second: float,
+    ) -> Replayed:
         """Write a new pending copy for `to`'s queue, marked as a replay, of every event
         accepted in [since, until) (of `object_types`, or all) that had a copy for that
-        queue (whatever became of it), in acceptance order; returns how many."""
+        queue (whatever became of it) and that its owner may receive now, in acceptance
+        order, falling due `per_second` a second behind every other replay's; nothing
+        while a replay of the queue is in flight or when the window holds more than
+        `max_copies` (docs/decisions/021-authorized-when-published.md)."""
         replay = {
             "vhost": to.vhost,
             "queue_name": to.queue_name,
@@ -290,13 +301,30 @@ class Outbox:
             "until": until,
             "object_types": list(object_types) if object_types else None,
             "now": now,
+            "max_copies": max_copies,
+            "spacing": 1.0 / per_second,
         }
-        return await self.statements.add_replays(replay)
+        return Replayed(*await self.statements.add_replays(replay))
 
 
-def _claimed(rows: Sequence[Sequence[Any]]) -> list[Claimed]:
-    """A claim's (or an unpark's) rows as the relay takes them, in acceptance order."""
-    return sorted((Claimed(*row) for row in rows), key=lambda item: item.id)
+@dataclass(frozen=True)
+class Replayed:
+    """What `Outbox.add_replays` found and wrote."""
+
+    in_flight: int  # copies of an earlier replay of the queue not yet published
+    in_flight_since: datetime | None
+    window: int  # copies the window holds (that the owner may receive)
+    added: int
+
+
+def _claimed(rows: Sequence[Sequence[Any]]) -> tuple[list[Claimed], int]:
+    """A claim's (or an unpark's) rows as the relay takes them, in acceptance order, and
+    how many it gave up instead (each row's last column: authorized)."""
+    claimed = sorted((Claimed(*row[:-1]) for row in rows if row[-1]), key=lambda i: i.id)
+    refused = len(rows) - len(claimed)
+    if refused:
+        COPIES_REFUSED.inc(refused)
+    return claimed, refused
 
 
 class _Store:

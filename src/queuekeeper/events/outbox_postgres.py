@@ -29,6 +29,8 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from queuekeeper.common.locks import lock_key
+from queuekeeper.events.authorization import authorized_sql
 from queuekeeper.events.recipients import RecipientsChanged
 
 _SQLSTATE_CONSTRAINT = "23"
@@ -42,7 +44,8 @@ async def send(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
 
 # Who may receive events of the offerings $1 and the object types $2 at $3: the offerings
 # left-joined with the subscriptions (with their queue for a requested type) and the
-# consumers of owners who are active, hold an unexpired token and have access to them, so
+# consumers of owners who are active, hold a token that has not expired and have access to
+# them (the rule `_authorized` applies again when a copy is published), so
 # an unknown offering yields no row at all (events/recipients.py decides from the rows).
 RECIPIENT_ROWS = """
 SELECT o.uuid, r.kind, r.recipient_uuid, r.user_uuid, r.filter, r.queue_uuid,
@@ -56,7 +59,7 @@ FROM offerings o LEFT JOIN (
     JOIN event_subscriptions s ON s.user_uuid = a.user_uuid
     LEFT JOIN event_subscription_queues q ON q.subscription_uuid = s.uuid
         AND q.offering_uuid = a.offering_uuid AND q.object_type = ANY($2::varchar[])
-    WHERE a.offering_uuid = ANY($1::uuid[]) AND u.is_active
+    WHERE a.offering_uuid = ANY($1::uuid[]) AND u.is_active AND u.token_hash IS NOT NULL
         AND (u.token_expires_at IS NULL OR u.token_expires_at > $3)
     UNION ALL
     SELECT 'consumer', a.offering_uuid, c.uuid, c.user_uuid, c.object_types, NULL::uuid,
@@ -65,7 +68,7 @@ FROM offerings o LEFT JOIN (
     JOIN users u ON u.uuid = a.user_uuid
     JOIN event_consumer_scopes sc ON sc.offering_uuid = a.offering_uuid
     JOIN event_consumers c ON c.uuid = sc.consumer_uuid AND c.user_uuid = a.user_uuid
-    WHERE a.offering_uuid = ANY($1::uuid[]) AND u.is_active
+    WHERE a.offering_uuid = ANY($1::uuid[]) AND u.is_active AND u.token_hash IS NOT NULL
         AND (u.token_expires_at IS NULL OR u.token_expires_at > $3)
 ) r ON r.offering_uuid = o.uuid
 WHERE o.uuid = ANY($1::uuid[])
@@ -129,29 +132,65 @@ SELECT 'd', event_id, id, queue_uuid, consumer_uuid FROM copies
 """
 INSERT_ACCEPTED = _FRESH + _WRITE
 
+# A copy whose queue row is gone (both uuids set null by the delete) is left to the relay,
+# which gives it up for that reason; any other is judged by the rule.
+_JUDGED = (
+    "d.id, (d.queue_uuid IS NULL AND d.consumer_uuid IS NULL) OR "
+    + authorized_sql(
+        "d.queue_uuid", "d.consumer_uuid", "coalesce(d.offering_uuid, e.offering_uuid)", "{now}"
+    )
+    + " AS ok"
+)
+# What a refused copy records as its reason.
+REFUSED_REASON = (
+    "not authorized when published: the owner had lost access to the offering, the "
+    "consumer its scope, or the owner was inactive or without a valid token"
+)
+# One UPDATE settles what a claim or an unpark took: an authorized copy is claimed (as
+# before), a refused one given up, and both are returned with the verdict last (`ok`), so
+# a batch made only of refused copies is still seen as progress.
+_SETTLE_TAKEN = (
+    """
+UPDATE deliveries d
+SET state = CASE WHEN j.ok THEN 'pending' ELSE 'given_up' END,
+    attempts = d.attempts + CASE WHEN j.ok THEN 1 ELSE 0 END,
+    claimed_by = CASE WHEN j.ok THEN {relay}::varchar END,
+    claimed_until = CASE WHEN j.ok THEN {until}::timestamptz END,
+    next_attempt_at = CASE WHEN j.ok THEN {until}::timestamptz ELSE d.next_attempt_at END,
+    finished = CASE WHEN j.ok THEN NULL ELSE {now}::timestamptz END,
+    last_error = CASE WHEN j.ok THEN d.last_error ELSE '"""
+    + REFUSED_REASON
+    + """' END
+FROM judged j, events e
+WHERE d.id = j.id AND d.event_id = e.event_id AND {guard}
+"""
+)
 # 'pending' is written out, not bound: the partial index of pending rows is used only when
 # the planner sees the literal it was defined with (asyncpg plans prepared statements).
 # FOR UPDATE SKIP LOCKED lets relays claim side by side without waiting on or
 # double-claiming each other's rows; the claim returns what publishing needs.
-CLAIM = """
+CLAIM = (
+    """
 WITH due AS (
     SELECT id FROM deliveries
     WHERE state = 'pending' AND next_attempt_at <= $1
     ORDER BY next_attempt_at, id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
+), judged AS (
+    SELECT """  # noqa: S608 - the module's constants
+    + _JUDGED.format(now="$1::timestamptz")
+    + """
+    FROM due JOIN deliveries d ON d.id = due.id JOIN events e ON e.event_id = d.event_id
+)"""
+    + _SETTLE_TAKEN.format(relay="$3", until="$4", now="$1", guard="true")
 )
-UPDATE deliveries d
-SET attempts = d.attempts + 1, claimed_by = $3, claimed_until = $4, next_attempt_at = $4
-FROM due, events e
-WHERE d.id = due.id AND d.event_id = e.event_id
-"""
-# What a claimed copy carries (`outbox.Claimed`, in its fields' order): the claim's and the
-# unpark's alike.
+# What a claimed copy carries (`outbox.Claimed`, in its fields' order, then the verdict):
+# the claim's and the unpark's alike.
 _CLAIMED = """
 RETURNING d.id, d.event_id, d.queue_uuid, d.consumer_uuid, d.queue_name, d.vhost,
           d.attempts, d.created, d.last_error, d.offering_uuid, e.offering_uuid,
-          e.object_type, e.accepted, e.payload::text, d.replay
+          e.object_type, e.accepted, e.payload::text, d.replay, j.ok
 """
 CLAIM += _CLAIMED
 # The statements below address copies by id and guard on the state with
@@ -210,21 +249,24 @@ SET state = 'parked', parked_at = coalesce(parked_at, $3), claimed_by = NULL,
     claimed_until = NULL, attempts = attempts - 1, last_error = $4
 WHERE id = ANY($1::bigint[]) AND (state || '') = 'pending' AND claimed_by = $2
 """
-# The queue's oldest parked copies, back to pending and claimed as `CLAIM` claims.
-UNPARK = """
+# The queue's oldest parked copies, back to pending and claimed as `CLAIM` claims (and
+# judged as it judges).
+UNPARK = (
+    """
 WITH oldest AS (
     SELECT id FROM deliveries
     WHERE parked_at IS NOT NULL AND state IN ('parked', 'pending')
         AND state = 'parked' AND vhost = $1 AND queue_name = $2
     ORDER BY id
     LIMIT $3
+), judged AS (
+    SELECT """  # noqa: S608 - the module's constants
+    + _JUDGED.format(now="$6::timestamptz")
+    + """
+    FROM oldest JOIN deliveries d ON d.id = oldest.id JOIN events e ON e.event_id = d.event_id
+)"""
+    + _SETTLE_TAKEN.format(relay="$4", until="$5", now="$6", guard="d.state = 'parked'")
 )
-UPDATE deliveries d
-SET state = 'pending', attempts = d.attempts + 1, claimed_by = $4, claimed_until = $5,
-    next_attempt_at = $5
-FROM oldest, events e
-WHERE d.id = oldest.id AND d.state = 'parked' AND d.event_id = e.event_id
-"""
 UNPARK += _CLAIMED
 GIVE_UP_PARKED = """
 WITH expired AS (
@@ -239,27 +281,56 @@ WITH expired AS (
 )
 SELECT count(*) FROM given_up
 """
-# A new pending copy, marked as a replay, of each event accepted in [$5, $6) (of the
-# object types $7, or all for NULL) that had a copy for the queue, inserted in the order
-# of each event's first copy (acceptance order).
-ADD_REPLAYS = """
-WITH firsts AS (
-    SELECT min(d.id) AS first_id, d.event_id, d.offering_uuid
+# A replay (docs/decisions/021-authorized-when-published.md): under the replay lock
+# (`REPLAY_LOCK`, in the same transaction), unless a replay of the queue is still in
+# flight (its copies not yet published) and unless the window holds more than $9 copies,
+# a new pending copy, marked as a replay, of each event accepted in [$5, $6) (of the
+# object types $7, or all for NULL) that had a copy for the queue and that the queue's
+# owner may receive now, in the order of each event's first copy (acceptance order). The
+# copies fall due $10 seconds apart, behind every replay copy still pending anywhere: all
+# replays together add at most 1/$10 copies a second to the relay's claims, so live copies
+# (due when accepted) are never queued behind a replay. Returned: the copies of a replay
+# in flight and its oldest copy's time, the window's copies, the copies added.
+REPLAY_LOCK = "SELECT pg_advisory_xact_lock($1)"
+ADD_REPLAYS = (
+    """
+WITH running AS (
+    SELECT count(*) AS copies, min(created) AS since FROM deliveries
+    WHERE (queue_uuid = $3::uuid OR consumer_uuid = $4::uuid) AND replay
+        AND state IN ('pending', 'parked')
+), base AS (
+    SELECT greatest($8::timestamptz, max(next_attempt_at)) AS at FROM deliveries
+    WHERE state = 'pending' AND replay AND claimed_by IS NULL
+), firsts AS (
+    SELECT min(d.id) AS first_id, d.event_id, coalesce(d.offering_uuid, e.offering_uuid) AS o,
+           d.offering_uuid
     FROM deliveries d JOIN events e ON e.event_id = d.event_id
     WHERE d.vhost = $1 AND d.queue_name = $2 AND NOT d.replay
         AND e.accepted >= $5 AND e.accepted < $6
         AND ($7::varchar[] IS NULL OR e.object_type = ANY($7::varchar[]))
-    GROUP BY d.event_id, d.offering_uuid
+    GROUP BY d.event_id, coalesce(d.offering_uuid, e.offering_uuid), d.offering_uuid
+), allowed AS (
+    SELECT f.first_id, f.event_id, f.offering_uuid FROM firsts f
+    WHERE """  # noqa: S608 - the module's constants
+    + authorized_sql("$3::uuid", "$4::uuid", "f.o", "$8::timestamptz")
+    + """
 ), added AS (
     INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost,
                             offering_uuid, state, attempts, next_attempt_at, created, replay)
     SELECT event_id, $3::uuid, $4::uuid, $2::varchar, $1::varchar, offering_uuid, 'pending',
-           0, $8::timestamptz, $8::timestamptz, true
-    FROM firsts ORDER BY first_id
+           0,
+           (SELECT at FROM base)
+               + make_interval(secs => (row_number() OVER (ORDER BY first_id) - 1) * $10::float8),
+           $8::timestamptz, true
+    FROM allowed
+    WHERE (SELECT copies FROM running) = 0 AND (SELECT count(*) FROM allowed) <= $9
+    ORDER BY first_id
     RETURNING 1
 )
-SELECT count(*) FROM added
+SELECT (SELECT copies FROM running), (SELECT since FROM running),
+       (SELECT count(*) FROM allowed), (SELECT count(*) FROM added)
 """
+)
 REPLAY_PARAMETERS = (
     "vhost",
     "queue_name",
@@ -269,6 +340,8 @@ REPLAY_PARAMETERS = (
     "until",
     "object_types",
     "now",
+    "max_copies",
+    "spacing",
 )
 
 
@@ -511,16 +584,23 @@ class PostgresOutbox:
         await self._run(PARK, list(ids), relay_id, now, reason)
 
     async def unpark(
-        self, relay_id: str, vhost: str, queue: str, limit: int, until: datetime
+        self, relay_id: str, vhost: str, queue: str, limit: int, until: datetime, now: datetime
     ) -> list[Sequence[Any]]:
-        return await self._run(UNPARK, vhost, queue, limit, relay_id, until)
+        return await self._run(UNPARK, vhost, queue, limit, relay_id, until, now)
 
     async def give_up_parked(self, before: datetime, limit: int, now: datetime, reason: str) -> int:
         return int((await self._run(GIVE_UP_PARKED, before, limit, now, reason))[0][0])
 
-    async def add_replays(self, replay: Mapping[str, Any]) -> int:
+    async def add_replays(self, replay: Mapping[str, Any]) -> tuple[int, datetime | None, int, int]:
+        """(copies of a replay in flight, its oldest copy's time, the window's copies, the
+        copies added): one transaction holding the queue's replay lock, so two replays of
+        one queue never both find none in flight."""
         arguments = [replay[name] for name in REPLAY_PARAMETERS]
-        return int((await self._run(ADD_REPLAYS, *arguments))[0][0])
+        key = lock_key(f"replay:{replay['vhost']}/{replay['queue_name']}")
+        async with _checked_out(self.engine) as driver, driver.driver.transaction():
+            await driver.fetch(REPLAY_LOCK, key)
+            row = (await driver.fetch(ADD_REPLAYS, *arguments))[0]
+        return int(row[0]), row[1], int(row[2]), int(row[3])
 
 
 async def listen(

@@ -368,13 +368,14 @@ class Relay:
             self._held[item.id] = lease.until
         return claimed
 
-    async def unpark(self, vhost: str, queue: str, limit: int) -> list[Claimed]:
+    async def unpark(self, vhost: str, queue: str, limit: int) -> tuple[list[Claimed], int]:
         """Take a returned queue's oldest parked copies, claimed for this relay (and renewed
-        like its claims while they wait), to publish with `process(..., park=False)`."""
-        released, lease = await self.outbox.unpark(self.id, vhost, queue, limit, utcnow())
+        like its claims while they wait), to publish with `process(..., park=False)`; and
+        how many of them were given up instead (their owner may no longer receive them)."""
+        released, refused, lease = await self.outbox.unpark(self.id, vhost, queue, limit, utcnow())
         for item in released:
             self._held[item.id] = lease.until
-        return released
+        return released, refused
 
     async def process(
         self, claimed: list[Claimed], *, park: bool = True, gather: bool = False

@@ -192,6 +192,12 @@ COPIES_RELEASED = Counter(
     "queuekeeper_copies_released_total",
     "Parked copies released to their queue after a consumer returned.",
 )
+COPIES_REFUSED = Counter(
+    "queuekeeper_copies_refused_total",
+    "Copies given up when they were to be published (claimed or released) because their "
+    "owner could no longer receive the event: access, scope, token or activity lost "
+    "(docs/decisions/021-authorized-when-published.md).",
+)
 COPIES_GIVEN_UP_RETENTION = Counter(
     "queuekeeper_copies_given_up_retention_total",
     "Parked copies given up because they were older than QUEUEKEEPER_EVENT_RETENTION_DAYS.",

@@ -18,16 +18,22 @@ queues_router = admin_router("/queues")
 
 _WINDOW_ERRORS = {
     400: "A bad window, the field named: `since` in the future, `until` before `since`, or "
-    "`since` older than retention (the answer names the oldest time available); or an "
-    "unknown object type.",
+    "`since` older than retention (the answer names the oldest time available); an "
+    "unknown object type; or a window holding more copies than "
+    "`QUEUEKEEPER_REPLAY_MAX_COPIES` (the answer names the limit and the count).",
+    409: "A replay of this queue is still being published (the answer says since when and "
+    "how many copies are left): one replay of a queue runs at a time.",
 }
 _REPLAY_DESCRIPTION = (
     "Every event accepted in [`since`, `until`) that this queue received or would have "
-    "received (whatever became of its copy: published, parked, given up, rejected) is "
-    "published to it again, in acceptance order, with its original `message_id` and the "
+    "received (whatever became of its copy: published, parked, given up, rejected), and "
+    "that the queue's owner may receive now (access to the offering, the consumer's scope), "
+    "is published to it again, in acceptance order, with its original `message_id` and the "
     'header `x-queuekeeper-replay: "true"` (a string: the STOMP adapter drops other types). '
     "Replayed copies go through the outbox: while the queue's agent is away they park like "
-    "any other. Answers 202 with how many copies were written."
+    "any other; they fall due `QUEUEKEEPER_REPLAY_COPIES_PER_SECOND` apart, all replays "
+    "together, so live events never wait behind a replay. One replay of a queue at a time. "
+    "Answers 202 with how many copies were written."
 )
 
 
@@ -40,6 +46,7 @@ _REPLAY_DESCRIPTION = (
         400,
         401,
         404,
+        409,
         429,
         descriptions={
             **_WINDOW_ERRORS,
@@ -69,6 +76,7 @@ async def replay_consumer(
         **error_responses(
             400,
             404,
+            409,
             descriptions={
                 **_WINDOW_ERRORS,
                 404: "No registered queue of that name in that vhost.",

@@ -170,8 +170,10 @@ class Releaser:
                 await asyncio.sleep(FULL_PAUSE)
                 continue
             # Claimed for this replica's relay under the outbox's lease rule, as its claims.
-            batch = await self.relay.unpark(vhost, queue, min(room, RELEASE_BATCH))
+            batch, refused = await self.relay.unpark(vhost, queue, min(room, RELEASE_BATCH))
             if not batch:
+                if refused:
+                    continue  # a batch the owner may no longer receive: given up, go on
                 break
             await self.relay.process(batch, park=False)
             sent += len(batch)

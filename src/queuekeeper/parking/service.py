@@ -1,10 +1,14 @@
 """Replay (contract §11): every event accepted in a window that a queue received, or would
-have received (parked, given up, rejected: whatever became of its copy), is written to the
-outbox again for that queue, marked as a replay.
+have received (parked, given up, rejected: whatever became of its copy), and that the
+queue's owner may receive now, is written to the outbox again for that queue, marked as a
+replay.
 
 The replayed copies are ordinary outbox copies: published by the relay with their original
 `message_id`, in acceptance order (the order of their first copies), parked like any other
-while the queue's agent is away, and lost by nothing that loses no other copy.
+while the queue's agent is away, and lost by nothing that loses no other copy. They fall
+due `replay_copies_per_second` apart, all replays together, so live copies never wait
+behind a replay; one replay of a queue at a time, and at most `replay_max_copies` copies
+(docs/decisions/021-authorized-when-published.md).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from queuekeeper.config import Settings
 from queuekeeper.consumers.service import get_consumer
 from queuekeeper.events.outbox import Outbox
 from queuekeeper.events.recipients import Copy
-from queuekeeper.exceptions import BadRequest, NotFound
+from queuekeeper.exceptions import BadRequest, Conflict, NotFound
 from queuekeeper.models import User, utcnow
 from queuekeeper.observability.metrics import REPLAYS
 from queuekeeper.parking import repository
@@ -65,12 +69,35 @@ async def _replay(
 ) -> ReplayOut:
     now = utcnow()
     since, until = checked_window(window, settings, now)
-    # The outbox writes the copies (one statement, committed as it runs).
+    # The outbox writes the copies (one transaction, under the queue's replay lock).
     replayed = await Outbox(engine, settings).add_replays(
-        target, since, until, window.object_types or None, now
+        target,
+        since,
+        until,
+        window.object_types or None,
+        now,
+        settings.replay_max_copies,
+        settings.replay_copies_per_second,
     )
+    if replayed.in_flight:
+        started = replayed.in_flight_since.isoformat() if replayed.in_flight_since else "?"
+        raise Conflict(
+            f"A replay of queue {target.queue_name!r} (vhost {target.vhost!r}), written at "
+            f"{started}, is still being published: {replayed.in_flight} of its copies are not "
+            "yet on the queue. One replay of a queue runs at a time: try again when it is "
+            "done.",
+            extra={"in_flight": replayed.in_flight, "in_flight_since": started},
+        )
+    if replayed.window > settings.replay_max_copies:
+        raise BadRequest(
+            f"The window holds {replayed.window} copies for this queue, more than one replay "
+            f"may write (QUEUEKEEPER_REPLAY_MAX_COPIES={settings.replay_max_copies}): narrow "
+            "it with `until` or `object_types`.",
+            field="since",
+            extra={"copies": replayed.window, "max_copies": settings.replay_max_copies},
+        )
     REPLAYS.labels(caller=caller).inc()
-    return ReplayOut(replayed=replayed)
+    return ReplayOut(replayed=replayed.added)
 
 
 async def replay_consumer(
