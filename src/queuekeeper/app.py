@@ -179,6 +179,9 @@ JOBS: JobTable = {
 @dataclass(kw_only=True)
 class Runtime(AppState):
     """What the process runs, beside what endpoints depend on (`AppState`)."""
+
+    # The job table's runner for the admin API (jobs/dependencies.py) and the CLI.
+    jobs: JobRunner
     # Opens connections only when used; readiness probes the broker through it.
     publisher: AmqpPublisher
     # Stores accepted events; requests arriving together share a transaction.
