@@ -28,6 +28,7 @@ import tracemalloc
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,12 @@ class Counts:
         self.management = Counter[str]()
 
 
-def _state(settings: Settings, counts: Counts) -> AppState:
+@dataclass(kw_only=True)
+class BenchState(AppState):
+    jobs: JobRunner
+
+
+def _state(settings: Settings, counts: Counts) -> BenchState:
     engine = create_engine(settings)
 
     @event.listens_for(engine.sync_engine, "before_cursor_execute")
@@ -87,7 +93,7 @@ def _state(settings: Settings, counts: Counts) -> AppState:
     management = ManagementClient(settings, observer=observe)
     sessions = create_sessionmaker(engine)
     provisioner = Provisioner(management, settings, partial(installation.identity, sessions))
-    return AppState(
+    return BenchState(
         settings=settings,
         engine=engine,
         sessions=sessions,
@@ -111,7 +117,7 @@ Plan = dict[uuid.UUID, list[uuid.UUID]]  # owner -> its subscriptions
 
 
 async def populate_subscriptions(
-    state: AppState, offering: uuid.UUID, owners: list[uuid.UUID]
+    state: BenchState, offering: uuid.UUID, owners: list[uuid.UUID]
 ) -> Plan:
     """Users, subscriptions, vhosts and broker users, as queuekeeper would have made them."""
     provisioner = state.provisioner
@@ -156,7 +162,7 @@ async def populate_subscriptions(
 
 
 async def populate_queues(
-    state: AppState, offering: uuid.UUID, plan: Plan, object_types: Sequence[str]
+    state: BenchState, offering: uuid.UUID, plan: Plan, object_types: Sequence[str]
 ) -> None:
     """One registered queue per subscription and object type: rows, then AMQP declares
     (far faster than Management PUTs)."""
@@ -198,7 +204,7 @@ async def populate_queues(
     await _gather_limited(4, [partial(declare, owner) for owner in plan])
 
 
-async def add_orphans(state: AppState, owners: list[uuid.UUID]) -> dict[str, list[str]]:
+async def add_orphans(state: BenchState, owners: list[uuid.UUID]) -> dict[str, list[str]]:
     """ORPHANS_PER_VHOST unregistered queues in each owner's vhost; their names by vhost."""
     made: dict[str, list[str]] = {}
 
@@ -279,7 +285,7 @@ async def raw_listing(settings: Settings, vhosts: list[str]) -> tuple[float, int
         return time.perf_counter() - started, listed
 
 
-async def timed_run(state: AppState, counts: Counts, *, trace: bool = False) -> dict[str, Any]:
+async def timed_run(state: BenchState, counts: Counts, *, trace: bool = False) -> dict[str, Any]:
     counts.statements = 0
     counts.management.clear()
     if trace:

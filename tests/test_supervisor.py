@@ -1,13 +1,8 @@
-"""How many processes `serve` starts (supervisor.process_counts) and what /readyz makes of
-the supervisor's status; the processes themselves: tests/ops/test_process_model.py."""
+"""How many processes `serve` starts (supervisor.process_counts); what /readyz makes of the
+supervisor's status: tests/common/test_processes.py; the processes themselves:
+tests/ops/test_process_model.py."""
 
 from __future__ import annotations
-
-import os
-import signal
-import subprocess
-import time
-from pathlib import Path
 
 import pytest
 
@@ -42,39 +37,3 @@ def test_sqlite_is_one_process_whatever_the_settings() -> None:
         database_url="sqlite+aiosqlite:///./x.db", accept_workers=4, relay_processes=2
     )
     assert supervisor.process_counts(settings) == (1, 0)
-
-
-def test_processes_check_is_unready_only_when_no_process_of_a_kind_runs() -> None:
-    me, gone = os.getpid(), 2**22 + 12345  # above the default pid_max: never a process
-    status = {
-        "processes": [
-            {"name": "accept-0", "role": "accept", "pid": me},
-            {"name": "relay-0", "role": "relay", "pid": gone},
-            {"name": "relay-1", "role": "relay", "pid": me},
-        ]
-    }
-    ok, running, error = supervisor.process_check(status)
-    assert (ok, error) == (True, None)
-    assert running == {"accept-0": True, "relay-0": False, "relay-1": True}
-    status["processes"][2]["pid"] = None  # relay-1 being restarted too
-    ok, _, error = supervisor.process_check(status)
-    assert not ok
-    assert error == "no relay process running (being restarted)"
-
-
-def test_a_child_killed_but_not_yet_reaped_is_not_alive() -> None:
-    """A killed child stays a zombie until its supervisor reaps it (every 0.2 s): `/readyz`
-    must not count it as running in the meantime."""
-    child = subprocess.Popen(["sleep", "30"])
-    try:
-        assert supervisor.alive(child.pid)
-        os.kill(child.pid, signal.SIGKILL)
-        for _ in range(50):  # the kill is asynchronous
-            if not supervisor.alive(child.pid):
-                break
-            time.sleep(0.02)
-        assert not supervisor.alive(child.pid)
-        assert Path(f"/proc/{child.pid}").exists()  # not reaped: a zombie, yet not alive
-    finally:
-        child.wait()
-    assert not supervisor.alive(child.pid)

@@ -27,6 +27,7 @@ from queuekeeper.common.docs import install_docs
 from queuekeeper.common.input_guard import reject_unstorable_input
 from queuekeeper.common.openapi import install_openapi, operation_id
 from queuekeeper.common.prefix import PathPrefixMiddleware
+from queuekeeper.common.processes import shared_directory
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.config_reference import unknown_settings
@@ -52,7 +53,6 @@ from queuekeeper.installation import service as installation
 from queuekeeper.installation.service import Survey
 from queuekeeper.jobs.runs import Job, JobContext, JobRunner, JobSpec, JobTable
 from queuekeeper.jobs.scheduler import JobScheduler
-from queuekeeper.observability.endpoints import MULTIPROC_ENV
 from queuekeeper.observability.endpoints import router as metrics_router
 from queuekeeper.observability.http import ObservabilityMiddleware
 from queuekeeper.observability.metrics import observe_management_call
@@ -180,6 +180,8 @@ JOBS: JobTable = {
 class Runtime(AppState):
     """What the process runs, beside what endpoints depend on (`AppState`)."""
 
+    # The job table's runner for the admin API (jobs/dependencies.py) and the CLI.
+    jobs: JobRunner
     # Opens connections only when used; readiness probes the broker through it.
     publisher: AmqpPublisher
     # Stores accepted events; requests arriving together share a transaction.
@@ -353,7 +355,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # In the background: a broker or database still starting does not delay serving.
             state.survey_task = asyncio.create_task(refresh_survey(state), name="survey")
             yield
-        if os.environ.get(MULTIPROC_ENV):
+        if shared_directory():
             # Drops this worker's live gauges (pool size, outbox depth) from the totals.
             multiprocess.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
         log.info("queuekeeper_stopped")

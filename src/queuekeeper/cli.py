@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +28,10 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,  # locals would print settings, tokens included
 )
 
-# Also in observability/endpoints.py; not imported from there, so that commands which do not
-# serve stay quick to start (the container's HEALTHCHECK runs one every 15 s).
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
-
-
-def freeze_startup_objects() -> None:
-    """Modules, classes and schemas live as long as the process: keep them out of the
-    garbage collector's way (a full collection took 130 ms under load, 7 ms frozen)."""
-    import gc
-
-    import queuekeeper.app  # noqa: F401 - load everything the service will use
-
-    gc.collect()
-    gc.freeze()
 
 
 def _port_free(host: str, port: int, *, from_option: bool) -> None:
@@ -138,14 +123,15 @@ def _prepare_multiprocess_dir() -> str:
     It must start empty (stale files would add a previous run's counts), so queuekeeper
     empties the one it is given or makes a fresh one.
     """
-    from queuekeeper.supervisor import STATUS_FILE
+    from queuekeeper.common.processes import MULTIPROC_ENV, remove_status, shared_directory
 
-    directory = os.environ.get(MULTIPROC_ENV)
+    directory = shared_directory()
     if directory:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        for stale in [*path.glob("*.db"), path / STATUS_FILE]:
+        for stale in path.glob("*.db"):
             stale.unlink(missing_ok=True)
+        remove_status(path)
     else:
         directory = tempfile.mkdtemp(prefix="queuekeeper-metrics-")
         os.environ[MULTIPROC_ENV] = directory  # inherited by the worker processes
@@ -171,8 +157,10 @@ def serve(
     import structlog
     import uvicorn
 
+    from queuekeeper.common.processes import shared_directory
     from queuekeeper.logging import configure_logging
     from queuekeeper.supervisor import Supervisor, process_counts
+    from queuekeeper.workers import freeze_startup_objects
 
     settings = get_settings()
     configure_logging(settings)
@@ -187,7 +175,7 @@ def serve(
             detail="SQLite runs one process with the relay in it; "
             "QUEUEKEEPER_ACCEPT_WORKERS and QUEUEKEEPER_RELAY_PROCESSES apply on PostgreSQL",
         )
-    if accept_workers > 1 or relay_processes or os.environ.get(MULTIPROC_ENV):
+    if accept_workers > 1 or relay_processes or shared_directory():
         directory = _prepare_multiprocess_dir()
         logger.info(
             "metrics_multiprocess_mode",
@@ -202,7 +190,7 @@ def serve(
             bind_port,
             accept_workers,
             relay_processes,
-            Path(os.environ[MULTIPROC_ENV]),
+            Path(directory),
         )
         raise typer.Exit(supervisor.run())
     freeze_startup_objects()
@@ -549,18 +537,6 @@ def _is_terminal() -> bool:
     return sys.stdout.isatty()
 
 
-def _run_loop(main: Coroutine[Any, Any, None]) -> None:
-    """Run a long-lived process's loop on uvloop, as uvicorn runs the accept workers' (the
-    relay's CPU per event is a third lower than on asyncio's loop), or asyncio's where
-    uvloop is not installed."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-        asyncio.run(main)
-        return
-    uvloop.run(main)
-
-
 @app.command()
 def relay() -> None:
     """Run the outbox relay alone (no HTTP) until interrupted.
@@ -570,25 +546,10 @@ def relay() -> None:
     copies are committed unclaimed (run `serve` with QUEUEKEEPER_RELAY_ENABLED=false
     beside it), otherwise every QUEUEKEEPER_RELAY_POLL_INTERVAL.
     """
-    import asyncio
-    import signal
-
-    from queuekeeper.app import running
     from queuekeeper.logging import configure_logging
+    from queuekeeper.workers import run_relay
 
     settings = get_settings()
     configure_logging(settings)
     _ready_database(settings)
-    freeze_startup_objects()
-
-    async def run() -> None:
-        async with running(settings, relay=True) as state:
-            relay = state.relay
-            assert relay is not None  # started by running(relay=True)
-            loop = asyncio.get_running_loop()
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(signum, relay.request_stop)
-            typer.echo(f"relay {relay.id} running; Ctrl-C stops it", err=True)
-            await relay.wait_stopped()
-
-    _run_loop(run())
+    run_relay(settings)

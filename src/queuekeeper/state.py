@@ -3,8 +3,8 @@
 Endpoints ask for the collaborators they pass to a service (`SessionDep`,
 `SettingsDep`, `ProvisionerDep`, ...), never for the whole state: a service's
 signature says what it uses. This module holds only what endpoints depend on; what the
-process runs besides (the intake, the relay, the scheduler, readiness's memory) is the
-composition root's (`app.Runtime`), so nothing here imports a domain.
+process runs besides (the job runner, the intake, the relay, the scheduler, readiness's
+memory) is the composition root's (`app.Runtime`), so nothing here imports a domain.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
-from queuekeeper.jobs.runs import JobContext, JobRunner
 
 
 @dataclass(kw_only=True)
@@ -30,8 +29,6 @@ class AppState:
     sessions: async_sessionmaker[AsyncSession]
     management: ManagementClient
     provisioner: Provisioner
-    # The job table's runner for the admin API and the CLI (app.py builds it).
-    jobs: JobRunner
     # Shared by the accept path, the relay and `?wait=true` waiters of this process.
     signals: OutboxSignals = field(default_factory=OutboxSignals)
 
@@ -74,14 +71,6 @@ async def get_signals(state: StateDep) -> OutboxSignals:
     return state.signals
 
 
-async def get_jobs(state: StateDep) -> JobRunner:
-    return state.jobs
-
-
-async def get_job_context(state: StateDep) -> JobContext:
-    return state.jobs.context
-
-
 SessionDep = Annotated[AsyncSession, Depends(get_session)]
 # For what runs on no session: `db.read_one`, and a Core connection's transaction.
 EngineDep = Annotated[AsyncEngine, Depends(get_engine)]
@@ -90,5 +79,3 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 ProvisionerDep = Annotated[Provisioner, Depends(get_provisioner)]
 ManagementDep = Annotated[ManagementClient, Depends(get_management)]
 SignalsDep = Annotated[OutboxSignals, Depends(get_signals)]
-JobsDep = Annotated[JobRunner, Depends(get_jobs)]
-JobContextDep = Annotated[JobContext, Depends(get_job_context)]

@@ -8,15 +8,15 @@ kernel hands each connection to whichever worker takes it), and `relay_processes
 leases (docs/decisions/007-notify-wakeups.md). This process only supervises: it restarts
 a child that dies, and on SIGTERM or SIGINT stops them all within `stop_seconds`.
 
-What it knows is written to `processes.json` in the metrics directory (the children's
-shared PROMETHEUS_MULTIPROC_DIR), which `/readyz` of whichever worker answers reads, so a
-probe covers every process; `/metrics` sums the children's metric files.
+What it knows is written to the status file of the directory the children share
+(common/processes.py), which `/readyz` of whichever worker answers reads, so a probe covers
+every process; `/metrics` sums the children's metric files there. The children's entry
+code is workers.py.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import signal
 import socket
@@ -29,11 +29,11 @@ from typing import Any
 
 import structlog
 
+from queuekeeper.common.processes import MULTIPROC_ENV, remove_status, write_status
 from queuekeeper.config import Settings
 
 log = structlog.get_logger(__name__)
 
-STATUS_FILE = "processes.json"
 # A child that dies sooner than this after its start is restarted after a growing delay
 # (1 s doubling up to RESTART_MAX), so one that cannot start does not spin.
 STABLE_SECONDS = 10.0
@@ -118,8 +118,8 @@ class Supervisor:
 
     def plan(self, sock: socket.socket) -> None:
         # This interpreter, not a `queuekeeper` script that may live elsewhere on PATH.
-        module = [sys.executable, "-m", "queuekeeper.supervisor"]
-        base = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir)}
+        module = [sys.executable, "-m", "queuekeeper.workers"]
+        base = {**os.environ, MULTIPROC_ENV: str(self.metrics_dir)}
         for index in range(self.accept_workers):
             env = dict(base)
             if self.relay_processes or (self.settings.is_sqlite and index > 0):
@@ -203,26 +203,20 @@ class Supervisor:
                 process.kill()
                 process.wait()
             _mark_dead(process.pid)
-        (self.metrics_dir / STATUS_FILE).unlink(missing_ok=True)
+        remove_status(self.metrics_dir)
         log.info("supervisor_stopped")
 
     def write_status(self) -> None:
-        status = {
-            "supervisor": os.getpid(),
-            "processes": [
-                {
-                    "name": child.name,
-                    "role": child.role,
-                    "pid": child.process.pid if child.process is not None else None,
-                    "restarts": child.restarts,
-                }
-                for child in self.children
-            ],
-        }
-        target = self.metrics_dir / STATUS_FILE
-        temporary = target.with_suffix(".tmp")
-        temporary.write_text(json.dumps(status))
-        temporary.replace(target)  # a reader sees the old file or the new, never half
+        processes = [
+            {
+                "name": child.name,
+                "role": child.role,
+                "pid": child.process.pid if child.process is not None else None,
+                "restarts": child.restarts,
+            }
+            for child in self.children
+        ]
+        write_status(self.metrics_dir, os.getpid(), processes)
 
 
 def _mark_dead(pid: int) -> None:
@@ -230,84 +224,3 @@ def _mark_dead(pid: int) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
-
-
-def read_status(directory: str | None) -> dict[str, Any] | None:
-    """What the supervisor last wrote; None when this process is not supervised."""
-    if not directory:
-        return None
-    try:
-        status: dict[str, Any] = json.loads((Path(directory) / STATUS_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return status
-
-
-def process_check(status: dict[str, Any]) -> tuple[bool, dict[str, bool], str | None]:
-    """(ok, each process and whether it runs, why not ok) from the supervisor's status: ok
-    while at least one process of each role runs (one being restarted is named, not
-    fatal: the others take its connections, or its outbox work once its leases end)."""
-    running = {entry["name"]: alive(entry["pid"]) for entry in status["processes"]}
-    roles = {entry["role"] for entry in status["processes"]}
-    missing = sorted(
-        role
-        for role in roles
-        if not any(running[e["name"]] for e in status["processes"] if e["role"] == role)
-    )
-    error = f"no {' or '.join(missing)} process running (being restarted)" if missing else None
-    return not missing, running, error
-
-
-def alive(pid: int | None) -> bool:
-    """Whether `pid` runs: a killed child that its supervisor has not reaped yet (a zombie)
-    does not, though a signal to it still succeeds."""
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc to ask: the signal said it is there
-    return state not in ("Z", "X")
-
-
-def serve_accept_worker(fd: int, supervisor: int) -> None:
-    """An accept worker: uvicorn on the socket the supervisor bound."""
-    import uvicorn
-
-    from queuekeeper.cli import freeze_startup_objects
-    from queuekeeper.config import get_settings
-    from queuekeeper.logging import configure_logging
-
-    configure_logging(get_settings())
-    # The supervisor died before prctl took effect. Compared with its pid, not with 1: in
-    # a container the supervisor may be pid 1 itself.
-    if os.getppid() != supervisor:
-        sys.exit(1)
-    sock = socket.socket(fileno=fd)
-    freeze_startup_objects()
-    config = uvicorn.Config(
-        "queuekeeper.app:serve_app",
-        factory=True,
-        log_config=None,
-        access_log=False,  # queuekeeper logs each request itself
-        proxy_headers=False,  # see cli.serve
-        timeout_graceful_shutdown=5,
-    )
-    uvicorn.Server(config).run(sockets=[sock])
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["accept"]:
-        serve_accept_worker(int(sys.argv[2]), int(sys.argv[3]))
-    elif sys.argv[1:] == ["relay"]:
-        from queuekeeper.cli import relay
-
-        relay()  # `queuekeeper relay`
-    else:
-        sys.exit("usage: python -m queuekeeper.supervisor accept <fd> <supervisor pid> | relay")

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from queuekeeper.cli import app as cli_app
+from queuekeeper.common.processes import MULTIPROC_ENV
 from queuekeeper.config import Settings
 from tests.proxy import closed_port
 
@@ -25,7 +26,7 @@ QUEUEKEEPER = str(Path(sys.executable).parent / "queuekeeper")
 @pytest.fixture
 def two_workers(settings: Settings, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     port = closed_port()
-    env = {key: value for key, value in os.environ.items() if key != "PROMETHEUS_MULTIPROC_DIR"}
+    env = {key: value for key, value in os.environ.items() if key != MULTIPROC_ENV}
     env.update(
         {
             "QUEUEKEEPER_DATABASE_URL": settings.database_url,

@@ -21,8 +21,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from queuekeeper.common.processes import MULTIPROC_ENV, STATUS_FILE, alive
 from queuekeeper.config import Settings
-from queuekeeper.supervisor import STATUS_FILE, alive
 from tests.conftest import SERVICE_TOKEN
 from tests.events.support import order_event, register
 from tests.helpers import Backend
@@ -56,7 +56,7 @@ def _serve(settings: Settings, tmp_path: Path, **env: str) -> Iterator[Served]:
         "QUEUEKEEPER_INSTANCE_NAME": settings.instance_name,
         "QUEUEKEEPER_SERVICE_TOKENS": SERVICE_TOKEN,
         "QUEUEKEEPER_LOG_FORMAT": "json",
-        "PROMETHEUS_MULTIPROC_DIR": str(metrics),
+        MULTIPROC_ENV: str(metrics),
         **env,
     }
     log = tmp_path / "serve.log"

@@ -19,6 +19,7 @@ from sqlalchemy import delete, select
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from queuekeeper.models import EventSubscription, EventSubscriptionQueue
+from queuekeeper.owners.repository import has_access
 from queuekeeper.subscriptions import repository as subscription_repository
 from tests.brokers import BROKER
 from tests.helpers import Backend, database_statements
@@ -210,7 +211,7 @@ async def test_access_revoked_while_the_queue_is_declared_waits_and_leaves_nothi
         )
         await asyncio.sleep(0.3)  # the revoke is waiting for the lock by now
         async with state.sessions() as session:
-            assert await subscription_repository.has_access(session, agent.uuid, offering)
+            assert await has_access(session, agent.uuid, offering)
         return outcome
 
     with pytest.MonkeyPatch.context() as patch:

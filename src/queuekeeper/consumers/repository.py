@@ -175,28 +175,6 @@ async def count_of_owner(session: AsyncSession, owner_uuid: uuid.UUID) -> int:
     return int(total or 0)
 
 
-async def registered_queue_names(
-    session: AsyncSession, vhost: str, names: Collection[str]
-) -> set[str]:
-    if not names:
-        return set()
-    rows = await session.scalars(
-        select(EventConsumer.queue_name).where(
-            EventConsumer.vhost == vhost, EventConsumer.queue_name.in_(list(names))
-        )
-    )
-    return set(rows)
-
-
-async def existing(session: AsyncSession, consumer_uuids: Collection[uuid.UUID]) -> set[uuid.UUID]:
-    if not consumer_uuids:
-        return set()
-    rows = await session.scalars(
-        select(EventConsumer.uuid).where(EventConsumer.uuid.in_(list(consumer_uuids)))
-    )
-    return set(rows)
-
-
 async def needing_password(
     session: AsyncSession,
     owner_uuid: uuid.UUID,

@@ -50,8 +50,8 @@ from queuekeeper.models import (
     utcnow,
 )
 from queuekeeper.observability.metrics import CONSUMER_REGISTRATIONS
-from queuekeeper.subscriptions import repository as subscriptions_repository
-from queuekeeper.subscriptions.service import (
+from queuekeeper.owners.repository import has_access
+from queuekeeper.owners.service import (
     BrokerLeftovers,
     owner_locked,
     owner_login_hash,
@@ -143,9 +143,7 @@ async def _check_offerings(
                 f"Unknown offering {offering_uuid.hex}: the backend has not pushed it.",
                 field=f"scopes.{index}.uuid",
             )
-        if not await subscriptions_repository.has_access(
-            session, owner.uuid, offering_uuid, lock=lock
-        ):
+        if not await has_access(session, owner.uuid, offering_uuid, lock=lock):
             raise Forbidden(f"You have no access to offering {offering_uuid.hex}.")
 
 

@@ -19,8 +19,9 @@ from queuekeeper.common.pagination import Page, page_params
 from queuekeeper.common.params import VhostQuery
 from queuekeeper.deadletters import service
 from queuekeeper.deadletters.schemas import DeadLettersOut
+from queuekeeper.jobs.dependencies import JobsDep
 from queuekeeper.jobs.schemas import RunOut
-from queuekeeper.state import JobsDep, ProvisionerDep, SessionDep, SettingsDep
+from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
 
 router = admin_router("/dead-letters")
 

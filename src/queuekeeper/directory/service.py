@@ -35,7 +35,7 @@ from queuekeeper.models import (
     User,
     utcnow,
 )
-from queuekeeper.subscriptions.service import (
+from queuekeeper.owners.service import (
     BrokerLeftovers,
     collect_leftovers,
     owner_locked,

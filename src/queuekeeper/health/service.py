@@ -9,7 +9,6 @@ one node answers, and the report names each node and whether it answered.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -23,11 +22,11 @@ from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.nodes import node_label
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.publisher import AmqpPublisher
+from queuekeeper.common.processes import process_check, read_status, shared_directory
 from queuekeeper.common.redact import default_redactor
 from queuekeeper.config import Settings
 from queuekeeper.health.schemas import CheckResult, NodeResult, Readiness
 from queuekeeper.installation import service as installation
-from queuekeeper.supervisor import process_check, read_status
 
 log = structlog.get_logger(__name__)
 
@@ -152,7 +151,7 @@ async def readiness(state: Watched) -> Readiness:
         _across_nodes(settings.management_urls, partial(check_management_node, state), limit),
     )
     report = {"database": database, "amqp": amqp, "management": management}
-    status = read_status(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+    status = read_status(shared_directory())
     if status is not None:  # under `serve`'s supervisor: every process it runs
         ok, running, error = process_check(status)
         report["processes"] = CheckResult(

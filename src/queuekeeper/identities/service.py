@@ -44,7 +44,8 @@ from queuekeeper.models import (
     utcnow,
 )
 from queuekeeper.observability.metrics import AGENT_OFFERING_UUID_FORM, AGENT_REGISTRATIONS
-from queuekeeper.subscriptions import repository as subscriptions_repository
+from queuekeeper.owners import service as owners
+from queuekeeper.owners.repository import has_access
 from queuekeeper.subscriptions import service as subscriptions
 from queuekeeper.subscriptions.schemas import ObservableObject, SubscriptionCreate
 
@@ -84,13 +85,13 @@ async def _offering_for(session: AsyncSession, user: User, body: IdentityWrite) 
             f"Unknown offering {body.offering_uuid.hex}: the backend has not pushed it.",
             field="offering",
         )
-    if not await subscriptions_repository.has_access(session, user.uuid, offering.uuid):
+    if not await has_access(session, user.uuid, offering.uuid):
         raise Forbidden(f"You have no access to offering {offering.uuid.hex}.")
     return offering
 
 
 async def require_access(session: AsyncSession, user: User, identity: AgentIdentity) -> None:
-    if not await subscriptions_repository.has_access(session, user.uuid, identity.offering_uuid):
+    if not await has_access(session, user.uuid, identity.offering_uuid):
         raise Forbidden(
             f"You have no access to offering {identity.offering_uuid.hex}, which agent identity "
             f"{identity.uuid.hex} belongs to."
@@ -228,16 +229,16 @@ async def delete_identity(
     user: nothing else would ever clean them up."""
     # Under the owner lock, the broker objects go before the rows commit: no registration in
     # flight can make them again in between (docs/decisions/002-owner-lock.md).
-    async with subscriptions.owner_locked(session, user.uuid, vhost_exclusive=True):
+    async with owners.owner_locked(session, user.uuid, vhost_exclusive=True):
         identity = await get_identity(session, user, identity_uuid)
         owned = await repository.subscriptions_of_identity(session, user.uuid, identity.uuid)
-        leftovers = await subscriptions.collect_leftovers(session, owned)
+        leftovers = await owners.collect_leftovers(session, owned)
         leftovers.add_consumers(await consumers_repository.of_identities(session, [identity.uuid]))
         for subscription in owned:
             await session.delete(subscription)
         await session.delete(identity)
         await session.flush()
-        await subscriptions.remove_leftovers_held(session, provisioner, leftovers)
+        await owners.remove_leftovers_held(session, provisioner, leftovers)
         await session.commit()
     log.info(
         "agent_identity_deleted",
@@ -262,7 +263,7 @@ async def _reuse(
     or deactivation that committed while this call was in flight is what the broker user
     gets (docs/decisions/002-owner-lock.md)."""
     vhost = topology.vhost_name(user_uuid)
-    async with subscriptions.owner_locked(session, user_uuid, vhost_exclusive=False):
+    async with owners.owner_locked(session, user_uuid, vhost_exclusive=False):
         found = await repository.registered_subscription_and_login(
             session, user_uuid, identity_uuid, object_type
         )

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 from fastapi import Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from queuekeeper.common.access import Caller
 from queuekeeper.common.access import router as caller_router
+from queuekeeper.common.processes import shared_directory
 
 router = caller_router(Caller.PUBLIC, tags=["health"])
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 _EXAMPLE = (
     "# HELP queuekeeper_create_queue_total create_queue calls by outcome.\n"
@@ -25,11 +22,11 @@ _EXAMPLE = (
 def exposition_registry() -> CollectorRegistry:
     """The registry to expose: this process's, or every worker's in multiprocess mode.
 
-    In multiprocess mode each worker writes its samples to files in the directory
-    named by PROMETHEUS_MULTIPROC_DIR; a fresh registry per scrape reads them all, so
+    In multiprocess mode each worker writes its samples to files in the directory the
+    processes share (common/processes.py); a fresh registry per scrape reads them all, so
     whichever worker answers the scrape reports the totals.
     """
-    if os.environ.get(MULTIPROC_ENV):
+    if shared_directory():
         registry = CollectorRegistry()
         MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return registry

@@ -48,8 +48,8 @@ DELIVERIES = Counter(
     "nacked (nothing dead-lettered: retried), returned (unroutable), retried, given_up.",
     ["outcome"],
 )
-# multiprocess_mode says how workers' values combine under PROMETHEUS_MULTIPROC_DIR
-# (ignored otherwise): each worker reads the same outbox, so the largest live value is it.
+# multiprocess_mode says how workers' values combine in multiprocess mode (common/processes.py;
+# ignored otherwise): each worker reads the same outbox, so the largest live value is it.
 OUTBOX_PENDING = Gauge(
     "queuekeeper_outbox_pending",
     "Deliveries waiting to be published.",

@@ -18,12 +18,12 @@ from queuekeeper.admin.routes import (
 )
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.jobs.dependencies import JobContextDep, JobsDep
 from queuekeeper.jobs.runs import Job
 from queuekeeper.jobs.schemas import RunOut
 from queuekeeper.jobs.service import run_now
 from queuekeeper.reconcile.schemas import QueueState, QueueStateOut
 from queuekeeper.reconcile.view import queue_page
-from queuekeeper.state import JobContextDep, JobsDep
 
 router = admin_router()
 

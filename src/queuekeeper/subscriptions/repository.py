@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Insert, Integer, Select, Table, bindparam, exists, func, literal, or_, select
+from sqlalchemy import Insert, Integer, Select, Table, bindparam, func, literal, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import aliased
@@ -17,12 +16,12 @@ from queuekeeper import db
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
 from queuekeeper.models import (
     Base,
-    EventConsumer,
     EventSubscription,
     EventSubscriptionQueue,
     Offering,
     OfferingAccess,
 )
+from queuekeeper.owners.repository import has_access
 from queuekeeper.subscriptions.schemas import QueueFilter
 
 
@@ -49,19 +48,6 @@ async def get_owned_subscription(
         owned_subscriptions(user_uuid).where(EventSubscription.uuid == subscription_uuid)
     )
     return subscription
-
-
-async def owner_uses_vhost(session: AsyncSession, user_uuid: uuid.UUID) -> bool:
-    """Whether the user still has a subscription or a consumer (each needs its vhost)."""
-    used = await session.scalar(
-        select(
-            or_(
-                exists().where(EventSubscription.user_uuid == user_uuid),
-                exists().where(EventConsumer.user_uuid == user_uuid),
-            )
-        )
-    )
-    return bool(used)
 
 
 async def count_subscriptions(session: AsyncSession, user_uuid: uuid.UUID) -> int:
@@ -103,38 +89,6 @@ async def list_owned_queues(
     return await fetch_paged(
         session, query, EventSubscriptionQueue.created, EventSubscriptionQueue.uuid, page=page
     )
-
-
-# Built once, like QUEUE_CONTEXT below: a new queue runs the locked one on every call.
-_ACCESS = select(OfferingAccess.user_uuid).where(
-    OfferingAccess.user_uuid == bindparam("user"),
-    OfferingAccess.offering_uuid == bindparam("offering"),
-)
-_ACCESS_LOCKED = _ACCESS.with_for_update(read=True)
-
-
-async def has_access(
-    session: db.Executor, user_uuid: uuid.UUID, offering_uuid: uuid.UUID, *, lock: bool = False
-) -> bool:
-    parameters = {"user": user_uuid, "offering": offering_uuid}
-    statement = _ACCESS_LOCKED if lock else _ACCESS
-    return await session.scalar(statement, parameters) is not None
-
-
-async def registered_queue_names(
-    session: AsyncSession, vhost: str, names: Sequence[str]
-) -> set[str]:
-    """Of these queue names, those a subscription queue or a consumer has registered."""
-    rows = await session.scalars(
-        select(EventSubscriptionQueue.queue_name)
-        .where(EventSubscriptionQueue.vhost == vhost, EventSubscriptionQueue.queue_name.in_(names))
-        .union_all(
-            select(EventConsumer.queue_name).where(
-                EventConsumer.vhost == vhost, EventConsumer.queue_name.in_(names)
-            )
-        )
-    )
-    return set(rows)
 
 
 _QUEUES: Table = Base.metadata.tables["event_subscription_queues"]
@@ -348,16 +302,3 @@ async def find_queue(
     }
     row = await db.read_one(engine, _QUEUE_OF, parameters)
     return db.detached(EventSubscriptionQueue, row) if row is not None else None
-
-
-async def queues_of_subscriptions(
-    session: AsyncSession, subscription_uuids: Sequence[uuid.UUID]
-) -> list[EventSubscriptionQueue]:
-    if not subscription_uuids:
-        return []
-    rows = await session.scalars(
-        select(EventSubscriptionQueue).where(
-            EventSubscriptionQueue.subscription_uuid.in_(subscription_uuids)
-        )
-    )
-    return list(rows)
