@@ -234,7 +234,7 @@ async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
     outbox = _outbox(engine, settings)
     rows = [_event("a", ["u1", "u2"]), _event("b"), _event("c", [])]
     with database_statements(engine) as statements:
-        async with outbox.statements.store() as unit:
+        async with outbox.store_unit() as unit:
             returned, _ = await unit.insert(rows, [])
     assert len(statements) == 1  # three rows, one statement, on either database
     # Read back through SQLAlchemy: what the driver wrote is what SQLAlchemy reads.
@@ -246,7 +246,7 @@ async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
     assert returned == {"a", "b", "c"}
     # ON CONFLICT DO NOTHING: only the new row comes back, and only its copies are written
     # (an event stored before keeps its first copies).
-    async with outbox.statements.store() as unit:
+    async with outbox.store_unit() as unit:
         again, copies = await unit.insert(
             [_event("a"), _event("d")], [_copy_of("a"), _copy_of("d"), _copy_of("d")]
         )
@@ -266,11 +266,11 @@ async def test_a_constraint_violation_is_an_integrity_error_and_rolls_back(
     copy for a queue that is not there. The store writes all or nothing: the new event
     beside it is not stored either."""
     outbox = _outbox(engine, settings)
-    async with outbox.statements.store() as unit:
+    async with outbox.store_unit() as unit:
         await unit.insert([_event("taken")], [])
 
     async def conflicting() -> None:
-        async with outbox.statements.store() as unit:
+        async with outbox.store_unit() as unit:
             gone = {**_copy_of("new"), "queue_uuid": uuid.uuid4()}
             await unit.insert([_event("new")], [_copy_of("new"), gone])
 
@@ -280,7 +280,7 @@ async def test_a_constraint_violation_is_an_integrity_error_and_rolls_back(
     copies = select(func.count()).select_from(DELIVERIES)
     async with engine.connect() as connection:
         assert (await connection.execute(copies)).scalar() == 0
-    async with outbox.statements.store() as unit:  # the connection went back usable
+    async with outbox.store_unit() as unit:  # the connection went back usable
         await unit.insert([_event("later")], [])
     assert set(await _stored(engine)) == {"taken", "later"}
 
@@ -296,7 +296,7 @@ async def test_an_unparked_copy_is_claimed_as_a_claim_takes_it(
     holding it and released to another comes back as that relay's claim would have taken
     it (same row mapping, same lease rule), and only once."""
     outbox = _outbox(engine, settings)
-    async with outbox.statements.store() as unit:
+    async with outbox.store_unit() as unit:
         await unit.insert([_event("e1"), _event("e2")], [_copy_of("e1"), _copy_of("e2")])
     now = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)  # the copies' `next_attempt_at`
     claimed, _ = await outbox.claim("relay-a", now, 10)
@@ -339,7 +339,7 @@ async def test_a_connection_lost_between_statements_is_a_dbapi_error_and_the_poo
     outbox = _outbox(engine, settings)
 
     async def cut_off() -> None:
-        async with outbox.statements.store() as unit:
+        async with outbox.store_unit() as unit:
             await unit.insert([_event("lost")], [])
             await _terminate(settings, [await _pid(unit)])
             await unit.insert([_event("after")], [])
@@ -348,7 +348,7 @@ async def test_a_connection_lost_between_statements_is_a_dbapi_error_and_the_poo
         await cut_off()
     assert raised.value.connection_invalidated
     assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
-    async with outbox.statements.store() as unit:
+    async with outbox.store_unit() as unit:
         await unit.insert([_event("recovered")], [])
     # Each store's write is one statement, committed as it ran: the first stays, the one
     # that met the lost connection wrote nothing.
@@ -370,7 +370,7 @@ async def test_after_a_lost_outbox_connection_every_connection_as_old_is_replace
     outcomes = []
     for index in range(3):
         try:
-            async with outbox.statements.store() as unit:
+            async with outbox.store_unit() as unit:
                 await unit.insert([_event(f"e{index}")], [])
             outcomes.append("ok")
         except DBAPIError:
@@ -388,7 +388,7 @@ async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
     outbox = _outbox(engine, settings)
 
     async def cancelled() -> None:
-        async with outbox.statements.store() as unit:
+        async with outbox.store_unit() as unit:
             if settings.is_sqlite:  # one transaction: what it wrote goes with it
                 await unit.insert([_event("cancelled")], [])
             started.set()
@@ -404,7 +404,7 @@ async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert await _stored(engine) == {}
-    async with outbox.statements.store() as unit:  # the pool serves one that works
+    async with outbox.store_unit() as unit:  # the pool serves one that works
         await unit.insert([_event("next")], [])
     assert set(await _stored(engine)) == {"next"}
     if not settings.is_sqlite:
