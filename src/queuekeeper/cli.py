@@ -118,7 +118,7 @@ def _alembic(step: str, revision: str, *, check_first: bool, done: str, failed: 
 @app.command()
 def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Apply database migrations (run before `serve`, and after every upgrade)."""
-    # The one command that may create the database (an SQLite file): no check first.
+    # The one command that runs on a database without queuekeeper's tables: no check first.
     _alembic("upgrade", revision, check_first=False, done="migrated", failed="migration")
 
 
@@ -164,9 +164,9 @@ def serve(
 ) -> None:
     """Run the service (HTTP, relay, scheduled jobs).
 
-    On PostgreSQL: accept workers and relay processes under one supervisor
-    (QUEUEKEEPER_ACCEPT_WORKERS, QUEUEKEEPER_RELAY_PROCESSES). On SQLite, or with one
-    worker and no relay process: one process (uvicorn) with the relay in it.
+    Accept workers and relay processes under one supervisor (QUEUEKEEPER_ACCEPT_WORKERS,
+    QUEUEKEEPER_RELAY_PROCESSES); with one worker and no relay process (the default on 2
+    cores or fewer): one process (uvicorn) with the relay in it.
     """
     import structlog
     import uvicorn
@@ -181,12 +181,6 @@ def serve(
     _ready_database(settings, serving=True)
     accept_workers, relay_processes = process_counts(settings, workers)
     logger = structlog.get_logger("queuekeeper.cli")
-    if settings.is_sqlite and ((settings.accept_workers or 1) > 1 or settings.relay_processes):
-        logger.info(
-            "single_process_on_sqlite",
-            detail="SQLite runs one process with the relay in it; "
-            "QUEUEKEEPER_ACCEPT_WORKERS and QUEUEKEEPER_RELAY_PROCESSES apply on PostgreSQL",
-        )
     if accept_workers > 1 or relay_processes or os.environ.get(MULTIPROC_ENV):
         directory = _prepare_multiprocess_dir()
         logger.info(
