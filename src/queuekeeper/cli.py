@@ -38,6 +38,20 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _settings() -> Settings:
+    """The settings; invalid ones stop the command in one line naming each problem."""
+    from pydantic import ValidationError
+
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, error['loc']))}: {error['msg'].removeprefix('Value error, ')}"
+            for error in exc.errors(include_input=False, include_url=False)
+        )
+        raise fail(f"invalid settings: {problems}", 2) from None
+
+
 def freeze_startup_objects() -> None:
     """Modules, classes and schemas live as long as the process: keep them out of the
     garbage collector's way (a full collection took 130 ms under load, 7 ms frozen)."""
@@ -101,7 +115,7 @@ def _alembic(step: str, revision: str, *, check_first: bool, done: str, failed: 
     from queuekeeper.logging import configure_logging
     from queuekeeper.preflight import alembic_config
 
-    settings = get_settings()
+    settings = _settings()
     configure_logging(settings)
     if check_first:
         _ready_database(settings)
@@ -174,7 +188,7 @@ def serve(
     from queuekeeper.logging import configure_logging
     from queuekeeper.supervisor import Supervisor, process_counts
 
-    settings = get_settings()
+    settings = _settings()
     configure_logging(settings)
     bind_host, bind_port = host or settings.host, port or settings.port
     _port_free(bind_host, bind_port, from_option=port is not None)
@@ -226,7 +240,7 @@ def healthcheck(
     import httpx
 
     if url is None:
-        settings = get_settings()
+        settings = _settings()
         url = f"http://{settings.local_host}:{settings.port}"
     target = url.rstrip("/") + ("/readyz" if ready else "/healthz")
     try:
@@ -349,7 +363,7 @@ def import_directory(
     from queuekeeper.directory.importer import import_directory as run_import
     from queuekeeper.logging import configure_logging
 
-    settings = get_settings()
+    settings = _settings()
     configure_logging(settings, level="WARNING")
     data = _read_directory_file(file)
     _ready_database(settings)
@@ -383,11 +397,11 @@ def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
     from queuekeeper.common.progress import Phases
     from queuekeeper.logging import configure_logging
 
-    configure_logging(get_settings(), level="WARNING")  # each change is in the run record below
-    _ready_database(get_settings())
+    configure_logging(_settings(), level="WARNING")  # each change is in the run record below
+    _ready_database(_settings())
 
     async def main(on_progress: Phases) -> Any:
-        async with running(get_settings()) as state:
+        async with running(_settings()) as state:
             return await start(state.jobs, on_progress)
 
     with Phases() as on_progress:
@@ -489,8 +503,8 @@ def queues(
     from queuekeeper.reconcile.schemas import QueueState
     from queuekeeper.reconcile.view import QueueFilter, queue_states
 
-    configure_logging(get_settings(), level="WARNING")
-    _ready_database(get_settings())
+    configure_logging(_settings(), level="WARNING")
+    _ready_database(_settings())
     try:
         wanted = QueueFilter(vhost=vhost, state=QueueState(state_filter) if state_filter else None)
     except ValueError as exc:
@@ -508,7 +522,7 @@ def queues(
 
     async def main() -> int:
         count = 0
-        async with running(get_settings()) as state:
+        async with running(_settings()) as state:
             async for entry in queue_states(state.jobs.context, wanted):
                 count += 1
                 arguments = cell(entry.arguments_ok)
@@ -570,7 +584,7 @@ def relay() -> None:
     from queuekeeper.app import running
     from queuekeeper.logging import configure_logging
 
-    settings = get_settings()
+    settings = _settings()
     configure_logging(settings)
     _ready_database(settings)
     freeze_startup_objects()

@@ -61,7 +61,7 @@ async def check_database(settings: Settings, head: str) -> None:
 
     try:
         make_url(settings.database_url)
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
         raise DatabaseNotReady(
             f"QUEUEKEEPER_DATABASE_URL is not a database URL ({exc}): {SET_URL}, e.g. "
             "postgresql://user:password@host/queuekeeper"
