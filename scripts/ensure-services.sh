@@ -57,6 +57,15 @@ if [ "$want_postgresql" = 1 ] && ! port_open 5432; then
   fi
 fi
 
+# `make run` on the default database URL (config.py): its database, made when missing.
+if [ "${1:-}" = rabbitmq ] && [ -z "${QUEUEKEEPER_DATABASE_URL:-}" ]; then
+  if [ "$(psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'queuekeeper'" 2>/dev/null)" != 1 ]; then
+    log "creating the database queuekeeper"
+    createdb -h 127.0.0.1 -U postgres queuekeeper \
+      || stop_with "cannot create the database; run: createdb -h 127.0.0.1 -U postgres queuekeeper, or set QUEUEKEEPER_DATABASE_URL"
+  fi
+fi
+
 # --- RabbitMQ -----------------------------------------------------------------------
 PLUGINS="rabbitmq_management rabbitmq_stomp rabbitmq_web_stomp rabbitmq_event_exchange"
 # The event exchange opens no port: it is up when the Management API shows the exchange it
