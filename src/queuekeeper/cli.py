@@ -205,7 +205,6 @@ def serve(
         )
     if accept_workers > 1 or relay_processes:
         supervisor = Supervisor(
-            settings,
             bind_host,
             bind_port,
             accept_workers,
@@ -574,9 +573,9 @@ def relay() -> None:
     """Run the outbox relay alone (no HTTP) until interrupted.
 
     It shares the work with the relays of running services and other
-    `queuekeeper relay` processes. On PostgreSQL it is woken by a NOTIFY when
-    copies are committed unclaimed (run `serve` with QUEUEKEEPER_RELAY_ENABLED=false
-    beside it), otherwise every QUEUEKEEPER_RELAY_POLL_INTERVAL.
+    `queuekeeper relay` processes. It is woken by a NOTIFY when copies are committed
+    unclaimed (run `serve` with QUEUEKEEPER_RELAY_ENABLED=false beside it), and looks
+    every QUEUEKEEPER_RELAY_POLL_INTERVAL besides.
     """
     import asyncio
     import signal

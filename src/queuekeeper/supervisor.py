@@ -120,7 +120,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 @dataclass
 class Supervisor:
-    settings: Settings
     host: str
     port: int
     accept_workers: int
