@@ -12,8 +12,8 @@ SQLAlchemy's and there is no second pool to size.
 
 A failure is raised as SQLAlchemy would raise it (`DBAPIError`, `IntegrityError` for a
 constraint), so the error handlers (errors.py) answer a lost connection or a database
-that is down with 503 and the intake retries a conflict, whichever path ran. `Outbox`
-(outbox.py) runs them; nothing else does.
+that is down with 503 and the intake retries a conflict, whichever path ran. In the service
+`Outbox` (outbox.py) runs them.
 """
 
 from __future__ import annotations
