@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint typecheck services tools test-postgres test-sqlite test-image test-cluster bench docs clean check-newest-agent
+.PHONY: install run test lint typecheck services tools test-postgres test-image test-cluster bench docs clean check-newest-agent
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { \
@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 ## make run: install, make sure the local RabbitMQ is up (management, STOMP, web-STOMP, event
-## exchange), migrate,
-## and serve on the embedded default (SQLite file, local RabbitMQ)
+## exchange) and the local PostgreSQL when the database URL is the default or names it,
+## migrate, and serve
 run: install
 	@MAKE_TARGET=run bash scripts/ensure-services.sh rabbitmq
 	$(BIN)/queuekeeper migrate
@@ -51,17 +51,14 @@ PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 test-postgres: install services tools
 	$(BIN)/pytest -q -m "not container" $(PYTEST_PARALLEL) --durations=15
 
-test-sqlite: install services tools
-	QK_TEST_DB=sqlite $(BIN)/pytest -q -m "not container" $(PYTEST_PARALLEL) --durations=15
-
 ## make test-image: build the container image with podman/buildah and run it against the
 ## local PostgreSQL and RabbitMQ (once; tests/ops/test_image.py)
 test-image: install services tools
 	$(BIN)/pytest -q -s -m container tests/ops/test_image.py
 
 ## make test: install, make sure PostgreSQL and RabbitMQ are up, lint, type-check, run the suite
-## on PostgreSQL and again on SQLite, then build and run the container image.
-test: install services tools lint typecheck test-postgres test-sqlite test-image
+## once, then build and run the container image.
+test: install services tools lint typecheck test-postgres test-image
 
 ## make test-cluster: not part of `make test`. Builds a 3-node RabbitMQ cluster on loopback
 ## beside the main broker (ports 57xx/157xx; needs root and the rabbitmq-server package), runs
@@ -84,4 +81,4 @@ docs: install
 	$(BIN)/queuekeeper settings-table --write README.md --write docs/operations.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache queuekeeper.db*
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -7,11 +7,11 @@ On a fresh, migrated PostgreSQL database with one offering, one agent with acces
 registered queue: `Outbox.store` for one event (the recipients query, then one statement
 writing the event row and its delivery, the event counts when there are repeats, and the
 connection's checkout from the engine's pool) in alternating blocks of 300, CPU of this
-process per event (`time.process_time`), beside the same two round trips written by hand
-on a connection of asyncpg's own (the floor: the recipients, then one statement inserting
-the event and its delivery). `Outbox.store` runs twice: with the recipients read by every
-store (what the floor does), and as the service runs it, remembering them (one round trip;
-docs/decisions/020-recipient-digest.md). Not part of `make bench`:
+process per event (`time.process_time`), beside the same two statements (the package's
+own, `outbox_postgres.RECIPIENTS` and `INSERT_ACCEPTED`) run on a connection of asyncpg's
+own with rows made by hand (the floor). `Outbox.store` runs twice: with the recipients
+read by every store (what the floor does), and as the service runs it, remembering them
+(one round trip; docs/decisions/020-recipient-digest.md). Not part of `make bench`:
 
     python -m bench._store
 """
@@ -19,7 +19,6 @@ docs/decisions/020-recipient-digest.md). Not part of `make bench`:
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import uuid
 
@@ -31,6 +30,13 @@ from bench._support import alternating_blocks, bench_database, print_medians
 from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.events.outbox import Outbox, Request
+from queuekeeper.events.outbox_postgres import (
+    DELIVERY_COLUMNS,
+    EVENT_COLUMNS,
+    INSERT_ACCEPTED,
+    RECIPIENTS,
+    column_arrays,
+)
 from queuekeeper.events.schemas import EventIn
 from queuekeeper.logging import configure_logging
 from queuekeeper.models import Base, utcnow
@@ -39,30 +45,6 @@ BLOCK = 300
 BLOCKS = int(os.environ.get("BENCH_BLOCKS", "8"))
 TABLES = Base.metadata.tables
 PAYLOAD = {"order_uuid": uuid.uuid4().hex, "padding": "x" * 600}
-
-RECIPIENTS = """
-SELECT o.uuid, s.uuid, q.uuid, q.queue_name, q.vhost
-FROM offerings o
-LEFT JOIN offering_access a ON a.offering_uuid = o.uuid
-JOIN users u ON u.uuid = a.user_uuid AND u.is_active
-  AND (u.token_expires_at IS NULL OR u.token_expires_at > $2)
-JOIN event_subscriptions s ON s.user_uuid = a.user_uuid
-LEFT JOIN event_subscription_queues q ON q.subscription_uuid = s.uuid
-  AND q.offering_uuid = o.uuid AND q.object_type = ANY($3)
-WHERE o.uuid = ANY($1)
-"""
-# The event and its delivery in one statement, as the store writes them.
-INSERT_ACCEPTED = """
-WITH new_event AS (
-  INSERT INTO events (event_id, offering_uuid, object_type, payload, user_uuids, queued,
-    skipped_unregistered, accepted)
-  VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT DO NOTHING RETURNING event_id
-)
-INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost, state,
-  attempts, claimed_by, claimed_until, next_attempt_at, created)
-SELECT event_id, $9, NULL, $10, $11, 'pending', 1, 'bench', $12, $12, $12 FROM new_event
-RETURNING id, event_id, queue_uuid, consumer_uuid
-"""
 
 
 async def _seed(engine: AsyncEngine) -> uuid.UUID:
@@ -107,26 +89,46 @@ async def _run(url: str) -> None:
         await store.store([Request([event], [PAYLOAD], "")], now, store.lease("bench", now))
 
     async def reading() -> None:
-        store.statements.recipients._entries.clear()  # type: ignore[attr-defined]
+        store.recipients._entries.clear()
         await service()
 
     async def raw() -> None:
         event_id, now = uuid.uuid4().hex, utcnow()
-        rows = await floor.fetch(RECIPIENTS, [offering], now, ["order"])
+        rows = await floor.fetch(RECIPIENTS, [offering], ["order"], now)
+        recipient, digest = rows[0], rows[0][9]
+        event = {
+            "event_id": event_id,
+            "offering_uuid": offering,
+            "offering_uuids": None,
+            "object_type": "order",
+            "payload": PAYLOAD,
+            "user_uuids": None,
+            "queued": 1,
+            "skipped_unregistered": 0,
+            "accepted": now,
+        }
+        copy = {
+            "event_id": event_id,
+            "queue_uuid": recipient[5],
+            "consumer_uuid": None,
+            "queue_name": recipient[7],
+            "vhost": recipient[8],
+            "offering_uuid": None,
+            "state": "pending",
+            "attempts": 1,
+            "claimed_by": "bench",
+            "claimed_until": now,
+            "next_attempt_at": now,
+            "created": now,
+        }
         await floor.fetch(
             INSERT_ACCEPTED,
-            event_id,
-            offering,
-            "order",
-            json.dumps(PAYLOAD),
-            None,
-            1,
-            0,
+            [offering],
+            ["order"],
             now,
-            rows[0][2],
-            rows[0][3],
-            rows[0][4],
-            now,
+            digest,
+            *column_arrays([event], EVENT_COLUMNS),
+            *column_arrays([copy], DELIVERY_COLUMNS),
         )
 
     ways = {

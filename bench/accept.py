@@ -16,11 +16,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from asgi_lifespan import LifespanManager
@@ -30,6 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message
 
+from bench._support import bench_database
 from bench.publish import TOKEN, _payload
 from queuekeeper.app import create_app
 from queuekeeper.config import Settings
@@ -119,9 +118,9 @@ async def _answer_at_once(
     return Accepted([_accepted(event) for event in events], len(events))
 
 
-async def run(database: Path) -> None:
+async def run(url: str) -> None:
     settings = Settings(
-        database_url=f"sqlite+aiosqlite:///{database}",
+        database_url=url,
         service_tokens=[TOKEN],
         relay_enabled=False,
         scheduler_enabled=False,
@@ -154,8 +153,8 @@ async def run(database: Path) -> None:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(run(Path(tmp) / "accept.db"))
+    with bench_database() as url:
+        asyncio.run(run(url))
 
 
 if __name__ == "__main__":

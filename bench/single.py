@@ -77,7 +77,7 @@ STEP_SECONDS = float(os.environ.get("BENCH_STEP_SECONDS", "8"))
 RSS_SECONDS = float(os.environ.get("BENCH_RSS_SECONDS", "300"))
 PIPELINES = os.environ.get("BENCH_PIPELINES", "raw,queuekeeper").split(",")
 # Process models of the service swept, `<accept workers>x<relay processes>` (0 relay
-# processes: the relay runs inside the one accept process, as on SQLite).
+# processes: the relay runs inside the one accept process).
 MODELS = os.environ.get("BENCH_PROCESS_MODELS", "1x0,1x1,2x1,1x2,2x2").split(",")
 P99_GOAL = 0.020
 ACHIEVED_GOAL = 0.95

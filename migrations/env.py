@@ -25,7 +25,6 @@ def run_migrations_offline() -> None:
         url=_settings().database_url,
         target_metadata=target_metadata,
         literal_binds=True,
-        render_as_batch=True,
     )
     with context.begin_transaction():
         context.run_migrations()
@@ -35,7 +34,6 @@ def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
-        render_as_batch=connection.dialect.name == "sqlite",
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -1,4 +1,4 @@
-"""Shared fixtures: real PostgreSQL (or SQLite with QK_TEST_DB=sqlite), real RabbitMQ.
+"""Shared fixtures: real PostgreSQL, real RabbitMQ.
 
 Isolation: one database per test session, emptied before each test; one
 instance name per test, so every vhost and broker user a test makes carries a
@@ -36,7 +36,6 @@ from tests.respx_aiohttp import AiohttpTransportMocker
 respx.mocks.DEFAULT_MOCKER = AiohttpTransportMocker.name
 
 PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
-TEST_DB = os.environ.get("QK_TEST_DB", "postgresql")
 SERVICE_TOKEN = "service-token-primary-0123456789"
 SERVICE_TOKEN_OLD = "service-token-rotated-9876543210"
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,12 +62,7 @@ async def pg_admin(sql: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def database_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if TEST_DB == "sqlite":
-        url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'queuekeeper.db'}"
-        _migrate(url)
-        yield url
-        return
+def database_url() -> Iterator[str]:
     name = f"qk_test_{uuid.uuid4().hex[:12]}"
     asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     base = PG_ADMIN_DSN.rsplit("/", 1)[0]
@@ -76,6 +70,30 @@ def database_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     _migrate(url)
     yield url
     asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+def empty_database() -> Iterator[str]:
+    """A PostgreSQL database of its own with no tables (what `queuekeeper migrate` starts
+    from), as a user writes its URL; dropped afterwards."""
+    name = f"qk_test_{uuid.uuid4().hex[:12]}"
+    asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
+    yield f"{PG_ADMIN_DSN.rsplit('/', 1)[0]}/{name}"
+    asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def pg_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
+    """One query's rows on the database at `url` (a test outside an event loop)."""
+    import asyncpg
+
+    async def fetch() -> list[tuple[Any, ...]]:
+        connection = await asyncpg.connect(url.replace("+asyncpg", ""))
+        try:
+            return [tuple(row) for row in await connection.fetch(sql)]
+        finally:
+            await connection.close()
+
+    return asyncio.run(fetch())
 
 
 @pytest.fixture
@@ -171,10 +189,6 @@ def _restore_logging() -> Iterator[None]:
     yield
     root.handlers[:] = [h for h in root.handlers if not isinstance(h, QueuekeeperHandler)]
     root.setLevel(level)
-
-
-def pytest_report_header(config: Any) -> str:
-    return f"queuekeeper test database: {TEST_DB}"
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The `queuekeeper` command against the real PostgreSQL (or SQLite) and RabbitMQ."""
+"""The `queuekeeper` command against the real PostgreSQL and RabbitMQ."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import os
 import re
 import secrets
 import socket
-import sqlite3
 import subprocess
 import sys
 import uuid
@@ -27,6 +26,7 @@ from queuekeeper.config import Settings, get_settings
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.models import Offering, OfferingAccess, User
 from tests.brokers import BROKER
+from tests.conftest import pg_rows
 from tests.proxy import closed_port
 
 
@@ -121,15 +121,14 @@ def test_invalid_settings_exit_2_naming_the_variable(
 
 
 def test_migrate_creates_the_schema_and_fails_cleanly_without_a_database(
-    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    runner: CliRunner, empty_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    database = tmp_path / "fresh.db"
-    monkeypatch.setenv("QUEUEKEEPER_DATABASE_URL", f"sqlite:///{database}")
+    monkeypatch.setenv("QUEUEKEEPER_DATABASE_URL", empty_database)
     get_settings.cache_clear()
     result = invoke(runner, "migrate")
     assert result.exit_code == 0, result.output
     assert "database migrated to head" in result.output
-    assert database.stat().st_size > 0
+    assert pg_rows(empty_database, "SELECT 1 FROM deliveries LIMIT 1") == []  # the tables are there
 
     password = "pg-Secret-" + secrets.token_hex(4)
     monkeypatch.setenv(
@@ -314,20 +313,30 @@ def outside_checkout(tmp_path: Path, *args: str, **env: str) -> subprocess.Compl
 
 
 @pytest.mark.parametrize("command", [["reconcile", "--dry-run"], ["queues"], ["serve"], ["relay"]])
-def test_without_a_database_a_command_says_so_in_one_line_and_creates_none(
-    tmp_path: Path, command: list[str]
+def test_an_unmigrated_database_is_one_line_for_every_command(
+    tmp_path: Path, empty_database: str, command: list[str]
 ) -> None:
-    result = outside_checkout(tmp_path, *command)
+    result = outside_checkout(tmp_path, *command, QUEUEKEEPER_DATABASE_URL=empty_database)
     assert result.returncode == 1, result.stderr
+    shown = empty_database.replace("postgresql://", "postgresql+asyncpg://")
     assert result.stderr.splitlines() == [
-        f"error: no database at sqlite+aiosqlite:///./queuekeeper.db (file "
-        f"{tmp_path.resolve() / 'queuekeeper.db'}, working directory {tmp_path.resolve()}): "
-        "run `queuekeeper migrate` to create it there, or set QUEUEKEEPER_DATABASE_URL"
+        f"error: the database {shown} has no queuekeeper tables: run `queuekeeper migrate`, "
+        "or set QUEUEKEEPER_DATABASE_URL"
     ]
-    assert list(tmp_path.glob("queuekeeper.db*")) == []
 
 
-def test_a_wrong_or_unmigrated_database_is_one_line(tmp_path: Path, settings: Settings) -> None:
+@pytest.mark.parametrize("url", ["sqlite:///./queuekeeper.db", "queuekeeper"])
+def test_a_database_url_that_is_not_postgresql_is_one_line(tmp_path: Path, url: str) -> None:
+    result = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=url)
+    assert result.returncode == 2
+    assert len(result.stderr.splitlines()) == 1, result.stderr
+    assert "QUEUEKEEPER_DATABASE_URL must be a PostgreSQL URL" in result.stderr
+    assert "PostgreSQL is the only database" in result.stderr
+
+
+def test_a_wrong_or_unmigrated_database_is_one_line(
+    tmp_path: Path, settings: Settings, empty_database: str
+) -> None:
     port = closed_port()
     refused = outside_checkout(
         tmp_path,
@@ -341,27 +350,24 @@ def test_a_wrong_or_unmigrated_database_is_one_line(tmp_path: Path, settings: Se
     ), refused.stderr
     assert "secret-pw" not in refused.stderr
 
-    not_a_url = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL="queuekeeper")
+    not_a_url = outside_checkout(
+        tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL="postgresql://qk@db:port/queuekeeper"
+    )
     assert not_a_url.returncode == 1
     assert len(not_a_url.stderr.splitlines()) == 1, not_a_url.stderr
     assert "is not a database URL" in not_a_url.stderr
 
-    (tmp_path / "empty.db").touch()
-    empty = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL="sqlite:///empty.db")
-    assert empty.stderr.splitlines() == [
-        f"error: the database sqlite+aiosqlite:///empty.db (file {tmp_path.resolve()}/empty.db, "
-        f"working directory {tmp_path.resolve()}) has no queuekeeper tables: run "
-        "`queuekeeper migrate`, or set QUEUEKEEPER_DATABASE_URL"
-    ]
+    empty = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=empty_database)
+    assert "has no queuekeeper tables: run `queuekeeper migrate`" in empty.stderr
 
-    # Only migrate creates one; then the same command runs.
-    migrated = outside_checkout(tmp_path, "migrate")
+    # Migrate creates the tables; then the same command runs.
+    migrated = outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=empty_database)
     assert migrated.returncode == 0, migrated.stderr
-    assert (tmp_path / "queuekeeper.db").exists()
     ran = outside_checkout(
         tmp_path,
         "reconcile",
         "--dry-run",
+        QUEUEKEEPER_DATABASE_URL=empty_database,
         QUEUEKEEPER_INSTANCE_NAME=settings.instance_name,
         QUEUEKEEPER_AMQP_URL=settings.amqp_url,
         QUEUEKEEPER_MANAGEMENT_URL=settings.management_url,
@@ -389,26 +395,22 @@ def test_serve_on_a_port_in_use_names_the_setting(tmp_path: Path, database_url: 
     ]
 
 
-def test_downgrade_to_the_previous_release_and_back(tmp_path: Path) -> None:
+def test_downgrade_to_the_previous_release_and_back(tmp_path: Path, empty_database: str) -> None:
     """Rolling back a release (docs/operations.md, Upgrading and rolling back)."""
-    url = f"sqlite:///{tmp_path / 'roll.db'}"
+    url = empty_database
     assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0
-    with sqlite3.connect(tmp_path / "roll.db") as connection:
-        (identity,) = connection.execute("SELECT uuid FROM installation").fetchone()
+    [(identity,)] = pg_rows(url, "SELECT uuid FROM installation")
     down = outside_checkout(
         tmp_path, "downgrade", "0006_announce_due", QUEUEKEEPER_DATABASE_URL=url
     )
     assert down.returncode == 0, down.stderr
-    with sqlite3.connect(tmp_path / "roll.db") as connection:
-        (revision,) = connection.execute("SELECT version_num FROM alembic_version").fetchone()
-        # The identity survives the rollback: the broker's objects carry it.
-        assert connection.execute("SELECT uuid FROM installation").fetchone() == (identity,)
-    assert revision == "0006_announce_due"
+    assert pg_rows(url, "SELECT version_num FROM alembic_version") == [("0006_announce_due",)]
+    # The identity survives the rollback: the broker's objects carry it.
+    assert pg_rows(url, "SELECT uuid FROM installation") == [(identity,)]
     # The new release refuses the old schema in one line; migrate brings it back.
     refused = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=url)
     assert refused.returncode == 1
     assert "is at migration 0006_announce_due" in refused.stderr
     assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0
-    with sqlite3.connect(tmp_path / "roll.db") as connection:
-        # The upgrade again finds the same identity, so the broker's objects stay ours.
-        assert connection.execute("SELECT uuid FROM installation").fetchall() == [(identity,)]
+    # The upgrade again finds the same identity, so the broker's objects stay ours.
+    assert pg_rows(url, "SELECT uuid FROM installation") == [(identity,)]

@@ -1,4 +1,5 @@
-"""Settings a newcomer gets wrong: the public URL, and variables that are not settings."""
+"""Settings a newcomer gets wrong: the public URL, the database URL, and variables that are
+not settings."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from structlog.testing import capture_logs
 
 from queuekeeper.config import Settings
@@ -20,6 +22,37 @@ def test_public_url_follows_host_and_port_unless_set(monkeypatch: pytest.MonkeyP
     assert Settings(port=9004, public_url="https://q.example.org").public_url == (
         "https://q.example.org"
     )
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "postgresql://u:p@db.example:5433/qk",
+        "postgres://u:p@db.example:5433/qk",
+        "postgresql+asyncpg://u:p@db.example:5433/qk",
+    ],
+)
+def test_a_postgresql_url_is_run_on_asyncpg(given: str) -> None:
+    assert (
+        Settings(database_url=given).database_url == "postgresql+asyncpg://u:p@db.example:5433/qk"
+    )
+
+
+@pytest.mark.parametrize(
+    "given", ["sqlite:///./queuekeeper.db", "sqlite+aiosqlite:///x.db", "mysql://u@h/db", "qk.db"]
+)
+def test_any_other_database_url_is_refused_naming_the_variable(given: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        Settings(database_url=given)
+    (error,) = raised.value.errors()
+    assert error["loc"] == ("database_url",)
+    assert "QUEUEKEEPER_DATABASE_URL must be a PostgreSQL URL" in error["msg"]
+    assert "PostgreSQL is the only database" in error["msg"]
+
+
+def test_the_default_database_is_a_local_postgresql(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QUEUEKEEPER_DATABASE_URL", raising=False)
+    assert Settings(_env_file=None).database_url.startswith("postgresql+asyncpg://")
 
 
 def test_a_variable_that_is_not_a_setting_is_named_with_the_closest_one() -> None:

@@ -1,7 +1,6 @@
-"""`db.read_one`, and the outbox's statements on the driver (`events/outbox_postgres.py`)
-and their SQLite twin: the same rows as SQLAlchemy gives and takes, on either database,
-and a database failure raised as SQLAlchemy's so the error handlers (and the intake's
-retry on a constraint) answer it."""
+"""`db.read_one`, and the outbox's statements on the driver (`events/outbox_postgres.py`):
+the same rows as SQLAlchemy gives and takes, and a database failure raised as SQLAlchemy's
+so the error handlers (and the intake's retry on a constraint) answer it."""
 
 from __future__ import annotations
 
@@ -104,8 +103,6 @@ async def test_no_row_is_none(engine: AsyncEngine) -> None:
 async def test_a_lost_connection_is_a_dbapi_error_and_the_pool_recovers(
     engine: AsyncEngine, settings: Settings
 ) -> None:
-    if settings.is_sqlite:
-        pytest.skip("an SQLite connection cannot be terminated from outside")
     await _user(engine, token_hash="e" * 64)
     first = await db.read_one(engine, PID, {})
     assert first is not None
@@ -127,8 +124,6 @@ async def test_a_refused_connection_is_a_dbapi_error_read_as_unreachable(
     settings: Settings, sqlstate: str, message: str
 ) -> None:
     """What PostgreSQL answers while it restarts or is full: a 503, never a 500."""
-    if settings.is_sqlite:
-        pytest.skip("PostgreSQL's refusals")
     async with refusing_postgres(sqlstate, message) as port:
         url = at_port(settings.database_url, port)
         engine = db.create_engine(settings.model_copy(update={"database_url": url}))
@@ -145,8 +140,6 @@ async def test_every_connection_as_old_as_a_dead_one_is_replaced(
 ) -> None:
     """After a server restart every pooled connection is dead: one read fails, not one per
     pooled connection (as SQLAlchemy's own statements do)."""
-    if settings.is_sqlite:
-        pytest.skip("an SQLite connection cannot be terminated from outside")
     await _user(engine, token_hash="f" * 64)
     pids = select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.2).label("slept"))
     rows = await asyncio.gather(*(db.read_one(engine, pids, {}) for _ in range(3)))
@@ -164,8 +157,6 @@ async def test_every_connection_as_old_as_a_dead_one_is_replaced(
 async def test_reads_past_the_pool_size_leave_no_connection_behind(settings: Settings) -> None:
     """A connection beyond the pool's size (an overflow) is closed when it is returned, not
     left open on the server."""
-    if settings.is_sqlite:
-        pytest.skip("PostgreSQL's backends")
     engine = db.create_engine(settings, pool_size=1)
     reads = select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.05).label("slept"))
     pids: set[int] = set()
@@ -234,9 +225,9 @@ async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
     outbox = _outbox(engine, settings)
     rows = [_event("a", ["u1", "u2"]), _event("b"), _event("c", [])]
     with database_statements(engine) as statements:
-        async with outbox.statements.store() as unit:
+        async with outbox.store_unit() as unit:
             returned, _ = await unit.insert(rows, [])
-    assert len(statements) == 1  # three rows, one statement, on either database
+    assert len(statements) == 1  # three rows, one statement
     # Read back through SQLAlchemy: what the driver wrote is what SQLAlchemy reads.
     stored = await _stored(engine)
     assert stored == {row["event_id"]: row for row in rows}
@@ -246,7 +237,7 @@ async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
     assert returned == {"a", "b", "c"}
     # ON CONFLICT DO NOTHING: only the new row comes back, and only its copies are written
     # (an event stored before keeps its first copies).
-    async with outbox.statements.store() as unit:
+    async with outbox.store_unit() as unit:
         again, copies = await unit.insert(
             [_event("a"), _event("d")], [_copy_of("a"), _copy_of("d"), _copy_of("d")]
         )
@@ -262,15 +253,15 @@ async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
 async def test_a_constraint_violation_is_an_integrity_error_and_rolls_back(
     engine: AsyncEngine, settings: Settings
 ) -> None:
-    """What the intake retries on (a recipient deleted under it), on either database: a
+    """What the intake retries on (a recipient deleted under it): a
     copy for a queue that is not there. The store writes all or nothing: the new event
     beside it is not stored either."""
     outbox = _outbox(engine, settings)
-    async with outbox.statements.store() as unit:
+    async with outbox.store_unit() as unit:
         await unit.insert([_event("taken")], [])
 
     async def conflicting() -> None:
-        async with outbox.statements.store() as unit:
+        async with outbox.store_unit() as unit:
             gone = {**_copy_of("new"), "queue_uuid": uuid.uuid4()}
             await unit.insert([_event("new")], [_copy_of("new"), gone])
 
@@ -280,7 +271,7 @@ async def test_a_constraint_violation_is_an_integrity_error_and_rolls_back(
     copies = select(func.count()).select_from(DELIVERIES)
     async with engine.connect() as connection:
         assert (await connection.execute(copies)).scalar() == 0
-    async with outbox.statements.store() as unit:  # the connection went back usable
+    async with outbox.store_unit() as unit:  # the connection went back usable
         await unit.insert([_event("later")], [])
     assert set(await _stored(engine)) == {"taken", "later"}
 
@@ -292,11 +283,11 @@ def _utc(value: datetime) -> datetime:
 async def test_an_unparked_copy_is_claimed_as_a_claim_takes_it(
     engine: AsyncEngine, settings: Settings
 ) -> None:
-    """Parking's writes through the outbox, on either database: a copy parked by the relay
+    """Parking's writes through the outbox: a copy parked by the relay
     holding it and released to another comes back as that relay's claim would have taken
     it (same row mapping, same lease rule), and only once."""
     outbox = _outbox(engine, settings)
-    async with outbox.statements.store() as unit:
+    async with outbox.store_unit() as unit:
         await unit.insert([_event("e1"), _event("e2")], [_copy_of("e1"), _copy_of("e2")])
     now = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)  # the copies' `next_attempt_at`
     claimed, _ = await outbox.claim("relay-a", now, 10)
@@ -329,7 +320,7 @@ async def test_an_unparked_copy_is_claimed_as_a_claim_takes_it(
 
 
 async def _pid(unit: object) -> int:
-    """The server process of a transaction on the driver (PostgreSQL only)."""
+    """The server process of a transaction on the driver."""
     driver = unit.driver  # type: ignore[attr-defined]
     (row,) = await driver.fetch("SELECT pg_backend_pid()")
     return int(row[0])
@@ -338,12 +329,10 @@ async def _pid(unit: object) -> int:
 async def test_a_connection_lost_between_statements_is_a_dbapi_error_and_the_pool_recovers(
     engine: AsyncEngine, settings: Settings
 ) -> None:
-    if settings.is_sqlite:
-        pytest.skip("an SQLite connection cannot be terminated from outside")
     outbox = _outbox(engine, settings)
 
     async def cut_off() -> None:
-        async with outbox.statements.store() as unit:
+        async with outbox.store_unit() as unit:
             await unit.insert([_event("lost")], [])
             await _terminate(settings, [await _pid(unit)])
             await unit.insert([_event("after")], [])
@@ -352,7 +341,7 @@ async def test_a_connection_lost_between_statements_is_a_dbapi_error_and_the_poo
         await cut_off()
     assert raised.value.connection_invalidated
     assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
-    async with outbox.statements.store() as unit:
+    async with outbox.store_unit() as unit:
         await unit.insert([_event("recovered")], [])
     # Each store's write is one statement, committed as it ran: the first stays, the one
     # that met the lost connection wrote nothing.
@@ -365,8 +354,6 @@ async def test_after_a_lost_outbox_connection_every_connection_as_old_is_replace
     """A server restart kills every pooled connection: the outbox's statement that meets
     the first dead one fails, and the pool serves live ones from then on (as SQLAlchemy's
     own statements do), not one failure per pooled connection."""
-    if settings.is_sqlite:
-        pytest.skip("an SQLite connection cannot be terminated from outside")
     pids = select(func.pg_backend_pid().label("pid"), func.pg_sleep(0.2).label("slept"))
     rows = await asyncio.gather(*(db.read_one(engine, pids, {}) for _ in range(3)))
     await _terminate(settings, [row["pid"] for row in rows if row is not None])
@@ -374,7 +361,7 @@ async def test_after_a_lost_outbox_connection_every_connection_as_old_is_replace
     outcomes = []
     for index in range(3):
         try:
-            async with outbox.statements.store() as unit:
+            async with outbox.store_unit() as unit:
                 await unit.insert([_event(f"e{index}")], [])
             outcomes.append("ok")
         except DBAPIError:
@@ -392,11 +379,9 @@ async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
     outbox = _outbox(engine, settings)
 
     async def cancelled() -> None:
-        async with outbox.statements.store() as unit:
-            if settings.is_sqlite:  # one transaction: what it wrote goes with it
-                await unit.insert([_event("cancelled")], [])
+        async with outbox.store_unit() as unit:
             started.set()
-            if where == "in a statement" and not settings.is_sqlite:
+            if where == "in a statement":
                 await unit.driver.fetch("SELECT pg_sleep(5)")  # type: ignore[attr-defined]
             else:
                 await asyncio.sleep(5)
@@ -408,19 +393,18 @@ async def test_a_cancelled_transaction_leaves_nothing_and_no_connection_in_it(
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert await _stored(engine) == {}
-    async with outbox.statements.store() as unit:  # the pool serves one that works
+    async with outbox.store_unit() as unit:  # the pool serves one that works
         await unit.insert([_event("next")], [])
     assert set(await _stored(engine)) == {"next"}
-    if not settings.is_sqlite:
-        admin = await _admin(settings)
-        try:
-            stuck = await admin.fetch(
-                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
-                "AND state LIKE 'idle in transaction%'"
-            )
-        finally:
-            await admin.close()
-        assert stuck == []
+    admin = await _admin(settings)
+    try:
+        stuck = await admin.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND state LIKE 'idle in transaction%'"
+        )
+    finally:
+        await admin.close()
+    assert stuck == []
 
 
 async def _admin(settings: Settings) -> asyncpg.Connection:

@@ -40,7 +40,7 @@ def upgrade() -> None:
         "given_up_dead_letters",
         sa.Column(
             "id",
-            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+            sa.BigInteger(),
             autoincrement=True,
             nullable=False,
         ),
@@ -240,7 +240,7 @@ def upgrade() -> None:
         "deliveries",
         sa.Column(
             "id",
-            sa.BigInteger().with_variant(sa.Integer(), "sqlite"),
+            sa.BigInteger(),
             autoincrement=True,
             nullable=False,
         ),

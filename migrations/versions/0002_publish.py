@@ -35,23 +35,20 @@ def upgrade() -> None:
         ["next_attempt_at", "id"],
         unique=False,
         postgresql_where=PENDING,
-        sqlite_where=PENDING,
     )
-    if op.get_bind().dialect.name == "postgresql":
-        for table in ("deliveries", "events"):
-            op.execute(
-                f"ALTER TABLE {table} SET (autovacuum_vacuum_scale_factor = 0.02, "
-                "autovacuum_analyze_scale_factor = 0.02)"
-            )
+    for table in ("deliveries", "events"):
+        op.execute(
+            f"ALTER TABLE {table} SET (autovacuum_vacuum_scale_factor = 0.02, "
+            "autovacuum_analyze_scale_factor = 0.02)"
+        )
 
 
 def downgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        for table in ("deliveries", "events"):
-            op.execute(
-                f"ALTER TABLE {table} RESET (autovacuum_vacuum_scale_factor, "
-                "autovacuum_analyze_scale_factor)"
-            )
+    for table in ("deliveries", "events"):
+        op.execute(
+            f"ALTER TABLE {table} RESET (autovacuum_vacuum_scale_factor, "
+            "autovacuum_analyze_scale_factor)"
+        )
     op.drop_index("ix_deliveries_pending_due", table_name="deliveries")
     with op.batch_alter_table("deliveries", schema=None) as batch_op:
         batch_op.create_index(

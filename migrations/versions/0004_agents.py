@@ -4,8 +4,7 @@ Revision ID: 0004_agents
 Revises: 0003_reconcile
 Create Date: 2026-11-22 00:30:00.000000
 
-Both are unique indexes rather than constraints so that SQLite needs no table
-rebuild. They make the site agent's start-up idempotent under concurrency: two
+Both are unique indexes. They make the site agent's start-up idempotent under concurrency: two
 agents starting at once cannot create two identities with one name, nor two
 subscriptions for one identity and object type (NULLs, i.e. subscriptions not
 made through an identity, are never equal, so they are not constrained).

@@ -13,7 +13,6 @@ announces them. Statement-level with a transition table rather than a row trigge
 with `WHEN (NEW.claimed_by IS NULL)`: measured on inserts of 1 and 1,000 rows, the
 statement trigger costs nothing beyond run-to-run noise, claimed or not, while the row
 trigger added ~50 % to a 1,000-row unclaimed insert (one pg_notify call per row).
-SQLite runs one process: nothing to do there.
 """
 
 from collections.abc import Sequence
@@ -27,8 +26,6 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
-    if op.get_bind().dialect.name != "postgresql":
-        return
     op.execute(
         """
         CREATE FUNCTION queuekeeper_announce_due() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -51,7 +48,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    if op.get_bind().dialect.name != "postgresql":
-        return
     op.execute("DROP TRIGGER IF EXISTS deliveries_announce_due ON deliveries")
     op.execute("DROP FUNCTION IF EXISTS queuekeeper_announce_due()")

@@ -33,7 +33,6 @@ def upgrade() -> None:
         "deliveries",
         ["vhost", "queue_name", "state", "id"],
         postgresql_where=sa.text(PARKED_OR_RELEASING),
-        sqlite_where=sa.text(PARKED_OR_RELEASING),
     )
 
 

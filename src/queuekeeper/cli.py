@@ -34,6 +34,20 @@ def fail(message: str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _settings() -> Settings:
+    """The settings; invalid ones stop the command in one line naming each problem."""
+    from pydantic import ValidationError
+
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, error['loc']))}: {error['msg'].removeprefix('Value error, ')}"
+            for error in exc.errors(include_input=False, include_url=False)
+        )
+        raise fail(f"invalid settings: {problems}", 2) from None
+
+
 def _port_free(host: str, port: int, *, from_option: bool) -> None:
     """One line naming the setting when the port is taken, instead of uvicorn's bind error."""
     import errno
@@ -86,7 +100,7 @@ def _alembic(step: str, revision: str, *, check_first: bool, done: str, failed: 
     from queuekeeper.logging import configure_logging
     from queuekeeper.preflight import alembic_config
 
-    settings = get_settings()
+    settings = _settings()
     configure_logging(settings)
     if check_first:
         _ready_database(settings)
@@ -103,7 +117,7 @@ def _alembic(step: str, revision: str, *, check_first: bool, done: str, failed: 
 @app.command()
 def migrate(revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Apply database migrations (run before `serve`, and after every upgrade)."""
-    # The one command that may create the database (an SQLite file): no check first.
+    # The one command that runs on a database without queuekeeper's tables: no check first.
     _alembic("upgrade", revision, check_first=False, done="migrated", failed="migration")
 
 
@@ -150,9 +164,9 @@ def serve(
 ) -> None:
     """Run the service (HTTP, relay, scheduled jobs).
 
-    On PostgreSQL: accept workers and relay processes under one supervisor
-    (QUEUEKEEPER_ACCEPT_WORKERS, QUEUEKEEPER_RELAY_PROCESSES). On SQLite, or with one
-    worker and no relay process: one process (uvicorn) with the relay in it.
+    Accept workers and relay processes under one supervisor (QUEUEKEEPER_ACCEPT_WORKERS,
+    QUEUEKEEPER_RELAY_PROCESSES); with one worker and no relay process (the default on 2
+    cores or fewer): one process (uvicorn) with the relay in it.
     """
     import structlog
     import uvicorn
@@ -162,19 +176,13 @@ def serve(
     from queuekeeper.supervisor import Supervisor, process_counts
     from queuekeeper.workers import freeze_startup_objects
 
-    settings = get_settings()
+    settings = _settings()
     configure_logging(settings)
     bind_host, bind_port = host or settings.host, port or settings.port
     _port_free(bind_host, bind_port, from_option=port is not None)
     _ready_database(settings, serving=True)
     accept_workers, relay_processes = process_counts(settings, workers)
     logger = structlog.get_logger("queuekeeper.cli")
-    if settings.is_sqlite and ((settings.accept_workers or 1) > 1 or settings.relay_processes):
-        logger.info(
-            "single_process_on_sqlite",
-            detail="SQLite runs one process with the relay in it; "
-            "QUEUEKEEPER_ACCEPT_WORKERS and QUEUEKEEPER_RELAY_PROCESSES apply on PostgreSQL",
-        )
     if accept_workers > 1 or relay_processes or shared_directory():
         directory = _prepare_multiprocess_dir()
         logger.info(
@@ -185,7 +193,6 @@ def serve(
         )
     if accept_workers > 1 or relay_processes:
         supervisor = Supervisor(
-            settings,
             bind_host,
             bind_port,
             accept_workers,
@@ -220,7 +227,7 @@ def healthcheck(
     import httpx
 
     if url is None:
-        settings = get_settings()
+        settings = _settings()
         url = f"http://{settings.local_host}:{settings.port}"
     target = url.rstrip("/") + ("/readyz" if ready else "/healthz")
     try:
@@ -343,7 +350,7 @@ def import_directory(
     from queuekeeper.directory.importer import import_directory as run_import
     from queuekeeper.logging import configure_logging
 
-    settings = get_settings()
+    settings = _settings()
     configure_logging(settings, level="WARNING")
     data = _read_directory_file(file)
     _ready_database(settings)
@@ -377,11 +384,11 @@ def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
     from queuekeeper.common.progress import Phases
     from queuekeeper.logging import configure_logging
 
-    configure_logging(get_settings(), level="WARNING")  # each change is in the run record below
-    _ready_database(get_settings())
+    configure_logging(_settings(), level="WARNING")  # each change is in the run record below
+    _ready_database(_settings())
 
     async def main(on_progress: Phases) -> Any:
-        async with running(get_settings()) as state:
+        async with running(_settings()) as state:
             return await start(state.jobs, on_progress)
 
     with Phases() as on_progress:
@@ -483,8 +490,8 @@ def queues(
     from queuekeeper.reconcile.schemas import QueueState
     from queuekeeper.reconcile.view import QueueFilter, queue_states
 
-    configure_logging(get_settings(), level="WARNING")
-    _ready_database(get_settings())
+    configure_logging(_settings(), level="WARNING")
+    _ready_database(_settings())
     try:
         wanted = QueueFilter(vhost=vhost, state=QueueState(state_filter) if state_filter else None)
     except ValueError as exc:
@@ -502,7 +509,7 @@ def queues(
 
     async def main() -> int:
         count = 0
-        async with running(get_settings()) as state:
+        async with running(_settings()) as state:
             async for entry in queue_states(state.jobs.context, wanted):
                 count += 1
                 arguments = cell(entry.arguments_ok)
@@ -542,14 +549,14 @@ def relay() -> None:
     """Run the outbox relay alone (no HTTP) until interrupted.
 
     It shares the work with the relays of running services and other
-    `queuekeeper relay` processes. On PostgreSQL it is woken by a NOTIFY when
-    copies are committed unclaimed (run `serve` with QUEUEKEEPER_RELAY_ENABLED=false
-    beside it), otherwise every QUEUEKEEPER_RELAY_POLL_INTERVAL.
+    `queuekeeper relay` processes. It is woken by a NOTIFY when copies are committed
+    unclaimed (run `serve` with QUEUEKEEPER_RELAY_ENABLED=false beside it), and looks
+    every QUEUEKEEPER_RELAY_POLL_INTERVAL besides.
     """
     from queuekeeper.logging import configure_logging
     from queuekeeper.workers import run_relay
 
-    settings = get_settings()
+    settings = _settings()
     configure_logging(settings)
     _ready_database(settings)
     run_relay(settings)

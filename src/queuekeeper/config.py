@@ -20,6 +20,9 @@ def split_urls(value: str) -> list[str]:
     return [url.strip() for url in value.split(",") if url.strip()]
 
 
+# How a PostgreSQL URL may begin; the asyncpg driver is used whichever it is.
+POSTGRESQL_SCHEMES = ("postgresql", "postgres", "postgresql+asyncpg")
+
 # RabbitMQ's `x-overflow` values: a typo is refused at start-up, not by the broker at the
 # first registration.
 Overflow = Literal["drop-head", "reject-publish", "reject-publish-dlx"]
@@ -40,9 +43,10 @@ class Settings(BaseSettings):
 
     # --- connections ---------------------------------------------------------------
     database_url: str = Field(
-        default="sqlite+aiosqlite:///./queuekeeper.db",
-        description="SQLAlchemy URL. `postgresql://` and `sqlite:///` are given their "
-        "async drivers (asyncpg, aiosqlite) automatically.",
+        default="postgresql+asyncpg://postgres@127.0.0.1:5432/queuekeeper",
+        description="PostgreSQL URL, `postgresql://user:password@host:port/database` "
+        "(`postgres://` and `postgresql+asyncpg://` too; the asyncpg driver is used). "
+        "PostgreSQL is the only database.",
     )
     database_pool_size: int = Field(
         default=10,
@@ -451,17 +455,18 @@ class Settings(BaseSettings):
     accept_workers: int | None = Field(
         default=None,
         ge=1,
-        description="Processes `serve` starts to accept HTTP requests, all on the one port "
-        "(PostgreSQL only; SQLite is one process). Default: half the cores available, at "
-        "least 1 (docs/scaling.md).",
+        description="Processes `serve` starts to accept HTTP requests, all on the one port. "
+        "Default, from the cores this process may use (its CPU affinity): 1 on 2 cores or "
+        "fewer, else half of them (docs/scaling.md).",
     )
     relay_processes: int | None = Field(
         default=None,
         ge=0,
-        description="Outbox relay processes `serve` starts beside the accept workers "
-        "(PostgreSQL only); 0 runs the relay inside the accept process instead, as on "
-        "SQLite. Default: a quarter of the cores available, at least 1 (0 when "
-        "`relay_enabled` is off).",
+        description="Outbox relay processes `serve` starts beside the accept workers; 0 runs "
+        "the relay inside each accept process instead. Default, from the cores this process "
+        "may use (its CPU affinity): 0 on 2 cores or fewer (one process with the relay "
+        "inside costs the least CPU per event there), else a quarter of them, at least 1; "
+        "0 when `relay_enabled` is off.",
     )
     relay_batch_size: int = Field(default=1000, ge=1, description="Deliveries claimed at once.")
     relay_concurrency: int = Field(
@@ -557,15 +562,18 @@ class Settings(BaseSettings):
 
     @field_validator("database_url")
     @classmethod
-    def _async_driver(cls, value: str) -> str:
-        for plain, driver in (
-            ("postgresql://", "postgresql+asyncpg://"),
-            ("postgres://", "postgresql+asyncpg://"),
-            ("sqlite:///", "sqlite+aiosqlite:///"),
-        ):
-            if value.startswith(plain):
-                return driver + value[len(plain) :]
-        return value
+    def _postgresql(cls, value: str) -> str:
+        """A PostgreSQL URL, on asyncpg whichever way it is spelled."""
+        scheme, separator, rest = value.strip().partition("://")
+        if separator and scheme in POSTGRESQL_SCHEMES:
+            return "postgresql+asyncpg://" + rest
+        # Only the scheme is shown: the rest may hold a password.
+        given = f"a {scheme}:// URL" if separator else "not a URL"
+        raise ValueError(
+            f"QUEUEKEEPER_DATABASE_URL must be a PostgreSQL URL "
+            f"(postgresql://user:password@host:port/database), got {given}: PostgreSQL is "
+            "the only database queuekeeper runs on"
+        )
 
     @field_validator("root_path")
     @classmethod
@@ -599,10 +607,6 @@ class Settings(BaseSettings):
     @property
     def event_retention(self) -> timedelta:
         return timedelta(days=self.event_retention_days)
-
-    @property
-    def is_sqlite(self) -> bool:
-        return self.database_url.startswith("sqlite")
 
     @property
     def instance_tag(self) -> str:

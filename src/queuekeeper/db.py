@@ -1,4 +1,4 @@
-"""Engine and sessions. PostgreSQL (asyncpg) in production, SQLite as the embedded default.
+"""Engine and sessions, on PostgreSQL (asyncpg): the only database.
 
 Every statement goes through SQLAlchemy: ORM sessions for requests, Core connections where
 a job streams or a read needs no transaction (`read_one`). The one exception is the
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from sqlalchemy import Select, event, inspect
+from sqlalchemy import Select, inspect
 from sqlalchemy.ext.asyncio import (
     AsyncConnection,
     AsyncEngine,
@@ -30,21 +30,6 @@ def create_engine(settings: Settings, *, pool_size: int | None = None) -> AsyncE
     single-event accept p50 36 -> 11 ms at 200 events/s). A connection that died with the
     server fails its first statement instead; SQLAlchemy then invalidates the pool and the
     request answers 503 (errors.py), so one request per dead connection pays, not all."""
-    if settings.is_sqlite:
-        # One writer at a time: wait for the lock rather than fail with "database is locked".
-        engine = create_async_engine(
-            settings.database_url, connect_args={"timeout": 30}, hide_parameters=True
-        )
-
-        @event.listens_for(engine.sync_engine, "connect")
-        def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-            cursor = dbapi_connection.cursor()
-            cursor.execute("PRAGMA foreign_keys=ON")  # cascades are off by default in SQLite
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA busy_timeout=30000")
-            cursor.close()
-
-        return engine
     size = pool_size or settings.database_pool_size
     return create_async_engine(
         settings.database_url,
@@ -65,11 +50,6 @@ def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]
 # What runs a Core statement: an ORM session, or a plain connection where a unit of work
 # needs no ORM (create_queue's insert: a session cost it 0.3 ms more CPU).
 Executor = AsyncSession | AsyncConnection
-
-
-def is_postgres(executor: Executor) -> bool:
-    bind = executor if isinstance(executor, AsyncConnection) else executor.get_bind()
-    return bind.dialect.name == "postgresql"
 
 
 M = TypeVar("M")

@@ -9,7 +9,6 @@ is a 400, never a 503 (`classify_database_error`).
 from __future__ import annotations
 
 import enum
-import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
@@ -217,8 +216,8 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
         app.add_exception_handler(exc_type, _database_error)
 
 
-# What a failed statement or connection raises (on SQLite an integer too large is Python's
-# OverflowError): `database_error_response` answers each.
+# What a failed statement or connection raises (an integer too large for the driver can
+# surface as Python's OverflowError): `database_error_response` answers each.
 DATABASE_ERRORS = (DBAPIError, PoolTimeout, OSError, OverflowError)
 
 
@@ -284,7 +283,7 @@ def classify_database_error(exc: BaseException) -> DatabaseProblem:
     A connection that is refused, closed, timed out or invalidated, a full pool and a
     server shutting down are UNREACHABLE. A value the database refuses (SQLSTATE class 22:
     an integer beyond int64, a NUL character in text, NaN in JSON; the driver's own
-    "invalid input for query argument"; SQLite's integer overflow) is BAD_VALUE.
+    "invalid input for query argument", an OverflowError beneath it) is BAD_VALUE.
     """
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return DatabaseProblem.UNREACHABLE
@@ -299,13 +298,8 @@ def classify_database_error(exc: BaseException) -> DatabaseProblem:
                 return DatabaseProblem.CONFLICT
             if sqlstate[:2] in _UNREACHABLE_CLASSES:
                 return DatabaseProblem.UNREACHABLE
-        if isinstance(cause, OverflowError | sqlite3.DataError):
+        if isinstance(cause, OverflowError):
             return DatabaseProblem.BAD_VALUE
-        if isinstance(cause, sqlite3.IntegrityError):
-            return DatabaseProblem.CONFLICT
-        if isinstance(cause, sqlite3.OperationalError):
-            # locked, unable to open the file, disk I/O error, read-only file system
-            return DatabaseProblem.UNREACHABLE
         if type(cause).__name__ in _DRIVER_CONNECTION_ERRORS:
             return DatabaseProblem.UNREACHABLE
     if isinstance(exc, OperationalError):

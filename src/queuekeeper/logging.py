@@ -159,8 +159,5 @@ def configure_logging(
     # uvicorn's access line is replaced by queuekeeper's `http_request` line, which carries
     # the request id and the route template.
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
-    # aiosqlite logs every call at DEBUG from its own thread, outside the request's context
-    # (no request id) and with nothing an operator can use.
-    logging.getLogger("aiosqlite").setLevel(logging.INFO)
     # stomp.py logs the passcode in clear at DEBUG; never let it reach DEBUG.
     logging.getLogger("stomp").setLevel(max(logging.INFO, root.level))

@@ -88,7 +88,7 @@ class StateColumn(TypeDecorator[StrEnum]):
 
 
 class AwareDateTime(TypeDecorator[datetime]):
-    """Timezone-aware UTC datetimes on every backend (SQLite hands back naive ones)."""
+    """Timezone-aware UTC datetimes, whatever the caller passes."""
 
     impl = DateTime(timezone=True)
     cache_ok = True
@@ -96,7 +96,7 @@ class AwareDateTime(TypeDecorator[datetime]):
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
-        # SQLite keeps the wall-clock digits and drops the offset: store UTC, always.
+        # A naive datetime is UTC (`utcnow`): never the server's local time.
         return value.astimezone(UTC) if value.tzinfo else value.replace(tzinfo=UTC)
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
@@ -342,7 +342,6 @@ class Delivery(Base):
             "next_attempt_at",
             "id",
             postgresql_where=text("state = 'pending'"),
-            sqlite_where=text("state = 'pending'"),
         ),
         # The parked copies of each queue, and those released but not yet published, in
         # acceptance order (migration 0011_parking; docs/decisions/015-parking.md).
@@ -353,13 +352,10 @@ class Delivery(Base):
             "state",
             "id",
             postgresql_where=text(PARKED_OR_RELEASING),
-            sqlite_where=text(PARKED_OR_RELEASING),
         ),
     )
 
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
-    )
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     event_id: Mapped[str] = mapped_column(
         ForeignKey("events.event_id", ondelete="CASCADE"), index=True
     )
@@ -421,9 +417,7 @@ class GivenUpDeadLetter(Base):
 
     __tablename__ = "given_up_dead_letters"
 
-    id: Mapped[int] = mapped_column(
-        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
-    )
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
     vhost: Mapped[str] = mapped_column(String(64), index=True)
     original_queue: Mapped[str | None] = mapped_column(String(255))
     reason: Mapped[str] = mapped_column(Text)

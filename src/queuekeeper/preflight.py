@@ -1,15 +1,12 @@
 """Before a command touches the database: is it there, reachable and migrated?
 
-Each problem is one line naming the URL (password masked), the working directory when the
-URL is a relative SQLite path, and what to run. Nothing here creates a database: only
-`queuekeeper migrate` does (an SQLite file is checked for before any connection, which
-would create an empty one).
+Each problem is one line naming the URL (password masked) and what to run. Nothing here
+creates or changes anything: `queuekeeper migrate` creates the tables.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 # Importing alembic logs its plugins' set-up at INFO: not worth two lines per command.
@@ -52,22 +49,8 @@ class DatabaseUnreachable(DatabaseNotReady):
     """Nothing answered (a server still starting may answer later)."""
 
 
-def sqlite_file(url: str) -> Path | None:
-    """The file an SQLite URL names, resolved against the working directory; None for any
-    other database or an in-memory one."""
-    parsed = make_url(url)
-    if not parsed.drivername.startswith("sqlite") or parsed.database in (None, "", ":memory:"):
-        return None
-    return Path(parsed.database).resolve()
-
-
 def _where(settings: Settings) -> str:
-    shown = redact_url(settings.database_url)
-    path = sqlite_file(settings.database_url)
-    if path is None:
-        return shown
-    relative = not Path(make_url(settings.database_url).database or "").is_absolute()
-    return f"{shown} (file {path}" + (f", working directory {os.getcwd()})" if relative else ")")
+    return redact_url(settings.database_url)
 
 
 async def check_database(settings: Settings, head: str) -> None:
@@ -77,17 +60,12 @@ async def check_database(settings: Settings, head: str) -> None:
     from queuekeeper.db import create_engine
 
     try:
-        path = sqlite_file(settings.database_url)
-    except ArgumentError as exc:
+        make_url(settings.database_url)
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is not a number
         raise DatabaseNotReady(
             f"QUEUEKEEPER_DATABASE_URL is not a database URL ({exc}): {SET_URL}, e.g. "
             "postgresql://user:password@host/queuekeeper"
         ) from None
-    if path is not None and not path.exists():
-        raise DatabaseNotReady(
-            f"no database at {_where(settings)}: run `queuekeeper migrate` to create it there, "
-            f"or {SET_URL}"
-        )
     engine = create_engine(settings)
     try:
         async with engine.connect() as connection:
@@ -117,7 +95,7 @@ async def check_database(settings: Settings, head: str) -> None:
 
 
 def _scripts() -> ScriptDirectory:
-    return ScriptDirectory.from_config(alembic_config("sqlite://"))
+    return ScriptDirectory.from_config(alembic_config("postgresql://"))
 
 
 def _older_than(head: str) -> set[str]:

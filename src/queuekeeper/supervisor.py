@@ -1,4 +1,4 @@
-"""`queuekeeper serve` on PostgreSQL: accept workers and relay processes, supervised.
+"""`queuekeeper serve`: accept workers and relay processes, supervised.
 
 One event loop cannot spread an accept's HTTP, its store and the relay's publishing over
 several cores (docs/decisions/016-process-model.md). So `serve` binds the port once and
@@ -46,17 +46,31 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) or 1
 
 
+# Up to this many cores the default is one process with the relay inside: there a relay
+# process apart costs more CPU per event than it frees (1.36 ms per event at 200/s with the
+# relay inside, 1.66-1.84 ms with one apart; docs/decisions/016-process-model.md).
+RELAY_INSIDE_UP_TO_CORES = 2
+
+
+def default_counts(available: int) -> tuple[int, int]:
+    """(accept workers, relay processes) when the settings name neither, for `available`
+    cores: one accept process with the relay inside on `RELAY_INSIDE_UP_TO_CORES` or
+    fewer; beyond, half the cores accept workers and a quarter relay processes, at least
+    one of each."""
+    if available <= RELAY_INSIDE_UP_TO_CORES:
+        return 1, 0
+    return max(1, available // 2), max(1, available // 4)
+
+
 def process_counts(settings: Settings, workers: int | None = None) -> tuple[int, int]:
-    """(accept workers, relay processes) for this settings: the settings, else from the
-    cores available. SQLite is one process, relay inside: one writer at a time gains
-    nothing from more, and LISTEN/NOTIFY, which wakes a relay in another process, is
-    PostgreSQL's."""
-    if settings.is_sqlite:
-        return workers or 1, 0  # `--workers` given: uvicorn-style workers, each its relay
-    accept = workers or settings.accept_workers or max(1, cores() // 2)
-    relays = settings.relay_processes
-    if relays is None:
-        relays = max(1, cores() // 4) if settings.relay_enabled else 0
+    """(accept workers, relay processes): `--workers` and the settings, else
+    `default_counts` of the cores available."""
+    accept, relays = default_counts(cores())
+    accept = workers or settings.accept_workers or accept
+    if settings.relay_processes is not None:
+        relays = settings.relay_processes
+    elif not settings.relay_enabled:
+        relays = 0
     return accept, relays
 
 
@@ -106,7 +120,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 @dataclass
 class Supervisor:
-    settings: Settings
     host: str
     port: int
     accept_workers: int
@@ -122,9 +135,7 @@ class Supervisor:
         base = {**os.environ, MULTIPROC_ENV: str(self.metrics_dir)}
         for index in range(self.accept_workers):
             env = dict(base)
-            if self.relay_processes or (self.settings.is_sqlite and index > 0):
-                # On SQLite one relay in all: its locks (the releaser's per-queue lock among
-                # them) hold within one process only (docs/decisions/016-process-model.md).
+            if self.relay_processes:
                 env["QUEUEKEEPER_RELAY_ENABLED"] = "false"
             if index > 0:
                 # The jobs run in one process (the job locks would keep one run at a time

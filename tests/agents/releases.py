@@ -80,14 +80,3 @@ def releases_under_test() -> list[Release]:
             return [release]
     newest = RELEASES[-1]
     return [Release(wanted, newest.protocol, newest.types, newest.ack, newest.prefetch)]
-
-
-def on_this_database(releases: list[Release], database: str) -> list[Release]:
-    """The releases a test proves on `database`: what it checks of an agent does not depend
-    on the database, and `make test` runs the suite on both, so each release runs once per
-    `make test`: the oldest and the newest on PostgreSQL, the others on SQLite. With
-    `QK_AGENT_VERSION` (`make check-newest-agent`) that one release runs wherever asked."""
-    if os.environ.get(NEWEST_ENV) or len(releases) <= 1:
-        return releases if database == "postgresql" or os.environ.get(NEWEST_ENV) else []
-    ends = [releases[0], releases[-1]]
-    return ends if database == "postgresql" else releases[1:-1]

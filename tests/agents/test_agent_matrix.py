@@ -34,16 +34,15 @@ from tests.agents.harness import (
     start_agent,
     valid_payload,
 )
-from tests.agents.releases import RELEASES, Release, on_this_database, releases_under_test
+from tests.agents.releases import RELEASES, Release, releases_under_test
 from tests.agents.site_agent_venv import ensure_site_agent_venv
 from tests.brokers import BROKER
-from tests.conftest import SERVICE_TOKEN, TEST_DB
+from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Agent, Backend
 
 IDENTITIES = "/api/marketplace-site-agent-identities/"
 PROJECT_GROUPS = "service_provider_project_group"
-# Each release once per `make test`, on one of the two databases (releases.on_this_database).
-MATRIX = on_this_database(releases_under_test(), TEST_DB)
+MATRIX = releases_under_test()
 
 
 async def agent_python(release: Release) -> Path:
@@ -217,9 +216,7 @@ async def test_published_agent_sets_up_receives_every_type_once_and_restarts_ide
     )
 
 
-ACKING = on_this_database(
-    [release for release in releases_under_test() if release.ack != "auto"], TEST_DB
-)
+ACKING = [release for release in releases_under_test() if release.ack != "auto"]
 
 
 @pytest.mark.timeout(600)

@@ -26,7 +26,7 @@ from queuekeeper.db import create_engine, create_sessionmaker
 from tests.agents.harness import RunningAgent, Server, agent_config, start_agent, valid_payload
 from tests.agents.releases import Release, releases_under_test
 from tests.agents.test_agent_matrix import agent_python, runner_flags
-from tests.conftest import SERVICE_TOKEN, TEST_DB
+from tests.conftest import SERVICE_TOKEN
 from tests.events.support import queue_depth
 from tests.helpers import Agent, Backend
 from tests.parking.support import wait_for_states
@@ -36,10 +36,6 @@ PARK_AFTER = 2.0  # the copy published just after the stop must not park: margin
 CHECK_INTERVAL = 0.2
 EVENTS = 1000
 UNIFIED = [release for release in releases_under_test() if release.protocol == "unified"]
-# What the database does here is the same for every agent, and `make test` runs the suite
-# on both databases: the newest release runs on PostgreSQL, the others on SQLite, so each
-# release is proven once per `make test` (about 50 s each).
-ON_THIS_DATABASE = UNIFIED[-1:] if TEST_DB == "postgresql" else UNIFIED[:-1]
 
 
 def _event(release: Release, offering: uuid.UUID, n: int, prefix: str = "away") -> dict[str, Any]:
@@ -113,9 +109,7 @@ async def _first_within(running: RunningAgent, subscribed: float, limit: float) 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    "release", ON_THIS_DATABASE, ids=[release.version for release in ON_THIS_DATABASE]
-)
+@pytest.mark.parametrize("release", UNIFIED, ids=[release.version for release in UNIFIED])
 @pytest.mark.settings(
     park_after_seconds=PARK_AFTER, park_check_interval=CHECK_INTERVAL, queue_message_ttl_ms=2000
 )

@@ -198,10 +198,8 @@ async def test_recipients_stay_three_statements_with_consumers(
     answers = response.json()["events"]
     assert [a["queued"] for a in answers[:11]] == [5] * 10 + [0]
     assert [a["queued"] for a in answers[11:]] == [1] * 11
-    # The recipients, then the write (one statement on PostgreSQL; the events, then their
-    # copies, on SQLite).
-    written = 2 if app.state.queuekeeper.settings.is_sqlite else 1
-    assert many == few == 1 + written, [s[:120] for s in statements]
+    # The recipients, then the write: one statement.
+    assert many == few == 2, [s[:120] for s in statements]
 
 
 async def test_metrics_count_consumers_and_copies_by_kind(

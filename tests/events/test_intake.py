@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
-from sqlalchemy import event, select, text
+from sqlalchemy import select, text
 
 from queuekeeper.app import Runtime
 from queuekeeper.broker.publisher import AmqpPublisher
@@ -19,32 +19,20 @@ from queuekeeper.db import create_engine
 from queuekeeper.events import outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, Event, utcnow
-from tests.conftest import TEST_DB
 from tests.events.support import SERVICE, order_event, post_event, register, wait_settled
 from tests.helpers import Backend
 
 
 class Transactions:
-    """Counts the transactions that stored events, on either database.
-
-    PostgreSQL: the events' rows themselves say it (`xmin`, the id of the transaction that
-    inserted a row), whichever way the statements reached the database. SQLite, which has
-    no transaction ids and where the intake runs through SQLAlchemy: the engine's commits
-    from now on."""
+    """Counts the transactions that stored events: the events' rows themselves say it
+    (`xmin`, the id of the transaction that inserted a row), whichever way the statements
+    reached the database."""
 
     def __init__(self, app: FastAPI) -> None:
         self.state: Runtime = app.state.queuekeeper
-        self.commits = 0
-        if TEST_DB == "sqlite":
-
-            @event.listens_for(self.state.engine.sync_engine, "commit")
-            def _count(*_args: Any) -> None:
-                self.commits += 1
 
     async def of(self, event_ids: list[str]) -> dict[str, object]:
-        """Each event's transaction (PostgreSQL), or one key per commit counted (SQLite)."""
-        if TEST_DB == "sqlite":
-            return {str(commit): commit for commit in range(self.commits)}
+        """Each event's transaction."""
         async with self.state.sessions() as session:
             rows = await session.execute(
                 select(Event.event_id, text("events.xmin::text::bigint")).where(
@@ -57,7 +45,7 @@ class Transactions:
         return len(set((await self.of(event_ids)).values()))
 
 
-# A loaded machine can take seconds over one SQLite commit: no refusals in these two.
+# However loaded the machine: no refusals in these two.
 @pytest.mark.settings(relay_enabled=False, events_accept_max_wait=60.0)
 async def test_concurrent_single_events_share_transactions_and_each_is_answered_after_commit(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
@@ -256,9 +244,6 @@ async def _listening(app: FastAPI) -> bool:
         return bool(found.scalar_one())
 
 
-@pytest.mark.skipif(
-    TEST_DB == "sqlite", reason="LISTEN/NOTIFY is PostgreSQL's; on SQLite one process serves"
-)
 @pytest.mark.settings(relay_enabled=False, relay_poll_interval=60.0)
 async def test_a_relay_of_another_process_publishes_at_the_commit_not_at_its_next_poll(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend

@@ -20,9 +20,6 @@ import pytest
 
 from queuekeeper.config import Settings
 from queuekeeper.events import outbox_postgres as statements
-from tests.conftest import TEST_DB
-
-pytestmark = pytest.mark.skipif(TEST_DB == "sqlite", reason="PostgreSQL's planner")
 
 PENDING_INDEX = "ix_deliveries_pending_due"
 PUBLISHED, BACKLOG = 2_000, 5_000

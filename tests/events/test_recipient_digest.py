@@ -1,5 +1,5 @@
-"""A store remembers the recipients it read (docs/decisions/020-recipient-digest.md): on
-PostgreSQL the next event of the same offering and type is one statement, and a change of who
+"""A store remembers the recipients it read (docs/decisions/020-recipient-digest.md): the
+next event of the same offering and type is one statement, and a change of who
 may receive it (access revoked, owner deactivated, token expired, a queue registered) is seen
 by the very next event, as when every store read the recipients first."""
 
@@ -18,19 +18,12 @@ from sqlalchemy import func, select
 
 from queuekeeper.events import outbox_postgres
 from queuekeeper.models import Delivery, Event
-from tests.conftest import TEST_DB
 from tests.events.support import SERVICE, Registered, order_event, post_event, register
 from tests.helpers import Backend, database_statements
 
-# A store on PostgreSQL: the recipients' read and the write; on SQLite: the read, the events
-# and their copies (the SQLite twin remembers nothing).
-COLD = 3 if TEST_DB == "sqlite" else 2
-WARM = 3 if TEST_DB == "sqlite" else 1
-POSTGRESQL_ONLY = pytest.mark.skipif(
-    TEST_DB == "sqlite",
-    reason="the write's own check of the recipients is PostgreSQL's statement "
-    "(outbox_postgres.INSERT_ACCEPTED); the SQLite twin reads them in the write's transaction",
-)
+# A store: the recipients' read and the write; with the recipients remembered, the write.
+COLD = 2
+WARM = 1
 
 
 async def _accepted(app: FastAPI, client: httpx.AsyncClient, offering: uuid.UUID) -> Any:
@@ -50,7 +43,7 @@ async def _copies(app: FastAPI, event_id: str) -> int:
     return int(found or 0)
 
 
-async def test_the_next_event_of_an_offering_is_one_statement_on_postgresql(
+async def test_the_next_event_of_an_offering_is_one_statement(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     registered = await register(backend)
@@ -110,8 +103,8 @@ async def test_a_revocation_is_seen_by_the_next_event(
     second, statements = await _accepted(app, client, registered.offering)
     assert second["queued"] == 1
     assert await _copies(app, second["event_id"]) == 1
-    # PostgreSQL: the write with the remembered recipients wrote nothing; read again, written.
-    assert statements == (COLD if TEST_DB == "sqlite" else 3)
+    # The write with the remembered recipients wrote nothing; read again, written.
+    assert statements == 3
     assert other.queue_name
 
 
@@ -160,7 +153,6 @@ def _before_each_write(
     return writes
 
 
-@POSTGRESQL_ONLY
 async def test_access_revoked_between_the_read_and_the_write_gets_no_copy(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -178,7 +170,6 @@ async def test_access_revoked_between_the_read_and_the_write_gets_no_copy(
     assert await _copies(app, response.json()["event_id"]) == 0
 
 
-@POSTGRESQL_ONLY
 async def test_recipients_changing_before_every_write_is_a_503_that_stored_nothing(
     app: FastAPI, client: httpx.AsyncClient, backend: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,14 +1,11 @@
 """Ownership is exact: two installations sharing one broker under the same instance name,
 a database restored from an older backup, and objects made before installation identities.
 
-Real apps on real databases (a second PostgreSQL database, or SQLite file, per test) and
-the real broker."""
+Real apps on real databases (a second PostgreSQL database per test) and the real broker."""
 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import sqlite3
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +21,7 @@ from queuekeeper.app import Runtime, create_app
 from queuekeeper.broker import topology
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
-from tests.conftest import PG_ADMIN_DSN, SERVICE_TOKEN, TEST_DB, _migrate, pg_admin
+from tests.conftest import PG_ADMIN_DSN, SERVICE_TOKEN, _migrate, pg_admin
 from tests.helpers import Agent, Backend, Operator
 
 Serve = Callable[[Settings], AbstractAsyncContextManager[tuple[httpx.AsyncClient, Runtime]]]
@@ -51,37 +48,24 @@ class Databases:
         return f"{PG_ADMIN_DSN.rsplit('/', 1)[0]}/{name}"
 
     async def new(self) -> str:
-        if TEST_DB == "sqlite":
-            url = f"sqlite+aiosqlite:///{self.tmp_path / f'{uuid.uuid4().hex}.db'}"
-        else:
-            name = f"qk_test_{uuid.uuid4().hex[:12]}"
-            await pg_admin(f'CREATE DATABASE "{name}"')
-            self.names.append(name)
-            url = self._pg(name).replace("postgresql://", "postgresql+asyncpg://")
+        name = f"qk_test_{uuid.uuid4().hex[:12]}"
+        await pg_admin(f'CREATE DATABASE "{name}"')
+        self.names.append(name)
+        url = self._pg(name).replace("postgresql://", "postgresql+asyncpg://")
         await asyncio.to_thread(_migrate, url)
         return url
 
     async def backup(self, url: str) -> Path:
-        """What an operator's nightly backup does: pg_dump (SQLite: its backup API)."""
+        """What an operator's nightly backup does: pg_dump."""
         target = self.tmp_path / f"backup-{uuid.uuid4().hex[:8]}"
-        if TEST_DB == "sqlite":
-            source = sqlite3.connect(url.split("///", 1)[1])
-            with sqlite3.connect(target) as copy:
-                source.backup(copy)
-            source.close()
-        else:
-            dsn = self._pg(url.rsplit("/", 1)[1])
-            await asyncio.to_thread(
-                subprocess.run, ["pg_dump", "-Fc", "-f", str(target), dsn], check=True
-            )
+        dsn = self._pg(url.rsplit("/", 1)[1])
+        await asyncio.to_thread(
+            subprocess.run, ["pg_dump", "-Fc", "-f", str(target), dsn], check=True
+        )
         return target
 
     async def restore(self, backup: Path) -> str:
         """Into a new database, as a restore onto a fresh server would."""
-        if TEST_DB == "sqlite":
-            path = self.tmp_path / f"restored-{uuid.uuid4().hex[:8]}.db"
-            shutil.copy(backup, path)
-            return f"sqlite+aiosqlite:///{path}"
         name = f"qk_test_{uuid.uuid4().hex[:12]}"
         await pg_admin(f'CREATE DATABASE "{name}"')
         self.names.append(name)

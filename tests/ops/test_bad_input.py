@@ -3,7 +3,6 @@ is really unreachable is a 503. The cases a fuzz run and a probe found, and thei
 
 from __future__ import annotations
 
-import sqlite3
 import uuid
 from typing import Any
 
@@ -135,18 +134,16 @@ async def _refused_payload(backend: Backend, envelope: str, constant: str) -> No
     assert _fields(batch) == {"events.0.payload.price"}
 
 
-def _unreachable_database(settings: Settings, tmp_path: Any) -> str:
-    """A URL of the suite's kind of database that cannot be opened."""
-    if settings.is_sqlite:
-        return f"sqlite+aiosqlite:///{tmp_path}/missing/dir/db.sqlite"
+def _unreachable_database(settings: Settings) -> str:
+    """A URL of the suite's database at a port nothing listens on."""
     return at_port(settings.database_url, closed_port())
 
 
 async def test_an_unreachable_database_is_a_503_with_retry_after(
-    settings: Settings, make_client: Any, tmp_path: Any
+    settings: Settings, make_client: Any
 ) -> None:
     http = await make_client(
-        database_url=_unreachable_database(settings, tmp_path),
+        database_url=_unreachable_database(settings),
         relay_enabled=False,
         scheduler_enabled=False,
     )
@@ -183,14 +180,8 @@ def _wrapped(orig: BaseException, *, invalidated: bool = False) -> DBAPIError:
         (_wrapped(_Driver("42601")), DatabaseProblem.OTHER),  # a syntax error is a bug
         (_wrapped(_Driver("42601"), invalidated=True), DatabaseProblem.UNREACHABLE),
         (_wrapped(ConnectionRefusedError()), DatabaseProblem.UNREACHABLE),
-        (
-            OperationalError("x", {}, sqlite3.OperationalError("database is locked")),
-            DatabaseProblem.UNREACHABLE,
-        ),
-        (
-            OverflowError("Python int too large to convert to SQLite INTEGER"),
-            DatabaseProblem.BAD_VALUE,
-        ),
+        (OperationalError("x", {}, ConnectionResetError()), DatabaseProblem.UNREACHABLE),
+        (_wrapped(OverflowError("value out of int64 range")), DatabaseProblem.BAD_VALUE),
         (PoolTimeout("QueuePool limit reached"), DatabaseProblem.UNREACHABLE),
         (ConnectionRefusedError(), DatabaseProblem.UNREACHABLE),
     ],
@@ -209,10 +200,10 @@ def test_database_errors_are_classified(error: BaseException, expected: Database
     ],
 )
 async def test_an_agent_call_while_the_database_is_unreachable_is_a_503(
-    settings: Settings, make_client: Any, tmp_path: Any, method: str, path: str
+    settings: Settings, make_client: Any, method: str, path: str
 ) -> None:
     http = await make_client(
-        database_url=_unreachable_database(settings, tmp_path),
+        database_url=_unreachable_database(settings),
         relay_enabled=False,
         scheduler_enabled=False,
     )
@@ -228,8 +219,6 @@ async def test_an_agent_call_while_postgres_starts_up_is_a_503(
 ) -> None:
     """PostgreSQL refuses connections while it starts (57P03): the guard's token lookup
     answers 503 like any unreachable database."""
-    if settings.is_sqlite:
-        pytest.skip("PostgreSQL's refusal")
     async with refusing_postgres("57P03", "the database system is starting up") as port:
         http = await make_client(
             database_url=at_port(settings.database_url, port),

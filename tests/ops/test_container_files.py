@@ -24,6 +24,7 @@ from dockerfile_parse import DockerfileParser
 from queuekeeper.cli import app as cli_app
 from queuekeeper.config import Settings
 from queuekeeper.config_reference import all_env_names
+from tests.conftest import pg_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 INTERPOLATION = re.compile(r"\$\{(?P<name>\w+)(?::?-(?P<default>[^}]*))?\}")
@@ -316,13 +317,12 @@ def installed_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_installed_package_migrates_without_the_source_tree(
-    installed_copy: Path, tmp_path: Path
+    installed_copy: Path, tmp_path: Path, empty_database: str
 ) -> None:
-    database = tmp_path / "image.db"
     env = {
         **os.environ,
         "PYTHONPATH": str(installed_copy),
-        "QUEUEKEEPER_DATABASE_URL": f"sqlite:///{database}",
+        "QUEUEKEEPER_DATABASE_URL": empty_database,
     }
     script = (
         "import queuekeeper, sys; print(queuekeeper.__file__, file=sys.stderr); "
@@ -338,8 +338,5 @@ def test_installed_package_migrates_without_the_source_tree(
     )
     assert result.returncode == 0, result.stderr
     assert str(installed_copy) in result.stderr  # the wheel's copy ran, not the checkout
-    import sqlite3
-
-    with sqlite3.connect(database) as connection:
-        tables = {row[0] for row in connection.execute("select name from sqlite_master")}
+    tables = {row[0] for row in pg_rows(empty_database, "SELECT tablename FROM pg_tables")}
     assert {"users", "event_subscription_queues", "deliveries", "alembic_version"} <= tables

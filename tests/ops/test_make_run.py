@@ -1,5 +1,5 @@
-"""`make run` by itself: it makes sure the local RabbitMQ is up with its plugins
-(scripts/ensure-services.sh rabbitmq), migrates the SQLite default and serves."""
+"""`make run` by itself: it makes sure the local RabbitMQ (with its plugins) and PostgreSQL
+are up (scripts/ensure-services.sh rabbitmq), migrates the database and serves."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import asyncpg
 import httpx
 import pytest
 
@@ -31,14 +32,14 @@ def free_port() -> int:
 
 
 @pytest.mark.timeout(180)
-async def test_make_run_serves_with_its_services_up(tmp_path: Path) -> None:
+async def test_make_run_serves_with_its_services_up(tmp_path: Path, empty_database: str) -> None:
     if shutil.which("make") is None:
         unavailable("make is not installed")
     port = free_port()
     instance = f"qkr-{uuid.uuid4().hex[:10]}"
     env = {
         **os.environ,
-        "QUEUEKEEPER_DATABASE_URL": f"sqlite:///{tmp_path / 'run.db'}",
+        "QUEUEKEEPER_DATABASE_URL": empty_database,
         "QUEUEKEEPER_PORT": str(port),
         "QUEUEKEEPER_INSTANCE_NAME": instance,
         "QUEUEKEEPER_SCHEDULER_ENABLED": "false",
@@ -78,5 +79,10 @@ async def test_make_run_serves_with_its_services_up(tmp_path: Path) -> None:
             process.wait()
         await _remove_broker_objects(Settings(instance_name=instance))
     text = output.read_text()
-    assert "ensure-services: up: RabbitMQ (management, STOMP, web-STOMP, event exchange)" in text
-    assert (tmp_path / "run.db").exists()
+    up = "ensure-services: up: PostgreSQL RabbitMQ (management, STOMP, web-STOMP, event exchange)"
+    assert up in text, text[-3000:]
+    connection = await asyncpg.connect(empty_database)
+    try:
+        assert await connection.fetchval("SELECT version_num FROM alembic_version")
+    finally:
+        await connection.close()

@@ -1,7 +1,8 @@
-"""`queuekeeper serve` with several accept workers and relay processes (PostgreSQL): events
-are accepted on the one port and delivered to a real STOMP consumer; a child killed with
-SIGKILL is restarted and nothing accepted is lost; /readyz and /metrics cover every
-process; SIGTERM stops them all within seconds. On SQLite `serve` stays one process."""
+"""`queuekeeper serve` with several accept workers and relay processes: events are accepted
+on the one port and delivered to a real STOMP consumer; a child killed with SIGKILL is
+restarted and nothing accepted is lost; /readyz and /metrics cover every process; SIGTERM
+stops them all within seconds. On 2 cores, by default, `serve` is one process with the
+relay inside."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ class Served:
         return {entry["name"]: entry["pid"] for entry in entries}
 
 
-def _serve(settings: Settings, tmp_path: Path, **env: str) -> Iterator[Served]:
+def _serve(
+    settings: Settings, tmp_path: Path, cpus: set[int] | None = None, **env: str
+) -> Iterator[Served]:
     port = closed_port()
     metrics = tmp_path / "metrics"
     environment = {
@@ -66,6 +69,8 @@ def _serve(settings: Settings, tmp_path: Path, **env: str) -> Iterator[Served]:
             env=environment,
             stdout=output,
             stderr=subprocess.STDOUT,
+            # The cores `serve` may run on, as a container's CPU set would give them.
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )
     served = Served(f"http://127.0.0.1:{port}", process, metrics, log)
     try:
@@ -82,8 +87,6 @@ def _serve(settings: Settings, tmp_path: Path, **env: str) -> Iterator[Served]:
 
 @pytest.fixture
 def supervised(settings: Settings, tmp_path: Path, clean_state: None) -> Iterator[Served]:
-    if settings.is_sqlite:
-        pytest.skip("several processes run on PostgreSQL only (SQLite: test below)")
     yield from _serve(
         settings,
         tmp_path,
@@ -267,14 +270,13 @@ async def test_accept_workers_and_relays_deliver_survive_kill_9_and_stop_on_sigt
 
 
 @pytest.mark.timeout(120)
-async def test_serve_on_sqlite_stays_one_process(
+async def test_serve_on_two_cores_is_one_process_with_the_relay_inside_by_default(
     settings: Settings, tmp_path: Path, clean_state: None
 ) -> None:
-    if not settings.is_sqlite:
-        pytest.skip("SQLite only")
-    for served in _serve(
-        settings, tmp_path, QUEUEKEEPER_ACCEPT_WORKERS="2", QUEUEKEEPER_RELAY_PROCESSES="2"
-    ):
+    """Neither QUEUEKEEPER_ACCEPT_WORKERS nor QUEUEKEEPER_RELAY_PROCESSES set, 2 cores to
+    run on: no supervisor, no child, and the relay starts in the one process."""
+    cpus = set(sorted(os.sched_getaffinity(0))[:2])
+    for served in _serve(settings, tmp_path, cpus):
         deadline = time.monotonic() + 60
         async with httpx.AsyncClient(base_url=served.base, timeout=5) as client:
             while True:
@@ -290,4 +292,8 @@ async def test_serve_on_sqlite_stays_one_process(
         assert "processes" not in body["checks"]
         children = Path(f"/proc/{served.process.pid}/task/{served.process.pid}/children")
         assert children.read_text().split() == []
-        assert "single_process_on_sqlite" in served.log.read_text()
+        logged = [
+            json.loads(line) for line in served.log.read_text().splitlines() if line[:1] == "{"
+        ]
+        assert "relay_started" in {line.get("event") for line in logged}
+        assert "supervisor_started" not in {line.get("event") for line in logged}

@@ -52,12 +52,11 @@ async def _presence(engine: AsyncEngine, away_since: datetime | None) -> None:
 
 async def _copies(outbox: Outbox, created: list[datetime]) -> list[Claimed]:
     """Copies of queue v/q accepted at `created`, claimed by relay-a (as registered copies)."""
-    async with outbox.statements.store() as unit:
+    async with outbox.store_unit() as unit:
         names = [f"e{n}" for n in range(len(created))]
         await unit.insert(
             [_event(name) for name in names],
             [{**_copy_of(name), "created": at} for name, at in zip(names, created, strict=True)],
-            ids=False,
         )
     claimed, _ = await outbox.claim("relay-a", T0 + timedelta(days=1), 10)
     return [replace(item, queue_uuid=uuid.uuid4()) for item in claimed]

@@ -174,14 +174,13 @@ async def test_concurrent_identical_calls_give_one_201_and_200s(
 async def test_a_new_queue_is_four_statements(app: FastAPI, backend: Backend) -> None:
     """The token, the context read, then the new row's transaction: the advisory lock and
     the insert, which re-checks the grant itself (BEGIN and COMMIT are the driver's, not
-    statements). SQLite has no advisory lock: an in-process mutex stands in."""
+    statements)."""
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
     with database_statements(app.state.queuekeeper.engine) as statements:
         created = await agent.create_queue(subscription["uuid"], offering)
     assert created.status_code == 201
-    expected = 3 if app.state.queuekeeper.settings.is_sqlite else 4
-    assert len(statements) == expected, [s[:120] for s in statements]
+    assert len(statements) == 4, [s[:120] for s in statements]
     assert "FROM offering_access" in statements[-1]
 
 
@@ -271,8 +270,6 @@ async def test_a_revoke_after_the_insert_waits_for_the_commit_and_then_takes_the
     """The insert locks the grant (FOR SHARE) until the commit; revoke_access locks it too
     before it lists the queues to delete, so it waits, then sees the new row and removes it
     with its queue."""
-    if settings.is_sqlite:
-        pytest.skip("SQLite has no row locks; one instance, a narrower race (docs/architecture.md)")
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
     insert = subscription_repository.insert_queue_with_access

@@ -1,9 +1,8 @@
 """Advisory locks: one run of a job at a time, no deletion racing a registration, and one
 writer at a time for a user's broker credentials and objects (`user_key`).
 
-PostgreSQL: transaction-level advisory locks (`pg_*advisory_xact_lock*`), released
-by the database when the transaction ends, so a crashed process never leaves one
-behind. SQLite runs a single instance, so an in-process lock per key stands in.
+PostgreSQL's transaction-level advisory locks (`pg_*advisory_xact_lock*`), released by the
+database when the transaction ends, so a crashed process never leaves one behind.
 
 Keys are 64-bit digests of a name, scoped (as all advisory locks are) to the
 database: two installations with their own databases never contend.
@@ -16,18 +15,16 @@ work on no session; `job_lock` only tries, on a connection held for a job's whol
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import uuid
-import weakref
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from sqlalchemy import BigInteger, Select, bindparam, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from queuekeeper.db import Executor, is_postgres
+from queuekeeper.db import Executor
 
 # create_subscription holds this shared while a broker user exists without its
 # row; deleting orphan broker users takes it exclusive.
@@ -54,62 +51,6 @@ def job_key(job: str) -> str:
     return f"job:{job}"
 
 
-class _KeyedLocks:
-    """In-process stand-in for advisory locks (SQLite): one asyncio.Lock per key, dropped when
-    nobody holds or waits for it."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
-
-    def _take(self, key: str) -> asyncio.Lock:
-        lock, users = self._locks.get(key, (None, 0))
-        lock = lock or asyncio.Lock()
-        self._locks[key] = (lock, users + 1)
-        return lock
-
-    def _drop(self, key: str) -> None:
-        lock, users = self._locks[key]
-        if users <= 1:
-            del self._locks[key]
-        else:
-            self._locks[key] = (lock, users - 1)
-
-    @asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[None]:
-        lock = self._take(key)
-        try:
-            async with lock:
-                yield
-        finally:
-            self._drop(key)
-
-    @asynccontextmanager
-    async def try_hold(self, key: str) -> AsyncIterator[bool]:
-        lock = self._take(key)
-        try:
-            if lock.locked():
-                yield False
-                return
-            async with lock:
-                yield True
-        finally:
-            self._drop(key)
-
-
-# asyncio locks belong to one event loop: keep one registry per loop.
-_local: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _KeyedLocks] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _local_locks() -> _KeyedLocks:
-    loop = asyncio.get_running_loop()
-    registry = _local.get(loop)
-    if registry is None:
-        registry = _local[loop] = _KeyedLocks()
-    return registry
-
-
 _LOCK_FUNCTION = {True: func.pg_advisory_xact_lock, False: func.pg_advisory_xact_lock_shared}
 _LOCK_ALL: dict[tuple[bool, ...], Select[Any]] = {}
 
@@ -132,15 +73,6 @@ def _lock_all(flags: tuple[bool, ...]) -> Select[Any]:
 Locks = Sequence[tuple[str, bool]]  # (name, exclusive), taken in this order
 
 
-@asynccontextmanager
-async def _in_process(locks: Locks) -> AsyncIterator[None]:
-    """SQLite: one instance, and one writer at a time anyway; in-process mutexes will do."""
-    async with AsyncExitStack() as stack:
-        for name, _exclusive in locks:
-            await stack.enter_async_context(_local_locks().hold(name))
-        yield
-
-
 async def _take(executor: Executor, locks: Locks) -> None:
     flags = tuple(exclusive for _name, exclusive in locks)
     keys = {f"k{index}": lock_key(name) for index, (name, _e) in enumerate(locks)}
@@ -156,17 +88,12 @@ async def guard_all(executor: Executor, locks: Locks) -> AsyncIterator[None]:
     Commit or roll back inside the block: that releases them. A transaction still open
     when the block ends is rolled back. Shared holders do not wait for each other; an
     exclusive holder waits for all of them and they for it."""
-    postgres = is_postgres(executor)
-    async with AsyncExitStack() as stack:
-        if not postgres:
-            await stack.enter_async_context(_in_process(locks))
-        try:
-            if postgres:
-                await _take(executor, locks)
-            yield
-        finally:
-            if executor.in_transaction():
-                await executor.rollback()
+    try:
+        await _take(executor, locks)
+        yield
+    finally:
+        if executor.in_transaction():
+            await executor.rollback()
 
 
 def guard(executor: Executor, name: str, *, exclusive: bool) -> AbstractAsyncContextManager[None]:
@@ -178,14 +105,9 @@ def guard(executor: Executor, name: str, *, exclusive: bool) -> AbstractAsyncCon
 async def transaction_holding(engine: AsyncEngine, locks: Locks) -> AsyncIterator[AsyncConnection]:
     """A transaction on a connection of its own (committed when the block ends, rolled
     back if it raises) that holds the locks as `guard_all` does: for a unit of work on no
-    session. On SQLite the in-process locks are taken first: a caller waiting for them
-    holds no connection of the pool meanwhile."""
-    if engine.dialect.name == "postgresql":
-        async with engine.begin() as connection:
-            await _take(connection, locks)
-            yield connection
-        return
-    async with _in_process(locks), engine.begin() as connection:
+    session."""
+    async with engine.begin() as connection:
+        await _take(connection, locks)
         yield connection
 
 
@@ -193,22 +115,17 @@ async def transaction_holding(engine: AsyncEngine, locks: Locks) -> AsyncIterato
 async def job_lock(engine: AsyncEngine, job: str) -> AsyncIterator[bool]:
     """True when this caller may run `job`; False when another run (any replica) holds it.
 
-    On PostgreSQL the lock lives in a transaction on a connection of its own,
-    open for the whole run: the run's work uses other connections and commits as
-    it goes without releasing it.
+    The lock lives in a transaction on a connection of its own, open for the whole run:
+    the run's work uses other connections and commits as it goes without releasing it.
     """
-    if engine.dialect.name == "postgresql":
-        async with engine.connect() as connection:
-            transaction = await connection.begin()
-            try:
-                acquired = bool(
-                    await connection.scalar(
-                        select(func.pg_try_advisory_xact_lock(lock_key(job_key(job))))
-                    )
+    async with engine.connect() as connection:
+        transaction = await connection.begin()
+        try:
+            acquired = bool(
+                await connection.scalar(
+                    select(func.pg_try_advisory_xact_lock(lock_key(job_key(job))))
                 )
-                yield acquired
-            finally:
-                await transaction.rollback()
-        return
-    async with _local_locks().try_hold(job_key(job)) as acquired:
-        yield acquired
+            )
+            yield acquired
+        finally:
+            await transaction.rollback()

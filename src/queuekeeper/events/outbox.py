@@ -12,10 +12,10 @@ when its leases run out. Only `state = 'pending'` copies that are due are ever c
 any other state (published, rejected, given up, parked) is never taken, except that
 `unpark` takes a queue's parked copies back.
 
-Where the statements run: on PostgreSQL `outbox_postgres.py` (plain SQL on asyncpg,
-docs/decisions/008-driver-path.md), on SQLite its twin `outbox_sqlite.py` (SQLAlchemy
-Core). Who gets a copy is decided in `recipients.py`; how requests share a transaction,
-in `intake.py`; what the relay does with a claimed copy, in `relay.py`.
+The statements themselves are in `outbox_postgres.py` (plain SQL on asyncpg,
+docs/decisions/008-driver-path.md), each written once. Who gets a copy is decided in
+`recipients.py`; how requests share a transaction, in `intake.py`; what the relay does
+with a claimed copy, in `relay.py`.
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Collection, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Collection, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from queuekeeper.common.locks import lock_key
 from queuekeeper.config import Settings
-from queuekeeper.events.outbox_postgres import PostgresOutbox
-from queuekeeper.events.outbox_sqlite import SqliteOutbox
+from queuekeeper.events import outbox_postgres as sql
+from queuekeeper.events.outbox_postgres import RecipientCache, StoreUnit, checked_out
 from queuekeeper.events.recipients import Copy, RecipientIndex, Recipients
 from queuekeeper.events.schemas import EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest, DomainError
@@ -118,70 +119,11 @@ class Stored:
     deliveries: int = 0
 
 
-class _StoreUnit(Protocol):
-    async def recipients(
-        self, offerings: Collection[Any], object_types: Collection[str], now: datetime
-    ) -> list[tuple[Any, ...]]: ...
-
-    async def event_counts(self, event_ids: Collection[str]) -> dict[str, tuple[int, int]]: ...
-
-    async def insert(
-        self,
-        events: Sequence[Mapping[str, Any]],
-        copies: Sequence[Mapping[str, Any]],
-        *,
-        ids: bool = True,
-    ) -> tuple[set[str], list[tuple[Any, ...]]]: ...
-
-
-class _Statements(Protocol):
-    """What `outbox_postgres.PostgresOutbox` and `outbox_sqlite.SqliteOutbox` both run."""
-
-    def store(self) -> AbstractAsyncContextManager[_StoreUnit]: ...
-
-    async def claim(
-        self, relay_id: str, now: datetime, until: datetime, limit: int
-    ) -> list[Sequence[Any]]: ...
-
-    async def renew(self, relay_id: str, ids: Collection[int], until: datetime) -> set[int]: ...
-
-    async def release(self, relay_id: str, ids: Collection[int], now: datetime) -> None: ...
-
-    async def finish(
-        self, ids: Collection[int], state: str, now: datetime, error: str | None
-    ) -> None: ...
-
-    async def published_at(self, confirmed: Sequence[tuple[int, datetime]]) -> None: ...
-
-    async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None: ...
-
-    async def reschedule(
-        self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]
-    ) -> None: ...
-
-    async def park(
-        self, relay_id: str, ids: Collection[int], now: datetime, reason: str
-    ) -> None: ...
-
-    async def unpark(
-        self, relay_id: str, vhost: str, queue: str, limit: int, until: datetime, now: datetime
-    ) -> list[Sequence[Any]]: ...
-
-    async def give_up_parked(
-        self, before: datetime, limit: int, now: datetime, reason: str
-    ) -> int: ...
-
-    async def add_replays(
-        self, replay: Mapping[str, Any]
-    ) -> tuple[int, datetime | None, int, int]: ...
-
-
 class Outbox:
     def __init__(self, engine: AsyncEngine, settings: Settings) -> None:
+        self.engine = engine
         self.lease_length = timedelta(seconds=settings.relay_lease_seconds)
-        self.statements: _Statements = (
-            PostgresOutbox(engine) if engine.dialect.name == "postgresql" else SqliteOutbox(engine)
-        )
+        self.recipients = RecipientCache()
 
     def lease(self, relay_id: str, now: datetime) -> Lease:
         """The lease rule: a claim, a store handed to a relay, an unpark and a renewal all
@@ -189,23 +131,32 @@ class Outbox:
         return Lease(relay_id, now + self.lease_length)
 
     # --- the intake's side ---------------------------------------------------------------
-    async def store(self, group: Sequence[Request], now: datetime, lease: Lease | None) -> Stored:
-        """Store a group of requests in one transaction, committed on return. With `lease`,
-        the copies are written already claimed by it (the lease is in the insert) and
-        returned as `handed`; without, they are written pending for any relay.
+    @asynccontextmanager
+    async def store_unit(self) -> AsyncIterator[StoreUnit]:
+        """One store's connection: its recipients' read, then its one write."""
+        async with checked_out(self.engine) as driver:
+            yield StoreUnit(driver, self.recipients)
 
-        What is written is written at once or not at all: on PostgreSQL by one statement
-        after the recipients' read, on SQLite in one transaction
-        (docs/decisions/017-single-event-cost.md)."""
-        async with self.statements.store() as unit:
+    async def store(self, group: Sequence[Request], now: datetime, lease: Lease | None) -> Stored:
+        """Store a group of requests, committed on return. With `lease`, the copies are
+        written already claimed by it (the lease is in the insert) and returned as
+        `handed`; without, they are written pending for any relay.
+
+        What is written is written at once or not at all: by one statement after the
+        recipients' read (docs/decisions/017-single-event-cost.md)."""
+        async with self.store_unit() as unit:
             return await _Store(unit, group, now, lease).run()
 
     # --- the relay's side: each statement stands alone, guarded by the row's state ------
+    async def _run(self, statement: str, *arguments: Any) -> list[Any]:
+        async with checked_out(self.engine) as driver:
+            return await driver.fetch(statement, *arguments)
+
     async def claim(self, relay_id: str, now: datetime, limit: int) -> tuple[list[Claimed], Lease]:
         """Take up to `limit` due copies for `relay_id`, oldest first; those the owner may no
         longer receive are given up instead (docs/decisions/021-authorized-when-published.md)."""
         lease = self.lease(relay_id, now)
-        rows = await self.statements.claim(relay_id, now, lease.until, limit)
+        rows = await self._run(sql.CLAIM, now, limit, relay_id, lease.until)
         return _claimed(rows)[0], lease
 
     async def renew(
@@ -215,12 +166,13 @@ class Outbox:
         lease = self.lease(relay_id, now)
         if not ids:
             return set(), lease
-        return await self.statements.renew(relay_id, ids, lease.until), lease
+        rows = await self._run(sql.RENEW, list(ids), relay_id, lease.until)
+        return {row[0] for row in rows}, lease
 
     async def release(self, relay_id: str, ids: Collection[int], now: datetime) -> None:
         """Give back `relay_id`'s claim on copies it never published: due again at once."""
         if ids:
-            await self.statements.release(relay_id, ids, now)
+            await self._run(sql.RELEASE, list(ids), relay_id, now)
 
     async def publish(self, ids: Collection[int], now: datetime) -> None:
         await self._finish(ids, DeliveryState.PUBLISHED, now, None)
@@ -228,7 +180,8 @@ class Outbox:
     async def published_at(self, confirmed: Sequence[tuple[int, datetime]]) -> None:
         """Settle (id, when the broker confirmed it) as published, in one statement."""
         if confirmed:
-            await self.statements.published_at(confirmed)
+            ids, times = [i for i, _ in confirmed], [at for _, at in confirmed]
+            await self._run(sql.PUBLISHED_AT, ids, times)
 
     async def reject(self, ids: Collection[int], now: datetime, error: str) -> None:
         await self._finish(ids, DeliveryState.REJECTED, now, error)
@@ -236,25 +189,27 @@ class Outbox:
     async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
         """Settle (id, reason) as given up: never published."""
         if reasons:
-            await self.statements.give_up(reasons, now)
+            ids, errors = [i for i, _ in reasons], [e for _, e in reasons]
+            await self._run(sql.GIVE_UP, ids, errors, now)
 
     async def reschedule(self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]) -> None:
         """Release our claim on (id, next attempt, error), unless another relay took it since."""
         if retries:
-            await self.statements.reschedule(relay_id, retries)
+            ids, when, errors = ([retry[k] for retry in retries] for k in range(3))
+            await self._run(sql.RESCHEDULE, ids, when, errors, relay_id)
 
     async def _finish(
         self, ids: Collection[int], state: DeliveryState, now: datetime, error: str | None
     ) -> None:
         """A settled copy stays settled: only a pending one is settled."""
         if ids:
-            await self.statements.finish(ids, state.value, now, error)
+            await self._run(sql.FINISH, list(ids), state.value, now, error)
 
     # --- parking's side (docs/decisions/015-parking.md): parking decides, the outbox writes
     async def park(self, relay_id: str, ids: Collection[int], now: datetime) -> None:
         """Park copies `relay_id` holds (claimed or handed over): from pending to parked."""
         if ids:
-            await self.statements.park(relay_id, ids, now, PARKED_REASON)
+            await self._run(sql.PARK, list(ids), relay_id, now, PARKED_REASON)
 
     async def unpark(
         self, relay_id: str, vhost: str, queue: str, limit: int, now: datetime
@@ -265,7 +220,7 @@ class Outbox:
         owner may no longer receive. Returns the claimed in acceptance order (outbox id
         order) and how many were given up."""
         lease = self.lease(relay_id, now)
-        rows = await self.statements.unpark(relay_id, vhost, queue, limit, lease.until, now)
+        rows = await self._run(sql.UNPARK, vhost, queue, limit, relay_id, lease.until, now)
         claimed, refused = _claimed(rows)
         # The relay's delivery_max_age counts from the release: a copy parked for days is
         # not too old to publish (retention bounds it instead).
@@ -274,7 +229,8 @@ class Outbox:
     async def give_up_parked(self, before: datetime, limit: int, now: datetime) -> int:
         """Give up (for retention) up to `limit` parked copies created before `before`;
         returns how many."""
-        return await self.statements.give_up_parked(before, limit, now, RETENTION_REASON)
+        rows = await self._run(sql.GIVE_UP_PARKED, before, limit, now, RETENTION_REASON)
+        return int(rows[0][0])
 
     async def add_replays(
         self,
@@ -291,20 +247,26 @@ class Outbox:
         queue (whatever became of it) and that its owner may receive now, in acceptance
         order, falling due `per_second` a second behind every other replay's; nothing
         while a replay of the queue is in flight or when the window holds more than
-        `max_copies` (docs/decisions/021-authorized-when-published.md)."""
-        replay = {
-            "vhost": to.vhost,
-            "queue_name": to.queue_name,
-            "queue_uuid": to.queue_uuid,
-            "consumer_uuid": to.consumer_uuid,
-            "since": since,
-            "until": until,
-            "object_types": list(object_types) if object_types else None,
-            "now": now,
-            "max_copies": max_copies,
-            "spacing": 1.0 / per_second,
-        }
-        return Replayed(*await self.statements.add_replays(replay))
+        `max_copies` (docs/decisions/021-authorized-when-published.md). One transaction
+        under the replay lock, so two replays of one queue never both find none in flight
+        and two replays never pace from the same start."""
+        async with checked_out(self.engine) as driver, driver.driver.transaction():
+            await driver.fetch(sql.REPLAY_LOCK, lock_key("replays"))
+            rows = await driver.fetch(
+                sql.ADD_REPLAYS,
+                to.vhost,
+                to.queue_name,
+                to.queue_uuid,
+                to.consumer_uuid,
+                since,
+                until,
+                list(object_types) if object_types else None,
+                now,
+                max_copies,
+                1.0 / per_second,
+            )
+        row = rows[0]
+        return Replayed(int(row[0]), row[1], int(row[2]), int(row[3]))
 
 
 @dataclass(frozen=True)
@@ -331,7 +293,7 @@ class _Store:
     """One group's store, step by step, inside the transaction of `unit`."""
 
     def __init__(
-        self, unit: _StoreUnit, group: Sequence[Request], now: datetime, lease: Lease | None
+        self, unit: StoreUnit, group: Sequence[Request], now: datetime, lease: Lease | None
     ) -> None:
         self.unit = unit
         self.group = group
@@ -419,7 +381,6 @@ class _Store:
         self.inserted, returned = await self.unit.insert(
             list(self.event_rows.values()),
             [self._copy_row(event_id, copy) for event_id, copy in planned],
-            ids=self.lease is not None,
         )
         self.copies = [(event_id, copy) for event_id, copy in planned if event_id in self.inserted]
         to_consumers = sum(1 for _, copy in self.copies if copy.consumer_uuid is not None)

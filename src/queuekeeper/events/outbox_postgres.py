@@ -12,8 +12,8 @@ SQLAlchemy's and there is no second pool to size.
 
 A failure is raised as SQLAlchemy would raise it (`DBAPIError`, `IntegrityError` for a
 constraint), so the error handlers (errors.py) answer a lost connection or a database
-that is down with 503 and the intake retries a conflict, whichever path ran. The SQLite
-twin, `outbox_sqlite.py`, spells the same statements in SQLAlchemy Core.
+that is down with 503 and the intake retries a conflict, whichever path ran. In the service
+`Outbox` (outbox.py) runs them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from queuekeeper.common.locks import lock_key
 from queuekeeper.events.authorization import authorized_sql
 from queuekeeper.events.recipients import RecipientsChanged
 
@@ -331,18 +330,6 @@ SELECT (SELECT copies FROM running), (SELECT since FROM running),
        (SELECT count(*) FROM allowed), (SELECT count(*) FROM added)
 """
 )
-REPLAY_PARAMETERS = (
-    "vhost",
-    "queue_name",
-    "queue_uuid",
-    "consumer_uuid",
-    "since",
-    "until",
-    "object_types",
-    "now",
-    "max_copies",
-    "spacing",
-)
 
 
 def _database_error(sql: str, exc: BaseException, lost: bool) -> DBAPIError:
@@ -352,7 +339,7 @@ def _database_error(sql: str, exc: BaseException, lost: bool) -> DBAPIError:
     return kind(sql, None, exc, hide_parameters=True, connection_invalidated=lost)
 
 
-class _Driver:
+class Driver:
     """One pooled connection's asyncpg connection, each statement's failure translated."""
 
     def __init__(self, connection: AsyncConnection, driver: Any) -> None:
@@ -385,10 +372,12 @@ class _Driver:
 
 
 @asynccontextmanager
-async def _checked_out(engine: AsyncEngine) -> AsyncIterator[_Driver]:
+async def checked_out(engine: AsyncEngine) -> AsyncIterator[Driver]:
+    """A connection of `engine`'s pool, on the driver. No transaction around what runs on
+    it: each statement stands alone (guarded by the row's state) and commits as it runs."""
     async with engine.connect() as connection:
         pooled = await connection.get_raw_connection()
-        driver = _Driver(connection, pooled.driver_connection)
+        driver = Driver(connection, pooled.driver_connection)
         try:
             yield driver
         finally:
@@ -427,7 +416,7 @@ DELIVERY_COLUMNS = (
 )
 
 
-def _arrays(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[list[Any]]:
+def column_arrays(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[list[Any]]:
     """The rows as one array per column, in the INSERT's order; json columns as text."""
     return [
         [None if row[name] is None else json.dumps(row[name]) for row in rows]
@@ -476,7 +465,7 @@ class StoreUnit:
     """The store's statements, on one connection: read the recipients (or remember them),
     then write."""
 
-    def __init__(self, driver: _Driver, cache: RecipientCache) -> None:
+    def __init__(self, driver: Driver, cache: RecipientCache) -> None:
         self.driver = driver
         self.cache = cache
         self._read: tuple[_Key, list[Any], list[str], datetime, str] | None = None
@@ -507,14 +496,11 @@ class StoreUnit:
         self,
         events: Sequence[Mapping[str, Any]],
         copies: Sequence[Mapping[str, Any]],
-        *,
-        ids: bool = True,
     ) -> tuple[set[str], list[tuple[Any, ...]]]:
         """Insert the events whose id is new and the copies of those (the others' copies
         are dropped), in one statement, if the recipients read by `recipients` are still
         the recipients (else `RecipientsChanged`, nothing written); returns the new event
-        ids and (id, event_id, queue_uuid, consumer_uuid) of each copy inserted (whatever
-        `ids` says: the statement returns them anyway)."""
+        ids and (id, event_id, queue_uuid, consumer_uuid) of each copy inserted."""
         # Without a read first (a test's own rows) nothing is checked: no offerings asked.
         key, asked, types, now, digest = self._read or (_NO_KEY, [], [], _EPOCH, _EMPTY_DIGEST)
         records = await self.driver.fetch(
@@ -523,8 +509,8 @@ class StoreUnit:
             types,
             now,
             digest,
-            *_arrays(events, EVENT_COLUMNS),
-            *_arrays(copies, DELIVERY_COLUMNS),
+            *column_arrays(events, EVENT_COLUMNS),
+            *column_arrays(copies, DELIVERY_COLUMNS),
         )
         if next(record[1] for record in records if record[0] == "g") != digest:
             self.cache.drop(key)
@@ -532,75 +518,6 @@ class StoreUnit:
         inserted = {record[1] for record in records if record[0] == "e"}
         copied = [(r[2], r[1], r[3], r[4]) for r in records if r[0] == "d"]
         return inserted, copied
-
-
-class PostgresOutbox:
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
-        self.recipients = RecipientCache()
-
-    @asynccontextmanager
-    async def store(self) -> AsyncIterator[StoreUnit]:
-        """One store's connection. No transaction around it: the store's one write
-        (`StoreUnit.insert`) is a single statement, atomic and committed as it runs."""
-        async with _checked_out(self.engine) as driver:
-            yield StoreUnit(driver, self.recipients)
-
-    # Each of the relay's statements stands alone (guarded by the row's state): no
-    # transaction around it, so it commits as it runs.
-    async def _run(self, sql: str, *arguments: Any) -> list[Any]:
-        async with _checked_out(self.engine) as driver:
-            return await driver.fetch(sql, *arguments)
-
-    async def claim(
-        self, relay_id: str, now: datetime, until: datetime, limit: int
-    ) -> list[Sequence[Any]]:
-        return await self._run(CLAIM, now, limit, relay_id, until)
-
-    async def renew(self, relay_id: str, ids: Collection[int], until: datetime) -> set[int]:
-        return {record[0] for record in await self._run(RENEW, list(ids), relay_id, until)}
-
-    async def release(self, relay_id: str, ids: Collection[int], now: datetime) -> None:
-        await self._run(RELEASE, list(ids), relay_id, now)
-
-    async def finish(
-        self, ids: Collection[int], state: str, now: datetime, error: str | None
-    ) -> None:
-        await self._run(FINISH, list(ids), state, now, error)
-
-    async def published_at(self, confirmed: Sequence[tuple[int, datetime]]) -> None:
-        ids, times = [i for i, _ in confirmed], [at for _, at in confirmed]
-        await self._run(PUBLISHED_AT, ids, times)
-
-    async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
-        ids, errors = [i for i, _ in reasons], [e for _, e in reasons]
-        await self._run(GIVE_UP, ids, errors, now)
-
-    async def reschedule(self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]) -> None:
-        ids, when, errors = ([r[k] for r in retries] for k in range(3))
-        await self._run(RESCHEDULE, ids, when, errors, relay_id)
-
-    async def park(self, relay_id: str, ids: Collection[int], now: datetime, reason: str) -> None:
-        await self._run(PARK, list(ids), relay_id, now, reason)
-
-    async def unpark(
-        self, relay_id: str, vhost: str, queue: str, limit: int, until: datetime, now: datetime
-    ) -> list[Sequence[Any]]:
-        return await self._run(UNPARK, vhost, queue, limit, relay_id, until, now)
-
-    async def give_up_parked(self, before: datetime, limit: int, now: datetime, reason: str) -> int:
-        return int((await self._run(GIVE_UP_PARKED, before, limit, now, reason))[0][0])
-
-    async def add_replays(self, replay: Mapping[str, Any]) -> tuple[int, datetime | None, int, int]:
-        """(copies of a replay in flight, its oldest copy's time, the window's copies, the
-        copies added): one transaction holding the queue's replay lock, so two replays of
-        one queue never both find none in flight."""
-        arguments = [replay[name] for name in REPLAY_PARAMETERS]
-        key = lock_key(f"replay:{replay['vhost']}/{replay['queue_name']}")
-        async with _checked_out(self.engine) as driver, driver.driver.transaction():
-            await driver.fetch(REPLAY_LOCK, key)
-            row = (await driver.fetch(ADD_REPLAYS, *arguments))[0]
-        return int(row[0]), row[1], int(row[2]), int(row[3])
 
 
 async def listen(

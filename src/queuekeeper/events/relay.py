@@ -194,8 +194,7 @@ class Relay:
             asyncio.create_task(self._housekeeping(), name="relay-housekeeping"),
             asyncio.create_task(self._write_confirmed_loop(), name="relay-settle"),
         ]
-        if self.engine.dialect.name == "postgresql":
-            self._tasks.append(asyncio.create_task(self._listen(), name="relay-listen"))
+        self._tasks.append(asyncio.create_task(self._listen(), name="relay-listen"))
         log.info("relay_started", relay=self.id, batches=self.settings.relay_concurrency)
 
     async def stop(self, grace: float = STOP_GRACE) -> None:

@@ -103,8 +103,6 @@ async def outbox_depth(session: Executor, now: datetime) -> OutboxDepth:
         )
     ).one()
     oldest = row[2]
-    if isinstance(oldest, str):  # SQLite hands an aggregate back untyped
-        oldest = datetime.fromisoformat(oldest)
     if oldest is not None and oldest.tzinfo is None:
         oldest = oldest.replace(tzinfo=now.tzinfo)
     return OutboxDepth(

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Iterable
 
 from sqlalchemy import select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.models import Installation, User
@@ -25,8 +25,7 @@ async def get(session: AsyncSession) -> uuid.UUID | None:
 async def create_if_absent(session: AsyncSession, identity: uuid.UUID) -> None:
     """Insert the row unless another process did first (then its identity stands)."""
     values = {"id": ROW, "uuid": identity}
-    dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    await session.execute(dialect.insert(Installation).values(values).on_conflict_do_nothing())
+    await session.execute(insert(Installation).values(values).on_conflict_do_nothing())
 
 
 async def known_users(session: AsyncSession, names: Iterable[uuid.UUID]) -> set[uuid.UUID]:

@@ -24,7 +24,7 @@ EXAMPLES = 5
 
 async def identity(sessions: async_sessionmaker[AsyncSession]) -> uuid.UUID:
     """This database's installation uuid; made now if `migrate` did not (a database made
-    from the models, as the tests' SQLite file is)."""
+    from the models)."""
     async with sessions() as session:
         found = await repository.get(session)
         if found is None:

@@ -78,7 +78,7 @@ class Releaser:
         tasks = [task for task in (self._task, *self._releasing.values()) if task is not None]
         if tasks:
             # Each checks `_stopping` between steps: let a statement in flight finish
-            # (cancelled inside one, an aiosqlite connection would be left unreturned).
+            # rather than cancel it half-way.
             _done, pending = await asyncio.wait(tasks, timeout=STOP_GRACE)
             tasks = list(pending)
         for task in tasks:

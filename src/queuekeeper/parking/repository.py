@@ -98,9 +98,7 @@ async def backlogged(session: Executor, queues: Collection[Queue]) -> set[Queue]
     return {(vhost, queue) for vhost, queue in rows}
 
 
-def _aware(value: datetime | str) -> datetime:
-    if isinstance(value, str):  # SQLite hands a bare column of a mixed select back as text
-        value = datetime.fromisoformat(value)
+def _aware(value: datetime) -> datetime:
     return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
@@ -173,10 +171,7 @@ async def parked_summary(session: Executor) -> ParkedSummary:
             )
         )
     ).one()
-    oldest = row[1]
-    if isinstance(oldest, str):  # SQLite hands an aggregate back untyped
-        oldest = datetime.fromisoformat(oldest)
-    return ParkedSummary(int(row[0]), oldest)
+    return ParkedSummary(int(row[0]), row[1])
 
 
 # --- retention ----------------------------------------------------------------------------
@@ -200,8 +195,6 @@ async def prune_events(session: Executor, cutoff: datetime, limit: int) -> int:
 
 async def oldest_event(session: Executor) -> datetime | None:
     oldest = await session.scalar(select(func.min(EVENTS.c.accepted)))
-    if isinstance(oldest, str):  # SQLite hands an aggregate back untyped
-        oldest = datetime.fromisoformat(oldest)
     if isinstance(oldest, datetime) and oldest.tzinfo is None:
         oldest = oldest.replace(tzinfo=UTC)
     return oldest if isinstance(oldest, datetime) else None

@@ -22,7 +22,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.models import (
@@ -61,8 +61,7 @@ async def record(
     `away_since` is kept while the queue stays without consumer, set to `away_from` when it
     loses its last one, cleared when one arrives (and kept as `returned_from` until the
     release has redriven the queue's dead letters). True when written."""
-    dialect: Any = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(QueuePresence).values(
+    statement = insert(QueuePresence).values(
         vhost=vhost,
         queue_name=queue_name,
         consumers=consumers,
@@ -305,11 +304,9 @@ async def outbox_of(session: AsyncSession, regs: Collection[Registration]) -> di
 
 
 def _aware(value: Any) -> datetime | None:
-    """Aggregates skip the column type (SQLite hands back text or naive datetimes)."""
+    """An aggregate's datetime, in UTC."""
     if value is None:
         return None
-    if isinstance(value, str):
-        value = datetime.fromisoformat(value)
     if isinstance(value, datetime) and value.tzinfo is None:
         value = value.replace(tzinfo=UTC)
     return value if isinstance(value, datetime) else None

@@ -15,7 +15,6 @@ from sqlalchemy import ColumnElement, exists, literal, null, or_, select, union_
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.broker import topology
-from queuekeeper.db import is_postgres
 from queuekeeper.models import (
     BrokerState,
     EventConsumer,
@@ -107,8 +106,7 @@ async def rows_in_range(
         ).where(EventConsumer.vhost == vhost),
     ).subquery("registered")
     name: ColumnElement[str] = registered.c.name
-    if is_postgres(session):
-        name = name.collate("C")  # byte order, as RabbitMQ sorts names
+    name = name.collate("C")  # byte order, as RabbitMQ sorts names
     query = select(registered)
     if after is not None:
         query = query.where(name > after)

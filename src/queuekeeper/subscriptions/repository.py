@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Insert, Integer, Select, Table, bindparam, func, literal, select
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import aliased
 
@@ -107,7 +107,7 @@ def _queues_held(owner: Any) -> Any:
     )
 
 
-def _insert_queue() -> dict[str, Insert]:
+def _insert_queue() -> Insert:
     granted = (
         select(OfferingAccess.user_uuid)
         .where(
@@ -120,15 +120,12 @@ def _insert_queue() -> dict[str, Insert]:
     row = select(
         *(bindparam(column.key, type_=column.type).label(column.key) for column in _QUEUES.c)
     ).where(granted.exists(), _queues_held(owner) < bindparam("limit", type_=Integer()))
-    # Each dialect's own spelling of INSERT ... SELECT ... ON CONFLICT DO NOTHING; SQLite
-    # needs the WHERE in the SELECT to read ON CONFLICT as the insert's.
-    return {
-        name: dialect.insert(_QUEUES)
+    return (
+        insert(_QUEUES)
         .from_select(_QUEUES.c.keys(), row)
         .on_conflict_do_nothing()
         .returning(_QUEUES.c.uuid)
-        for name, dialect in (("sqlite", sqlite), ("postgresql", postgresql))
-    }
+    )
 
 
 # On the table rather than the mapped class: the ORM's bulk insert path and a statement built
@@ -183,7 +180,7 @@ async def insert_queue_with_access(
         "created": queue.created,
         "limit": limit,
     }
-    if await unit.scalar(_INSERT_QUEUE[unit.dialect.name], values) is not None:
+    if await unit.scalar(_INSERT_QUEUE, values) is not None:
         return QueueInsert.INSERTED
     # Nothing inserted: a conflict, no grant or the quota. Which, the reads tell (rare).
     if not await has_access(unit, owner_uuid, queue.offering_uuid, lock=True):
