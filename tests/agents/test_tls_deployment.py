@@ -21,11 +21,17 @@ import asyncio
 import re
 import ssl
 import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import websockets
+import yaml
 from websockets.exceptions import InvalidStatus
 
 from tests.agents.harness import Server, agent_config, start_agent
@@ -49,7 +55,7 @@ from tests.agents.test_agent_matrix import (
 )
 from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN, TEST_DB
-from tests.helpers import Backend
+from tests.helpers import Agent, Backend
 
 NAME = "queuekeeper.test"  # RFC 6761: .test is never delegated, so it reaches nobody else
 HTTPS = 443
@@ -83,12 +89,19 @@ def shipped_burst() -> int:
     return int(burst)
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("release", DEPLOYED, ids=[release.version for release in DEPLOYED])
-async def test_a_published_agent_on_its_defaults_receives_every_type_over_wss_through_nginx(
-    release: Release, server: Server, tmp_path: Path
-) -> None:
-    python = await asyncio.to_thread(ensure_site_agent_venv, release.version)
+@dataclass(frozen=True)
+class Deployed:
+    certificate: Certificate
+    address: str  # nginx listens on port 443 of it
+    access_log: Path
+
+    def agent_options(self, release: Release) -> list[str]:
+        return [*runner_flags(release), "--resolve", f"{self.certificate.name}:{self.address}"]
+
+
+@asynccontextmanager
+async def deployed(server: Server, tmp_path: Path) -> AsyncIterator[Deployed]:
+    """The shipped site over TLS, in front of `server`, RabbitMQ and a stand-in for Waldur."""
     certificate = certificate_for(NAME, tmp_path / "tls")
     address = free_loopback_address(HTTPS)
     waldur, waldur_port = StandInWaldur(), free_port()
@@ -99,52 +112,96 @@ async def test_a_published_agent_on_its_defaults_receives_every_type_over_wss_th
         waldur=f"127.0.0.1:{waldur_port}",
         web_stomp=f"{BROKER.host}:{BROKER.web_stomp_port}",
     )
+    async with serving(waldur, waldur_port):
+        with nginx(site, tmp_path / "nginx", (address, HTTPS)) as access_log:
+            yield Deployed(certificate, address, access_log)
+
+
+def site_agent_config(path: Path, agent: Agent, offering: uuid.UUID, **extra: Any) -> Path:
+    """As a site writes it: the proxy's https URL, nothing about the broker or TLS."""
+    config = agent_config(
+        path, f"https://{NAME}/api/", agent.token, offering.hex, stomp_defaults=True
+    )
+    written = yaml.safe_load(config.read_text())
+    (offering_config,) = written["offerings"]
+    assert not {key for key in offering_config if key.startswith("stomp_ws")}, written
+    assert not {"websocket_use_tls", "verify_ssl"} & set(offering_config), written
+    offering_config.update(extra)
+    config.write_text(yaml.safe_dump(written))
+    return config
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("release", DEPLOYED, ids=[release.version for release in DEPLOYED])
+async def test_a_published_agent_on_its_defaults_receives_every_type_over_wss_through_nginx(
+    release: Release, server: Server, tmp_path: Path
+) -> None:
+    python = await asyncio.to_thread(ensure_site_agent_venv, release.version)
     async with (
-        serving(waldur, waldur_port),
         httpx.AsyncClient(base_url=server.url, timeout=30) as direct,
+        deployed(server, tmp_path) as site,
     ):
         backend = Backend(direct, SERVICE_TOKEN)  # the backend talks to queuekeeper directly
         agent, offering = await backend.agent_with_offering()
-        config = agent_config(
-            tmp_path / "agent.yaml",
-            f"https://{NAME}/api/",
-            agent.token,
-            offering.hex,
-            stomp_defaults=True,
+        config = site_agent_config(tmp_path / "agent.yaml", agent, offering)
+        running = await start_agent(
+            python,
+            config,
+            tmp_path,
+            release.version,
+            *site.agent_options(release),
+            env={"SSL_CERT_FILE": str(site.certificate.ca)},
         )
-        written = config.read_text()
-        assert "stomp" not in written.replace("stomp_enabled", ""), written
-        assert "tls" not in written, written
-        assert "verify_ssl" not in written, written
-        with nginx(site, tmp_path / "nginx", (address, HTTPS)) as access_log:
-            running = await start_agent(
-                python,
-                config,
-                tmp_path,
-                release.version,
-                *runner_flags(release),
-                "--resolve",
-                f"{NAME}:{address}",
-                env={"SSL_CERT_FILE": str(certificate.ca)},
-            )
-            try:
-                status = await running.ready(timeout=180)
-                queue_of = queues_by_type(status, offering)
-                assert sorted(queue_of) == sorted(release.types), running.log_tail()
-                sent = await publish_every_type(direct, offering, queue_of)
-                received = await running.wait_received(len(sent), timeout=60)
-                assert_each_handled_once(received, sent, running.log_tail())
-            finally:
-                await running.stop()
-        proxied = access_log.read_text()  # complete once nginx stopped
-        log = running.output.read_text(errors="replace")
-        # The agent chose wss://queuekeeper.test:443/rmqws-stomp on its own...
-        assert f"Using {NAME}:{HTTPS}/{agent.vhost}/rmqws-stomp broker" in log, log
-        # ...and both its REST set-up and its STOMP connection went through nginx.
-        assert re.search(
-            r'"POST /api/marketplace-site-agent-identities/\w+/register_queue/ ', proxied
-        ), proxied
-        assert re.search(r'"GET /rmqws-stomp HTTP/1\.1" 101 ', proxied), proxied
+        try:
+            status = await running.ready(timeout=180)
+            queue_of = queues_by_type(status, offering)
+            assert sorted(queue_of) == sorted(release.types), running.log_tail()
+            sent = await publish_every_type(direct, offering, queue_of)
+            received = await running.wait_received(len(sent), timeout=60)
+            assert_each_handled_once(received, sent, running.log_tail())
+        finally:
+            await running.stop()
+    proxied = site.access_log.read_text()  # complete once nginx stopped
+    log = running.output.read_text(errors="replace")
+    # The agent chose wss://queuekeeper.test:443/rmqws-stomp on its own...
+    assert f"Using {NAME}:{HTTPS}/{agent.vhost}/rmqws-stomp broker" in log, log
+    # ...and both its REST set-up and its STOMP connection went through nginx.
+    assert re.search(
+        r'"POST /api/marketplace-site-agent-identities/\w+/register_queue/ ', proxied
+    ), proxied
+    assert re.search(r'"GET /rmqws-stomp HTTP/1\.1" 101 ', proxied), proxied
+
+
+NEWEST = DEPLOYED[-1:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("release", NEWEST, ids=[release.version for release in NEWEST])
+async def test_the_agents_stomp_client_checks_the_certificate(
+    release: Release, server: Server, tmp_path: Path
+) -> None:
+    """Without the site's CA, and REST checks switched off (`verify_ssl: false`, which the
+    WebSocket ignores), the agent registers but its wss connection is refused: the agent
+    does check the broker's certificate (websocket-client requires and checks it)."""
+    python = await asyncio.to_thread(ensure_site_agent_venv, release.version)
+    async with (
+        httpx.AsyncClient(base_url=server.url, timeout=30) as direct,
+        deployed(server, tmp_path) as site,
+    ):
+        agent, offering = await Backend(direct, SERVICE_TOKEN).agent_with_offering()
+        config = site_agent_config(tmp_path / "agent.yaml", agent, offering, verify_ssl=False)
+        running = await start_agent(
+            python, config, tmp_path, "untrusting", *site.agent_options(release)
+        )
+        try:
+            status = await running.ready(timeout=180)
+            (consumer,) = status["consumers"]
+            assert not consumer["connected"], running.log_tail()
+        finally:
+            await running.stop()
+    log = running.output.read_text(errors="replace")
+    assert "CERTIFICATE_VERIFY_FAILED" in log, log
+    assert not re.search(r'"GET /rmqws-stomp HTTP/1\.1" 101 ', site.access_log.read_text())
 
 
 async def stomp_login(address: str, certificate: Certificate) -> int:
