@@ -18,7 +18,7 @@ Usage: python agent_runner.py CONFIG RECORD STATUS [--setup-timeout S] [--lifeti
 `--resolve` (as curl's) makes NAME resolve to ADDRESS in this process only, for a test that
 serves a host name on a loopback address without editing /etc/hosts: the agent still dials
 the name its configuration gives, sends it in the TLS handshake and checks the certificate
-against it; only the address lookup is answered here.
+against it; only the address lookup is answered here (decision 024).
 
 `--project-groups` (1.0.8 and later) answers the agent's question "does the username
 backend write project groups?" with yes, as a directory plugin (LDAP, say) would, so the

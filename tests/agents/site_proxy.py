@@ -36,7 +36,8 @@ def free_loopback_address(port: int) -> str:
 
     The published agents dial the broker on port 443 when their configuration names none,
     so a test serving them on their defaults needs 443: each test takes an address of its
-    own (Linux answers the whole /8 on `lo`), and tests running side by side never meet."""
+    own (Linux answers the whole /8 on `lo`), and tests running side by side never meet
+    (decision 024)."""
     for _ in range(50):
         address = f"127.{random.randint(1, 254)}.{random.randint(0, 255)}.{random.randint(1, 254)}"
         with socket.socket() as probe:
