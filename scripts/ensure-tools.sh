@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Makes sure the tools the operations tests use are installed: podman, buildah, runc and
 # debootstrap (the container image test), chromium (the /docs test), promtool (the alert
-# rules), nginx (the proxy beside Waldur, tests/agents/test_behind_proxy.py). Installs the
-# missing ones with apt when running as root on Debian; otherwise says
-# what is missing and exits 0: those tests then skip, each saying why. Idempotent.
+# rules), nginx (the proxy beside Waldur, tests/agents/test_behind_proxy.py and
+# test_tls_deployment.py). Installs the missing ones with apt when running as root on
+# Debian; otherwise says what is missing and exits 0: those tests then skip, each saying
+# why. Idempotent.
 set -euo pipefail
 
 log() { printf 'ensure-tools: %s\n' "$*" >&2; }

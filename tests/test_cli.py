@@ -98,6 +98,29 @@ def test_settings_are_printed_with_secrets_masked(
     assert as_json["QUEUEKEEPER_MANAGEMENT_PASSWORD"] == "***"
 
 
+def test_settings_warns_of_a_variable_that_is_not_a_setting_as_serve_does(
+    runner: CliRunner,
+    cli_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.setenv("QUEUEKEEPER_SERVICE_TOKEN", "one-token-without-the-s")
+    monkeypatch.chdir(tmp_path)  # the .env file is read too
+    (tmp_path / ".env").write_text("QUEUEKEEPER_DATABSE_URL=postgresql://x/db\n")
+    result = invoke(runner, "settings", "--json")
+    assert result.exit_code == 0
+    assert result.stderr.splitlines() == [
+        "warning: QUEUEKEEPER_DATABSE_URL is not a queuekeeper setting and is ignored; did "
+        "you mean QUEUEKEEPER_DATABASE_URL?",
+        "warning: QUEUEKEEPER_SERVICE_TOKEN is not a queuekeeper setting and is ignored; did "
+        "you mean QUEUEKEEPER_SERVICE_TOKENS?",
+    ]
+    # The settings themselves stay on stdout, readable as ever; the misspelt token is not
+    # among them.
+    tokens = cli_env["QUEUEKEEPER_SERVICE_TOKENS"].split(",")
+    assert json.loads(result.stdout)["QUEUEKEEPER_SERVICE_TOKENS"] == ["***"] * len(tokens)
+
+
 @pytest.mark.parametrize(
     ("variable", "value", "named"),
     [

@@ -65,6 +65,41 @@ async def test_quickstart_calls_and_consumer_deliver_the_event(
     event = json.loads(received[0].removeprefix("received: "))
     assert event["order_state"] == "executing"
     lines = result.stdout.splitlines()
-    assert lines[:3] == ["201", "201", "201"], result.stdout
+    # Each push prints the service's answer and its status.
+    for line in lines[:3]:
+        answer, _, status = line.rpartition(" ")
+        assert status == "201", result.stdout
+        assert isinstance(json.loads(answer), dict), line
     published = json.loads(lines[3])
     assert [d["state"] for d in published["deliveries"]] == ["published"], result.stdout
+
+
+@pytest.mark.timeout(180)
+async def test_calls_pasted_without_the_token_show_the_services_reason(
+    settings: Settings, clean_state: None, tmp_path: Path
+) -> None:
+    """Pasted into a shell where the token was not exported (no `set -e` there either):
+    every refusal is shown with the service's reason, and no traceback hides it."""
+
+    def run() -> subprocess.CompletedProcess[str]:
+        with live_server(settings) as base_url:
+            return subprocess.run(
+                ["bash", "-c", block("calls")],
+                cwd=ROOT,
+                env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "QK": base_url},
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+
+    result = await asyncio.to_thread(run)
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output
+    pushes = result.stdout.splitlines()[:3]
+    for line in pushes:
+        answer, _, status = line.rpartition(" ")
+        assert status == "401", output
+        assert "service token" in json.loads(answer)["detail"].lower(), line
+    assert "returned error: 401" in result.stderr, output
+    assert 'no uuid in the answer: {"detail":' in result.stderr, output

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from functools import partial
 
 import structlog
-from dotenv import dotenv_values
 from fastapi import Depends, FastAPI
 from prometheus_client import multiprocess
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -30,7 +29,7 @@ from queuekeeper.common.prefix import PathPrefixMiddleware
 from queuekeeper.common.processes import shared_directory
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings, get_settings
-from queuekeeper.config_reference import unknown_settings
+from queuekeeper.config_reference import unknown_in_environment
 from queuekeeper.consumers.endpoints import router as consumers_router
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.deadletters import service as deadletters
@@ -334,15 +333,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 url=settings.public_url,
                 docs=f"{settings.public_url}/docs",
             )
-            # The environment, and the .env file the settings also read.
-            environment = {**dotenv_values(".env"), **os.environ}
-            for name, closest in unknown_settings(environment):
+            for unknown in unknown_in_environment():
                 log.warning(
                     "unknown_setting",
-                    variable=name,
-                    closest=closest,
-                    detail=f"{name} is not a queuekeeper setting and is ignored"
-                    + (f"; did you mean {closest}?" if closest else ""),
+                    variable=unknown.name,
+                    closest=unknown.closest,
+                    detail=unknown.detail,
                 )
             if not settings.service_tokens:
                 # Every internal and admin call is refused then, and the backend's pushes

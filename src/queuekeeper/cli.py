@@ -263,6 +263,10 @@ def show_settings(
     """Print the effective settings (environment and .env applied), secrets masked."""
     from pydantic import ValidationError
 
+    from queuekeeper.config_reference import unknown_in_environment
+
+    for unknown in unknown_in_environment():  # what `serve` logs, on stderr
+        typer.echo(f"warning: {unknown.detail}", err=True)
     try:
         settings = Settings()
     except ValidationError as exc:

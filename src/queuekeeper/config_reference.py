@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dotenv import dotenv_values
 from pydantic import AliasChoices
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
@@ -118,6 +120,27 @@ def write_table(path: Path) -> bool:
         return False
     path.write_text(updated, encoding="utf-8")
     return True
+
+
+@dataclass(frozen=True)
+class UnknownSetting:
+    """A `QUEUEKEEPER_*` variable that is not a setting, and the closest setting's name."""
+
+    name: str
+    closest: str | None
+
+    @property
+    def detail(self) -> str:
+        return f"{self.name} is not a queuekeeper setting and is ignored" + (
+            f"; did you mean {self.closest}?" if self.closest else ""
+        )
+
+
+def unknown_in_environment() -> list[UnknownSetting]:
+    """The unknown `QUEUEKEEPER_*` variables of the environment and of the .env file the
+    settings also read: what `serve` logs and `settings` prints at start."""
+    environment = {**dotenv_values(".env"), **os.environ}
+    return [UnknownSetting(name, closest) for name, closest in unknown_settings(environment)]
 
 
 def unknown_settings(environ: Mapping[str, str | None]) -> list[tuple[str, str | None]]:

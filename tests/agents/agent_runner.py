@@ -13,7 +13,12 @@ each object type: instead of acting on a backend, it appends what it received
 (`route_message`) still picks the handler from the body.
 
 Usage: python agent_runner.py CONFIG RECORD STATUS [--setup-timeout S] [--lifetime S]
-       [--initial-processing] [--project-groups]
+       [--initial-processing] [--project-groups] [--resolve NAME:ADDRESS]
+
+`--resolve` (as curl's) makes NAME resolve to ADDRESS in this process only, for a test that
+serves a host name on a loopback address without editing /etc/hosts: the agent still dials
+the name its configuration gives, sends it in the TLS handshake and checks the certificate
+against it; only the address lookup is answered here (decision 024).
 
 `--project-groups` (1.0.8 and later) answers the agent's question "does the username
 backend write project groups?" with yes, as a directory plugin (LDAP, say) would, so the
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -83,6 +89,17 @@ def _recorder(record: Path, object_type: str, lock: threading.Lock) -> Any:
     return on_message
 
 
+def _resolve(names: dict[str, str]) -> None:
+    """Answer the address lookup of these names (socket.create_connection, httpx and
+    websocket-client all look up through socket.getaddrinfo)."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        return real(names.get(host, host) if isinstance(host, str) else host, *args, **kwargs)
+
+    socket.getaddrinfo = getaddrinfo
+
+
 def _describe(connection: Any, registered: Any) -> dict[str, Any]:
     if hasattr(registered, "queue_name"):  # 1.0.7: the register_queue answer
         return {
@@ -112,7 +129,9 @@ def main() -> None:
     parser.add_argument("--lifetime", type=float, default=300.0)
     parser.add_argument("--initial-processing", action="store_true")
     parser.add_argument("--project-groups", action="store_true")
+    parser.add_argument("--resolve", action="append", default=[], metavar="NAME:ADDRESS")
     args = parser.parse_args()
+    _resolve(dict(item.split(":", 1) for item in args.resolve))
 
     from waldur_site_agent.common import utils as common_utils
     from waldur_site_agent.event_processing import event_subscription_manager

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -152,9 +153,26 @@ class Server:
 
 
 def agent_config(
-    path: Path, api_url: str, token: str, offering_uuid: str, *, all_types: bool = True
+    path: Path,
+    api_url: str,
+    token: str,
+    offering_uuid: str,
+    *,
+    all_types: bool = True,
+    stomp_defaults: bool = False,
 ) -> Path:
-    """The agent configuration docs/agents.md recommends; all nine types, or `order` only."""
+    """The agent configuration docs/agents.md recommends; all nine types, or `order` only.
+
+    The broker is RabbitMQ's web-STOMP, dialled directly without TLS; with `stomp_defaults`
+    the configuration says nothing about the broker or TLS, as a site's does: the agent then
+    uses wss on the REST host, port 443, path /rmqws-stomp, and checks certificates."""
+    broker: dict[str, Any] = {
+        "stomp_ws_host": BROKER.host,
+        "stomp_ws_port": BROKER.web_stomp_port,
+        "stomp_ws_path": "/ws",
+        "websocket_use_tls": False,
+        "verify_ssl": False,
+    }
     offering: dict[str, Any] = {
         "name": "queuekeeper end-to-end",
         "waldur_api_url": api_url,
@@ -162,11 +180,7 @@ def agent_config(
         "waldur_offering_uuid": offering_uuid,
         "backend_type": "none",
         "stomp_enabled": True,
-        "stomp_ws_host": BROKER.host,
-        "stomp_ws_port": BROKER.web_stomp_port,
-        "stomp_ws_path": "/ws",
-        "websocket_use_tls": False,
-        "verify_ssl": False,
+        **({} if stomp_defaults else broker),
         # Any non-empty backend name enables the types; none is installed here, so the
         # agent logs "Unsupported backend type" for its optional federation hook.
         "order_processing_backend": "queuekeeper-e2e",
@@ -233,8 +247,14 @@ class RunningAgent:
 
 
 async def start_agent(
-    python: Path, config: Path, workdir: Path, name: str, *extra: str
+    python: Path,
+    config: Path,
+    workdir: Path,
+    name: str,
+    *extra: str,
+    env: dict[str, str] | None = None,
 ) -> RunningAgent:
+    """The runner with this configuration; `env` is added to the test's environment."""
     output = (workdir / f"{name}.log").open("wb")
     process = await asyncio.create_subprocess_exec(
         str(python),
@@ -250,6 +270,7 @@ async def start_agent(
         stdin=asyncio.subprocess.PIPE,
         stdout=output,
         stderr=output,
+        env={**os.environ, **env} if env else None,
     )
     output.close()
     return RunningAgent(process, workdir, name)

@@ -5,69 +5,16 @@ URL as its `waldur_api_url`, sets up through it, and receives an event over STOM
 
 from __future__ import annotations
 
-import asyncio
-import os
 import re
-import socket
-import subprocess
-import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from tests.agents.harness import Server, agent_config, publisher_for, start_agent, valid_payload
-from tests.conftest import ROOT, SERVICE_TOKEN
+from tests.agents.site_proxy import SHIPPED, StandInWaldur, free_port, nginx, serving
+from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Backend
-from tests.ops.tools import require
-
-SHIPPED = ROOT / "deploy" / "nginx" / "queuekeeper-beside-waldur.conf"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class StandInWaldur:
-    """Answers every path 200 with who served it, and records what it was asked."""
-
-    def __init__(self) -> None:
-        self.paths: list[str] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        self.paths.append(scope["path"])
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": b'{"served_by": "waldur"}'})
-
-
-@asynccontextmanager
-async def serving(app: StandInWaldur, port: int) -> AsyncIterator[None]:
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
-    )
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not task.done(), "the stand-in did not start"
-        await asyncio.sleep(0.05)
-    try:
-        yield
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 def site_config(queuekeeper: str, waldur: str, listen: int) -> str:
@@ -85,40 +32,6 @@ def site_config(queuekeeper: str, waldur: str, listen: int) -> str:
     return text
 
 
-@contextmanager
-def nginx(site: str, workdir: Path, port: int) -> Iterator[Path]:
-    """nginx in the foreground with this site; yields its access log."""
-    binary = require("nginx")
-    workdir.mkdir()
-    (workdir / "site.conf").write_text(site)
-    access = workdir / "access.log"
-    temp = "\n".join(f"    {kind}_temp_path {workdir / kind};" for kind in ("client_body", "proxy"))
-    (workdir / "nginx.conf").write_text(
-        ("user root;\n" if os.geteuid() == 0 else "")
-        + f"worker_processes 1;\npid {workdir / 'nginx.pid'};\n"
-        f"error_log {workdir / 'error.log'} info;\nevents {{}}\nhttp {{\n"
-        f"    access_log {access};\n{temp}\n    include {workdir / 'site.conf'};\n}}\n"
-    )
-    process = subprocess.Popen(
-        [binary, "-p", str(workdir), "-c", str(workdir / "nginx.conf"), "-g", "daemon off;"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            assert time.monotonic() < deadline, "nginx did not listen within 20 s"
-            time.sleep(0.1)
-        yield access
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
-
-
 @pytest.mark.timeout(600)
 async def test_a_published_agent_sets_up_and_receives_through_the_shipped_proxy(
     server: Server, site_agent_python: Path, tmp_path: Path
@@ -134,7 +47,7 @@ async def test_a_published_agent_sets_up_and_receives_through_the_shipped_proxy(
     ):
         backend = Backend(direct, SERVICE_TOKEN)  # the backend talks to queuekeeper directly
         agent, offering = await backend.agent_with_offering()
-        with nginx(site, tmp_path / "nginx", proxy_port) as access_log:
+        with nginx(site, tmp_path / "nginx", ("127.0.0.1", proxy_port)) as access_log:
             # What goes where: the agents' event paths to queuekeeper, the rest to Waldur.
             mine = await through_proxy.get("/api/event-subscriptions/", headers=agent.headers)
             assert mine.status_code == 200, mine.text

@@ -382,3 +382,70 @@ async def test_recipient_lookup_costs_the_same_queries_for_any_fan_out(
     assert answers[0]["skipped_unregistered"] == 4 + 6
     # The recipients, then the write: one statement.
     assert many == few == 2, [s[:120] for s in statements]
+
+
+async def test_an_event_that_made_no_copy_says_why(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """`no_copy_reason` comes with `queued: 0` only, and tells the backend what to fix."""
+
+    async def answer(event: dict[str, Any]) -> dict[str, Any]:
+        response = await post_event(client, event)
+        assert response.status_code in (200, 202), response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    # An offering pushed, but no agent of a user with access has set up for it.
+    lonely = await backend.put_offering()
+    nobody = await answer(order_event(lonely, event_id="to-nobody"))
+    assert (nobody["queued"], nobody["no_copy_reason"]) == (0, "no_agent")
+    # A subscription of a user without access does not count.
+    outsider = await backend.put_user()
+    await outsider.create_subscription()
+    assert (await answer(order_event(lonely)))["no_copy_reason"] == "no_agent"
+
+    # Subscribed to orders, but no queue registered for them.
+    lister = await backend.put_user()
+    await backend.grant(lister, lonely)
+    await lister.create_subscription(observable_objects=[{"object_type": "order"}])
+    unregistered = await answer(order_event(lonely))
+    assert (unregistered["queued"], unregistered["skipped_unregistered"]) == (0, 1)
+    assert unregistered["no_copy_reason"] == "no_registered_queue"
+
+    # Agents set up for the offering, but not for this type, or not the users named.
+    orders_only = await backend.put_user()
+    subscription = await orders_only.create_subscription(
+        observable_objects=[{"object_type": "order"}]
+    )
+    registered = await register(backend, agent=orders_only, subscription=subscription["uuid"])
+    other_type = {
+        "offering_uuid": registered.offering.hex,
+        "object_type": "resource",
+        "payload": {"resource_uuid": U},
+    }
+    filtered = await answer(other_type)
+    assert (filtered["queued"], filtered["no_copy_reason"]) == (0, "all_recipients_filtered")
+    narrowed = await answer(order_event(registered.offering, user_uuids=[outsider.uuid.hex]))
+    assert (narrowed["queued"], narrowed["no_copy_reason"]) == (0, "all_recipients_filtered")
+
+    # A copy made: no reason in the answer.
+    delivered = await answer(order_event(registered.offering))
+    assert delivered["queued"] == 1
+    assert "no_copy_reason" not in delivered
+    # A repeat of an event that made no copy sends nothing now either, even to an agent
+    # that has set up since: it says so.
+    await register(backend, offering=lonely)
+    again = await answer(order_event(lonely, event_id="to-nobody"))
+    assert (again["duplicate"], again["queued"], again["no_copy_reason"]) == (True, 0, "duplicate")
+
+    # In a batch and across offerings (offering_uuids) alike.
+    batch = await post_batch(
+        client,
+        [
+            order_event(await backend.put_offering()),
+            {**other_type, "offering_uuid": None, "offering_uuids": [registered.offering.hex]},
+        ],
+    )
+    assert batch.status_code == 202, batch.text
+    reasons = [event.get("no_copy_reason") for event in batch.json()["events"]]
+    assert reasons == ["no_agent", "all_recipients_filtered"]

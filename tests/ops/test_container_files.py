@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import pytest
 import typer
@@ -24,6 +25,7 @@ from dockerfile_parse import DockerfileParser
 from queuekeeper.cli import app as cli_app
 from queuekeeper.config import Settings
 from queuekeeper.config_reference import all_env_names
+from tests.brokers import BROKER
 from tests.conftest import pg_rows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,6 +122,14 @@ def test_rabbitmq_has_the_plugins_and_ports_agents_need() -> None:
         (entry,) = [item for item in rabbitmq["ports"] if item.endswith(f":{port}")]
         assert entry == f"${{RABBITMQ_BIND:-127.0.0.1}}:{port}:{port}", entry
     assert active_env_example()["RABBITMQ_BIND"] == "127.0.0.1"
+    # The agents' plain listeners and queuekeeper only for the TLS proxy on the same host:
+    # an agent's passcode is its API token.
+    for entry in [*rabbitmq["ports"], *document["services"]["queuekeeper"]["ports"]]:
+        if "RABBITMQ_BIND" not in entry:
+            assert entry.startswith("127.0.0.1:"), entry
+    # `guest` is never created: the default user is queuekeeper's administrator.
+    assert rabbitmq["environment"]["RABBITMQ_DEFAULT_USER"] == "${RABBITMQ_USER:-queuekeeper}"
+    assert active_env_example()["RABBITMQ_USER"] not in ("", "guest")
     assert "Compose 2.24" in (ROOT / "compose.yaml").read_text()
     (config,) = rabbitmq["configs"]
     assert config["target"] == "/etc/rabbitmq/enabled_plugins"
@@ -132,6 +142,18 @@ def test_rabbitmq_has_the_plugins_and_ports_agents_need() -> None:
         "rabbitmq_web_stomp",
         "rabbitmq_event_exchange",  # presence: consumers arriving and leaving
     }
+
+
+async def test_compose_runs_the_rabbitmq_release_line_the_suite_runs() -> None:
+    image = compose()["services"]["rabbitmq"]["image"]
+    match = re.fullmatch(r"rabbitmq:(\d+\.\d+)(?:\.\d+)?-management", image)
+    assert match, image
+    async with httpx.AsyncClient(
+        base_url=BROKER.management_url, auth=(BROKER.user, BROKER.password), timeout=10
+    ) as management:
+        overview = (await management.get("/api/overview")).json()
+    running = ".".join(overview["rabbitmq_version"].split(".")[:2])
+    assert match[1] == running, f"compose pins {image}; the suite runs RabbitMQ {running}"
 
 
 def test_everything_compose_refers_to_exists() -> None:

@@ -449,6 +449,9 @@ class _Store:
                         queued=queued,
                         skipped_unregistered=skipped,
                         duplicate=not new,
+                        no_copy_reason=None
+                        if queued
+                        else (found.no_copy_reason if new else "duplicate"),
                     )
                 )
                 if new and found.skipped:
@@ -526,6 +529,7 @@ def _fan_out(index: RecipientIndex, event: EventIn) -> tuple[Recipients, dict[Co
     offering_of: dict[Copy, uuid.UUID] = {}
     for offering in event.offerings:
         each = index.recipients(offering, event.object_type, event.user_uuids)
+        found.candidates += each.candidates
         for copy in each.copies:
             if copy not in offering_of:
                 offering_of[copy] = offering

@@ -23,7 +23,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from queuekeeper.common.schemas import as_uuid
 
@@ -44,10 +44,25 @@ class Copy:
     vhost: str
 
 
+# Why an event made no copy, from what the recipients statement already read (contract §5).
+NoCopyReason = Literal["no_registered_queue", "no_agent", "all_recipients_filtered", "duplicate"]
+
+
 @dataclass
 class Recipients:
     copies: list[Copy] = field(default_factory=list)
     skipped: list[uuid.UUID] = field(default_factory=list)  # subscriptions without a queue
+    # Subscriptions and consumers of the offering(s) whose owner may receive events now,
+    # before the event's type and `user_uuids` narrowed them.
+    candidates: int = 0
+
+    @property
+    def no_copy_reason(self) -> NoCopyReason | None:
+        if self.copies:
+            return None
+        if self.skipped:
+            return "no_registered_queue"
+        return "all_recipients_filtered" if self.candidates else "no_agent"
 
 
 SUBSCRIPTION = "subscription"
@@ -147,7 +162,9 @@ class RecipientIndex:
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        found = Recipients()
+        found = Recipients(
+            candidates=len(self._consumers[offering_uuid]) + len(self._subscriptions[offering_uuid])
+        )
         served: set[uuid.UUID] = set()  # owners a consumer of theirs receives this for
         for consumer in self._consumers[offering_uuid].values():
             if users is not None and consumer.owner not in users:

@@ -12,6 +12,7 @@ from sqlalchemy import Row
 from queuekeeper.common.openapi import limited_by
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.events.payloads import ObjectType
+from queuekeeper.events.recipients import NoCopyReason
 from queuekeeper.models import DeliveryState, Event
 
 if TYPE_CHECKING:
@@ -143,6 +144,16 @@ class EventAccepted(BaseModel):
         "for this offering and object type."
     )
     duplicate: bool = Field(description="The event_id was accepted before; nothing was sent.")
+    no_copy_reason: NoCopyReason | None = Field(
+        default=None,
+        description="Only when `queued` is 0: why no copy was made. `no_agent`: no agent of a "
+        "user with access (active, token unexpired) has set up for this offering; "
+        "`no_registered_queue`: agents subscribed to this type but registered no queue for "
+        "it (`skipped_unregistered`); `all_recipients_filtered`: agents set up for the "
+        "offering, but none for this type or none of `user_uuids`; `duplicate`: the "
+        "`event_id` was accepted before and made no copy then either. Nothing is kept for a "
+        "later agent: send the event again, under a new `event_id`, once it has set up.",
+    )
     deliveries: list[DeliveryOut] | None = Field(
         default=None, description="Only with `?wait=true`: the state of every copy."
     )
