@@ -22,8 +22,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import structlog
-from aio_pika.abc import AbstractIncomingMessage
 from aio_pika.exceptions import ChannelNotFoundEntity
+from aiormq.abc import DeliveredMessage
 
 from queuekeeper.broker.amqp import (
     CONNECT_ERRORS,
@@ -99,11 +99,11 @@ async def count_dead_letters(settings: Settings, vhost: str) -> Census:
         all_seen = asyncio.Event()
         progress = asyncio.Event()
 
-        async def on_message(message: AbstractIncomingMessage) -> None:
+        async def on_message(message: DeliveredMessage) -> None:
             nonlocal seen
             if seen >= wanted:
                 return  # past the bound (a dead letter that arrived meanwhile): not counted
-            name = origin(message.headers or {}) or ""
+            name = origin(message.header.properties.headers or {}) or ""
             counts[name] = counts.get(name, 0) + 1
             seen += 1
             progress.set()
@@ -111,7 +111,10 @@ async def count_dead_letters(settings: Settings, vhost: str) -> Census:
                 all_seen.set()
 
         await channel.set_qos(prefetch_count=wanted)
-        await queue.consume(on_message, no_ack=False)
+        # aiormq's own consumer: only the headers are read, so no aio-pika message (and
+        # no second task) is made per dead letter.
+        underlay = await channel.get_underlay_channel()
+        await underlay.basic_consume(settings.dlq_name, on_message, no_ack=False)
         while not all_seen.is_set():
             progress.clear()
             try:
