@@ -88,7 +88,7 @@ async def consumer_with_dead_letters(
 
 
 async def counted(
-    client: httpx.AsyncClient, agent: Agent, consumer: str, after: datetime | None = None
+    client: httpx.AsyncClient, consumer: str, after: datetime | None = None
 ) -> dict[str, Any]:
     """Poll the status until a census (newer than `after`) answers (with the service token:
     polling is not the agent's rate limit's business)."""
@@ -117,7 +117,7 @@ async def test_a_status_call_answers_at_once_and_every_dead_letter_stays_in_orde
     assert time.monotonic() - started < 0.5
     if first["dead_letters_counted_at"] is None:
         assert first["dead_letters"] is None  # not counted yet, not "none"
-    answer = await counted(client, agent, consumer)
+    answer = await counted(client, consumer)
     assert answer["dead_letters"] == MANY
 
     for _ in range(5):
@@ -136,7 +136,7 @@ async def test_concurrent_status_calls_agree(backend: Backend, client: httpx.Asy
     # Ten at once, before any census of the vhost: they share one count.
     answers = await asyncio.gather(*(status(client, consumer, SERVICE) for _ in range(10)))
     assert len({(a["dead_letters"], a["dead_letters_counted_at"]) for a in answers}) == 1
-    await counted(client, agent, consumer)
+    await counted(client, consumer)
     answers = await asyncio.gather(*(status(client, consumer, SERVICE) for _ in range(10)))
     assert {a["dead_letters"] for a in answers} == {MANY}
     assert len({a["dead_letters_counted_at"] for a in answers}) == 1
@@ -149,13 +149,13 @@ async def test_the_census_is_taken_again_after_its_interval(
 ) -> None:
     agent, registration = await consumer_with_dead_letters(backend, 3)
     consumer = registration["rmq_username"]
-    first = await counted(client, agent, consumer)
+    first = await counted(client, consumer)
     assert first["dead_letters"] == 3
     await dead_letter_into(agent.vhost, {registration["queue_name"]: 4})
     # Within the interval the latest census answers, as it is.
     assert (await status(client, consumer, agent.headers))["dead_letters"] == 3
     later = await counted(
-        client, agent, consumer, after=datetime.fromisoformat(first["dead_letters_counted_at"])
+        client, consumer, after=datetime.fromisoformat(first["dead_letters_counted_at"])
     )
     assert later["dead_letters"] == 7
 
@@ -164,7 +164,7 @@ async def test_the_admin_queue_view_shares_the_census(
     backend: Backend, client: httpx.AsyncClient
 ) -> None:
     agent, registration = await consumer_with_dead_letters(backend, 5)
-    answer = await counted(client, agent, registration["rmq_username"])
+    answer = await counted(client, registration["rmq_username"])
     response = await client.get(
         "/api/admin/queues/", params={"vhost": agent.vhost}, headers=backend.headers
     )
@@ -172,3 +172,26 @@ async def test_the_admin_queue_view_shares_the_census(
     (row,) = [row for row in response.json() if row["queue_name"] == registration["queue_name"]]
     assert row["dead_letters"] == 5
     assert row["dead_letters_counted_at"] == answer["dead_letters_counted_at"]
+
+
+@pytest.mark.settings(dead_letter_census_seconds=1)
+async def test_dead_letters_another_reader_holds_are_not_waited_for(
+    backend: Backend, client: httpx.AsyncClient
+) -> None:
+    agent, registration = await consumer_with_dead_letters(backend, 30, others=0)
+    consumer = registration["rmq_username"]
+    # A redrive in progress holds some unacknowledged: the census counts what it can see.
+    connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.declare_queue(DLQ, passive=True)
+        for _ in range(10):
+            assert await queue.get(no_ack=False, fail=False) is not None
+        started = time.monotonic()
+        held = await counted(client, consumer)
+        assert time.monotonic() - started < 5
+        assert held["dead_letters"] == 20
+    # Given back by the other reader: the next census sees them all again.
+    after = datetime.fromisoformat(held["dead_letters_counted_at"])
+    assert (await counted(client, consumer, after=after))["dead_letters"] == 30
+    assert len(await dead_letter_ids(agent.vhost)) == 30

@@ -97,7 +97,6 @@ async def count_dead_letters(settings: Settings, vhost: str) -> Census:
             return Census(counts, counted_at, complete=True)
         seen = 0
         all_seen = asyncio.Event()
-        progress = asyncio.Event()
 
         async def on_message(message: DeliveredMessage) -> None:
             nonlocal seen
@@ -106,7 +105,6 @@ async def count_dead_letters(settings: Settings, vhost: str) -> Census:
             name = origin(message.header.properties.headers or {}) or ""
             counts[name] = counts.get(name, 0) + 1
             seen += 1
-            progress.set()
             if seen >= wanted:
                 all_seen.set()
 
@@ -116,11 +114,11 @@ async def count_dead_letters(settings: Settings, vhost: str) -> Census:
         underlay = await channel.get_underlay_channel()
         await underlay.basic_consume(settings.dlq_name, on_message, no_ack=False)
         while not all_seen.is_set():
-            progress.clear()
-            try:
-                await asyncio.wait_for(progress.wait(), IDLE_SECONDS)
-            except TimeoutError:
-                break  # the rest is held by another reader
+            before = seen
+            with suppress(TimeoutError):
+                await asyncio.wait_for(all_seen.wait(), IDLE_SECONDS)
+            if seen == before:
+                break  # nothing for a while: the rest is held by another reader
         return Census(dict(counts), counted_at, complete=seen >= ready)
     finally:
         # Closing returns every message taken to the queue, in its place.
