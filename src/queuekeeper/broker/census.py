@@ -41,6 +41,9 @@ MAX_PREFETCH = 65_535
 # A count ends when this long passes without a delivery: the dead letters still missing are
 # held unacknowledged by another reader (a redrive in progress), not on their way.
 IDLE_SECONDS = 0.5
+# Counts of different vhosts running at once in a process (an admin page spans many vhosts):
+# each holds an AMQP connection and its vhost's dead letters while it runs.
+CONCURRENT_COUNTS = 4
 
 
 def deaths(headers: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -135,6 +138,7 @@ class DeadLetterCensus:
         self._latest: dict[str, Census] = {}
         self._started: dict[str, float] = {}  # the loop's clock when the last count began
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._slots: asyncio.Semaphore | None = None
 
     def latest(self, vhost: str) -> Census | None:
         """The vhost's latest census, at once (None before the first one ends); starts a
@@ -162,8 +166,11 @@ class DeadLetterCensus:
         return found
 
     async def _count(self, vhost: str) -> None:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(CONCURRENT_COUNTS)
         try:
-            census = await count_dead_letters(self.settings, vhost)
+            async with self._slots:
+                census = await count_dead_letters(self.settings, vhost)
         except CONNECT_ERRORS as exc:  # vhost gone, node down: the last census stays
             log.info("dead_letters_not_counted", vhost=vhost, error=describe(exc))
         except Exception as exc:  # a census is only a view: never let it take a task down

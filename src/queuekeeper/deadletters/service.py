@@ -173,7 +173,7 @@ class VhostRedrive:
                     no_ack=False, fail=False, timeout=settings.management_timeout
                 )
                 if message is None:
-                    # Fewer than declared: another reader (a status count, another redrive)
+                    # Fewer than declared: another reader (a dead-letter census, another redrive)
                     # holds the rest unacknowledged for now; a release must try again.
                     self.run.find("held_elsewhere", wanted - taken)
                     break
