@@ -106,9 +106,13 @@ async def _phase(
         began = time.perf_counter()
         n = 0
         while time.perf_counter() - began < SECONDS:
-            event_id = f"b-{label}-{n}"
+            event_id = f"b-{label.replace(' ', '-')}-{n}"
             sent[event_id] = time.perf_counter()
-            await service.http.post("/api/internal/events/", json=_event(b_offering, event_id))
+            answer = await service.http.post(
+                "/api/internal/events/", json=_event(b_offering, event_id)
+            )
+            if answer.status_code >= 400:
+                raise RuntimeError(f"B's event refused: {answer.status_code} {answer.text[:300]}")
             n += 1
             await asyncio.sleep(max(0.0, began + n / RATE - time.perf_counter()))
         codes = await replaying
@@ -116,11 +120,14 @@ async def _phase(
         while len(latencies) < n and time.perf_counter() < deadline:
             await asyncio.sleep(0.05)
     accepted, refused = codes.count(202), codes.count(409)
-    outbox = (await service.call("GET", "/api/admin/outbox/")).json()
+    pending = (await service.call("GET", "/api/admin/outbox/")).json().get("pending")
+    waited = time.perf_counter()
+    await service.drained()
     print(
         f"{label:>11}: B received {len(latencies)}/{n}, latency {fmt_ms(percentiles(latencies))}"
         f"; replays 202 x{accepted}, 409 x{refused}, other x{len(codes) - accepted - refused}"
-        f"; outbox pending {outbox.get('pending')}",
+        f"; outbox pending {pending} at the phase's end, drained "
+        f"{time.perf_counter() - waited:.1f} s later",
         flush=True,
     )
     return latencies

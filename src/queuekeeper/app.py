@@ -286,6 +286,7 @@ async def shutdown(state: Runtime) -> None:
         await state.relay_engine.dispose()
         state.relay_engine = None
     await state.publisher.close()
+    await state.provisioner.dead_letters.aclose()
     await state.management.aclose()
     await state.engine.dispose()
 

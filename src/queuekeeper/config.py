@@ -347,6 +347,16 @@ class Settings(BaseSettings):
         ge=1,
         description="Dead letters examined per vhost per redrive run (bounds memory).",
     )
+    dead_letter_census_seconds: int = Field(
+        default=30,
+        ge=1,
+        description="Seconds between counts of a vhost's dead letters by their queue, for the "
+        "`dead_letters` of `/status/` and `GET /api/admin/queues/`: a status call answers at "
+        "once from the latest count (`dead_letters_counted_at`) and, when it is this old, "
+        "starts the next in the background, one at a time per vhost and process. Each count "
+        "takes the vhost's dead letters (at most QUEUEKEEPER_REDRIVE_MAX_MESSAGES) "
+        "unacknowledged and gives them all back.",
+    )
 
     # --- presence: who reads each queue (contract §11) --------------------------------------------
     presence_events_enabled: bool = Field(

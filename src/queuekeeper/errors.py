@@ -33,6 +33,7 @@ from queuekeeper.exceptions import (
     TooLarge,
     Unauthorized,
     Unavailable,
+    capped,
 )
 
 log = structlog.get_logger(__name__)
@@ -55,6 +56,8 @@ STATUS: dict[type[DomainError], int] = {
 # first errors of a list with thousands of bad items are listed.
 MESSAGE_MAX_CHARS = 300
 ERRORS_LISTED = 20
+# An unknown path is quoted whole up to this length (a route's path plus a uuid or two).
+PATH_SHOWN_CHARS = 200
 
 
 def status_of(exc: DomainError) -> int:
@@ -156,11 +159,11 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
         if exc.status_code == 404 and detail == "Not Found":
             path = request.url.path
             # No redirect (agents do not follow them): say what to send instead, and
-            # suggest a slash only to a path that lacks one.
+            # suggest a slash only to a path that lacks one (and is short enough to quote).
             detail = (
                 f"No such endpoint: {path}. Paths end with a slash: did you mean {path}/ ?"
-                if not path.endswith("/")
-                else f"No such endpoint: {path}."
+                if not path.endswith("/") and len(path) <= PATH_SHOWN_CHARS
+                else f"No such endpoint: {capped(path, PATH_SHOWN_CHARS)}."
             )
         return JSONResponse({"detail": detail}, exc.status_code, headers=exc.headers)
 

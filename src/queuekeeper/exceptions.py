@@ -10,6 +10,27 @@ from __future__ import annotations
 
 from typing import Any
 
+# What an error quotes of the caller's input: enough to recognise it, never the whole of
+# it (a 60,000-character path segment was once echoed back in a 60 KB answer).
+SHOWN_CHARS = 64
+# Every detail, whatever it quotes: the net under a message that quotes input unshortened.
+DETAIL_MAX_CHARS = 1_000
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`value` as an error quotes it (its repr), cut to `limit` characters with an ellipsis
+    and its length when longer."""
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}… ({len(text)} characters)"
+
+
+def capped(detail: str, limit: int = DETAIL_MAX_CHARS) -> str:
+    if len(detail) <= limit:
+        return detail
+    return f"{detail[:limit]}… (truncated; {len(detail)} characters)"
+
 
 class DomainError(Exception):
     """A failure a caller can act on: `detail` says what, `field` names the input at fault."""
@@ -27,9 +48,10 @@ class DomainError(Exception):
         self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"detail": self.detail}
+        detail = capped(self.detail)
+        body: dict[str, Any] = {"detail": detail}
         if self.field:
-            body["errors"] = [{"field": self.field, "message": self.detail}]
+            body["errors"] = [{"field": self.field, "message": detail}]
         body.update(self.extra)
         return body
 

@@ -56,6 +56,33 @@ async def test_redrive_of_a_vhost_not_ours_is_still_a_404(backend: Backend) -> N
         assert _fields(response) == {"vhost"}
 
 
+async def test_an_empty_filter_of_the_queue_view_is_a_400_naming_it(backend: Backend) -> None:
+    for name in ("vhost", "offering_uuid", "event_subscription_uuid"):
+        response = await backend.client.get(f"/api/admin/queues/?{name}=", headers=backend.headers)
+        assert response.status_code == 400, (name, response.text)
+        assert _fields(response) == {name}
+
+
+async def test_an_error_quotes_at_most_a_little_of_a_huge_input(backend: Backend) -> None:
+    huge = "a" * 60_000
+    agent = await backend.put_user()
+    for path, headers, status in [
+        (f"/api/event-consumers/{huge}/status/", agent.headers, 404),
+        (f"/api/event-consumers/{huge}/", agent.headers, 404),
+        (f"/api/event-subscriptions/{huge}/", agent.headers, 404),
+        (f"/api/admin/reconcile-runs/{huge}/", backend.headers, 404),
+        (f"/api/no-such-route/{huge}", backend.headers, 404),
+        (f"/api/admin/queues/?offering_uuid={huge}", backend.headers, 400),
+        (f"/api/admin/dead-letters/?vhost=%20{huge}", backend.headers, 400),
+    ]:
+        response = await backend.client.get(path, headers=headers)
+        assert response.status_code == status, (path[:80], response.text[:300])
+        assert len(response.content) < 1_000, (path[:80], len(response.content))
+        detail = response.json()["detail"]
+        assert "aaaa" in detail, detail  # still recognisable, and said to be cut
+        assert "characters)" in detail, detail
+
+
 async def test_page_numbers_are_bounded(backend: Backend) -> None:
     cases = [
         (f"page={HUGE}", "page"),

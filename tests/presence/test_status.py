@@ -19,6 +19,7 @@ from queuekeeper.models import Delivery, DeliveryState, Event, OfferingAccess
 from tests.conftest import SERVICE_TOKEN
 from tests.events.support import order_event, post_event
 from tests.helpers import Agent, Backend, clear_of_a_window_edge
+from tests.presence.test_dead_letter_census import counted
 from tests.presence.test_presence import register, status
 
 SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
@@ -46,7 +47,7 @@ async def test_a_consumer_that_receives_events_is_not_blocked(
     assert reason(answer) is None
     assert answer["delivery_blocked_detail"] is None
     assert answer["parked"] == 0
-    assert answer["dead_letters"] == 0
+    assert (await counted(client, registration["rmq_username"]))["dead_letters"] == 0
     last = datetime.fromisoformat(answer["last_delivered_at"])
     assert abs(last - datetime.now(UTC)) < timedelta(seconds=30)
     assert answer["uuid"] == registration["rmq_username"]
@@ -69,6 +70,29 @@ async def test_owner_inactive_and_token_expired(
     answer = await status(client, consumer, SERVICE)
     assert reason(answer) == "owner_inactive"  # checked first: it hides the token's expiry
     assert "reactivate" in answer["delivery_blocked_detail"]
+
+
+async def test_a_removed_token_blocks_like_an_expired_one(
+    backend: Backend, client: httpx.AsyncClient
+) -> None:
+    agent, _, registration = await consumer_of(backend)
+    consumer = registration["rmq_username"]
+    assert reason(await status(client, consumer, SERVICE)) is None
+    await backend.put_user(agent.uuid, token=None)  # the marketplace removed the token
+    answer = await status(client, consumer, SERVICE)
+    assert reason(answer) == "no_token"
+    assert "removed the owner's API token" in answer["delivery_blocked_detail"]
+    assert f"/api/internal/users/{agent.uuid.hex}/" in answer["delivery_blocked_detail"]
+    # An expiry still set on the removed token is the older news: the token's expiry first.
+    await backend.put_user(
+        agent.uuid,
+        token=None,
+        token_expires_at=(datetime.now(UTC) - timedelta(minutes=1)).isoformat(),
+    )
+    assert reason(await status(client, consumer, SERVICE)) == "token_expired"
+    # A token pushed again: events flow.
+    await backend.put_user(agent.uuid, token=agent.token, token_expires_at=None)
+    assert reason(await status(client, consumer, agent.headers)) is None
 
 
 async def test_no_access(app: FastAPI, backend: Backend, client: httpx.AsyncClient) -> None:
@@ -190,19 +214,17 @@ async def test_dead_letters_of_this_queue_are_counted_and_left_in_place(
     backend: Backend, client: httpx.AsyncClient, management: ManagementClient
 ) -> None:
     agent, offering, registration = await consumer_of(backend)
-    other, other_offering, other_registration = await consumer_of(backend)
+    _, other_offering, other_registration = await consumer_of(backend)
     for _ in range(3):
         assert (await post_event(client, order_event(offering), wait=True)).status_code == 200
     assert (await post_event(client, order_event(other_offering), wait=True)).status_code == 200
     await asyncio.sleep(1.0)  # the copies expire into the vhost's dead-letter queue
-    first = await status(client, registration["rmq_username"], agent.headers)
+    first = await counted(client, registration["rmq_username"])
     assert first["dead_letters"] == 3
     assert (await status(client, registration["rmq_username"], agent.headers))[
         "dead_letters"
     ] == 3  # looking took nothing away
-    assert (await status(client, other_registration["rmq_username"], other.headers))[
-        "dead_letters"
-    ] == 1
+    assert (await counted(client, other_registration["rmq_username"]))["dead_letters"] == 1
 
 
 async def test_another_users_consumer_is_not_found(

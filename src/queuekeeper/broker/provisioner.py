@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlsplit
 import structlog
 
 from queuekeeper.broker import topology
+from queuekeeper.broker.census import DeadLetterCensus
 from queuekeeper.broker.management import (
     BrokerUnavailable,
     ManagementBadRequest,
@@ -114,6 +115,8 @@ class Provisioner:
             settings.model_copy(update={"queue_type": other})
         )
         self.dlq_arguments = topology.dead_letter_queue_arguments(settings)
+        # Each vhost's dead letters by queue, counted in the background for status answers.
+        self.dead_letters = DeadLetterCensus(settings)
 
     # --- ownership -------------------------------------------------------------------
     async def identify(self) -> uuid.UUID:

@@ -9,7 +9,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, PlainSerializer
 
-from queuekeeper.exceptions import NotFound
+from queuekeeper.exceptions import NotFound, shown
 
 T = TypeVar("T")
 
@@ -71,5 +71,5 @@ async def find_by_path_uuid(
     parsed = parse_path_uuid(value)
     found = await lookup(parsed) if parsed else None
     if found is None:
-        raise NotFound(f"{what} {value!r} not found.")
+        raise NotFound(f"{what} {shown(value)} not found.")
     return found

@@ -32,14 +32,14 @@ from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMe
 from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from queuekeeper.broker import topology
-from queuekeeper.broker.amqp import CONNECT_ERRORS, amqp_nodes, amqp_ssl_context, connect_vhost
+from queuekeeper.broker import census, topology
+from queuekeeper.broker.amqp import amqp_nodes, amqp_ssl_context, connect_vhost
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.broker.sieve import OFFERING_HEADER, copy_of
 from queuekeeper.config import Settings
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
-from queuekeeper.exceptions import NotFound
+from queuekeeper.exceptions import NotFound, shown
 from queuekeeper.jobs.runs import Job, JobBody, JobContext, JobRunner, Run, describe
 from queuekeeper.jobs.service import run_now
 from queuekeeper.models import GivenUpDeadLetter, JobRun, utcnow
@@ -90,7 +90,7 @@ def checked_vhost(vhost: str | None) -> None:
     broker call: no caller's value reaches a Management API path unchecked."""
     if vhost is not None and not topology.is_vhost_name(vhost):
         raise NotFound(
-            f"vhost {vhost[:64]!r} is not one of this installation's vhosts (named by their "
+            f"vhost {shown(vhost)} is not one of this installation's vhosts (named by their "
             "owner's uuid as 32 lowercase hex digits).",
             field="vhost",
         )
@@ -101,7 +101,7 @@ async def redrive_now(jobs: JobRunner, vhost: str | None, *, background: bool) -
     checked_vhost(vhost)
     if vhost is not None and not await jobs.context.provisioner.owns_vhost(vhost):
         raise NotFound(
-            f"vhost {vhost!r} is not one of this installation's vhosts "
+            f"vhost {shown(vhost)} is not one of this installation's vhosts "
             f"(tagged {jobs.context.settings.instance_tag!r}).",
             field="vhost",
         )
@@ -174,7 +174,7 @@ class VhostRedrive:
                     no_ack=False, fail=False, timeout=settings.management_timeout
                 )
                 if message is None:
-                    # Fewer than declared: another reader (a status count, another redrive)
+                    # Fewer than declared: another reader (a dead-letter census, another redrive)
                     # holds the rest unacknowledged for now; a release must try again.
                     self.run.find("held_elsewhere", wanted - taken)
                     break
@@ -209,8 +209,8 @@ class VhostRedrive:
     async def judge(self, message: AbstractIncomingMessage) -> Verdict:
         settings = self.settings
         headers = dict(message.headers or {})
-        deaths = _deaths(headers)
-        origin = _origin(headers, deaths)
+        deaths = census.deaths(headers)
+        origin = census.origin(headers, deaths)
         redriven = _int(headers.get(REDRIVE_HEADER))
         born = _aware(message.timestamp) or _first_death(deaths)
         if not origin:
@@ -337,7 +337,7 @@ class VhostRedrive:
         )
 
     def _record(self, message: AbstractIncomingMessage, verdict: Verdict) -> GivenUpDeadLetter:
-        deaths = _deaths(dict(message.headers or {}))
+        deaths = census.deaths(dict(message.headers or {}))
         return GivenUpDeadLetter(
             vhost=self.vhost,
             original_queue=verdict.origin,
@@ -368,26 +368,6 @@ class VhostRedrive:
                 record.reason,
             )
         batch.clear()
-
-
-def _deaths(headers: dict[str, Any]) -> list[dict[str, Any]]:
-    value = headers.get("x-death")
-    if not isinstance(value, list):
-        return []
-    return [dict(death) for death in value if isinstance(death, dict)]
-
-
-def _origin(headers: dict[str, Any], deaths: list[dict[str, Any]]) -> str | None:
-    # x-death is newest first; its first entry names the queue it last died in.
-    for candidate in (
-        deaths[0].get("queue") if deaths else None,
-        headers.get("x-first-death-queue"),
-    ):
-        if isinstance(candidate, bytes):
-            candidate = candidate.decode("utf-8", "replace")
-        if isinstance(candidate, str) and candidate:
-            return candidate
-    return None
 
 
 def _first_death(deaths: list[dict[str, Any]]) -> datetime | None:
@@ -448,38 +428,3 @@ async def dead_letter_counts(
         return DeadLetterQueueOut.from_info(vhost, settings.dlq_name, info)
 
     return list(await asyncio.gather(*(one(vhost) for vhost in vhosts)))
-
-
-async def dead_letters_by_queue(settings: Settings, vhost: str) -> dict[str, int]:
-    """How many of the vhost's dead letters came from each queue (their `x-death`).
-
-    The dead-letter queue is one per vhost, so this looks at it: its messages are taken
-    unacknowledged (at most `redrive_max_messages`), counted, and all given back in order
-    when the channel closes. A dead letter a redrive holds at that moment is not seen.
-    """
-    connection, _node = await connect_vhost(
-        amqp_nodes(settings),
-        vhost,
-        connect_timeout=settings.amqp_connect_timeout,
-        ssl_context=amqp_ssl_context(settings),
-    )
-    counts: dict[str, int] = {}
-    try:
-        channel = await connection.channel(publisher_confirms=False)
-        try:
-            queue = await channel.declare_queue(settings.dlq_name, passive=True)
-        except ChannelNotFoundEntity:
-            return counts
-        waiting = queue.declaration_result.message_count or 0
-        for _ in range(min(waiting, settings.redrive_max_messages)):
-            message = await queue.get(no_ack=False, fail=False)
-            if message is None:
-                break
-            headers = dict(message.headers or {})
-            origin = _origin(headers, _deaths(headers)) or ""
-            counts[origin] = counts.get(origin, 0) + 1
-    finally:
-        # Closing returns every message taken to the queue, in its place.
-        with suppress(*CONNECT_ERRORS):
-            await connection.close()
-    return counts

@@ -15,7 +15,7 @@ from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.directory import service
 from queuekeeper.directory.schemas import AccessOut, OfferingOut, OfferingPut, UserOut, UserPut
-from queuekeeper.exceptions import BadRequest
+from queuekeeper.exceptions import BadRequest, shown
 from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
 
 internal_router = service_router(prefix="/api/internal", tags=["internal"])
@@ -39,7 +39,7 @@ def created_or_updated(model: type[BaseModel]) -> dict[int | str, dict[str, Any]
 def _uuid(value: str, what: str) -> uuid.UUID:
     parsed = parse_path_uuid(value)
     if parsed is None:
-        raise BadRequest(f"{what} {value!r} is not a uuid (hex or dashed form).", field=what)
+        raise BadRequest(f"{what} {shown(value)} is not a uuid (hex or dashed form).", field=what)
     return parsed
 
 

@@ -25,7 +25,7 @@ from queuekeeper.events.outbox import field_name
 from queuekeeper.events.payloads import PAYLOAD_MODELS
 from queuekeeper.events.repository import OutboxDepth
 from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
-from queuekeeper.exceptions import BadRequest, NotFound, TooLarge
+from queuekeeper.exceptions import BadRequest, NotFound, TooLarge, shown
 from queuekeeper.models import DeliveryState, Event, utcnow
 
 
@@ -224,7 +224,7 @@ async def event_record(session: AsyncSession, event_id: str) -> tuple[Event, Seq
     """An event and its copies, oldest first."""
     event = await repository.get_event(session, event_id)
     if event is None:
-        raise NotFound(f"Event {event_id!r} not found.")
+        raise NotFound(f"Event {shown(event_id)} not found.")
     return event, await repository.deliveries_of(session, event_id)
 
 

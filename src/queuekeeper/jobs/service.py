@@ -7,6 +7,7 @@ import uuid
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.exceptions import Conflict, NotFound, Unavailable
+from queuekeeper.exceptions import shown as quoted
 from queuekeeper.jobs import repository
 from queuekeeper.jobs.runs import Job, JobBody, JobRunner, RunStatus, Trigger
 from queuekeeper.jobs.schemas import RunOut
@@ -61,5 +62,5 @@ async def list_runs(
 async def get_run(session: AsyncSession, run_uuid: uuid.UUID | None, shown: str) -> JobRun:
     record = await repository.get_run(session, run_uuid) if run_uuid else None
     if record is None:
-        raise NotFound(f"Run {shown!r} not found.")
+        raise NotFound(f"Run {quoted(shown)} not found.")
     return record

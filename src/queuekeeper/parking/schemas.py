@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from queuekeeper.common.params import vhost_name
 from queuekeeper.events.payloads import OBJECT_TYPES, ObjectType
 
 
@@ -49,7 +51,13 @@ class ReplayAdminWindow(ReplayWindow):
     )
 
     queue_name: str = Field(min_length=1, max_length=255, description="A registered queue.")
-    vhost: str = Field(min_length=1, max_length=64, description="Its vhost.")
+    # Normalised as `GET /api/admin/queues/?vhost=` does: the dashed or upper-case form of
+    # a vhost that listing shows is the same vhost here.
+    vhost: Annotated[str, AfterValidator(vhost_name)] = Field(
+        min_length=1,
+        max_length=64,
+        description="Its vhost: the owner's uuid (hex or dashed, any case).",
+    )
 
 
 class ReplayOut(BaseModel):

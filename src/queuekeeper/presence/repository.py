@@ -183,6 +183,7 @@ class Registration:
     broker_user: UUID  # the subscription's or the consumer's uuid (its hex is the name)
     owner_active: bool
     token_expires_at: datetime | None
+    has_token: bool  # False once the marketplace pushed the owner with `"token": null`
     offerings: list[UUID]
     object_types: list[str]  # a legacy queue's one type; a consumer's filter (empty: all)
     registered_at: datetime  # when its filter was last set (a consumer's `modified`)
@@ -218,6 +219,7 @@ async def registrations(session: AsyncSession, keys: Collection[Key]) -> dict[Ke
                 subscription_uuid,
                 user.is_active,
                 user.token_expires_at,
+                user.token_hash is not None,
                 [queue.offering_uuid],
                 [queue.object_type],
                 queue.created,
@@ -236,6 +238,7 @@ async def registrations(session: AsyncSession, keys: Collection[Key]) -> dict[Ke
                 consumer.uuid,
                 consumer.owner.is_active,
                 consumer.owner.token_expires_at,
+                consumer.owner.token_hash is not None,
                 [scope.offering_uuid for scope in consumer.scopes],
                 [str(kind) for kind in consumer.object_types or []],
                 consumer.modified,

@@ -18,6 +18,7 @@ class BlockedReason(enum.StrEnum):
 
     OWNER_INACTIVE = "owner_inactive"
     TOKEN_EXPIRED = "token_expired"
+    NO_TOKEN = "no_token"
     NO_ACCESS = "no_access"
     QUEUE_MISSING = "queue_missing"
     QUEUE_MISCONFIGURED = "queue_misconfigured"
@@ -47,9 +48,10 @@ class ConnectionOut(BaseModel):
 
 REASONS_DESCRIPTION = (
     "Null when events flow; else, the first that holds of: `owner_inactive`, `token_expired`, "
-    "`no_access` (to the offering), `queue_missing`, `queue_misconfigured`, "
-    "`broker_user_missing`, `filter_matches_nothing`, `agent_away` (no consumer for longer "
-    "than QUEUEKEEPER_PARK_AFTER_SECONDS: new copies are parked)."
+    "`no_token` (the marketplace removed the owner's API token), `no_access` (to the "
+    "offering), `queue_missing`, `queue_misconfigured`, `broker_user_missing`, "
+    "`filter_matches_nothing`, `agent_away` (no consumer for longer than "
+    "QUEUEKEEPER_PARK_AFTER_SECONDS: new copies are parked)."
 )
 
 
@@ -84,8 +86,15 @@ class QueueStatusFields(BaseModel):
     )
     dead_letters: int | None = Field(
         default=None,
-        description="Its messages in the vhost's dead-letter queue (expired or rejected), as "
-        "far as a look at that queue sees them.",
+        description="Its messages in the vhost's dead-letter queue (expired or rejected) at "
+        "`dead_letters_counted_at`: counted in the background at most every "
+        "QUEUEKEEPER_DEAD_LETTER_CENSUS_SECONDS, never while you wait. Null until the vhost's "
+        "first count.",
+    )
+    dead_letters_counted_at: datetime | None = Field(
+        default=None,
+        description="When `dead_letters` was counted; null until the vhost's first count "
+        "(the next call a moment later has it).",
     )
     last_delivered_at: datetime | None = Field(
         default=None, description="When a copy for it was last confirmed by the broker."
@@ -117,6 +126,7 @@ class QueueStatusOut(QueueStatusFields):
                     "parked": 412,
                     "oldest_parked_at": "2026-11-27T18:09:40Z",
                     "dead_letters": 0,
+                    "dead_letters_counted_at": "2026-11-28T09:14:03Z",
                     "last_delivered_at": "2026-11-27T18:01:58Z",
                     "delivery_blocked_reason": "agent_away",
                     "delivery_blocked_detail": "No consumer has read this queue since "

@@ -36,7 +36,6 @@ from queuekeeper.broker.presence import ConsumerEvent, consumer_counts
 from queuekeeper.broker.provisioner import Provisioner
 from queuekeeper.config import Settings
 from queuekeeper.consumers import service as consumers
-from queuekeeper.deadletters.service import dead_letters_by_queue
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import QueuePresence, User, utcnow
 from queuekeeper.observability.metrics import (
@@ -63,6 +62,10 @@ STATUS_COLUMNS = (
 # Events arriving together (an agent with several queues, a broker restart) are handled
 # as one batch: one query and one connection per vhost.
 GATHER_SECONDS = 0.2
+# How long a status call waits for a vhost's first dead-letter census after its own broker
+# calls, which the count runs beside (an empty dead-letter queue is counted by then); never
+# for a later one, answered from the one before (docs/decisions/023-dead-letter-census.md).
+CENSUS_WAIT_SECONDS = 0.025
 
 
 # --- the event path -----------------------------------------------------------------------
@@ -257,7 +260,7 @@ def blocked_reason(
     """The one reason events do not reach this queue's agent, and what to do about it.
 
     Checked in this order, the first that holds being the answer: what stops queuekeeper
-    from sending at all comes first (the owner, then the access), then what stops the
+    from sending at all comes first (the owner, its token, then the access), then what stops the
     broker from holding the copies (the queue), then what stops the agent from reading
     them (its login), then what makes its filter exclude every event, and last the agent's
     own absence (its copies are parked, nothing is lost). Fixing a reason reveals the next.
@@ -272,6 +275,12 @@ def blocked_reason(
             f"The owner's API token expired on {_when(reg.token_expires_at)}: no events are "
             "sent and the agent cannot log in to the broker; renew the token in the "
             "marketplace and restart the agent with it."
+        )
+    if not reg.has_token:
+        return BlockedReason.NO_TOKEN, (
+            "The marketplace removed the owner's API token: no events are sent and the agent "
+            "cannot log in to the broker; push a token for the owner from the marketplace "
+            f"(PUT /api/internal/users/{reg.vhost}/ with a token) and restart the agent with it."
         )
     if not reg.granted:
         offerings = ", ".join(offering.hex for offering in reg.offerings) or "none"
@@ -353,19 +362,16 @@ async def statuses(
         async with limit:
             return await management.get_user(reg.broker_user.hex) is not None
 
-    async def dead_letters(vhost: str) -> dict[str, int] | None:
-        try:
-            return await dead_letters_by_queue(settings, vhost)
-        except CONNECT_ERRORS as exc:
-            log.info("dead_letters_not_counted", vhost=vhost, error=describe(exc))
-            return None
+    census = provisioner.dead_letters
+    for vhost in vhosts:
+        census.latest(vhost)  # a count that is due starts now, beside the calls below
 
-    infos, users, connections, letters = await asyncio.gather(
+    infos, users, connections = await asyncio.gather(
         asyncio.gather(*(queue_info(reg) for reg in regs)),
         asyncio.gather(*(user_present(reg) for reg in regs)),
         asyncio.gather(*(management.queue_connections(vhost) for vhost in vhosts)),
-        asyncio.gather(*(dead_letters(vhost) for vhost in vhosts)),
     )
+    letters = await asyncio.gather(*(census.read(vhost, CENSUS_WAIT_SECONDS) for vhost in vhosts))
     await _first_sight(
         session, settings, [reg for reg in regs if reg.key not in presence], presence
     )
@@ -393,7 +399,7 @@ async def statuses(
             published_types=published.get(reg.key, set()),
         )
         waiting = outbox.get(reg.uuid, Outbox())
-        vhost_letters = letters_by_vhost[reg.vhost]
+        counted = letters_by_vhost[reg.vhost]
         found[reg.key] = QueueStatusFields(
             connected=None if consumers is None else consumers > 0,
             consumers=consumers,
@@ -406,7 +412,8 @@ async def statuses(
             unacked=info.messages_unacknowledged if info else None,
             parked=waiting.parked,
             oldest_parked_at=waiting.oldest_parked_at,
-            dead_letters=None if vhost_letters is None else vhost_letters.get(reg.queue_name, 0),
+            dead_letters=None if counted is None else counted.by_queue.get(reg.queue_name, 0),
+            dead_letters_counted_at=None if counted is None else counted.counted_at,
             last_delivered_at=waiting.last_delivered_at,
             delivery_blocked_reason=reason,
             delivery_blocked_detail=detail,

@@ -18,6 +18,7 @@ from queuekeeper.admin.routes import (
 )
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.common.params import VhostQuery
 from queuekeeper.jobs.dependencies import JobContextDep, JobsDep
 from queuekeeper.jobs.runs import Job
 from queuekeeper.jobs.schemas import RunOut
@@ -85,7 +86,10 @@ async def cleanup_stale_now(
     responses={
         **ADMIN_ERRORS,
         **error_responses(
-            400, descriptions={400: "A malformed uuid filter, or an unknown `state`."}
+            400,
+            descriptions={
+                400: "An empty or malformed `vhost` or uuid filter, or an unknown `state`."
+            },
         ),
         **error_responses(503, descriptions={503: "The Management API is unreachable."}),
     },
@@ -95,7 +99,7 @@ async def list_queue_states(
     response: Response,
     context: JobContextDep,
     page: Annotated[Page, Depends(page_params)],
-    vhost: Annotated[str | None, Query(description="One vhost (the owner's uuid hex).")] = None,
+    vhost: VhostQuery = None,
     queue_state: Annotated[
         QueueState | None, Query(alias="state", description="Only queues in this state.")
     ] = None,

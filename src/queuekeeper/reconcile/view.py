@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.common.schemas import parse_path_uuid
-from queuekeeper.exceptions import BadRequest
+from queuekeeper.exceptions import BadRequest, shown
 from queuekeeper.jobs.runs import JobContext
 from queuekeeper.presence import service as presence
 from queuekeeper.presence.schemas import QueueStatusFields
@@ -98,11 +98,13 @@ async def _foreign(reader: AsyncSession, page: int, vhost: str) -> AsyncIterator
 
 
 def _hex_filter(value: str | None, name: str) -> str | None:
-    if not value:
+    """A uuid filter as hex; absent is no filter, and empty is a 400 like any other
+    malformed uuid (it once listed every row)."""
+    if value is None:
         return None
     parsed = parse_path_uuid(value)
     if parsed is None:
-        raise BadRequest(f"{name} {value!r} is not a uuid (hex or dashed form).", field=name)
+        raise BadRequest(f"{name} {shown(value)} is not a uuid (hex or dashed form).", field=name)
     return parsed.hex
 
 
