@@ -51,8 +51,7 @@ STOP_SECONDS = 30
 SOCKET_PATH_MAX = 100
 # As root: the user PostgreSQL runs as inside its namespace (mapped to root outside).
 NAMESPACE_UID = 65534
-FIX = "set QUEUEKEEPER_EMBEDDED_DATA_DIR to a directory you can write, or set "
-FIX += "QUEUEKEEPER_DATABASE_URL"
+FIX = "set QUEUEKEEPER_EMBEDDED_DATA_DIR to another directory, or QUEUEKEEPER_DATABASE_URL"
 
 
 class EmbeddedPostgresError(Exception):
@@ -104,8 +103,9 @@ def _one_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     for marker in ("FATAL:", "PANIC:", "error:", "ERROR:"):
         found = [line for line in lines if marker in line]
-        if found:
-            return found[-1][:300]
+        if found:  # from the marker on: the log's timestamp and pid say nothing here
+            line = found[-1]
+            return " ".join(line[line.index(marker) :].split())[:300]
     return lines[-1][:300] if lines else "no output"
 
 
@@ -240,6 +240,10 @@ class EmbeddedServer:
 
     def _run(self, tool: str, *args: str, timeout: float) -> None:
         command = [str(_bin_dir() / tool), *args]
+        try:
+            log_start = self.log.stat().st_size  # what this attempt logs is after it
+        except OSError:
+            log_start = 0
         if os.geteuid() == 0:
             unshare = shutil.which("unshare") or "unshare"
             ids = [f"--map-user={NAMESPACE_UID}", f"--map-group={NAMESPACE_UID}"]
@@ -262,8 +266,9 @@ class EmbeddedServer:
                 "QUEUEKEEPER_DATABASE_URL"
             )
         if tool == "pg_ctl":
-            with contextlib.suppress(OSError):
-                output += "\n" + self.log.read_text(errors="replace")[-4000:]
+            with contextlib.suppress(OSError), self.log.open("rb") as log:
+                log.seek(log_start)
+                output += "\n" + log.read(64_000).decode(errors="replace")
         step = "start" if tool == "pg_ctl" else "initdb"
         raise EmbeddedPostgresError(
             f"the embedded PostgreSQL in {self.root} did not {step}: {_one_line(output)} "
