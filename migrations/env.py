@@ -19,7 +19,7 @@ target_metadata = Base.metadata
 def _settings() -> Settings:
     url = config.attributes.get("database_url")
     # `alembic` run by hand with no URL set: the embedded server, as `queuekeeper migrate`.
-    return Settings(database_url=url) if url else with_database(Settings())
+    return Settings(database_url=url) if url else with_database(Settings(), create=True)
 
 
 def run_migrations_offline() -> None:

@@ -320,11 +320,11 @@ def test_without_a_database_a_command_says_so_in_one_line_and_creates_none(
     result = outside_checkout(tmp_path, *command)
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [
-        f"error: no database at sqlite+aiosqlite:///./queuekeeper.db (file "
-        f"{tmp_path.resolve() / 'queuekeeper.db'}, working directory {tmp_path.resolve()}): "
+        f"error: no embedded database in {tmp_path.resolve() / '.queuekeeper' / 'pg'} "
+        f"(QUEUEKEEPER_EMBEDDED_DATA_DIR, working directory {tmp_path.resolve()}): "
         "run `queuekeeper migrate` to create it there, or set QUEUEKEEPER_DATABASE_URL"
     ]
-    assert list(tmp_path.glob("queuekeeper.db*")) == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_wrong_or_unmigrated_database_is_one_line(tmp_path: Path, settings: Settings) -> None:
@@ -354,10 +354,11 @@ def test_a_wrong_or_unmigrated_database_is_one_line(tmp_path: Path, settings: Se
         "`queuekeeper migrate`, or set QUEUEKEEPER_DATABASE_URL"
     ]
 
-    # Only migrate creates one; then the same command runs.
+    # Only migrate creates one (the embedded server's, with no URL set); then the same
+    # command runs on it.
     migrated = outside_checkout(tmp_path, "migrate")
     assert migrated.returncode == 0, migrated.stderr
-    assert (tmp_path / "queuekeeper.db").exists()
+    assert (tmp_path / ".queuekeeper" / "pg" / "data" / "PG_VERSION").exists()
     ran = outside_checkout(
         tmp_path,
         "reconcile",

@@ -70,18 +70,18 @@ def _port_free(host: str, port: int, *, from_option: bool) -> None:
             ) from None
 
 
-def database_settings() -> Settings:
+def database_settings(*, create: bool = False) -> Settings:
     """The settings of a command that uses the database: with no QUEUEKEEPER_DATABASE_URL,
     the embedded server's URL, the server started when not running (one line when it
-    cannot be). The URL goes into the environment, for `serve`'s processes and every later
-    `get_settings()` of this one."""
+    cannot be; only `migrate` creates it). The URL goes into the environment, for `serve`'s
+    processes and every later `get_settings()` of this one."""
     from queuekeeper.embedded import EmbeddedPostgresError, with_database
 
     settings = get_settings()
     if settings.database_url:
         return settings
     try:
-        settings = with_database(settings)
+        settings = with_database(settings, create=create)
     except EmbeddedPostgresError as exc:
         raise fail(str(exc)) from None
     os.environ["QUEUEKEEPER_DATABASE_URL"] = settings.database_url
@@ -120,7 +120,7 @@ def _alembic(step: str, revision: str, *, check_first: bool, done: str, failed: 
     from queuekeeper.logging import configure_logging
     from queuekeeper.preflight import alembic_config
 
-    settings = database_settings()
+    settings = database_settings(create=not check_first)
     configure_logging(settings)
     if check_first:
         _ready_database(settings)

@@ -58,20 +58,29 @@ class EmbeddedPostgresError(Exception):
     """The embedded server cannot be used; the message says why and what to do, in one line."""
 
 
-def with_database(settings: Settings) -> Settings:
+def with_database(settings: Settings, *, create: bool = False) -> Settings:
     """`settings` itself when it names a database; otherwise a copy naming the embedded
-    server, started when not running yet."""
+    server, started when not running yet (see `database_url`)."""
     if settings.database_url:
         return settings
-    url = database_url(settings.embedded_data_dir)
+    url = database_url(settings.embedded_data_dir, create=create)
     return settings.model_copy(update={"database_url": url})
 
 
-def database_url(data_dir: str | Path) -> str:
+def database_url(data_dir: str | Path, *, create: bool = True) -> str:
     """SQLAlchemy asyncpg URL of the embedded server whose files are in `data_dir`, starting
     it when it is not running. This process is a holder until it exits (then the server
-    stops, unless another holder is still running)."""
+    stops, unless another holder is still running).
+
+    Without `create`, a directory with no cluster yet is an error: only `queuekeeper
+    migrate` makes one, so a command run from the wrong directory leaves nothing behind."""
     server = EmbeddedServer(Path(data_dir))
+    if not create and not (server.pgdata / "PG_VERSION").exists():
+        raise EmbeddedPostgresError(
+            f"no embedded database in {server.root} (QUEUEKEEPER_EMBEDDED_DATA_DIR, working "
+            f"directory {Path.cwd()}): run `queuekeeper migrate` to create it there, or set "
+            "QUEUEKEEPER_DATABASE_URL"
+        )
     server.acquire()
     return server.url
 
