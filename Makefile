@@ -16,9 +16,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## make run: install, make sure the local RabbitMQ is up (management, STOMP, web-STOMP, event
-## exchange), migrate,
-## and serve on the embedded default (SQLite file, local RabbitMQ)
+## make run: install (with the [embedded] extra), make sure the local RabbitMQ is up
+## (management, STOMP, web-STOMP, event exchange), migrate, and serve on the embedded
+## PostgreSQL (data in .queuekeeper/pg; QUEUEKEEPER_DATABASE_URL names another database)
 run: install
 	@MAKE_TARGET=run bash scripts/ensure-services.sh rabbitmq
 	$(BIN)/queuekeeper migrate

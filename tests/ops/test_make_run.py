@@ -1,9 +1,11 @@
 """`make run` by itself: it makes sure the local RabbitMQ is up with its plugins
-(scripts/ensure-services.sh rabbitmq), migrates the SQLite default and serves."""
+(scripts/ensure-services.sh rabbitmq), migrates the embedded PostgreSQL default and serves on
+it, and its stop stops that server too."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -36,9 +38,10 @@ async def test_make_run_serves_with_its_services_up(tmp_path: Path) -> None:
         unavailable("make is not installed")
     port = free_port()
     instance = f"qkr-{uuid.uuid4().hex[:10]}"
+    data_dir = tmp_path / "pg"
     env = {
-        **os.environ,
-        "QUEUEKEEPER_DATABASE_URL": f"sqlite:///{tmp_path / 'run.db'}",
+        **{k: v for k, v in os.environ.items() if k != "QUEUEKEEPER_DATABASE_URL"},
+        "QUEUEKEEPER_EMBEDDED_DATA_DIR": str(data_dir),
         "QUEUEKEEPER_PORT": str(port),
         "QUEUEKEEPER_INSTANCE_NAME": instance,
         "QUEUEKEEPER_SCHEDULER_ENABLED": "false",
@@ -76,7 +79,13 @@ async def test_make_run_serves_with_its_services_up(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        pid_file = data_dir / "data" / "postmaster.pid"
+        left_running = pid_file.exists()
+        if left_running:  # the server `make run` started (in its own session): by its pid
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text().split()[0]), signal.SIGQUIT)
         await _remove_broker_objects(Settings(instance_name=instance))
     text = output.read_text()
     assert "ensure-services: up: RabbitMQ (management, STOMP, web-STOMP, event exchange)" in text
-    assert (tmp_path / "run.db").exists()
+    assert (data_dir / "data" / "PG_VERSION").exists()
+    assert not left_running, "the embedded server outlived `make run`"
