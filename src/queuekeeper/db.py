@@ -1,4 +1,5 @@
-"""Engine and sessions. PostgreSQL (asyncpg) in production, SQLite as the embedded default.
+"""Engine and sessions. PostgreSQL (asyncpg): production's, or the embedded server of
+`make run` (embedded.py); SQLite for a single process.
 
 Every statement goes through SQLAlchemy: ORM sessions for requests, Core connections where
 a job streams or a read needs no transaction (`read_one`). The one exception is the

@@ -254,7 +254,13 @@ class EmbeddedServer:
         except OSError:
             log_start = 0
         if os.geteuid() == 0:
-            unshare = shutil.which("unshare") or "unshare"
+            unshare = shutil.which("unshare")
+            if unshare is None:
+                raise EmbeddedPostgresError(
+                    "PostgreSQL does not run as root, and util-linux's `unshare`, which would "
+                    "run it as an ordinary user, is not installed: install util-linux, run as "
+                    "an ordinary user, or set QUEUEKEEPER_DATABASE_URL"
+                )
             ids = [f"--map-user={NAMESPACE_UID}", f"--map-group={NAMESPACE_UID}"]
             command = [unshare, "--user", *ids, *command]
         try:
