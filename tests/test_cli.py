@@ -348,6 +348,20 @@ def test_an_unmigrated_database_is_one_line_for_every_command(
     ]
 
 
+@pytest.mark.parametrize("command", [["reconcile", "--dry-run"], ["queues"], ["serve"], ["relay"]])
+def test_without_a_database_a_command_says_so_in_one_line_and_creates_none(
+    tmp_path: Path, command: list[str]
+) -> None:
+    result = outside_checkout(tmp_path, *command)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: no embedded database in {tmp_path.resolve() / '.queuekeeper' / 'pg'} "
+        f"(QUEUEKEEPER_EMBEDDED_DATA_DIR, working directory {tmp_path.resolve()}): "
+        "run `queuekeeper migrate` to create it there, or set QUEUEKEEPER_DATABASE_URL"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("url", ["sqlite:///./queuekeeper.db", "queuekeeper"])
 def test_a_database_url_that_is_not_postgresql_is_one_line(tmp_path: Path, url: str) -> None:
     result = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=url)

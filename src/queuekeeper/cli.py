@@ -69,6 +69,25 @@ def _port_free(host: str, port: int, *, from_option: bool) -> None:
             ) from None
 
 
+def database_settings(*, create: bool = False) -> Settings:
+    """The settings of a command that uses the database: with no QUEUEKEEPER_DATABASE_URL,
+    the embedded server's URL, the server started when not running (one line when it
+    cannot be; only `migrate` creates it). The URL goes into the environment, for `serve`'s
+    processes and every later `get_settings()` of this one."""
+    from queuekeeper.embedded import EmbeddedPostgresError, with_database
+
+    settings = get_settings()
+    if settings.database_url:
+        return settings
+    try:
+        settings = with_database(settings, create=create)
+    except EmbeddedPostgresError as exc:
+        raise fail(str(exc)) from None
+    os.environ["QUEUEKEEPER_DATABASE_URL"] = settings.database_url
+    get_settings.cache_clear()
+    return get_settings()
+
+
 def _ready_database(settings: Settings, *, serving: bool = False) -> None:
     """Stop with one line when the database is missing, unmigrated or unreachable (a server
     starts anyway when it is only unreachable: it answers 503 until the database is up)."""
@@ -100,7 +119,7 @@ def _alembic(step: str, revision: str, *, check_first: bool, done: str, failed: 
     from queuekeeper.logging import configure_logging
     from queuekeeper.preflight import alembic_config
 
-    settings = _settings()
+    settings = database_settings(create=not check_first)
     configure_logging(settings)
     if check_first:
         _ready_database(settings)
@@ -180,6 +199,7 @@ def serve(
     configure_logging(settings)
     bind_host, bind_port = host or settings.host, port or settings.port
     _port_free(bind_host, bind_port, from_option=port is not None)
+    settings = database_settings()
     _ready_database(settings, serving=True)
     accept_workers, relay_processes = process_counts(settings, workers)
     logger = structlog.get_logger("queuekeeper.cli")
@@ -357,6 +377,7 @@ def import_directory(
     settings = _settings()
     configure_logging(settings, level="WARNING")
     data = _read_directory_file(file)
+    settings = database_settings()
     _ready_database(settings)
 
     async def run() -> ImportReport:
@@ -389,7 +410,7 @@ def _run_command(start: Callable[[Any, Any], Awaitable[Any]]) -> None:
     from queuekeeper.logging import configure_logging
 
     configure_logging(_settings(), level="WARNING")  # each change is in the run record below
-    _ready_database(_settings())
+    _ready_database(database_settings())
 
     async def main(on_progress: Phases) -> Any:
         async with running(_settings()) as state:
@@ -495,7 +516,7 @@ def queues(
     from queuekeeper.reconcile.view import QueueFilter, queue_states
 
     configure_logging(_settings(), level="WARNING")
-    _ready_database(_settings())
+    _ready_database(database_settings())
     try:
         wanted = QueueFilter(vhost=vhost, state=QueueState(state_filter) if state_filter else None)
     except ValueError as exc:
@@ -560,7 +581,7 @@ def relay() -> None:
     from queuekeeper.logging import configure_logging
     from queuekeeper.workers import run_relay
 
-    settings = _settings()
+    settings = database_settings()
     configure_logging(settings)
     _ready_database(settings)
     run_relay(settings)

@@ -43,10 +43,19 @@ class Settings(BaseSettings):
 
     # --- connections ---------------------------------------------------------------
     database_url: str = Field(
-        default="postgresql+asyncpg://postgres@127.0.0.1:5432/queuekeeper",
+        default="",
         description="PostgreSQL URL, `postgresql://user:password@host:port/database` "
-        "(`postgres://` and `postgresql+asyncpg://` too; the asyncpg driver is used). "
-        "PostgreSQL is the only database.",
+        "(`postgres://` and `postgresql+asyncpg://` too; the asyncpg driver is used): "
+        "PostgreSQL is the only database. Empty: the embedded PostgreSQL server in "
+        "`embedded_data_dir`, started when needed (`pip install 'queuekeeper[embedded]'`; "
+        "`make run` installs it).",
+    )
+    embedded_data_dir: str = Field(
+        default=".queuekeeper/pg",
+        description="With no `database_url`: the directory of the embedded PostgreSQL server "
+        "(its data, kept across restarts, its log and its Unix socket; relative to the "
+        "working directory). The first command that needs it starts it, the last to exit "
+        "stops it.",
     )
     database_pool_size: int = Field(
         default=10,
@@ -573,7 +582,10 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _postgresql(cls, value: str) -> str:
-        """A PostgreSQL URL, on asyncpg whichever way it is spelled."""
+        """A PostgreSQL URL, on asyncpg whichever way it is spelled; empty for the embedded
+        server (embedded.py)."""
+        if not value.strip():
+            return ""
         scheme, separator, rest = value.strip().partition("://")
         if separator and scheme in POSTGRESQL_SCHEMES:
             return "postgresql+asyncpg://" + rest

@@ -1,4 +1,5 @@
-"""Engine and sessions, on PostgreSQL (asyncpg): the only database.
+"""Engine and sessions, on PostgreSQL (asyncpg), the only database: production's, or the
+embedded server of `make run` (embedded.py).
 
 Every statement goes through SQLAlchemy: ORM sessions for requests, Core connections where
 a job streams or a read needs no transaction (`read_one`). The one exception is the
