@@ -4,9 +4,7 @@ the page says it prints, the broker's confirm of the waited-for event included."
 
 from __future__ import annotations
 
-import asyncio
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import pytest
 
 from queuekeeper.config import Settings
 from tests.conftest import ROOT, SERVICE_TOKEN
-from tests.ops.live import live_server
+from tests.ops.live import run_beside_a_server
 
 GUIDE = ROOT / "docs" / "backend.md"
 
@@ -38,24 +36,13 @@ async def test_the_backend_guides_example_prints_what_the_guide_says(
 ) -> None:
     code, output = example()
 
-    def run() -> subprocess.CompletedProcess[str]:
-        with live_server(settings) as base_url:
-            return subprocess.run(
-                [sys.executable, "-"],
-                input=code,
-                cwd=tmp_path,
-                env={
-                    "PATH": "/usr/local/bin:/usr/bin:/bin",
-                    "HOME": str(tmp_path),
-                    "QK": base_url,
-                    "QUEUEKEEPER_SERVICE_TOKENS": SERVICE_TOKEN,
-                },
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-
-    result = await asyncio.to_thread(run)
+    result = await run_beside_a_server(
+        settings,
+        [sys.executable, "-"],
+        cwd=tmp_path,
+        home=tmp_path,
+        service_token=SERVICE_TOKEN,
+        stdin=code,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == output.strip(), result.stdout + result.stderr

@@ -4,17 +4,15 @@ covers; here the suite's own server stands in for it, on the suite's database)."
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from queuekeeper.config import Settings
 from tests.conftest import ROOT, SERVICE_TOKEN
-from tests.ops.live import live_server
+from tests.ops.live import run_beside_a_server
 
 README = ROOT / "README.md"
 
@@ -41,24 +39,9 @@ async def test_quickstart_calls_and_consumer_deliver_the_event(
 ) -> None:
     script = "set -euo pipefail\n" + block("calls") + "\n" + block("consume") + "\n"
 
-    def run() -> subprocess.CompletedProcess[str]:
-        with live_server(settings) as base_url:
-            return subprocess.run(
-                ["bash", "-c", script],
-                cwd=ROOT,
-                env={
-                    "PATH": "/usr/local/bin:/usr/bin:/bin",
-                    "HOME": str(tmp_path),
-                    "QK": base_url,
-                    "QUEUEKEEPER_SERVICE_TOKENS": SERVICE_TOKEN,
-                },
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-
-    result = await asyncio.to_thread(run)
+    result = await run_beside_a_server(
+        settings, ["bash", "-c", script], cwd=ROOT, home=tmp_path, service_token=SERVICE_TOKEN
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     received = [line for line in result.stdout.splitlines() if line.startswith("received: ")]
     assert len(received) == 1, result.stdout + result.stderr
@@ -81,19 +64,9 @@ async def test_calls_pasted_without_the_token_show_the_services_reason(
     """Pasted into a shell where the token was not exported (no `set -e` there either):
     every refusal is shown with the service's reason, and no traceback hides it."""
 
-    def run() -> subprocess.CompletedProcess[str]:
-        with live_server(settings) as base_url:
-            return subprocess.run(
-                ["bash", "-c", block("calls")],
-                cwd=ROOT,
-                env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "QK": base_url},
-                capture_output=True,
-                text=True,
-                timeout=120,
-                check=False,
-            )
-
-    result = await asyncio.to_thread(run)
+    result = await run_beside_a_server(
+        settings, ["bash", "-c", block("calls")], cwd=ROOT, home=tmp_path, service_token=None
+    )
     output = result.stdout + result.stderr
     assert "Traceback" not in output, output
     pushes = result.stdout.splitlines()[:3]

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import URL
 
+from queuekeeper.common.processes import alive
 from queuekeeper.config import Settings
 
 # Only names the socket file (`.s.PGSQL.5432`): there is no TCP listener.
@@ -97,16 +98,6 @@ def _bin_dir() -> Path:
     return Path(spec.origin).parent / "pginstall" / "bin"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _one_line(text: str) -> str:
     """The line of a PostgreSQL tool's output (or log) that says what went wrong."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -148,7 +139,7 @@ class EmbeddedServer:
 
     def acquire(self) -> None:
         with self._locked():
-            holders = [pid for pid in self._holders() if _alive(pid) and pid != os.getpid()]
+            holders = [pid for pid in self._holders() if alive(pid) and pid != os.getpid()]
             if self.running_pid() is None:
                 self._start()
             self._write_holders([*holders, os.getpid()])
@@ -160,7 +151,7 @@ class EmbeddedServer:
             return
         self._released = True
         with self._locked():
-            holders = [pid for pid in self._holders() if _alive(pid) and pid != os.getpid()]
+            holders = [pid for pid in self._holders() if alive(pid) and pid != os.getpid()]
             self._write_holders(holders)
             if not holders:
                 self.stop()
@@ -217,7 +208,7 @@ class EmbeddedServer:
                 pid = int(lines[0])
             except (OSError, ValueError, IndexError):
                 return None
-            if _alive(pid) and self._is_our_postmaster(pid):
+            if alive(pid) and self._is_our_postmaster(pid):
                 if len(lines) >= 8 and lines[7].strip() == "ready" and self._accepts():
                     return pid
                 if time.monotonic() > deadline:  # starting or stopping for too long
@@ -333,5 +324,5 @@ class EmbeddedServer:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGINT)
         deadline = time.monotonic() + STOP_SECONDS
-        while _alive(pid) and time.monotonic() < deadline:
+        while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -4,10 +4,13 @@ own event loop, so the engine and the broker clients live there)."""
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 
@@ -44,3 +47,37 @@ def live_server(settings: Settings, *, timeout: float = 60.0) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+async def run_beside_a_server(
+    settings: Settings,
+    command: Sequence[str],
+    *,
+    cwd: Path,
+    home: Path,
+    service_token: str | None,
+    stdin: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run `command` as a newcomer would, against a served instance: only PATH, HOME, the
+    instance's URL (`QK`) and the service token (when given) in its environment."""
+    token = {} if service_token is None else {"QUEUEKEEPER_SERVICE_TOKENS": service_token}
+
+    def run() -> subprocess.CompletedProcess[str]:
+        with live_server(settings) as base_url:
+            return subprocess.run(
+                list(command),
+                input=stdin,
+                cwd=cwd,
+                env={
+                    "PATH": "/usr/local/bin:/usr/bin:/bin",
+                    "HOME": str(home),
+                    "QK": base_url,
+                    **token,
+                },
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+
+    return await asyncio.to_thread(run)
