@@ -50,9 +50,16 @@ def test_any_other_database_url_is_refused_naming_the_variable(given: str) -> No
     assert "PostgreSQL is the only database" in error["msg"]
 
 
-def test_the_default_database_is_a_local_postgresql(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_database_url_means_the_embedded_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Empty by default: the commands then use the embedded PostgreSQL (embedded.py) in
+    `embedded_data_dir`; what they do with it is tests/test_embedded.py's."""
     monkeypatch.delenv("QUEUEKEEPER_DATABASE_URL", raising=False)
-    assert Settings(_env_file=None).database_url.startswith("postgresql+asyncpg://")
+    settings = Settings(_env_file=None)
+    assert settings.database_url == ""
+    assert settings.embedded_data_dir == ".queuekeeper/pg"
+    assert Settings(_env_file=None, database_url="postgres://u@h/d").database_url == (
+        "postgresql+asyncpg://u@h/d"
+    )
 
 
 def test_a_variable_that_is_not_a_setting_is_named_with_the_closest_one() -> None:

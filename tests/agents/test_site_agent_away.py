@@ -111,7 +111,10 @@ async def _first_within(running: RunningAgent, subscribed: float, limit: float) 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("release", UNIFIED, ids=[release.version for release in UNIFIED])
 @pytest.mark.settings(
-    park_after_seconds=PARK_AFTER, park_check_interval=CHECK_INTERVAL, queue_message_ttl_ms=2000
+    park_after_seconds=PARK_AFTER,
+    park_check_interval=CHECK_INTERVAL,
+    queue_message_ttl_ms=2000,
+    dead_letter_census_seconds=1,
 )
 async def test_agent_away_longer_than_its_ttl_gets_every_event_once_in_order_on_return(
     release: Release, server: Server, settings: Settings, tmp_path: Path
@@ -174,7 +177,9 @@ async def test_agent_away_longer_than_its_ttl_gets_every_event_once_in_order_on_
                 assert time.monotonic() - started < 300
                 await asyncio.sleep(0.1)
             assert await queue_depth(vhost, queue) == 0
-            away = await _status(http, agent, uuid_)
+            # The dead letter is in the status once a census has seen it (one a second
+            # here: docs/decisions/023-dead-letter-census.md).
+            away = await _status_until(http, agent, uuid_, {"dead_letters": 1}, 15)
             assert away["delivery_blocked_reason"] == "agent_away", away
             assert away["parked"] == count, away
             assert away["connected"] is False, away

@@ -79,7 +79,12 @@ async def test_make_run_serves_with_its_services_up(tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        # make exits at the signal at once; `serve`, signalled with it, stops the server as
+        # it exits, a moment later (a fast shutdown takes a second or two).
         pid_file = data_dir / "data" / "postmaster.pid"
+        deadline = time.monotonic() + 20
+        while pid_file.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         left_running = pid_file.exists()
         if left_running:  # the server `make run` started (in its own session): by its pid
             with contextlib.suppress(ProcessLookupError, ValueError):
