@@ -31,7 +31,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -98,6 +100,20 @@ def _bin_dir() -> Path:
     return Path(spec.origin).parent / "pginstall" / "bin"
 
 
+def _exit_cleanly_on_sigterm() -> None:
+    """A SIGTERM ends this process through `sys.exit`, so `atexit` runs and the server is
+    left (and stopped by the last holder). Without a handler SIGTERM kills at once, and
+    uvicorn re-raises the signal it caught once it has shut down, to exit with its code."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    sys.exit(128 + signum)
+
+
 def _one_line(text: str) -> str:
     """The line of a PostgreSQL tool's output (or log) that says what went wrong."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -144,6 +160,7 @@ class EmbeddedServer:
                 self._start()
             self._write_holders([*holders, os.getpid()])
         atexit.register(self.release)
+        _exit_cleanly_on_sigterm()
 
     def release(self) -> None:
         """Leave; the last holder to leave stops the server."""
