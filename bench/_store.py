@@ -19,6 +19,7 @@ read by every store (what the floor does), and as the service runs it, rememberi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import uuid
 
@@ -51,7 +52,12 @@ async def _seed(engine: AsyncEngine) -> uuid.UUID:
     offering, user, subscription = uuid.uuid4(), uuid.uuid4(), uuid.uuid4()
     now = utcnow()
     async with engine.begin() as connection:
-        await connection.execute(insert(TABLES["users"]).values(uuid=user, username="bench"))
+        # A user with a token: only such a user receives (docs/decisions/021).
+        await connection.execute(
+            insert(TABLES["users"]).values(
+                uuid=user, username="bench", token_hash=hashlib.sha256(b"bench").hexdigest()
+            )
+        )
         await connection.execute(insert(TABLES["offerings"]).values(uuid=offering, name="o"))
         await connection.execute(
             insert(TABLES["offering_access"]).values(user_uuid=user, offering_uuid=offering)
