@@ -23,6 +23,8 @@ from queuekeeper.consumers.schemas import (
     ConsumerFilters,
     ConsumerOut,
     ConsumerRegistration,
+    ConsumerRegistrationOut,
+    Delivery,
     QueueRegistration,
     RegistrationOut,
 )
@@ -95,7 +97,7 @@ async def register_queue(
     "offerings again returns your existing consumer (200) with the filter updated as "
     "`object_types` says.",
     responses={
-        200: {"description": "Your existing consumer.", "model": RegistrationOut},
+        200: {"description": "Your existing consumer.", "model": ConsumerRegistrationOut},
         **error_responses(
             400,
             401,
@@ -119,11 +121,12 @@ async def register_event_consumer(
     session: SessionDep,
     provisioner: ProvisionerDep,
     settings: SettingsDep,
-) -> RegistrationOut:
+) -> ConsumerRegistrationOut:
     consumer, created = await service.register(session, provisioner, settings, user, token, body)
     if not created:
         response.status_code = status.HTTP_200_OK
-    return RegistrationOut.from_row(consumer)
+    facts = await service.facts_of(session, settings, [consumer])
+    return ConsumerRegistrationOut.of_row(consumer, facts[consumer.uuid])
 
 
 def consumer_filters(
@@ -141,12 +144,17 @@ def consumer_filters(
         list[Literal["created", "-created"]] | None,
         Query(description="`created` (default, oldest first) or `-created`."),
     ] = None,
+    delivery: Annotated[
+        Delivery | None,
+        Query(description="`rmq` or `webhook` (`webhook` lists nothing: no webhook consumers)."),
+    ] = None,
 ) -> ConsumerFilters:
     """The list filters of waldur-api-client 8.1.3's `event_consumers_list` / `_count`."""
     return ConsumerFilters(
         user_uuid=user_uuid,
         user_username=user_username,
         is_global=is_global,
+        delivery=delivery,
         descending=o is not None and o[:1] == ["-created"],
     )
 
@@ -163,12 +171,16 @@ async def list_event_consumers(
     response: Response,
     caller: AgentOrService,
     session: SessionDep,
+    settings: SettingsDep,
     page: Annotated[Page, Depends(page_params)],
     filters: Annotated[ConsumerFilters, Depends(consumer_filters)],
 ) -> list[ConsumerOut]:
     paged = await service.list_consumers(session, caller, filters, page)
     set_page_headers(request, response, page, paged.total)
-    return [ConsumerOut.from_row(row, as_staff=caller is None) for row in paged.rows]
+    facts = await service.facts_of(session, settings, paged.rows)
+    return [
+        ConsumerOut.from_row(row, facts[row.uuid], as_staff=caller is None) for row in paged.rows
+    ]
 
 
 @router.head(
@@ -202,10 +214,11 @@ async def count_event_consumers(
     responses=error_responses(401, 404),
 )
 async def get_event_consumer(
-    consumer_uuid: str, caller: AgentOrService, session: SessionDep
+    consumer_uuid: str, caller: AgentOrService, session: SessionDep, settings: SettingsDep
 ) -> ConsumerOut:
     consumer = await service.get_consumer(session, caller, consumer_uuid)
-    return ConsumerOut.from_row(consumer, as_staff=caller is None)
+    facts = await service.facts_of(session, settings, [consumer])
+    return ConsumerOut.from_row(consumer, facts[consumer.uuid], as_staff=caller is None)
 
 
 @router.delete(

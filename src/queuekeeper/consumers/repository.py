@@ -5,9 +5,9 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Collection, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 
-from sqlalchemy import Select, and_, false, func, or_, select, update
+from sqlalchemy import Select, and_, false, func, or_, select, tuple_, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
@@ -20,6 +20,8 @@ from queuekeeper.models import (
     Event,
     EventConsumer,
     EventConsumerScope,
+    OfferingAccess,
+    QueuePresence,
     User,
 )
 
@@ -51,6 +53,8 @@ def filtered(owner_uuid: uuid.UUID | None, filters: ConsumerFilters) -> Select[E
         query = query.where(EventConsumer.user_uuid.in_(owners))
     if filters.is_global:
         query = query.where(false())  # every consumer here is bound to offerings
+    if filters.delivery == "webhook":
+        query = query.where(false())  # every consumer here is read over STOMP
     return query
 
 
@@ -237,3 +241,54 @@ async def give_up_unsent_copies(
         .execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)
+
+
+async def last_delivered(
+    session: AsyncSession, consumer_uuids: Collection[uuid.UUID]
+) -> dict[uuid.UUID, datetime]:
+    """Per consumer: when the broker last confirmed a copy for it (one query for a page)."""
+    if not consumer_uuids:
+        return {}
+    rows = await session.execute(
+        select(Delivery.consumer_uuid, func.max(Delivery.finished))
+        .where(
+            Delivery.consumer_uuid.in_(list(consumer_uuids)),
+            Delivery.state == DeliveryState.PUBLISHED,
+        )
+        .group_by(Delivery.consumer_uuid)
+    )
+    return {consumer: _utc(at) for consumer, at in rows if consumer is not None and at is not None}
+
+
+async def granted_pairs(
+    session: AsyncSession, pairs: Collection[tuple[uuid.UUID, uuid.UUID]]
+) -> set[tuple[uuid.UUID, uuid.UUID]]:
+    """Which (user, offering) pairs hold an offering grant (one query for a page)."""
+    if not pairs:
+        return set()
+    rows = await session.execute(
+        select(OfferingAccess.user_uuid, OfferingAccess.offering_uuid).where(
+            tuple_(OfferingAccess.user_uuid, OfferingAccess.offering_uuid).in_(list(pairs))
+        )
+    )
+    return {(user, offering) for user, offering in rows}
+
+
+async def away_since(
+    session: AsyncSession, keys: Collection[tuple[str, str]]
+) -> dict[tuple[str, str], datetime]:
+    """Per (vhost, queue name) without a consumer now: since when (one query for a page)."""
+    if not keys:
+        return {}
+    rows = await session.execute(
+        select(QueuePresence.vhost, QueuePresence.queue_name, QueuePresence.away_since).where(
+            tuple_(QueuePresence.vhost, QueuePresence.queue_name).in_(list(keys)),
+            QueuePresence.consumers == 0,
+            QueuePresence.away_since.is_not(None),
+        )
+    )
+    return {(vhost, name): _utc(at) for vhost, name, at in rows if at is not None}
+
+
+def _utc(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)

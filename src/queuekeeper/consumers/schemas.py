@@ -1,5 +1,5 @@
-"""Consumer bodies and answers, shaped as waldur-api-client 8.1.3's models (which 8.1.2's
-parse too).
+"""Consumer bodies and answers, shaped as waldur-api-client 8.1.4's models (which 8.1.3's and
+8.1.2's parse too: they ignore the fields they do not know).
 
 `AgentQueueRegistrationRequest` / `EventConsumerRegistrationRequest` in,
 `AgentQueueRegistrationResponse` / `EventConsumerRegistrationResponse` and
@@ -8,7 +8,9 @@ parse too).
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -170,8 +172,69 @@ def token_prefix(token: str) -> str:
     return token[: min(TOKEN_PREFIX_MAX, len(token) // 4)]
 
 
-class ConsumerOut(Schema):
-    """`EventConsumer` (client 8.1.3), plus where its queue is."""
+Delivery = Literal["rmq", "webhook"]
+# The reasons of `GET /api/event-consumers/{uuid}/status/` (contract §11) that the database
+# alone can tell, so that a list page costs no broker call: the same words.
+RowBlockedReason = Literal["owner_inactive", "no_token", "token_expired", "no_access", "agent_away"]
+
+
+@dataclass(frozen=True)
+class ConsumerFacts:
+    """What a consumer answer says beyond the row, read for a whole page at once."""
+
+    last_delivered_at: datetime | None = None
+    delivery_blocked_reason: RowBlockedReason | None = None
+
+
+class DeliveryFields(BaseModel):
+    """The fields waldur-api-client 8.1.4 requires on every consumer (contract §12)."""
+
+    delivery: Delivery = Field(
+        default="rmq", description="`rmq`: copies wait in a queue read over STOMP."
+    )
+    webhook_destination: str | None = Field(
+        default=None, description="Null: an `rmq` consumer has no webhook."
+    )
+    payload_filters: dict[str, list[Any]] = Field(
+        default_factory=dict,
+        description="`{field: [values]}` over the message's top-level fields; `{}`: none.",
+    )
+    last_delivered_at: UTCDateTime | None = Field(
+        default=None, description="When the broker last confirmed a copy for it, or null."
+    )
+    last_error: str = Field(default="", description="Always empty for an `rmq` consumer.")
+    last_error_at: UTCDateTime | None = Field(
+        default=None, description="Always null for an `rmq` consumer."
+    )
+    delivery_blocked_reason: RowBlockedReason | None = Field(
+        default=None,
+        description="Why events cannot reach it, as far as the database tells (the owner "
+        "inactive, without a token or with an expired one, without access to what it binds, "
+        "or its agent away long enough for copies to park); null otherwise. "
+        "`GET /api/event-consumers/{uuid}/status/` adds what the broker tells.",
+    )
+
+    @classmethod
+    def of(cls, consumer: EventConsumer, facts: ConsumerFacts) -> dict[str, Any]:
+        return cls(
+            payload_filters=dict(getattr(consumer, "payload_filters", None) or {}),
+            last_delivered_at=facts.last_delivered_at,
+            delivery_blocked_reason=facts.delivery_blocked_reason,
+        ).model_dump()
+
+
+class ConsumerRegistrationOut(RegistrationOut, DeliveryFields):
+    """`EventConsumerRegistrationResponse`, with the consumer's 8.1.4 fields beside it."""
+
+    @classmethod
+    def of_row(cls, consumer: EventConsumer, facts: ConsumerFacts) -> ConsumerRegistrationOut:
+        return cls(
+            **RegistrationOut.from_row(consumer).model_dump(), **DeliveryFields.of(consumer, facts)
+        )
+
+
+class ConsumerOut(DeliveryFields, Schema):
+    """`EventConsumer` (client 8.1.4), plus where its queue is."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -192,6 +255,12 @@ class ConsumerOut(Schema):
                     "auth_token_name": "",
                     "authorized_via": "self",
                     "delivery_blocked_reason": None,
+                    "delivery": "rmq",
+                    "webhook_destination": None,
+                    "payload_filters": {},
+                    "last_delivered_at": "2026-11-23T01:02:03.456789Z",
+                    "last_error": "",
+                    "last_error_at": None,
                     "created": "2026-11-23T00:51:07.301234Z",
                     "modified": "2026-11-23T00:51:07.301234Z",
                     "queue_name": f"consumer_{_CONSUMER_UUID}",
@@ -225,10 +294,6 @@ class ConsumerOut(Schema):
     authorized_via: AuthorizedVia = Field(
         description="Why you see it: `self` (you own it) or `staff` (a service token)."
     )
-    delivery_blocked_reason: str | None = Field(
-        description="Null on this row: why events cannot reach its queue takes Management API "
-        "calls per queue, so `GET /api/event-consumers/{uuid}/status/` answers it."
-    )
     created: UTCDateTime
     modified: UTCDateTime
     queue_name: str
@@ -238,9 +303,12 @@ class ConsumerOut(Schema):
     )
 
     @classmethod
-    def from_row(cls, consumer: EventConsumer, *, as_staff: bool) -> ConsumerOut:
+    def from_row(
+        cls, consumer: EventConsumer, facts: ConsumerFacts, *, as_staff: bool
+    ) -> ConsumerOut:
         """`as_staff`: the caller is a service token, not the owner."""
         return cls(
+            **DeliveryFields.of(consumer, facts),
             uuid=consumer.uuid,
             object_types=list(consumer.object_types or []),
             scopes=[
@@ -258,7 +326,6 @@ class ConsumerOut(Schema):
             auth_token_prefix=consumer.auth_token_prefix or "",
             auth_token_name="",
             authorized_via="staff" if as_staff else "self",
-            delivery_blocked_reason=None,
             created=consumer.created,
             modified=consumer.modified,
             queue_name=consumer.queue_name,
@@ -273,4 +340,5 @@ class ConsumerFilters(BaseModel):
     user_uuid: HexUUID | None = None
     user_username: str | None = None
     is_global: bool | None = None
+    delivery: Delivery | None = None
     descending: bool = False

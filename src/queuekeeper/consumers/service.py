@@ -19,6 +19,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -35,9 +36,11 @@ from queuekeeper.common.schemas import find_by_path_uuid, parse_path_uuid
 from queuekeeper.config import Settings
 from queuekeeper.consumers import repository
 from queuekeeper.consumers.schemas import (
+    ConsumerFacts,
     ConsumerFilters,
     ConsumerRegistration,
     QueueRegistration,
+    RowBlockedReason,
     token_prefix,
 )
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
@@ -314,6 +317,52 @@ async def _unmake(
 
 
 # --- reading and deleting -------------------------------------------------------------------
+async def facts_of(
+    session: AsyncSession, settings: Settings, consumers: Sequence[EventConsumer]
+) -> dict[uuid.UUID, ConsumerFacts]:
+    """What each answer says beyond its row: the last copy confirmed, and why events cannot
+    reach it as far as the database tells. A fixed number of queries for a whole page."""
+    if not consumers:
+        return {}
+    delivered = await repository.last_delivered(session, [c.uuid for c in consumers])
+    granted = await repository.granted_pairs(
+        session, {(c.user_uuid, s.offering_uuid) for c in consumers for s in c.scopes}
+    )
+    away = await repository.away_since(session, {(c.vhost, c.queue_name) for c in consumers})
+    now = utcnow()
+    park_after = timedelta(seconds=settings.park_after_seconds)
+    return {
+        c.uuid: ConsumerFacts(
+            last_delivered_at=delivered.get(c.uuid),
+            delivery_blocked_reason=_blocked(c, granted, away, now, park_after),
+        )
+        for c in consumers
+    }
+
+
+def _blocked(
+    consumer: EventConsumer,
+    granted: Collection[tuple[uuid.UUID, uuid.UUID]],
+    away: dict[tuple[str, str], datetime],
+    now: datetime,
+    park_after: timedelta,
+) -> RowBlockedReason | None:
+    """The first reason that holds, in the order of the status answer's (contract §11)."""
+    owner = consumer.owner
+    if not owner.is_active:
+        return "owner_inactive"
+    if owner.token_hash is None:
+        return "no_token"
+    if owner.token_expires_at is not None and owner.token_expires_at <= now:
+        return "token_expired"
+    if not any((consumer.user_uuid, s.offering_uuid) in granted for s in consumer.scopes):
+        return "no_access"
+    since = away.get((consumer.vhost, consumer.queue_name))
+    if since is not None and now - since >= park_after:
+        return "agent_away"
+    return None
+
+
 async def list_consumers(
     session: AsyncSession, caller: User | None, filters: ConsumerFilters, page: Page
 ) -> Paged[EventConsumer]:
