@@ -76,6 +76,8 @@ async def test_a_row_reads_as_through_sqlalchemy(engine: AsyncEngine) -> None:
         "broker_password_hash": None,
         "token_expires_at": expires,
         "is_active": False,
+        "is_staff": False,
+        "is_support": False,
         "created": created,
         "modified": created,
         "constant": "fixed",

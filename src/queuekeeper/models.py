@@ -130,6 +130,10 @@ class User(Base):
     broker_password_hash: Mapped[str | None] = mapped_column(String(128))
     token_expires_at: Mapped[datetime | None]
     is_active: Mapped[bool] = mapped_column(Boolean, default=True)
+    # Staff and support users may bind other users and register global consumers
+    # (contract §12).
+    is_staff: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    is_support: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -151,12 +155,69 @@ class User(Base):
         return case((can_log_in, cls.broker_password_hash), else_=null())
 
 
+class Customer(Base):
+    """An organisation of the marketplace (contract §12): a provider's or a consumer's."""
+
+    __tablename__ = "customers"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Project(Base):
+    """A customer's project (contract §12): where orders and resources live."""
+
+    __tablename__ = "projects"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    customer_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("customers.uuid", ondelete="CASCADE"), index=True
+    )
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class RoleScope(StrEnum):
+    CUSTOMER = "customer"
+    PROJECT = "project"
+    OFFERING = "offering"
+
+
+class Role(Base):
+    """A user's role on a customer, a project or an offering, until `expires_at` (contract
+    §12). The scope is checked when the role is pushed; deleting the scope deletes its roles."""
+
+    __tablename__ = "roles"
+    __table_args__ = (Index("ix_roles_scope", "scope_type", "scope_uuid"),)
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    user_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("users.uuid", ondelete="CASCADE"), index=True
+    )
+    role_name: Mapped[str] = mapped_column(String(128))
+    scope_type: Mapped[str] = mapped_column(String(16))
+    scope_uuid: Mapped[UUID] = mapped_column()
+    expires_at: Mapped[datetime | None]
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
 class Offering(Base):
     __tablename__ = "offerings"
 
     uuid: Mapped[UUID] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(255))
     state: Mapped[str] = mapped_column(String(64), default="")
+    # The provider's customer and the offering's own project, when the backend says.
+    customer_uuid: Mapped[UUID | None] = mapped_column(
+        ForeignKey("customers.uuid", ondelete="SET NULL"), index=True
+    )
+    project_uuid: Mapped[UUID | None] = mapped_column(
+        ForeignKey("projects.uuid", ondelete="SET NULL"), index=True
+    )
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
