@@ -349,14 +349,41 @@ class EventConsumer(Base):
     # The first characters of the API token that last registered it (at most 8, and at
     # most a quarter of the token): `auth_token_prefix` of client 8.1.3's EventConsumer.
     auth_token_prefix: Mapped[str] = mapped_column(String(8), default="")
+    # Registered with an empty list of scopes: every event (staff and support only,
+    # contract §12). Stored, never inferred from bindings that are missing: a consumer whose
+    # bound entities were deleted receives nothing, not everything.
+    is_global: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # `{field: [values]}` over the message's top-level fields; `{}`: no filter.
+    payload_filters: Mapped[dict[str, Any]] = mapped_column(
+        default=dict, server_default=text("'{}'")
+    )
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     # Loaded with the consumer (one more query per listing, not per row).
     scopes: Mapped[list[EventConsumerScope]] = relationship(
         lazy="selectin", cascade="all, delete-orphan", passive_deletes=True
     )
+    # Its bindings of customers, projects and users (offerings are `scopes`).
+    bindings: Mapped[list[EventConsumerBinding]] = relationship(
+        lazy="selectin", cascade="all, delete-orphan", passive_deletes=True
+    )
     # Its owner's username and name are part of every answer (client 8.1.3).
     owner: Mapped[User] = relationship(lazy="selectin", viewonly=True)
+
+
+class EventConsumerBinding(Base):
+    """A customer, project or user whose events a consumer receives (contract §12); offering
+    bindings are `EventConsumerScope` rows. The entity is checked at registration; deleting
+    it deletes the bindings of it."""
+
+    __tablename__ = "event_consumer_bindings"
+    __table_args__ = (Index("ix_event_consumer_bindings_scope", "scope_type", "scope_uuid"),)
+
+    consumer_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("event_consumers.uuid", ondelete="CASCADE"), primary_key=True
+    )
+    scope_type: Mapped[str] = mapped_column(String(16), primary_key=True)
+    scope_uuid: Mapped[UUID] = mapped_column(primary_key=True)
 
 
 class EventConsumerScope(Base):

@@ -128,8 +128,8 @@ async def test_bad_registrations(backend: Backend) -> None:
     unknown = uuid.uuid4().hex
     cases = [
         ({}, "scopes"),
-        ({"scopes": []}, "scopes"),
-        ({"scopes": [{"type": "project", "uuid": offering.hex}]}, "scopes.0.type"),
+        ({"scopes": [{"type": "team", "uuid": offering.hex}]}, "scopes.0.type"),
+        ({"scopes": [{"type": "project", "uuid": offering.hex}]}, "scopes.0.uuid"),
         ({"scopes": [{"type": "offering", "uuid": "nope"}]}, "scopes.0.uuid"),
         ({"scopes": [{"type": "offering", "uuid": unknown}]}, "scopes.0.uuid"),
         (

@@ -92,10 +92,13 @@ async def register_queue(
     "/api/event-consumers/register/",
     status_code=status.HTTP_201_CREATED,
     summary="Register an event consumer (integrations that are not site agents)",
-    description="A consumer for the offerings in `scopes` (you need access to each): one queue "
-    "and a read-only broker user, as register_queue makes. Registering the same set of "
-    "offerings again returns your existing consumer (200) with the filter updated as "
-    "`object_types` says.",
+    description="A consumer for the entities in `scopes`: offerings (granted, or a role on "
+    "it, its customer or its project), projects (a role on it or its customer), customers (a "
+    "role on it) and yourself (`user`); another user, or `[]` (global: every event), for "
+    "staff and support users only. One queue and a read-only broker user, as register_queue "
+    "makes. Registering the same set again returns your existing consumer (200) with the "
+    "filters updated as `object_types` and `payload_filters` say. Who may receive each "
+    "event is checked again when it is delivered.",
     responses={
         200: {"description": "Your existing consumer.", "model": ConsumerRegistrationOut},
         **error_responses(
@@ -106,8 +109,11 @@ async def register_queue(
             503,
             descriptions={
                 **_REGISTER_ERRORS,
-                400: _REGISTER_ERRORS[400] + " Also: no scopes, an unknown offering, or a "
-                "scope type other than `offering`.",
+                400: _REGISTER_ERRORS[400] + " Also: an unknown scope type or entity, a "
+                "malformed uuid, a binding listed twice, more scopes than the limit, or "
+                "`payload_filters` that is not an object of non-empty lists.",
+                403: "A binding you may not hold (named), or `[]` (global) when you are not "
+                "a staff or support user.",
             },
             models={409: QueueConflictBody},
         ),
@@ -138,7 +144,7 @@ def consumer_filters(
     ] = None,
     is_global: Annotated[
         bool | None,
-        Query(description="`true` lists nothing: every consumer here is bound to offerings."),
+        Query(description="`true`: only global consumers (no scopes); `false`: only bound ones."),
     ] = None,
     o: Annotated[
         list[Literal["created", "-created"]] | None,

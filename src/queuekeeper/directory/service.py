@@ -264,6 +264,7 @@ async def delete_user(
         # Its consumers go by cascade; their queues and broker users are removed below.
         leftovers.add_consumers(await consumers_repository.of_owner(session, user_uuid))
         leftovers.owner_uuids.add(user_uuid)
+        await consumers_repository.delete_bindings_on(session, [("user", user_uuid)])
         await session.delete(user)
         await session.flush()
         await remove_leftovers_held(session, provisioner, leftovers)
@@ -370,9 +371,11 @@ async def delete_customer(session: AsyncSession, customer_uuid: uuid.UUID) -> No
     """Its projects go with it (cascade), and the roles on it and on them; its offerings
     stay, without a customer."""
     projects = await repository.projects_of(session, customer_uuid)
-    await repository.delete_roles_on(
-        session, [(RoleScope.CUSTOMER, customer_uuid)] + [(RoleScope.PROJECT, p) for p in projects]
-    )
+    scopes = [(str(RoleScope.CUSTOMER), customer_uuid)] + [
+        (str(RoleScope.PROJECT), p) for p in projects
+    ]
+    await repository.delete_roles_on(session, scopes)
+    await consumers_repository.delete_bindings_on(session, scopes)
     customer = await session.get(Customer, customer_uuid)
     if customer is not None:
         await session.delete(customer)
@@ -382,6 +385,7 @@ async def delete_customer(session: AsyncSession, customer_uuid: uuid.UUID) -> No
 
 async def delete_project(session: AsyncSession, project_uuid: uuid.UUID) -> None:
     await repository.delete_roles_on(session, [(RoleScope.PROJECT, project_uuid)])
+    await consumers_repository.delete_bindings_on(session, [(RoleScope.PROJECT, project_uuid)])
     project = await session.get(Project, project_uuid)
     if project is not None:
         await session.delete(project)

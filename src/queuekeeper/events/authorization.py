@@ -32,3 +32,37 @@ def authorized_sql(queue: str, consumer: str, offering: str, now: str) -> str:
                 WHERE c.uuid = {consumer}
             )
     )"""  # noqa: S608 - the module's own expressions
+
+
+def binding_allowed_sql(user: str, kind: str, entity: str, now: str) -> str:
+    """Whether the user `user` may hold the binding (`kind`, `entity`) at `now` (contract
+    §12): staff and support may hold any, global (`kind` 'global') included; anyone their
+    own user; an offering they are granted; and an entity they hold an unexpired role on,
+    or a role on one of its ancestors (a project's customer; an offering's customer, its
+    project and that project's customer). Checked at registration and again for each event
+    delivered (docs/decisions/025-bindings-authorized-at-delivery.md). The arguments are SQL
+    expressions of the callers' own statements, never input."""
+    return f"""(
+        EXISTS (SELECT 1 FROM users su WHERE su.uuid = {user} AND (su.is_staff OR su.is_support))
+        OR ({kind} = 'user' AND {entity} = {user})
+        OR ({kind} = 'offering' AND EXISTS (
+            SELECT 1 FROM offering_access ga
+            WHERE ga.user_uuid = {user} AND ga.offering_uuid = {entity}))
+        OR EXISTS (
+            SELECT 1 FROM roles r
+            WHERE r.user_uuid = {user} AND (r.expires_at IS NULL OR r.expires_at > {now})
+                AND (
+                    (r.scope_type = {kind} AND r.scope_uuid = {entity})
+                    OR ({kind} = 'project' AND r.scope_type = 'customer' AND r.scope_uuid IN (
+                        SELECT bp.customer_uuid FROM projects bp WHERE bp.uuid = {entity}))
+                    OR ({kind} = 'offering' AND r.scope_type = 'project' AND r.scope_uuid IN (
+                        SELECT bo.project_uuid FROM offerings bo WHERE bo.uuid = {entity}))
+                    OR ({kind} = 'offering' AND r.scope_type = 'customer' AND r.scope_uuid IN (
+                        SELECT bo.customer_uuid FROM offerings bo WHERE bo.uuid = {entity}
+                        UNION ALL
+                        SELECT bp.customer_uuid FROM offerings bo
+                        JOIN projects bp ON bp.uuid = bo.project_uuid
+                        WHERE bo.uuid = {entity}))
+                )
+        )
+    )"""  # noqa: S608 - the module's own expressions
