@@ -322,6 +322,9 @@ class EventConsumer(Base):
     # identical calls in parallel cannot make two (docs/decisions/002-owner-lock.md).
     __table_args__ = (
         Index("uq_event_consumers_user_scope_key", "user_uuid", "scope_key", unique=True),
+        # The recipients statement reads every global consumer for every event (migration
+        # 0014_event_keys): through this index, bound consumers are never scanned.
+        Index("ix_event_consumers_global", "uuid", postgresql_where=text("is_global")),
     )
 
     uuid: Mapped[UUID] = mapped_column(primary_key=True)
@@ -405,8 +408,13 @@ class Event(Base):
     event_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     # An event sent with `offering_uuids` (contract §10) keeps the first here and the whole
     # list in `offering_uuids` (hex); each of its copies names its own offering.
-    offering_uuid: Mapped[UUID] = mapped_column(Uuid(as_uuid=True), index=True)
+    # None: an identity event about `subject_user_uuid` alone (contract §12).
+    offering_uuid: Mapped[UUID | None] = mapped_column(Uuid(as_uuid=True), index=True)
     offering_uuids: Mapped[list[Any] | None] = mapped_column(JSON)
+    # The event's other scope keys (contract §12): the consumer-side project of an order or
+    # resource, and the user an identity event is about.
+    project_uuid: Mapped[UUID | None] = mapped_column(Uuid(as_uuid=True))
+    subject_user_uuid: Mapped[UUID | None] = mapped_column(Uuid(as_uuid=True))
     object_type: Mapped[str] = mapped_column(String(64))
     payload: Mapped[dict[str, Any]] = mapped_column()
     user_uuids: Mapped[list[Any] | None] = mapped_column(JSON)
