@@ -69,7 +69,7 @@ _BOUND = (
 )
 _NO_QUEUE = "NULL::uuid, NULL::varchar"
 _MARKER = "NULL::uuid, NULL::json, NULL::uuid, NULL::varchar, NULL::varchar, NULL::varchar"
-RECIPIENT_ROWS = (
+_BY_OFFERING = (
     """
 SELECT o.uuid, r.kind, r.recipient_uuid, r.user_uuid, r.filter, r.queue_uuid,
        r.object_type, r.queue_name, r.vhost
@@ -121,7 +121,10 @@ FROM offerings o LEFT JOIN (
     + """
 ) r ON r.offering_uuid = o.uuid
 WHERE o.uuid = ANY($1::uuid[])
-UNION ALL
+"""
+)
+_MARKERS = (
+    """UNION ALL
 SELECT NULL::uuid, 'known_project', kp.uuid, """
     + _MARKER
     + """
@@ -131,8 +134,11 @@ SELECT NULL::uuid, 'known_user', ku.uuid, """
     + _MARKER
     + """
 FROM users ku WHERE ku.uuid = ANY($5::uuid[])
-UNION ALL
-SELECT NULL::uuid, k.kind, """
+"""
+)
+_KEYED = (
+    """UNION ALL
+SELECT NULL::uuid, k.kind, """  # noqa: S608 - the module's constants
     + _CONSUMER
     + """, k.key_uuid, NULL::varchar, c.queue_name, c.vhost
 FROM (
@@ -146,8 +152,10 @@ FROM (
     SELECT 'subject', ku.uuid, 'user', ku.uuid FROM users ku WHERE ku.uuid = ANY($5::uuid[])
 ) k"""
     + _BOUND
-    + """
-UNION ALL
+    + "\n"
+)
+_GLOBAL = (
+    """UNION ALL
 SELECT NULL::uuid, 'global', """
     + _CONSUMER
     + ", "
@@ -158,13 +166,25 @@ WHERE c.is_global AND (u.is_staff OR u.is_support) AND """
     + _ACTIVE_OWNER
     + "\n"
 )
+# Two forms of the one statement, made of the same parts: with the consumers of the
+# request's projects and subject users (`_KEYED`), and without them for a request naming
+# none. PostgreSQL plans a prepared statement for its parameters (a custom plan) until a
+# generic plan is as cheap; `_KEYED` looks dear in a generic plan once there are many
+# bindings, so every request naming no project or user would be planned anew (milliseconds)
+# for a part that reads nothing (docs/decisions/025-bindings-authorized-at-delivery.md).
+RECIPIENT_ROWS = _BY_OFFERING + _MARKERS + _KEYED + _GLOBAL
+RECIPIENT_ROWS_BY_OFFERING = _BY_OFFERING + _MARKERS + _GLOBAL
 # The rows, and on each a digest of them all: what a store remembers them by
 # (`RecipientCache`), checked again by the write (`INSERT_ACCEPTED`).
 _DIGEST = "md5(coalesce(string_agg(r::text, ',' ORDER BY r::text), ''))"
 _EMPTY_DIGEST = "d41d8cd98f00b204e9800998ecf8427e"  # md5(''): no rows
 # Built from the module's constants alone (no input reaches them), so the rule has one text.
-_ROWS = "WITH r AS (" + RECIPIENT_ROWS + ")\n"
-RECIPIENTS = _ROWS + "SELECT r.*, (SELECT " + _DIGEST + " FROM r) FROM r"  # noqa: S608 - constants
+_FORMS = ((True, RECIPIENT_ROWS), (False, RECIPIENT_ROWS_BY_OFFERING))
+# Keyed by whether the request names projects or subject users.
+RECIPIENTS = {
+    keyed: "WITH r AS (" + rows + ")\nSELECT r.*, (SELECT " + _DIGEST + " FROM r) FROM r"  # noqa: S608 - constants
+    for keyed, rows in _FORMS
+}
 EVENT_COUNTS = """
 SELECT event_id, queued, skipped_unregistered FROM events WHERE event_id = ANY($1::varchar[])
 """
@@ -180,7 +200,7 @@ SELECT event_id, queued, skipped_unregistered FROM events WHERE event_id = ANY($
 # new is dropped. The foreign key to `events` is checked at the statement's end, when the
 # new events are there. Returned: ('g', digest now) once, ('e', event_id, ...) per new
 # event, ('d', event_id, id, queue, consumer) per copy.
-_FRESH = "WITH fresh AS (SELECT " + _DIGEST + " AS digest FROM (" + RECIPIENT_ROWS + ") r"  # noqa: S608 - constants
+_FRESH = "WITH fresh AS (SELECT " + _DIGEST + " AS digest FROM ({rows}) r"  # noqa: S608 - constants
 _WRITE = """
 ), new_events AS (
     INSERT INTO events (event_id, offering_uuid, offering_uuids, object_type, payload,
@@ -217,7 +237,7 @@ SELECT 'e', event_id, NULL, NULL, NULL FROM new_events
 UNION ALL
 SELECT 'd', event_id, id, queue_uuid, consumer_uuid FROM copies
 """
-INSERT_ACCEPTED = _FRESH + _WRITE
+INSERT_ACCEPTED = {keyed: _FRESH.replace("{rows}", rows) + _WRITE for keyed, rows in _FORMS}
 
 # A copy whose queue row is gone (both uuids set null by the delete) is left to the relay,
 # which gives it up for that reason; any other is judged by the rule.
@@ -587,7 +607,9 @@ class StoreUnit:
         asked, types, in_projects, about = list(key[0]), list(key[1]), list(key[2]), list(key[3])
         remembered = self.cache.get(key)
         if remembered is None:
-            records = await self.driver.fetch(RECIPIENTS, asked, types, now, in_projects, about)
+            records = await self.driver.fetch(
+                RECIPIENTS[bool(in_projects or about)], asked, types, now, in_projects, about
+            )
             rows = [(*r[:4], _decoded(r[4]), *r[5:9]) for r in records]
             digest = records[0][9] if records else _EMPTY_DIGEST
             # Only rows that know every entity asked about are remembered.
@@ -626,7 +648,7 @@ class StoreUnit:
             _EMPTY_DIGEST,
         )
         records = await self.driver.fetch(
-            INSERT_ACCEPTED,
+            INSERT_ACCEPTED[bool(in_projects or about)],
             asked,
             types,
             now,
