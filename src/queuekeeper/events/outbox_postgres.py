@@ -144,12 +144,13 @@ SELECT NULL::uuid, k.kind, """  # noqa: S608 - the module's constants
 FROM (
     SELECT 'project'::varchar AS kind, kp.uuid AS key_uuid, 'project'::varchar AS scope_type,
            kp.uuid AS entity
-    FROM projects kp WHERE kp.uuid = ANY($4::uuid[])
+    FROM projects kp WHERE kp.uuid = ANY(ARRAY(SELECT unnest($4::uuid[])))
     UNION ALL
     SELECT 'project', kp.uuid, 'customer', kp.customer_uuid
-    FROM projects kp WHERE kp.uuid = ANY($4::uuid[])
+    FROM projects kp WHERE kp.uuid = ANY(ARRAY(SELECT unnest($4::uuid[])))
     UNION ALL
-    SELECT 'subject', ku.uuid, 'user', ku.uuid FROM users ku WHERE ku.uuid = ANY($5::uuid[])
+    SELECT 'subject', ku.uuid, 'user', ku.uuid
+    FROM users ku WHERE ku.uuid = ANY(ARRAY(SELECT unnest($5::uuid[])))
 ) k"""
     + _BOUND
     + "\n"
@@ -169,9 +170,11 @@ WHERE c.is_global AND (u.is_staff OR u.is_support) AND """
 # Two forms of the one statement, made of the same parts: with the consumers of the
 # request's projects and subject users (`_KEYED`), and without them for a request naming
 # none. PostgreSQL plans a prepared statement for its parameters (a custom plan) until a
-# generic plan is as cheap; `_KEYED` looks dear in a generic plan once there are many
-# bindings, so every request naming no project or user would be planned anew (milliseconds)
-# for a part that reads nothing (docs/decisions/025-bindings-authorized-at-delivery.md).
+# generic plan is as cheap; with many bindings `_KEYED` would keep every request planned
+# anew (milliseconds). So it reads its arrays through `ARRAY(SELECT unnest(..))`, whose
+# value no plan sees (custom and generic cost the same, and the generic plan is kept), and a
+# request naming neither runs without it at all
+# (docs/decisions/025-bindings-authorized-at-delivery.md).
 RECIPIENT_ROWS = _BY_OFFERING + _MARKERS + _KEYED + _GLOBAL
 RECIPIENT_ROWS_BY_OFFERING = _BY_OFFERING + _MARKERS + _GLOBAL
 # The rows, and on each a digest of them all: what a store remembers them by
