@@ -19,8 +19,10 @@ from queuekeeper.events.outbox import Outbox
 from queuekeeper.models import utcnow
 from tests.consumers.scopes import customer, project, role, scopes, staff, tree, unrole
 from tests.consumers.test_event_consumers_api import register
+from tests.deadletters.test_redrive import DLQ, publish, wait_for_depth
+from tests.deadletters.test_redrive import event as dead_event
 from tests.events.support import drain, event_detail, order_event, post_batch, post_event
-from tests.helpers import Agent, Backend, database_statements
+from tests.helpers import Agent, Backend, Operator, database_statements
 from tests.stomp_client import StompConsumer
 
 
@@ -265,3 +267,38 @@ async def test_the_recipients_cost_stays_the_same_with_many_bindings(
         await post_event(client, order_event(offering, event_id=f"b-{uuid.uuid4().hex}"))
     # Read fresh, or remembered and checked by the write's digest: never more statements.
     assert len(after) <= len(before) <= 2, (before, after)
+
+
+@pytest.mark.settings(queue_max_length=1)
+async def test_a_customer_bound_consumers_dead_letters_are_redriven_by_the_same_rule(
+    backend: Backend, client: httpx.AsyncClient, operator: Operator
+) -> None:
+    """A dead letter of an offering of the bound customer goes back to the queue; one of
+    another offering is given up as not authorized; after the role is revoked, the first
+    kind is given up too."""
+    entities, elsewhere = await tree(client), await tree(client)
+    watcher = await backend.put_user()
+    granted = await role(client, watcher, "customer", entities.customer)
+    mine = await consumer_of(watcher, {"scopes": scopes(("customer", entities.customer))})
+    queue = mine["queue_name"]
+
+    async def fill(*offerings: uuid.UUID) -> None:
+        assert await publish(watcher.vhost, queue, dead_event("keeper"))
+        for number, offering in enumerate(offerings):
+            message = dead_event(f"d-{number}-{offering.hex[:6]}")
+            message.headers = {"offering_uuid": offering.hex}
+            assert not await publish(watcher.vhost, queue, message)  # full: dead-lettered
+        await wait_for_depth(watcher.vhost, DLQ, len(offerings))
+        await drain(watcher.vhost, queue)
+
+    await fill(entities.offering, elsewhere.offering)
+    run = await operator.redrive()
+    assert run["changed"] == {"redriven": 1, "given_up": 1}, run
+    (back,) = await drain(watcher.vhost, queue)
+    assert back.headers["offering_uuid"] == entities.offering.hex
+
+    await unrole(client, granted)
+    await fill(entities.offering)
+    run = await operator.redrive()
+    assert run["changed"] == {"given_up": 1}, run
+    assert await drain(watcher.vhost, queue) == []
