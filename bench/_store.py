@@ -100,7 +100,7 @@ async def _run(url: str) -> None:
 
     async def raw() -> None:
         event_id, now = uuid.uuid4().hex, utcnow()
-        rows = await floor.fetch(RECIPIENTS, [offering], ["order"], now)
+        rows = await floor.fetch(RECIPIENTS[False], [offering], ["order"], now, [], [])
         recipient, digest = rows[0], rows[0][9]
         event = {
             "event_id": event_id,
@@ -112,6 +112,8 @@ async def _run(url: str) -> None:
             "queued": 1,
             "skipped_unregistered": 0,
             "accepted": now,
+            "project_uuid": None,
+            "subject_user_uuid": None,
         }
         copy = {
             "event_id": event_id,
@@ -128,10 +130,12 @@ async def _run(url: str) -> None:
             "created": now,
         }
         await floor.fetch(
-            INSERT_ACCEPTED,
+            INSERT_ACCEPTED[False],
             [offering],
             ["order"],
             now,
+            [],
+            [],
             digest,
             *column_arrays([event], EVENT_COLUMNS),
             *column_arrays([copy], DELIVERY_COLUMNS),

@@ -30,6 +30,12 @@ Last, the sliced sweep (`bench/_cpuslice.py`): every model again, at BENCH_SLICE
 that the service, not the two cores it shares with PostgreSQL and RabbitMQ, is the bound,
 as it is on a host with a core per process; BENCH_CPU_SLICE=0 skips it.
 
+With BENCH_BYSTANDERS=<n> (say 10000), n consumers bound by customer, project and user to
+entities no benchmark event names are written into the database before the sweeps, and the
+benchmark's offering has a customer, so each event's recipients statement reads the bindings
+of its offering's chain: the capacity with and without them is the cost of matching by
+scope keys (contract §12), which must not grow with the number of consumers.
+
 Also printed per step: answers other than 202 (503 + Retry-After when the service sheds
 load), answer p99 from the scheduled send time and, in brackets, the pipeline's part of
 it (from the request written to its answer), the generator's CPU per event, database
@@ -91,6 +97,13 @@ SLICED_RATES = [
     int(r) for r in os.environ.get("BENCH_SLICED_RATES", "100,200,300,400,600,800").split(",")
 ]
 AMQP = "amqp://guest:guest@127.0.0.1:5672/"
+# Consumers bound by customer, project and user to entities the benchmark's events do not
+# touch (contract §12): with BENCH_BYSTANDERS=10000 each event still has its one recipient,
+# and the capacity must not fall (the recipients statement reads bindings through the index
+# on what an event names; docs/decisions/025-bindings-authorized-at-delivery.md). Written
+# straight into the database (their queues are never declared: nothing is sent to them).
+BYSTANDERS = int(os.environ.get("BENCH_BYSTANDERS", "0"))
+BYSTANDER_OWNERS = 100
 
 
 def _pct(values: list[float], pct: float) -> float:
@@ -402,6 +415,74 @@ class Model:
         return capacity(self.steps)
 
 
+async def add_bystanders(dsn: str, count: int) -> None:
+    """`count` consumers of BYSTANDER_OWNERS owners, each bound to a customer, a project of
+    it and its owner's own user, the owner holding a role on the customer: what the
+    recipients statement must not read for an event of another customer's offering."""
+    if count <= 0:
+        return
+    owners = [uuid.uuid4() for _ in range(BYSTANDER_OWNERS)]
+    customers = [uuid.uuid4() for _ in range(count)]
+    projects = [uuid.uuid4() for _ in range(count)]
+    consumers = [uuid.uuid4() for _ in range(count)]
+    owner_of = [owners[i % len(owners)] for i in range(count)]
+    connection = await asyncpg.connect(dsn)
+    try:
+        async with connection.transaction():
+            await connection.execute(
+                "INSERT INTO users (uuid, username, full_name, email, token_hash, is_active, "
+                "created, modified) SELECT u, 'bystander', '', '', md5(u::text) || "
+                "md5(u::text), true, now(), now() FROM unnest($1::uuid[]) AS u",
+                owners,
+            )
+            await connection.execute(
+                "INSERT INTO customers (uuid, name, created, modified) "
+                "SELECT c, 'bystander', now(), now() FROM unnest($1::uuid[]) AS c",
+                customers,
+            )
+            await connection.execute(
+                "INSERT INTO projects (uuid, name, customer_uuid, created, modified) "
+                "SELECT p, 'bystander', c, now(), now() FROM unnest($1::uuid[], $2::uuid[]) "
+                "AS t(p, c)",
+                projects,
+                customers,
+            )
+            await connection.execute(
+                "INSERT INTO roles (uuid, user_uuid, role_name, scope_type, scope_uuid, "
+                "created, modified) SELECT gen_random_uuid(), o, 'owner', 'customer', c, "
+                "now(), now() FROM unnest($1::uuid[], $2::uuid[]) AS t(o, c)",
+                owner_of,
+                customers,
+            )
+            await connection.execute(
+                "INSERT INTO event_consumers (uuid, user_uuid, scope_key, object_types, "
+                "queue_name, vhost, broker_state, auth_token_prefix, created, modified) "
+                "SELECT c, o, md5(c::text), '[]'::json, 'consumer_' || replace(c::text, '-', "
+                "''), replace(o::text, '-', ''), 'ok', '', now(), now() "
+                "FROM unnest($1::uuid[], $2::uuid[]) AS t(c, o)",
+                consumers,
+                owner_of,
+            )
+            await connection.execute(
+                "INSERT INTO event_consumer_bindings (consumer_uuid, scope_type, scope_uuid) "
+                "SELECT c, 'customer', k FROM unnest($1::uuid[], $2::uuid[]) AS t(c, k) "
+                "UNION ALL SELECT c, 'project', p FROM unnest($1::uuid[], $3::uuid[]) AS t(c, p) "
+                "UNION ALL SELECT c, 'user', o FROM unnest($1::uuid[], $4::uuid[]) AS t(c, o)",
+                consumers,
+                customers,
+                projects,
+                owner_of,
+            )
+        await connection.execute("ANALYZE")
+    finally:
+        await connection.close()
+    print(
+        f"bystanders: {count} consumers bound by customer, project and user (3 bindings "
+        f"each) to entities no benchmark event names, of {BYSTANDER_OWNERS} owners",
+        flush=True,
+    )
+
+
 async def run_model(
     settings: Settings,
     dsn: str,
@@ -421,8 +502,14 @@ async def run_model(
         QUEUEKEEPER_RELAY_PROCESSES=str(model.relay_processes),
     )
     await service.start()
-    offering = uuid.uuid4()
-    await service.call("PUT", f"/api/internal/offerings/{offering}/", json={"name": "single"})
+    offering, provider = uuid.uuid4(), uuid.uuid4()
+    # The offering has a customer, so every event also reads the bindings of its chain.
+    await service.call("PUT", f"/api/internal/customers/{provider}/", json={"name": "single"})
+    await service.call(
+        "PUT",
+        f"/api/internal/offerings/{offering}/",
+        json={"name": "single", "customer_uuid": provider.hex},
+    )
     ((vhost, queue),) = await service.queues(offering, 1)
     consumer = Consumer()
     await consumer.start(vhost, queue)
@@ -489,6 +576,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
         flush=True,
     )
     sessions = lambda: _sessions(dsn, database)  # noqa: E731
+    await add_bystanders(dsn, BYSTANDERS)
     raw_steps: list[Step] = []
     rss: tuple[float, float, float] | None = None
     rss_rate = 0

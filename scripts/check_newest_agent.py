@@ -4,7 +4,8 @@ on PyPI, pre-releases included, whatever tests/agents/releases.py lists.
 Asks pip which version is newest (`pip index versions --pre`), then runs
 tests/agents/test_agent_matrix.py with `QK_AGENT_VERSION=<it>`: the agent is installed
 into its own cached virtualenv (build/site-agent-venv-<version>) and runs unchanged but
-for its message handlers. Prints the version tried and the verdict; exits non-zero when
+for its message handlers. Prints the version tried, the waldur-api-client it pins (the
+client that parsed queuekeeper's answers in that run) and the verdict; exits non-zero when
 the agent does not set up, receive every type it subscribes to once, and restart cleanly.
 Run it before every upgrade of queuekeeper and whenever an agent is released
 (docs/agents.md).
@@ -34,6 +35,25 @@ def newest_version() -> str:
     if found.returncode != 0 or match is None:
         sys.exit(f"could not ask PyPI for {PACKAGE}'s versions:\n{found.stdout}{found.stderr}")
     return match.group(1)
+
+
+def pinned_client(version: str) -> str:
+    """The waldur-api-client version installed beside the agent in its virtualenv."""
+    python = ROOT / "build" / f"site-agent-venv-{version}" / "bin" / "python"
+    if not python.exists():
+        return "unknown (the agent's virtualenv was not built)"
+    found = subprocess.run(  # noqa: S603 - the agent's own interpreter, fixed arguments
+        [
+            str(python),
+            "-c",
+            "from importlib.metadata import version; print(version('waldur-api-client'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return found.stdout.strip() or f"unknown ({found.stderr.strip()[-200:]})"
 
 
 def main() -> int:
@@ -68,6 +88,7 @@ def main() -> int:
         or re.search(r"\d+ (passed|failed)", line)
     ]
     print("\n".join(findings))
+    print(f"check-newest-agent: with waldur-api-client {pinned_client(version)} (the agent's pin)")
     if run.returncode == 0:
         print(
             f"check-newest-agent: {PACKAGE} {version}: COMPATIBLE (sets up, receives every "

@@ -76,6 +76,8 @@ async def test_a_row_reads_as_through_sqlalchemy(engine: AsyncEngine) -> None:
         "broker_password_hash": None,
         "token_expires_at": expires,
         "is_active": False,
+        "is_staff": False,
+        "is_support": False,
         "created": created,
         "modified": created,
         "constant": "fixed",
@@ -192,6 +194,8 @@ def _event(event_id: str, user_uuids: list[str] | None = None) -> dict[str, obje
         "queued": 2,
         "skipped_unregistered": 0,
         "accepted": datetime(2030, 1, 2, 3, 4, 5, 678000, tzinfo=UTC),
+        "project_uuid": None,
+        "subject_user_uuid": uuid.uuid4() if user_uuids else None,
     }
 
 

@@ -130,6 +130,10 @@ class User(Base):
     broker_password_hash: Mapped[str | None] = mapped_column(String(128))
     token_expires_at: Mapped[datetime | None]
     is_active: Mapped[bool] = mapped_column(Boolean, default=True)
+    # Staff and support users may bind other users and register global consumers
+    # (contract §12).
+    is_staff: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    is_support: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -151,12 +155,69 @@ class User(Base):
         return case((can_log_in, cls.broker_password_hash), else_=null())
 
 
+class Customer(Base):
+    """An organisation of the marketplace (contract §12): a provider's or a consumer's."""
+
+    __tablename__ = "customers"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Project(Base):
+    """A customer's project (contract §12): where orders and resources live."""
+
+    __tablename__ = "projects"
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(255))
+    customer_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("customers.uuid", ondelete="CASCADE"), index=True
+    )
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class RoleScope(StrEnum):
+    CUSTOMER = "customer"
+    PROJECT = "project"
+    OFFERING = "offering"
+
+
+class Role(Base):
+    """A user's role on a customer, a project or an offering, until `expires_at` (contract
+    §12). The scope is checked when the role is pushed; deleting the scope deletes its roles."""
+
+    __tablename__ = "roles"
+    __table_args__ = (Index("ix_roles_scope", "scope_type", "scope_uuid"),)
+
+    uuid: Mapped[UUID] = mapped_column(primary_key=True)
+    user_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("users.uuid", ondelete="CASCADE"), index=True
+    )
+    role_name: Mapped[str] = mapped_column(String(128))
+    scope_type: Mapped[str] = mapped_column(String(16))
+    scope_uuid: Mapped[UUID] = mapped_column()
+    expires_at: Mapped[datetime | None]
+    created: Mapped[datetime] = mapped_column(default=utcnow)
+    modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
 class Offering(Base):
     __tablename__ = "offerings"
 
     uuid: Mapped[UUID] = mapped_column(primary_key=True)
     name: Mapped[str] = mapped_column(String(255))
     state: Mapped[str] = mapped_column(String(64), default="")
+    # The provider's customer and the offering's own project, when the backend says.
+    customer_uuid: Mapped[UUID | None] = mapped_column(
+        ForeignKey("customers.uuid", ondelete="SET NULL"), index=True
+    )
+    project_uuid: Mapped[UUID | None] = mapped_column(
+        ForeignKey("projects.uuid", ondelete="SET NULL"), index=True
+    )
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -261,6 +322,9 @@ class EventConsumer(Base):
     # identical calls in parallel cannot make two (docs/decisions/002-owner-lock.md).
     __table_args__ = (
         Index("uq_event_consumers_user_scope_key", "user_uuid", "scope_key", unique=True),
+        # The recipients statement reads every global consumer for every event (migration
+        # 0014_event_keys): through this index, bound consumers are never scanned.
+        Index("ix_event_consumers_global", "uuid", postgresql_where=text("is_global")),
     )
 
     uuid: Mapped[UUID] = mapped_column(primary_key=True)
@@ -288,14 +352,41 @@ class EventConsumer(Base):
     # The first characters of the API token that last registered it (at most 8, and at
     # most a quarter of the token): `auth_token_prefix` of client 8.1.3's EventConsumer.
     auth_token_prefix: Mapped[str] = mapped_column(String(8), default="")
+    # Registered with an empty list of scopes: every event (staff and support only,
+    # contract §12). Stored, never inferred from bindings that are missing: a consumer whose
+    # bound entities were deleted receives nothing, not everything.
+    is_global: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # `{field: [values]}` over the message's top-level fields; `{}`: no filter.
+    payload_filters: Mapped[dict[str, Any]] = mapped_column(
+        default=dict, server_default=text("'{}'")
+    )
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     # Loaded with the consumer (one more query per listing, not per row).
     scopes: Mapped[list[EventConsumerScope]] = relationship(
         lazy="selectin", cascade="all, delete-orphan", passive_deletes=True
     )
+    # Its bindings of customers, projects and users (offerings are `scopes`).
+    bindings: Mapped[list[EventConsumerBinding]] = relationship(
+        lazy="selectin", cascade="all, delete-orphan", passive_deletes=True
+    )
     # Its owner's username and name are part of every answer (client 8.1.3).
     owner: Mapped[User] = relationship(lazy="selectin", viewonly=True)
+
+
+class EventConsumerBinding(Base):
+    """A customer, project or user whose events a consumer receives (contract §12); offering
+    bindings are `EventConsumerScope` rows. The entity is checked at registration; deleting
+    it deletes the bindings of it."""
+
+    __tablename__ = "event_consumer_bindings"
+    __table_args__ = (Index("ix_event_consumer_bindings_scope", "scope_type", "scope_uuid"),)
+
+    consumer_uuid: Mapped[UUID] = mapped_column(
+        ForeignKey("event_consumers.uuid", ondelete="CASCADE"), primary_key=True
+    )
+    scope_type: Mapped[str] = mapped_column(String(16), primary_key=True)
+    scope_uuid: Mapped[UUID] = mapped_column(primary_key=True)
 
 
 class EventConsumerScope(Base):
@@ -317,8 +408,13 @@ class Event(Base):
     event_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     # An event sent with `offering_uuids` (contract §10) keeps the first here and the whole
     # list in `offering_uuids` (hex); each of its copies names its own offering.
-    offering_uuid: Mapped[UUID] = mapped_column(Uuid(as_uuid=True), index=True)
+    # None: an identity event about `subject_user_uuid` alone (contract §12).
+    offering_uuid: Mapped[UUID | None] = mapped_column(Uuid(as_uuid=True), index=True)
     offering_uuids: Mapped[list[Any] | None] = mapped_column(JSON)
+    # The event's other scope keys (contract §12): the consumer-side project of an order or
+    # resource, and the user an identity event is about.
+    project_uuid: Mapped[UUID | None] = mapped_column(Uuid(as_uuid=True))
+    subject_user_uuid: Mapped[UUID | None] = mapped_column(Uuid(as_uuid=True))
     object_type: Mapped[str] = mapped_column(String(64))
     payload: Mapped[dict[str, Any]] = mapped_column()
     user_uuids: Mapped[list[Any] | None] = mapped_column(JSON)

@@ -46,8 +46,12 @@ RELEASES = [
 ]
 NEWEST_ENV = "QK_AGENT_VERSION"
 # waldur-api-client lines no agent of RELEASES pins exactly, parsed as well: 8.1.3 final
-# (1.0.8rc12 pins 8.1.3rc23, whose models are the same for everything queuekeeper serves).
-EXTRA_CLIENTS = ["8.1.3"]
+# (1.0.8rc12 pins 8.1.3rc23, whose models are the same for everything queuekeeper serves),
+# and the newest build on the package index, pre-releases included (NEWEST_CLIENT: resolved
+# when the test runs, tests/agents/site_agent_venv.newest_api_client), which the next agent
+# release will pin.
+NEWEST_CLIENT = "newest"
+EXTRA_CLIENTS = ["8.1.3", NEWEST_CLIENT]
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ twice at once. A fresh machine needs PyPI (or a configured mirror) once.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import time
 import venv
 from pathlib import Path
 
@@ -73,6 +75,39 @@ def ensure_api_client_venv(version: str) -> Path:
     """The python of a virtualenv with waldur-api-client `version` alone (a client line no
     published agent pins exactly, e.g. 8.1.3 final beside 1.0.8rc12's 8.1.3rc23)."""
     return ensure_venv(BUILD / f"api-client-venv-{version}", f"waldur-api-client=={version}")
+
+
+# The newest waldur-api-client build on the package index, pre-releases included, asked once
+# a day: the answer is kept in build/ with the virtualenvs, and the last one known stands
+# when the index cannot be reached.
+NEWEST_CLIENT_FILE = BUILD / "newest-waldur-api-client.txt"
+NEWEST_CLIENT_MAX_AGE = 24 * 3600.0
+
+
+def newest_api_client() -> str:
+    """The newest waldur-api-client version on the package index (`pip index versions
+    --pre`), cached for a day in build/."""
+    cached = NEWEST_CLIENT_FILE.read_text().strip() if NEWEST_CLIENT_FILE.is_file() else ""
+    if cached and time.time() - NEWEST_CLIENT_FILE.stat().st_mtime < NEWEST_CLIENT_MAX_AGE:
+        return cached
+    found = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "--pre", "waldur-api-client"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    match = re.search(r"^waldur-api-client \(([^)]+)\)", found.stdout, re.MULTILINE)
+    if found.returncode != 0 or match is None:
+        if cached:
+            return cached
+        raise RuntimeError(
+            f"could not ask the package index for waldur-api-client's versions:\n"
+            f"{found.stdout[-2000:]}{found.stderr[-2000:]}"
+        )
+    BUILD.mkdir(exist_ok=True)
+    NEWEST_CLIENT_FILE.write_text(match.group(1) + "\n")
+    return match.group(1)
 
 
 if __name__ == "__main__":  # python -m tests.agents.site_agent_venv 1.0.7

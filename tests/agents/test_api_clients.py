@@ -1,6 +1,7 @@
 """Every answer an agent or client reads, parsed by the models of every waldur-api-client
 line a published agent pins (8.0.9.dev348 for 1.0.5, 8.1.2 for 1.0.7, 8.1.3rc23 for
-1.0.8rc12) and of 8.1.3 final (contract §10). Each client runs in its own virtualenv
+1.0.8rc12), of 8.1.3 final (contract §10) and of the newest build on the package index,
+pre-releases included (8.1.4rc3 and later, contract §12). Each client runs in its own virtualenv
 (tests/agents/site_agent_venv.py); a missing required field fails naming the field.
 
 Two tests: the answers, captured from queuekeeper, fed to each client's `from_dict`; and
@@ -19,10 +20,15 @@ from typing import Any
 
 import httpx
 import pytest
+from packaging.version import Version
 
 from tests.agents.harness import AGENT_107_TYPES, Server
-from tests.agents.releases import CLIENTS, ClientSource
-from tests.agents.site_agent_venv import ensure_api_client_venv, ensure_site_agent_venv
+from tests.agents.releases import CLIENTS, NEWEST_CLIENT, ClientSource
+from tests.agents.site_agent_venv import (
+    ensure_api_client_venv,
+    ensure_site_agent_venv,
+    newest_api_client,
+)
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Agent, Backend
 
@@ -67,6 +73,8 @@ def client_python(source: ClientSource) -> Path:
     if source.agent is not None:
         return ensure_site_agent_venv(source.agent)
     assert source.client is not None
+    if source.client == NEWEST_CLIENT:
+        return ensure_api_client_venv(newest_api_client())
     return ensure_api_client_venv(source.client)
 
 
@@ -222,6 +230,9 @@ async def test_every_answer_parses_with_the_clients_models(
     # Proof that the check can fail, and names the field: 8.1.3 requires these.
     cases.append(without(cases, "identities retrieve", "compatibility"))
     cases.append(without(cases, "event-consumers retrieve", "user_username"))
+    # ... and 8.1.4 these.
+    for field in ("delivery", "payload_filters", "last_delivered_at"):
+        cases.append(without(cases, "event-consumers retrieve", field))
     filtered = {item["label"] for item in cases if has_filter(item)}
     answers = tmp_path / "answers.json"
     answers.write_text(json.dumps(cases))
@@ -230,11 +241,18 @@ async def test_every_answer_parses_with_the_clients_models(
     outcomes = {(r["label"], r["model"]): r["outcome"] for r in parsed["results"]}
     print(f"\nwaldur-api-client {client} ({source.label}): {outcomes}", file=sys.stderr)
 
-    requires_813 = client.startswith("8.1.3")
+    # The fields each line made required: compatibility and the owner's (8.1.3), the
+    # delivery's (8.1.4; every 8.1.4 build since rc1).
+    release = Version(client).release
+    requires_813 = release >= (8, 1, 3)
+    requires_814 = release >= (8, 1, 4)
     for (label, model), outcome in outcomes.items():
         if label.startswith("no "):
             field = label.removeprefix("no ")
-            if requires_813:
+            required = requires_814 or (
+                requires_813 and field not in ("delivery", "payload_filters", "last_delivered_at")
+            )
+            if required:
                 assert outcome == f"missing required field {field!r}", (label, model, outcome)
             continue
         if label in filtered and any(
@@ -252,6 +270,9 @@ async def test_every_answer_parses_with_the_clients_models(
     if not client.startswith("8.0"):
         assert outcomes[("register_queue", "AgentQueueRegistrationResponse")] == "ok"
         assert outcomes[("event-consumers retrieve", "EventConsumer")] == "ok"
+    if requires_814:
+        for label in ("event-consumers list", "event-consumers list, service token"):
+            assert outcomes[(label, "EventConsumer")] == "ok"
 
 
 # Runs in the client's virtualenv: its own endpoint functions against queuekeeper.
@@ -295,6 +316,15 @@ registered = event_consumers_register.sync(
 )
 count = event_consumers_count.sync(client=client)
 listed = event_consumers_list.sync(client=client, page_size=1)
+try:  # 8.1.4 and later: the delivery filter and field
+    from waldur_api_client.models.delivery_enum import DeliveryEnum
+except ImportError:
+    by_delivery = None
+else:
+    by_delivery = [
+        [str(c.delivery) for c in event_consumers_list.sync(client=client, delivery=d)]
+        for d in (DeliveryEnum.RMQ, DeliveryEnum.WEBHOOK)
+    ]
 event_consumers_destroy.sync_detailed(uuid=listed[0].uuid, client=client)
 print(json.dumps({
     "compatibility": compatibility.status.value if compatibility else None,
@@ -304,6 +334,7 @@ print(json.dumps({
     "first": [str(listed[0].uuid), listed[0].rmq_username, listed[0].is_global,
               listed[0].queue_created, [s.uuid for s in listed[0].scopes]],
     "username": getattr(listed[0], "user_username", None),
+    "by_delivery": by_delivery,
     "after": event_consumers_count.sync(client=client),
 }))
 """
@@ -346,6 +377,8 @@ async def test_the_clients_own_endpoint_functions_work_against_queuekeeper(
     assert uuid.UUID(uuid_text).hex == username  # the first registered: register_queue's
     assert (is_global, queue_created, scopes) == (False, True, [offering.hex])
     assert seen["after"] == 1
+    if seen["by_delivery"] is not None:  # 8.1.4 reads it
+        assert seen["by_delivery"] == [["rmq", "rmq"], []]
     if seen["compatibility"] is not None:  # 8.1.3 reads it
         assert seen["compatibility"] == "compatible"
         assert seen["username"] == f"user-{agent.uuid.hex[:8]}"

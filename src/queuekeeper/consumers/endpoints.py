@@ -23,6 +23,8 @@ from queuekeeper.consumers.schemas import (
     ConsumerFilters,
     ConsumerOut,
     ConsumerRegistration,
+    ConsumerRegistrationOut,
+    Delivery,
     QueueRegistration,
     RegistrationOut,
 )
@@ -90,12 +92,15 @@ async def register_queue(
     "/api/event-consumers/register/",
     status_code=status.HTTP_201_CREATED,
     summary="Register an event consumer (integrations that are not site agents)",
-    description="A consumer for the offerings in `scopes` (you need access to each): one queue "
-    "and a read-only broker user, as register_queue makes. Registering the same set of "
-    "offerings again returns your existing consumer (200) with the filter updated as "
-    "`object_types` says.",
+    description="A consumer for the entities in `scopes`: offerings (granted, or a role on "
+    "it, its customer or its project), projects (a role on it or its customer), customers (a "
+    "role on it) and yourself (`user`); another user, or `[]` (global: every event), for "
+    "staff and support users only. One queue and a read-only broker user, as register_queue "
+    "makes. Registering the same set again returns your existing consumer (200) with the "
+    "filters updated as `object_types` and `payload_filters` say. Who may receive each "
+    "event is checked again when it is delivered.",
     responses={
-        200: {"description": "Your existing consumer.", "model": RegistrationOut},
+        200: {"description": "Your existing consumer.", "model": ConsumerRegistrationOut},
         **error_responses(
             400,
             401,
@@ -104,8 +109,11 @@ async def register_queue(
             503,
             descriptions={
                 **_REGISTER_ERRORS,
-                400: _REGISTER_ERRORS[400] + " Also: no scopes, an unknown offering, or a "
-                "scope type other than `offering`.",
+                400: _REGISTER_ERRORS[400] + " Also: an unknown scope type or entity, a "
+                "malformed uuid, a binding listed twice, more scopes than the limit, or "
+                "`payload_filters` that is not an object of non-empty lists.",
+                403: "A binding you may not hold (named), or `[]` (global) when you are not "
+                "a staff or support user.",
             },
             models={409: QueueConflictBody},
         ),
@@ -119,11 +127,12 @@ async def register_event_consumer(
     session: SessionDep,
     provisioner: ProvisionerDep,
     settings: SettingsDep,
-) -> RegistrationOut:
+) -> ConsumerRegistrationOut:
     consumer, created = await service.register(session, provisioner, settings, user, token, body)
     if not created:
         response.status_code = status.HTTP_200_OK
-    return RegistrationOut.from_row(consumer)
+    facts = await service.facts_of(session, settings, [consumer])
+    return ConsumerRegistrationOut.of_row(consumer, facts[consumer.uuid])
 
 
 def consumer_filters(
@@ -135,11 +144,15 @@ def consumer_filters(
     ] = None,
     is_global: Annotated[
         bool | None,
-        Query(description="`true` lists nothing: every consumer here is bound to offerings."),
+        Query(description="`true`: only global consumers (no scopes); `false`: only bound ones."),
     ] = None,
     o: Annotated[
         list[Literal["created", "-created"]] | None,
         Query(description="`created` (default, oldest first) or `-created`."),
+    ] = None,
+    delivery: Annotated[
+        Delivery | None,
+        Query(description="`rmq` or `webhook` (`webhook` lists nothing: no webhook consumers)."),
     ] = None,
 ) -> ConsumerFilters:
     """The list filters of waldur-api-client 8.1.3's `event_consumers_list` / `_count`."""
@@ -147,6 +160,7 @@ def consumer_filters(
         user_uuid=user_uuid,
         user_username=user_username,
         is_global=is_global,
+        delivery=delivery,
         descending=o is not None and o[:1] == ["-created"],
     )
 
@@ -163,12 +177,16 @@ async def list_event_consumers(
     response: Response,
     caller: AgentOrService,
     session: SessionDep,
+    settings: SettingsDep,
     page: Annotated[Page, Depends(page_params)],
     filters: Annotated[ConsumerFilters, Depends(consumer_filters)],
 ) -> list[ConsumerOut]:
     paged = await service.list_consumers(session, caller, filters, page)
     set_page_headers(request, response, page, paged.total)
-    return [ConsumerOut.from_row(row, as_staff=caller is None) for row in paged.rows]
+    facts = await service.facts_of(session, settings, paged.rows)
+    return [
+        ConsumerOut.from_row(row, facts[row.uuid], as_staff=caller is None) for row in paged.rows
+    ]
 
 
 @router.head(
@@ -202,10 +220,11 @@ async def count_event_consumers(
     responses=error_responses(401, 404),
 )
 async def get_event_consumer(
-    consumer_uuid: str, caller: AgentOrService, session: SessionDep
+    consumer_uuid: str, caller: AgentOrService, session: SessionDep, settings: SettingsDep
 ) -> ConsumerOut:
     consumer = await service.get_consumer(session, caller, consumer_uuid)
-    return ConsumerOut.from_row(consumer, as_staff=caller is None)
+    facts = await service.facts_of(session, settings, [consumer])
+    return ConsumerOut.from_row(consumer, facts[consumer.uuid], as_staff=caller is None)
 
 
 @router.delete(

@@ -5,22 +5,45 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Collection, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 
-from sqlalchemy import Select, and_, false, func, or_, select, update
+from sqlalchemy import (
+    Select,
+    String,
+    Uuid,
+    and_,
+    bindparam,
+    delete,
+    false,
+    func,
+    or_,
+    select,
+    text,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
 from queuekeeper.consumers.schemas import ConsumerFilters
+from queuekeeper.events.authorization import binding_allowed_sql
 from queuekeeper.models import (
     AgentIdentity,
+    AwareDateTime,
+    Customer,
     Delivery,
     DeliveryState,
     Event,
     EventConsumer,
+    EventConsumerBinding,
     EventConsumerScope,
+    Offering,
+    Project,
+    QueuePresence,
     User,
+    utcnow,
 )
 
 
@@ -49,8 +72,10 @@ def filtered(owner_uuid: uuid.UUID | None, filters: ConsumerFilters) -> Select[E
     if filters.user_username is not None:
         owners = select(User.uuid).where(User.username == filters.user_username)
         query = query.where(EventConsumer.user_uuid.in_(owners))
-    if filters.is_global:
-        query = query.where(false())  # every consumer here is bound to offerings
+    if filters.is_global is not None:
+        query = query.where(EventConsumer.is_global.is_(filters.is_global))
+    if filters.delivery == "webhook":
+        query = query.where(false())  # every consumer here is read over STOMP
     return query
 
 
@@ -93,10 +118,23 @@ async def of_identity(session: AsyncSession, identity_uuid: uuid.UUID) -> EventC
     return found
 
 
-def scope_key(offerings: Collection[uuid.UUID]) -> str:
-    """The key of a set of offerings (sha256 of their sorted hex): unique per owner among
-    the consumers registered through /api/event-consumers/register/."""
-    joined = ",".join(sorted(offering.hex for offering in offerings))
+def scope_key(
+    offerings: Collection[uuid.UUID],
+    bindings: Collection[tuple[str, uuid.UUID]] = (),
+    *,
+    is_global: bool = False,
+) -> str:
+    """The key of a set of bindings: unique per owner among the consumers registered through
+    /api/event-consumers/register/. A set of offerings alone keeps the key it always had
+    (sha256 of their sorted hex), so consumers registered before other bindings existed are
+    found again."""
+    if is_global:
+        joined = "global"
+    elif not bindings:
+        joined = ",".join(sorted(offering.hex for offering in offerings))
+    else:
+        every = [("offering", o) for o in offerings] + list(bindings)
+        joined = ",".join(sorted(f"{kind}:{entity.hex}" for kind, entity in every))
     return hashlib.sha256(joined.encode("ascii")).hexdigest()
 
 
@@ -237,3 +275,120 @@ async def give_up_unsent_copies(
         .execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)
+
+
+async def last_delivered(
+    session: AsyncSession, consumer_uuids: Collection[uuid.UUID]
+) -> dict[uuid.UUID, datetime]:
+    """Per consumer: when the broker last confirmed a copy for it (one query for a page)."""
+    if not consumer_uuids:
+        return {}
+    rows = await session.execute(
+        select(Delivery.consumer_uuid, func.max(Delivery.finished))
+        .where(
+            Delivery.consumer_uuid.in_(list(consumer_uuids)),
+            Delivery.state == DeliveryState.PUBLISHED,
+        )
+        .group_by(Delivery.consumer_uuid)
+    )
+    return {consumer: _utc(at) for consumer, at in rows if consumer is not None and at is not None}
+
+
+async def away_since(
+    session: AsyncSession, keys: Collection[tuple[str, str]]
+) -> dict[tuple[str, str], datetime]:
+    """Per (vhost, queue name) without a consumer now: since when (one query for a page)."""
+    if not keys:
+        return {}
+    rows = await session.execute(
+        select(QueuePresence.vhost, QueuePresence.queue_name, QueuePresence.away_since).where(
+            tuple_(QueuePresence.vhost, QueuePresence.queue_name).in_(list(keys)),
+            QueuePresence.consumers == 0,
+            QueuePresence.away_since.is_not(None),
+        )
+    )
+    return {(vhost, name): _utc(at) for vhost, name, at in rows if at is not None}
+
+
+def _utc(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+_ENTITIES: dict[str, type[Offering | Project | Customer | User]] = {
+    "offering": Offering,
+    "project": Project,
+    "customer": Customer,
+    "user": User,
+}
+
+
+async def entity_exists(session: AsyncSession, kind: str, entity: uuid.UUID) -> bool:
+    return await session.get(_ENTITIES[kind], entity) is not None
+
+
+_MAY_BIND = text("SELECT " + binding_allowed_sql(":user", ":kind", ":entity", ":now")).bindparams(
+    bindparam("user", type_=Uuid()),
+    bindparam("kind", type_=String()),
+    bindparam("entity", type_=Uuid()),
+    bindparam("now", type_=AwareDateTime()),
+)
+
+
+async def may_bind(
+    session: AsyncSession, user_uuid: uuid.UUID, kind: str, entity: uuid.UUID | None
+) -> bool:
+    """Whether the user may hold this binding now (`global` with no entity): the rule the
+    delivery checks again (events/authorization.binding_allowed_sql)."""
+    found = await session.scalar(
+        _MAY_BIND, {"user": user_uuid, "kind": kind, "entity": entity, "now": utcnow()}
+    )
+    return bool(found)
+
+
+_BOUND = "unnest(:consumers, :owners, :kinds, :entities) AS b(consumer, owner, kind, entity)"
+_ALLOWED = binding_allowed_sql("b.owner", "b.kind", "b.entity", ":now")
+_MAY_RECEIVE = text(
+    f"SELECT DISTINCT b.consumer FROM {_BOUND} WHERE {_ALLOWED}"  # noqa: S608 - constants
+).bindparams(
+    bindparam("consumers", type_=ARRAY(Uuid())),
+    bindparam("owners", type_=ARRAY(Uuid())),
+    bindparam("kinds", type_=ARRAY(String())),
+    bindparam("entities", type_=ARRAY(Uuid())),
+    bindparam("now", type_=AwareDateTime()),
+)
+
+
+async def authorized_now(
+    session: AsyncSession, bindings: Collection[tuple[uuid.UUID, uuid.UUID, str, uuid.UUID | None]]
+) -> set[uuid.UUID]:
+    """Of (consumer, owner, kind, entity) bindings, the consumers whose owner may hold at
+    least one of them now (one query for a page)."""
+    if not bindings:
+        return set()
+    columns = list(zip(*bindings, strict=True))
+    rows = await session.scalars(
+        _MAY_RECEIVE,
+        {
+            "consumers": list(columns[0]),
+            "owners": list(columns[1]),
+            "kinds": list(columns[2]),
+            "entities": list(columns[3]),
+            "now": utcnow(),
+        },
+    )
+    return set(rows)
+
+
+async def delete_bindings_on(
+    session: AsyncSession, scopes: Collection[tuple[str, uuid.UUID]]
+) -> None:
+    """Delete the bindings of these (type, uuid): their entity is going. A consumer left with
+    none receives nothing (it is not global: that is a flag of its own)."""
+    if scopes:
+        await session.execute(
+            delete(EventConsumerBinding).where(
+                tuple_(EventConsumerBinding.scope_type, EventConsumerBinding.scope_uuid).in_(
+                    list(scopes)
+                )
+            )
+        )

@@ -1,5 +1,5 @@
-"""Consumer bodies and answers, shaped as waldur-api-client 8.1.3's models (which 8.1.2's
-parse too).
+"""Consumer bodies and answers, shaped as waldur-api-client 8.1.4's models (which 8.1.3's and
+8.1.2's parse too: they ignore the fields they do not know).
 
 `AgentQueueRegistrationRequest` / `EventConsumerRegistrationRequest` in,
 `AgentQueueRegistrationResponse` / `EventConsumerRegistrationResponse` and
@@ -8,9 +8,12 @@ parse too).
 
 from __future__ import annotations
 
-from typing import Literal
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
 
 from queuekeeper.broker import topology
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
@@ -21,6 +24,7 @@ _CONSUMER_UUID = "0dc92ac0518e4604a2e27ff11120df6c"
 _USER_UUID = "8b1a9953c4611296a827abf8c47804d7"
 _OFFERING_UUID = "5f0c4bb3a05f4c3a9f5e5b3a1f2d3c4b"
 _IDENTITY_UUID = "7d1f0c2b9a8e4f6d8c5b4a3e2f1d0c9b"
+_CUSTOMER_UUID = "3c1e0b9d0a4c4c53a5e4c1f2b3a4d5e6"
 
 
 def _no_duplicates(values: list[str] | None) -> list[str] | None:
@@ -74,11 +78,27 @@ class QueueRegistration(BaseModel):
     _unique = field_validator("object_types")(_no_duplicates)
 
 
+ScopeType = Literal["offering", "project", "customer", "user"]
+# Bindings one consumer may hold.
+MAX_SCOPES = 100
+MAX_PAYLOAD_FILTER_FIELDS = 20
+MAX_PAYLOAD_FILTER_VALUES = 100
+
+
 class ScopeIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["offering"] = Field(description="Only offerings can be bound for now.")
+    type: ScopeType = Field(
+        description="`offering` (granted, or a role on it, its customer or its project), "
+        "`project` (a role on it or its customer), `customer` (a role on it), `user` "
+        "(yourself; another user for staff and support only)."
+    )
     uuid: HexUUID
+
+
+PayloadFilters = dict[
+    str, Annotated[list[JsonValue], Field(min_length=1, max_length=MAX_PAYLOAD_FILTER_VALUES)]
+]
 
 
 class ConsumerRegistration(BaseModel):
@@ -91,7 +111,15 @@ class ConsumerRegistration(BaseModel):
                 {
                     "object_types": ["order", "resource"],
                     "scopes": [{"type": "offering", "uuid": _OFFERING_UUID}],
-                }
+                },
+                {
+                    "object_types": ["user_role"],
+                    "scopes": [
+                        {"type": "customer", "uuid": _CUSTOMER_UUID},
+                        {"type": "user", "uuid": _USER_UUID},
+                    ],
+                    "payload_filters": {"action": ["create", "delete"]},
+                },
             ]
         },
     )
@@ -100,11 +128,17 @@ class ConsumerRegistration(BaseModel):
         default=None, max_length=len(OBJECT_TYPES), description=OBJECT_TYPES_DESCRIPTION
     )
     scopes: list[ScopeIn] = Field(
-        min_length=1,
-        max_length=100,
-        description="The offerings whose events it receives; you need access to each. A "
-        "registration with the same set of offerings returns your existing consumer. Global "
-        "consumers (no scopes) are not offered.",
+        max_length=MAX_SCOPES,
+        description="The entities whose events it receives, each at most once. `[]` means "
+        "global (every event), for staff and support users only. A registration with the "
+        "same set returns your existing consumer.",
+    )
+    payload_filters: PayloadFilters | None = Field(
+        default=None,
+        max_length=MAX_PAYLOAD_FILTER_FIELDS,
+        description="`{field: [values]}`: a copy is made only when each listed top-level "
+        "field of the message holds one of its values. Omitted keeps the current filters "
+        "(none for a new consumer); `{}` removes them.",
     )
 
     _unique = field_validator("object_types")(_no_duplicates)
@@ -112,9 +146,21 @@ class ConsumerRegistration(BaseModel):
     @field_validator("scopes")
     @classmethod
     def _distinct_scopes(cls, scopes: list[ScopeIn]) -> list[ScopeIn]:
-        if len({scope.uuid for scope in scopes}) != len(scopes):
-            raise ValueError("an offering is listed twice")
+        seen: set[tuple[str, str]] = set()
+        for scope in scopes:
+            key = (scope.type, scope.uuid.hex)
+            if key in seen:
+                raise ValueError(f"{scope.type} {scope.uuid.hex} is listed twice")
+            seen.add(key)
         return scopes
+
+
+def bindings_of(consumer: EventConsumer) -> list[tuple[str, uuid.UUID]]:
+    """Every binding of the consumer, offerings included, sorted by type then uuid."""
+    found = [("offering", scope.offering_uuid) for scope in consumer.scopes] + [
+        (binding.scope_type, binding.scope_uuid) for binding in consumer.bindings
+    ]
+    return sorted(found, key=lambda pair: (pair[0], pair[1].hex))
 
 
 def effective_types(consumer: EventConsumer) -> list[str]:
@@ -170,8 +216,69 @@ def token_prefix(token: str) -> str:
     return token[: min(TOKEN_PREFIX_MAX, len(token) // 4)]
 
 
-class ConsumerOut(Schema):
-    """`EventConsumer` (client 8.1.3), plus where its queue is."""
+Delivery = Literal["rmq", "webhook"]
+# The reasons of `GET /api/event-consumers/{uuid}/status/` (contract §11) that the database
+# alone can tell, so that a list page costs no broker call: the same words.
+RowBlockedReason = Literal["owner_inactive", "no_token", "token_expired", "no_access", "agent_away"]
+
+
+@dataclass(frozen=True)
+class ConsumerFacts:
+    """What a consumer answer says beyond the row, read for a whole page at once."""
+
+    last_delivered_at: datetime | None = None
+    delivery_blocked_reason: RowBlockedReason | None = None
+
+
+class DeliveryFields(BaseModel):
+    """The fields waldur-api-client 8.1.4 requires on every consumer (contract §12)."""
+
+    delivery: Delivery = Field(
+        default="rmq", description="`rmq`: copies wait in a queue read over STOMP."
+    )
+    webhook_destination: str | None = Field(
+        default=None, description="Null: an `rmq` consumer has no webhook."
+    )
+    payload_filters: dict[str, list[JsonValue]] = Field(
+        default_factory=dict,
+        description="`{field: [values]}` over the message's top-level fields; `{}`: none.",
+    )
+    last_delivered_at: UTCDateTime | None = Field(
+        default=None, description="When the broker last confirmed a copy for it, or null."
+    )
+    last_error: str = Field(default="", description="Always empty for an `rmq` consumer.")
+    last_error_at: UTCDateTime | None = Field(
+        default=None, description="Always null for an `rmq` consumer."
+    )
+    delivery_blocked_reason: RowBlockedReason | None = Field(
+        default=None,
+        description="Why events cannot reach it, as far as the database tells (the owner "
+        "inactive, without a token or with an expired one, without access to what it binds, "
+        "or its agent away long enough for copies to park); null otherwise. "
+        "`GET /api/event-consumers/{uuid}/status/` adds what the broker tells.",
+    )
+
+    @classmethod
+    def of(cls, consumer: EventConsumer, facts: ConsumerFacts) -> dict[str, Any]:
+        return cls(
+            payload_filters=dict(consumer.payload_filters or {}),
+            last_delivered_at=facts.last_delivered_at,
+            delivery_blocked_reason=facts.delivery_blocked_reason,
+        ).model_dump()
+
+
+class ConsumerRegistrationOut(RegistrationOut, DeliveryFields):
+    """`EventConsumerRegistrationResponse`, with the consumer's 8.1.4 fields beside it."""
+
+    @classmethod
+    def of_row(cls, consumer: EventConsumer, facts: ConsumerFacts) -> ConsumerRegistrationOut:
+        return cls(
+            **RegistrationOut.from_row(consumer).model_dump(), **DeliveryFields.of(consumer, facts)
+        )
+
+
+class ConsumerOut(DeliveryFields, Schema):
+    """`EventConsumer` (client 8.1.4), plus where its queue is."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -192,6 +299,12 @@ class ConsumerOut(Schema):
                     "auth_token_name": "",
                     "authorized_via": "self",
                     "delivery_blocked_reason": None,
+                    "delivery": "rmq",
+                    "webhook_destination": None,
+                    "payload_filters": {},
+                    "last_delivered_at": "2026-11-23T01:02:03.456789Z",
+                    "last_error": "",
+                    "last_error_at": None,
                     "created": "2026-11-23T00:51:07.301234Z",
                     "modified": "2026-11-23T00:51:07.301234Z",
                     "queue_name": f"consumer_{_CONSUMER_UUID}",
@@ -205,7 +318,9 @@ class ConsumerOut(Schema):
     uuid: HexUUID
     object_types: list[str] = Field(description="The filter; empty means every type.")
     scopes: list[ScopeOut]
-    is_global: bool = Field(description="Always false: consumers are bound to offerings.")
+    is_global: bool = Field(
+        description="Registered with no scopes: every event (staff and support only)."
+    )
     rmq_username: str
     queue_created: bool = Field(
         description="Always true: a consumer is stored only once its queue exists."
@@ -213,7 +328,7 @@ class ConsumerOut(Schema):
     user_uuid: HexUUID
     user_username: str
     user_full_name: str
-    user_is_staff: bool = Field(description="Always false: queuekeeper has no staff users.")
+    user_is_staff: bool = Field(description="The owner is a staff user (as the backend says).")
     auth_kind: Literal["token"] = Field(
         description="How it was registered: always with an API token here."
     )
@@ -225,10 +340,6 @@ class ConsumerOut(Schema):
     authorized_via: AuthorizedVia = Field(
         description="Why you see it: `self` (you own it) or `staff` (a service token)."
     )
-    delivery_blocked_reason: str | None = Field(
-        description="Null on this row: why events cannot reach its queue takes Management API "
-        "calls per queue, so `GET /api/event-consumers/{uuid}/status/` answers it."
-    )
     created: UTCDateTime
     modified: UTCDateTime
     queue_name: str
@@ -238,27 +349,26 @@ class ConsumerOut(Schema):
     )
 
     @classmethod
-    def from_row(cls, consumer: EventConsumer, *, as_staff: bool) -> ConsumerOut:
+    def from_row(
+        cls, consumer: EventConsumer, facts: ConsumerFacts, *, as_staff: bool
+    ) -> ConsumerOut:
         """`as_staff`: the caller is a service token, not the owner."""
         return cls(
+            **DeliveryFields.of(consumer, facts),
             uuid=consumer.uuid,
             object_types=list(consumer.object_types or []),
-            scopes=[
-                ScopeOut(type="offering", uuid=scope.offering_uuid.hex)
-                for scope in sorted(consumer.scopes, key=lambda scope: scope.offering_uuid.hex)
-            ],
-            is_global=False,
+            scopes=[ScopeOut(type=kind, uuid=entity.hex) for kind, entity in bindings_of(consumer)],
+            is_global=consumer.is_global,
             rmq_username=topology.consumer_user_name(consumer.uuid),
             queue_created=True,
             user_uuid=consumer.user_uuid,
             user_username=consumer.owner.username,
             user_full_name=consumer.owner.full_name or "",
-            user_is_staff=False,
+            user_is_staff=consumer.owner.is_staff,
             auth_kind="token",
             auth_token_prefix=consumer.auth_token_prefix or "",
             auth_token_name="",
             authorized_via="staff" if as_staff else "self",
-            delivery_blocked_reason=None,
             created=consumer.created,
             modified=consumer.modified,
             queue_name=consumer.queue_name,
@@ -273,4 +383,5 @@ class ConsumerFilters(BaseModel):
     user_uuid: HexUUID | None = None
     user_username: str | None = None
     is_global: bool | None = None
+    delivery: Delivery | None = None
     descending: bool = False

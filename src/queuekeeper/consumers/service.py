@@ -19,6 +19,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -35,15 +37,19 @@ from queuekeeper.common.schemas import find_by_path_uuid, parse_path_uuid
 from queuekeeper.config import Settings
 from queuekeeper.consumers import repository
 from queuekeeper.consumers.schemas import (
+    ConsumerFacts,
     ConsumerFilters,
     ConsumerRegistration,
     QueueRegistration,
+    RowBlockedReason,
+    bindings_of,
     token_prefix,
 )
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.models import (
     BrokerState,
     EventConsumer,
+    EventConsumerBinding,
     EventConsumerScope,
     Offering,
     User,
@@ -72,6 +78,15 @@ class _Wanted:
     identity_uuid: uuid.UUID | None
     owner_uuid: uuid.UUID  # read once: a rollback expires `owner`
     token_prefix: str  # of the token this registration came with
+    # /api/event-consumers/register/ only (contract §12): the bindings other than offerings,
+    # whether the set is empty (global), the payload filters (None: keep the current ones).
+    bindings: tuple[tuple[str, uuid.UUID], ...] = ()
+    is_global: bool = False
+    payload_filters: dict[str, list[Any]] | None = None
+
+    @property
+    def key(self) -> str:
+        return repository.scope_key(self.offerings, self.bindings, is_global=self.is_global)
 
 
 async def register_queue(
@@ -121,21 +136,63 @@ async def register(
     token: str,
     body: ConsumerRegistration,
 ) -> tuple[EventConsumer, bool]:
-    """`POST /api/event-consumers/register/`: the caller's consumer for these offerings."""
-    offerings = [scope.uuid for scope in body.scopes]
+    """`POST /api/event-consumers/register/`: the caller's consumer for this set of bindings
+    (contract §12): offerings, projects, customers, users, or none (global)."""
     wanted = _Wanted(
         owner=user,
-        offerings=offerings,
+        offerings=[scope.uuid for scope in body.scopes if scope.type == "offering"],
         object_types=body.object_types,
         identity_uuid=None,
         owner_uuid=user.uuid,
         token_prefix=token_prefix(token),
+        bindings=tuple((s.type, s.uuid) for s in body.scopes if s.type != "offering"),
+        is_global=not body.scopes,
+        payload_filters=body.payload_filters,
     )
     return await _register(session, provisioner, settings, "api", wanted)
 
 
+_REFUSED = {
+    "offering": "you have no access to it (a grant, or a role on it, its customer or its project)",
+    "project": "you hold no role on it or on its customer",
+    "customer": "you hold no role on it",
+    "user": "only staff and support users may bind another user",
+}
+
+
+async def _check(session: AsyncSession, wanted: _Wanted, *, lock: bool = False) -> None:
+    """Refuse what the registration may not hold: an agent identity's offering needs a grant
+    (contract §9); /api/event-consumers/register/'s bindings follow contract §12."""
+    if wanted.identity_uuid is not None:
+        await _check_offerings(session, wanted.owner_uuid, wanted.offerings, lock=lock)
+        return
+    if wanted.is_global:
+        if not await repository.may_bind(session, wanted.owner_uuid, "global", None):
+            raise Forbidden(
+                "An empty list of scopes registers a global consumer (every event), which "
+                "only staff and support users may do: list the entities to bind.",
+                field="scopes",
+            )
+        return
+    scopes = [("offering", o) for o in wanted.offerings] + list(wanted.bindings)
+    for index, (kind, entity) in enumerate(scopes):
+        if not lock and not await repository.entity_exists(session, kind, entity):
+            raise BadRequest(
+                f"Unknown {kind} {entity.hex}: the backend has not pushed it.",
+                field=f"scopes.{index}.uuid",
+            )
+        # An offering grant is kept (FOR SHARE) until the row commits, as for an agent.
+        if kind == "offering" and await has_access(session, wanted.owner_uuid, entity, lock=lock):
+            continue
+        if not await repository.may_bind(session, wanted.owner_uuid, kind, entity):
+            raise Forbidden(
+                f"You may not bind {kind} {entity.hex}: {_REFUSED[kind]}.",
+                field=f"scopes.{index}",
+            )
+
+
 async def _check_offerings(
-    session: AsyncSession, owner: User, offerings: Sequence[uuid.UUID], *, lock: bool = False
+    session: AsyncSession, owner_uuid: uuid.UUID, offerings: Sequence[uuid.UUID], *, lock: bool
 ) -> None:
     for index, offering_uuid in enumerate(offerings):
         if not lock and await session.get(Offering, offering_uuid) is None:
@@ -143,7 +200,7 @@ async def _check_offerings(
                 f"Unknown offering {offering_uuid.hex}: the backend has not pushed it.",
                 field=f"scopes.{index}.uuid",
             )
-        if not await has_access(session, owner.uuid, offering_uuid, lock=lock):
+        if not await has_access(session, owner_uuid, offering_uuid, lock=lock):
             raise Forbidden(f"You have no access to offering {offering_uuid.hex}.")
 
 
@@ -186,9 +243,7 @@ async def _existing(session: AsyncSession, wanted: _Wanted) -> EventConsumer | N
     same set of offerings. Both are unique keys in the database."""
     if wanted.identity_uuid is not None:
         return await repository.of_identity(session, wanted.identity_uuid)
-    return await repository.with_scope_key(
-        session, wanted.owner_uuid, repository.scope_key(wanted.offerings)
-    )
+    return await repository.with_scope_key(session, wanted.owner_uuid, wanted.key)
 
 
 async def _make_real(
@@ -198,9 +253,9 @@ async def _make_real(
     wanted: _Wanted,
 ) -> tuple[EventConsumer, bool, set[uuid.UUID]]:
     """The consumer, whether it is new, and the offerings it stopped being scoped to."""
-    owner, owner_uuid = wanted.owner, wanted.owner_uuid
+    owner_uuid = wanted.owner_uuid
     # Refused before any lock is taken or the broker touched; checked again, locked, below.
-    await _check_offerings(session, owner, wanted.offerings)
+    await _check(session, wanted)
     await session.commit()
 
     vhost = topology.vhost_name(owner_uuid)
@@ -229,15 +284,13 @@ async def _make_real(
             await provisioner.ensure_vhost(vhost)
             await provisioner.ensure_consumer_user(vhost, consumer_uuid, password_hash)
             await provisioner.ensure_queue(vhost, queue_name, known=existing is not None)
-            await _check_offerings(session, owner, wanted.offerings, lock=True)
+            await _check(session, wanted, lock=True)
             if existing is None:
                 consumer = EventConsumer(
                     uuid=consumer_uuid,
                     user_uuid=owner_uuid,
                     agent_identity_uuid=wanted.identity_uuid,
-                    scope_key=None
-                    if wanted.identity_uuid is not None
-                    else repository.scope_key(wanted.offerings),
+                    scope_key=None if wanted.identity_uuid is not None else wanted.key,
                     object_types=list(wanted.object_types or []),
                     queue_name=queue_name,
                     vhost=vhost,
@@ -245,6 +298,13 @@ async def _make_real(
                     broker_state=BrokerState.OK,
                     auth_token_prefix=wanted.token_prefix,
                     scopes=[EventConsumerScope(offering_uuid=o) for o in wanted.offerings],
+                    # One transaction with the consumer: a global one is never half-written.
+                    bindings=[
+                        EventConsumerBinding(scope_type=kind, scope_uuid=entity)
+                        for kind, entity in wanted.bindings
+                    ],
+                    is_global=wanted.is_global,
+                    payload_filters=dict(wanted.payload_filters or {}),
                 )
                 session.add(consumer)
             else:
@@ -287,6 +347,8 @@ def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None)
     """Bring the row to what the registration asks; returns the offerings it loses."""
     if wanted.object_types is not None:
         consumer.object_types = list(wanted.object_types)
+    if wanted.payload_filters is not None:
+        consumer.payload_filters = dict(wanted.payload_filters)
     bound = {scope.offering_uuid for scope in consumer.scopes}
     dropped = bound - set(wanted.offerings)
     if bound != set(wanted.offerings):
@@ -314,6 +376,57 @@ async def _unmake(
 
 
 # --- reading and deleting -------------------------------------------------------------------
+async def facts_of(
+    session: AsyncSession, settings: Settings, consumers: Sequence[EventConsumer]
+) -> dict[uuid.UUID, ConsumerFacts]:
+    """What each answer says beyond its row: the last copy confirmed, and why events cannot
+    reach it as far as the database tells. A fixed number of queries for a whole page."""
+    if not consumers:
+        return {}
+    delivered = await repository.last_delivered(session, [c.uuid for c in consumers])
+    authorized = await repository.authorized_now(
+        session,
+        [
+            (c.uuid, c.user_uuid, kind, entity)
+            for c in consumers
+            for kind, entity in ([("global", None)] if c.is_global else bindings_of(c))
+        ],
+    )
+    away = await repository.away_since(session, {(c.vhost, c.queue_name) for c in consumers})
+    now = utcnow()
+    park_after = timedelta(seconds=settings.park_after_seconds)
+    return {
+        c.uuid: ConsumerFacts(
+            last_delivered_at=delivered.get(c.uuid),
+            delivery_blocked_reason=_blocked(c, c.uuid in authorized, away, now, park_after),
+        )
+        for c in consumers
+    }
+
+
+def _blocked(
+    consumer: EventConsumer,
+    authorized: bool,
+    away: dict[tuple[str, str], datetime],
+    now: datetime,
+    park_after: timedelta,
+) -> RowBlockedReason | None:
+    """The first reason that holds, in the order of the status answer's (contract §11)."""
+    owner = consumer.owner
+    if not owner.is_active:
+        return "owner_inactive"
+    if owner.token_hash is None:
+        return "no_token"
+    if owner.token_expires_at is not None and owner.token_expires_at <= now:
+        return "token_expired"
+    if not authorized:  # no binding it holds may reach its owner now
+        return "no_access"
+    since = away.get((consumer.vhost, consumer.queue_name))
+    if since is not None and now - since >= park_after:
+        return "agent_away"
+    return None
+
+
 async def list_consumers(
     session: AsyncSession, caller: User | None, filters: ConsumerFilters, page: Page
 ) -> Paged[EventConsumer]:

@@ -39,7 +39,10 @@ async def is_registered(session: AsyncSession, vhost: str, queue_name: str) -> b
 
 
 # The offerings the queue `(:vhost, :queue)` may receive copies of now: a subscription
-# queue's own offering, a consumer's scopes, each passing the rule copies are published by.
+# queue's own offering; a consumer's offering scopes and the offerings whose chain (their
+# customer, their project, that project's customer) holds one of its bindings (contract
+# §12); each passing the rule copies are published by. A global consumer's owner who may
+# receive everything is one row with no offering (NULL).
 _RECEIVABLE = text(
     """
     SELECT t.offering FROM (
@@ -49,6 +52,18 @@ _RECEIVABLE = text(
         SELECT NULL::uuid, c.uuid, sc.offering_uuid
         FROM event_consumers c JOIN event_consumer_scopes sc ON sc.consumer_uuid = c.uuid
         WHERE c.vhost = :vhost AND c.queue_name = :queue
+        UNION ALL
+        SELECT NULL::uuid, c.uuid, o.uuid
+        FROM event_consumers c
+        JOIN event_consumer_bindings b ON b.consumer_uuid = c.uuid
+        JOIN offerings o ON (b.scope_type = 'customer' AND o.customer_uuid = b.scope_uuid)
+            OR (b.scope_type = 'project' AND o.project_uuid = b.scope_uuid)
+            OR (b.scope_type = 'customer' AND o.project_uuid IN (
+                SELECT p.uuid FROM projects p WHERE p.customer_uuid = b.scope_uuid))
+        WHERE c.vhost = :vhost AND c.queue_name = :queue
+        UNION ALL
+        SELECT NULL::uuid, c.uuid, NULL::uuid
+        FROM event_consumers c WHERE c.vhost = :vhost AND c.queue_name = :queue AND c.is_global
     ) t
     WHERE """  # noqa: S608 - the module's constants
     + authorized_sql("t.queue", "t.consumer", "t.offering", "CAST(:now AS timestamptz)")
@@ -57,12 +72,15 @@ _RECEIVABLE = text(
 
 async def receivable_offerings(
     session: AsyncSession, vhost: str, queue_name: str, now: datetime
-) -> set[str]:
-    """The offerings (hex) whose copies this queue's owner may receive now
-    (docs/decisions/021-authorized-when-published.md): one statement per queue a redrive
-    run meets, whatever the number of its dead letters."""
+) -> tuple[set[str], bool]:
+    """The offerings (hex) whose copies this queue's owner may receive now, and whether it
+    may receive every offering's (a global consumer of a staff or support owner)
+    (docs/decisions/021-authorized-when-published.md, 025): one statement per queue a
+    redrive run meets, whatever the number of its dead letters."""
     rows = await session.execute(_RECEIVABLE, {"vhost": vhost, "queue": queue_name, "now": now})
-    return {uuid.UUID(str(row[0])).hex for row in rows}
+    offerings = [row[0] for row in rows]
+    every = any(offering is None for offering in offerings)
+    return {uuid.UUID(str(o)).hex for o in offerings if o is not None}, every
 
 
 async def is_away(session: AsyncSession, vhost: str, queue_name: str) -> bool:

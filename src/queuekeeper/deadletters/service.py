@@ -69,6 +69,7 @@ class Target:
     present: bool
     away: bool = False  # no consumer (queue_presence): its copies park meanwhile
     offerings: frozenset[str] = frozenset()  # hex: those its owner may receive now
+    every_offering: bool = False  # a global consumer's: its owner may receive them all
     depth: int = 0
     sent: int = 0
     full: bool = False
@@ -244,7 +245,7 @@ class VhostRedrive:
         if not target.registered:
             return Verdict("give_up", origin, "queue_gone", f"queue {origin!r} is not registered")
         offering = str(headers.get(OFFERING_HEADER) or "")
-        if offering and offering not in target.offerings:
+        if offering and offering not in target.offerings and not target.every_offering:
             # Published only to whom may receive it now, as every copy is
             # (docs/decisions/021-authorized-when-published.md).
             return Verdict(
@@ -274,13 +275,17 @@ class VhostRedrive:
         async with self.context.sessions() as session:
             registered = await repository.is_registered(session, self.vhost, name)
             away = registered and await repository.is_away(session, self.vhost, name)
-            offerings = (
+            offerings, every = (
                 await repository.receivable_offerings(session, self.vhost, name, self.now)
                 if registered
-                else set()
+                else (set(), False)
             )
         target = Target(
-            registered=registered, present=False, away=away, offerings=frozenset(offerings)
+            registered=registered,
+            present=False,
+            away=away,
+            offerings=frozenset(offerings),
+            every_offering=every,
         )
         if registered:
             assert self.probe is not None

@@ -14,7 +14,19 @@ from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import error_responses
 from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.directory import service
-from queuekeeper.directory.schemas import AccessOut, OfferingOut, OfferingPut, UserOut, UserPut
+from queuekeeper.directory.schemas import (
+    AccessOut,
+    CustomerOut,
+    CustomerPut,
+    OfferingOut,
+    OfferingPut,
+    ProjectOut,
+    ProjectPut,
+    RoleOut,
+    RolePut,
+    UserOut,
+    UserPut,
+)
 from queuekeeper.exceptions import BadRequest, shown
 from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
 
@@ -91,9 +103,94 @@ async def delete_user(user_uuid: str, session: SessionDep, provisioner: Provisio
 
 
 @internal_router.put(
+    "/customers/{customer_uuid}/",
+    summary="Create or update a customer",
+    description="Idempotent. Consumers bind customers; roles are held on them (contract §12).",
+    responses={**created_or_updated(CustomerOut), **SERVICE_ERRORS},
+)
+async def put_customer(
+    customer_uuid: str, body: CustomerPut, response: Response, session: SessionDep
+) -> CustomerOut:
+    customer, created = await service.put_customer(
+        session, _uuid(customer_uuid, "customer_uuid"), body
+    )
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return CustomerOut.from_row(customer)
+
+
+@internal_router.delete(
+    "/customers/{customer_uuid}/",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Delete a customer",
+    description="Its projects and the roles on it and them go too; its offerings stay, "
+    "without a customer. 204 also when gone.",
+    responses=SERVICE_ERRORS,
+)
+async def delete_customer(customer_uuid: str, session: SessionDep) -> Response:
+    await service.delete_customer(session, _uuid(customer_uuid, "customer_uuid"))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@internal_router.put(
+    "/projects/{project_uuid}/",
+    summary="Create or update a project",
+    description="Idempotent. `customer_uuid` must have been pushed (else a 400 naming it).",
+    responses={**created_or_updated(ProjectOut), **SERVICE_ERRORS},
+)
+async def put_project(
+    project_uuid: str, body: ProjectPut, response: Response, session: SessionDep
+) -> ProjectOut:
+    project, created = await service.put_project(session, _uuid(project_uuid, "project_uuid"), body)
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return ProjectOut.from_row(project)
+
+
+@internal_router.delete(
+    "/projects/{project_uuid}/",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Delete a project",
+    description="The roles on it go too. 204 also when gone.",
+    responses=SERVICE_ERRORS,
+)
+async def delete_project(project_uuid: str, session: SessionDep) -> Response:
+    await service.delete_project(session, _uuid(project_uuid, "project_uuid"))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@internal_router.put(
+    "/roles/{role_uuid}/",
+    summary="Create or update a role grant",
+    description="A user's role on a customer, a project or an offering, until `expires_at`. "
+    "It lets the user bind that entity (and what is below it) to a consumer, and is checked "
+    "again for every event delivered. The user and the scope must have been pushed (else a "
+    "400 naming which).",
+    responses={**created_or_updated(RoleOut), **SERVICE_ERRORS},
+)
+async def put_role(
+    role_uuid: str, body: RolePut, response: Response, session: SessionDep
+) -> RoleOut:
+    role, created = await service.put_role(session, _uuid(role_uuid, "role_uuid"), body)
+    response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+    return RoleOut.from_row(role)
+
+
+@internal_router.delete(
+    "/roles/{role_uuid}/",
+    status_code=status.HTTP_204_NO_CONTENT,
+    summary="Delete a role grant",
+    description="Delivery through it stops with the next event. 204 also when gone.",
+    responses=SERVICE_ERRORS,
+)
+async def delete_role(role_uuid: str, session: SessionDep) -> Response:
+    await service.delete_role(session, _uuid(role_uuid, "role_uuid"))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@internal_router.put(
     "/offerings/{offering_uuid}/",
     summary="Create or update an offering",
-    description="Idempotent.",
+    description="Idempotent. `customer_uuid` (the provider's) and `project_uuid`, when sent, "
+    "must have been pushed (else a 400 naming which); left out, they keep their value.",
     responses={**created_or_updated(OfferingOut), **SERVICE_ERRORS},
 )
 async def put_offering(

@@ -7,7 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import or_, select
+from sqlalchemy import delete, or_, select, tuple_
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
@@ -16,6 +16,8 @@ from queuekeeper.models import (
     EventSubscription,
     EventSubscriptionQueue,
     OfferingAccess,
+    Project,
+    Role,
     User,
 )
 
@@ -111,3 +113,16 @@ async def broker_logins(session: AsyncSession, now: datetime) -> list[BrokerLogi
         )
         found.extend(BrokerLogin(owner, name(row_uuid), hash_) for row_uuid, owner, hash_ in rows)
     return found
+
+
+async def projects_of(session: AsyncSession, customer_uuid: uuid.UUID) -> list[uuid.UUID]:
+    rows = await session.scalars(select(Project.uuid).where(Project.customer_uuid == customer_uuid))
+    return list(rows)
+
+
+async def delete_roles_on(session: AsyncSession, scopes: Collection[tuple[str, uuid.UUID]]) -> None:
+    """Delete the roles held on these (scope type, uuid): their entity is going."""
+    if scopes:
+        await session.execute(
+            delete(Role).where(tuple_(Role.scope_type, Role.scope_uuid).in_(list(scopes)))
+        )

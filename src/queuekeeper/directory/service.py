@@ -24,14 +24,24 @@ from queuekeeper.common.schemas import parse_path_uuid
 from queuekeeper.consumers import repository as consumers_repository
 from queuekeeper.consumers import service as consumers_service
 from queuekeeper.directory import repository
-from queuekeeper.directory.schemas import OfferingPut, UserPut
+from queuekeeper.directory.schemas import (
+    CustomerPut,
+    OfferingPut,
+    ProjectPut,
+    RolePut,
+    UserPut,
+)
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import (
+    Customer,
     EventConsumer,
     EventSubscription,
     Offering,
     OfferingAccess,
+    Project,
+    Role,
+    RoleScope,
     User,
     utcnow,
 )
@@ -60,6 +70,10 @@ def _apply_user(user: User, body: UserPut) -> bool:
         user.email = body.email or ""
     if "is_active" in sent and body.is_active is not None:
         user.is_active = body.is_active
+    # False when absent: the backend pushes the whole user, and a privilege left out is one
+    # the user no longer has (contract §12).
+    user.is_staff = body.is_staff
+    user.is_support = body.is_support
     if "token_expires_at" in sent:
         user.token_expires_at = body.token_expires_at
     if "token" not in sent:
@@ -250,6 +264,7 @@ async def delete_user(
         # Its consumers go by cascade; their queues and broker users are removed below.
         leftovers.add_consumers(await consumers_repository.of_owner(session, user_uuid))
         leftovers.owner_uuids.add(user_uuid)
+        await consumers_repository.delete_bindings_on(session, [("user", user_uuid)])
         await session.delete(user)
         await session.flush()
         await remove_leftovers_held(session, provisioner, leftovers)
@@ -264,9 +279,26 @@ def own_record(caller: User, user_uuid: str) -> User:
     return caller
 
 
+async def _known(
+    session: AsyncSession, table: type[Customer | Project | Offering], key: uuid.UUID, field: str
+) -> None:
+    """A 400 naming `field` unless the entity it references was pushed."""
+    if await session.get(table, key) is None:
+        what = table.__name__.lower()
+        raise BadRequest(
+            f"Unknown {what} {key.hex}: PUT the {what} first.",
+            field=field,
+        )
+
+
 async def put_offering(
     session: AsyncSession, offering_uuid: uuid.UUID, body: OfferingPut
 ) -> tuple[Offering, bool]:
+    if body.customer_uuid is not None:
+        await _known(session, Customer, body.customer_uuid, "customer_uuid")
+    if body.project_uuid is not None:
+        await _known(session, Project, body.project_uuid, "project_uuid")
+    sent = body.model_fields_set
     for attempt in range(2):
         offering = await session.get(Offering, offering_uuid)
         created = offering is None
@@ -276,6 +308,10 @@ async def put_offering(
         offering.name = body.name
         if body.state is not None:
             offering.state = body.state
+        if "customer_uuid" in sent:
+            offering.customer_uuid = body.customer_uuid
+        if "project_uuid" in sent:
+            offering.project_uuid = body.project_uuid
         try:
             await session.commit()
             return offering, created
@@ -284,6 +320,134 @@ async def put_offering(
             if attempt:
                 raise
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def put_customer(
+    session: AsyncSession, customer_uuid: uuid.UUID, body: CustomerPut
+) -> tuple[Customer, bool]:
+    for attempt in range(2):
+        customer = await session.get(Customer, customer_uuid)
+        created = customer is None
+        if customer is None:
+            customer = Customer(uuid=customer_uuid, name=body.name)
+            session.add(customer)
+        customer.name = body.name
+        try:
+            await session.commit()
+            return customer, created
+        except IntegrityError:
+            await session.rollback()
+            if attempt:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def put_project(
+    session: AsyncSession, project_uuid: uuid.UUID, body: ProjectPut
+) -> tuple[Project, bool]:
+    await _known(session, Customer, body.customer_uuid, "customer_uuid")
+    for attempt in range(2):
+        project = await session.get(Project, project_uuid)
+        created = project is None
+        if project is None:
+            project = Project(uuid=project_uuid, name=body.name, customer_uuid=body.customer_uuid)
+            session.add(project)
+        project.name = body.name
+        project.customer_uuid = body.customer_uuid
+        try:
+            await session.commit()
+            return project, created
+        except IntegrityError as exc:
+            await session.rollback()
+            if attempt:
+                raise BadRequest(
+                    f"Customer {body.customer_uuid.hex} was deleted meanwhile: PUT it first.",
+                    field="customer_uuid",
+                ) from exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def delete_customer(session: AsyncSession, customer_uuid: uuid.UUID) -> None:
+    """Its projects go with it (cascade), and the roles on it and on them; its offerings
+    stay, without a customer."""
+    projects = await repository.projects_of(session, customer_uuid)
+    scopes = [(str(RoleScope.CUSTOMER), customer_uuid)] + [
+        (str(RoleScope.PROJECT), p) for p in projects
+    ]
+    await repository.delete_roles_on(session, scopes)
+    await consumers_repository.delete_bindings_on(session, scopes)
+    customer = await session.get(Customer, customer_uuid)
+    if customer is not None:
+        await session.delete(customer)
+    await session.commit()
+    log.info("customer_deleted", customer=customer_uuid.hex, projects=len(projects))
+
+
+async def delete_project(session: AsyncSession, project_uuid: uuid.UUID) -> None:
+    await repository.delete_roles_on(session, [(RoleScope.PROJECT, project_uuid)])
+    await consumers_repository.delete_bindings_on(session, [(RoleScope.PROJECT, project_uuid)])
+    project = await session.get(Project, project_uuid)
+    if project is not None:
+        await session.delete(project)
+    await session.commit()
+    log.info("project_deleted", project=project_uuid.hex)
+
+
+_ROLE_SCOPES: dict[str, type[Customer | Project | Offering]] = {
+    RoleScope.CUSTOMER: Customer,
+    RoleScope.PROJECT: Project,
+    RoleScope.OFFERING: Offering,
+}
+
+
+async def put_role(session: AsyncSession, role_uuid: uuid.UUID, body: RolePut) -> tuple[Role, bool]:
+    """A user's role on a customer, project or offering; True when created. The user and
+    the scope must have been pushed (else a 400 naming which)."""
+    if await session.get(User, body.user_uuid) is None:
+        raise BadRequest(
+            f"Unknown user {body.user_uuid.hex}: PUT the user first.", field="user_uuid"
+        )
+    await _known(session, _ROLE_SCOPES[body.scope.type], body.scope.uuid, "scope.uuid")
+    for attempt in range(2):
+        role = await session.get(Role, role_uuid)
+        created = role is None
+        if role is None:
+            role = Role(uuid=role_uuid)
+            session.add(role)
+        role.user_uuid = body.user_uuid
+        role.role_name = body.role_name
+        role.scope_type = body.scope.type
+        role.scope_uuid = body.scope.uuid
+        role.expires_at = body.expires_at
+        try:
+            await session.commit()
+        except IntegrityError as exc:
+            await session.rollback()
+            if attempt:
+                raise BadRequest(
+                    f"User {body.user_uuid.hex} was deleted meanwhile: PUT it first.",
+                    field="user_uuid",
+                ) from exc
+            continue
+        log.info(
+            "role_saved",
+            role=role_uuid.hex,
+            user=body.user_uuid.hex,
+            scope=f"{body.scope.type}:{body.scope.uuid.hex}",
+            created=created,
+        )
+        return role, created
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def delete_role(session: AsyncSession, role_uuid: uuid.UUID) -> None:
+    """The role stops counting for the next event (authorization at delivery, contract
+    §12). 204 also when gone."""
+    role = await session.get(Role, role_uuid)
+    if role is not None:
+        await session.delete(role)
+    await session.commit()
+    log.info("role_deleted", role=role_uuid.hex, existed=role is not None)
 
 
 async def delete_offering(
@@ -309,6 +473,7 @@ async def delete_offering(
         await session.delete(consumer)
     # Before the offering: its deletion cascades to identities and so to these consumers.
     await session.flush()
+    await repository.delete_roles_on(session, [(RoleScope.OFFERING, offering_uuid)])
     await session.delete(offering)  # grants, queue rows, identities go by cascade
     await session.commit()
     log.info(

@@ -2,33 +2,106 @@
 (docs/decisions/021-authorized-when-published.md).
 
 Written once, as SQL text, for every statement that publishes or re-creates a copy: the
-outbox's claim, unpark and replay (`outbox_postgres.py`, on asyncpg) and the redrive's
-check of dead letters (`deadletters/repository.py`, on SQLAlchemy). A new condition (a
-role, a binding) is a change here, not a new path.
+outbox's recipients, claim, unpark and replay (`outbox_postgres.py`, on asyncpg) and the
+redrive's check of dead letters (`deadletters/repository.py`, on SQLAlchemy); and who may
+hold a binding (`binding_allowed_sql`), which registration checks as well
+(docs/decisions/025-bindings-authorized-at-delivery.md).
 """
 
 from __future__ import annotations
 
+_ACTIVE = """u.is_active AND u.token_hash IS NOT NULL
+            AND (u.token_expires_at IS NULL OR u.token_expires_at > {now})"""
 
-def authorized_sql(queue: str, consumer: str, offering: str, now: str) -> str:
+
+def event_keys_sql(offering: str, project: str, subject: str) -> str:
+    """An event's scope keys (contract §12) other than its offering, as rows (type, uuid):
+    the offering's customer, its project and that project's customer; the event's own
+    project and its customer; the user an identity event is about."""
+    return f"""
+        SELECT 'customer'::varchar, ko.customer_uuid FROM offerings ko WHERE ko.uuid = {offering}
+        UNION ALL SELECT 'project', ko.project_uuid FROM offerings ko WHERE ko.uuid = {offering}
+        UNION ALL SELECT 'customer', kp.customer_uuid FROM offerings ko
+            JOIN projects kp ON kp.uuid = ko.project_uuid WHERE ko.uuid = {offering}
+        UNION ALL SELECT 'project', {project} WHERE {project} IS NOT NULL
+        UNION ALL SELECT 'customer', kq.customer_uuid FROM projects kq WHERE kq.uuid = {project}
+        UNION ALL SELECT 'user', {subject} WHERE {subject} IS NOT NULL"""  # noqa: S608
+
+
+def authorized_sql(
+    queue: str,
+    consumer: str,
+    offering: str,
+    now: str,
+    project: str = "NULL::uuid",
+    subject: str = "NULL::uuid",
+) -> str:
     """Whether the owner of the queue `queue` (a subscription queue's uuid) or of the consumer
-    `consumer` may receive an event of `offering` at `now`: active, holding a token that has
-    not expired, granted the offering, and (a consumer) still scoped to it. The arguments
-    are SQL expressions of the callers' own statements (columns, bound parameters), never
-    input."""
-    return f"""EXISTS (
+    `consumer` may receive an event of `offering` (with the other scope keys `project` and
+    `subject`) at `now`: active, holding a token that has not expired, and
+    - a subscription queue: granted the offering, the queue being for it;
+    - a consumer: global with a staff or support owner, or holding a binding that is one of
+      the event's keys (its offering, or `event_keys_sql`) which the owner may still hold
+      (`binding_allowed_sql`: a grant, a role on the key or an ancestor, the subject itself;
+      docs/decisions/025-bindings-authorized-at-delivery.md).
+    The arguments are SQL expressions of the callers' own statements (columns, bound
+    parameters), never input."""
+    active = _ACTIVE.format(now=now)
+    offering_allowed = binding_allowed_sql("c.user_uuid", "'offering'", offering, now)
+    key_allowed = binding_allowed_sql("c.user_uuid", "b.scope_type", "b.scope_uuid", now)
+    keys = event_keys_sql(offering, project, subject)
+    return f"""(EXISTS (
         SELECT 1 FROM users u
         JOIN offering_access a ON a.user_uuid = u.uuid AND a.offering_uuid = {offering}
-        WHERE u.is_active AND u.token_hash IS NOT NULL
-            AND (u.token_expires_at IS NULL OR u.token_expires_at > {now})
-            AND u.uuid IN (
-                SELECT s.user_uuid FROM event_subscription_queues q
-                JOIN event_subscriptions s ON s.uuid = q.subscription_uuid
-                WHERE q.uuid = {queue} AND q.offering_uuid = {offering}
-                UNION ALL
-                SELECT c.user_uuid FROM event_consumers c
-                JOIN event_consumer_scopes sc ON sc.consumer_uuid = c.uuid
-                    AND sc.offering_uuid = {offering}
-                WHERE c.uuid = {consumer}
-            )
+        JOIN event_subscriptions s ON s.user_uuid = u.uuid
+        JOIN event_subscription_queues q ON q.subscription_uuid = s.uuid
+        WHERE q.uuid = {queue} AND q.offering_uuid = {offering} AND {active}
+    ) OR EXISTS (
+        SELECT 1 FROM event_consumers c JOIN users u ON u.uuid = c.user_uuid
+        WHERE c.uuid = {consumer} AND {active} AND (
+            (c.is_global AND (u.is_staff OR u.is_support))
+            OR EXISTS (
+                SELECT 1 FROM event_consumer_scopes sc
+                WHERE sc.consumer_uuid = c.uuid AND sc.offering_uuid = {offering}
+                    AND {offering_allowed})
+            OR EXISTS (
+                SELECT 1 FROM event_consumer_bindings b
+                WHERE b.consumer_uuid = c.uuid
+                    AND (b.scope_type, b.scope_uuid) IN ({keys})
+                    AND {key_allowed})
+        )
+    ))"""  # noqa: S608 - the module's own expressions
+
+
+def binding_allowed_sql(user: str, kind: str, entity: str, now: str) -> str:
+    """Whether the user `user` may hold the binding (`kind`, `entity`) at `now` (contract
+    §12): staff and support may hold any, global (`kind` 'global') included; anyone their
+    own user; an offering they are granted; and an entity they hold an unexpired role on,
+    or a role on one of its ancestors (a project's customer; an offering's customer, its
+    project and that project's customer). Checked at registration and again for each event
+    delivered (docs/decisions/025-bindings-authorized-at-delivery.md). The arguments are SQL
+    expressions of the callers' own statements, never input."""
+    return f"""(
+        EXISTS (SELECT 1 FROM users su WHERE su.uuid = {user} AND (su.is_staff OR su.is_support))
+        OR ({kind} = 'user' AND {entity} = {user})
+        OR ({kind} = 'offering' AND EXISTS (
+            SELECT 1 FROM offering_access ga
+            WHERE ga.user_uuid = {user} AND ga.offering_uuid = {entity}))
+        OR EXISTS (
+            SELECT 1 FROM roles gr
+            WHERE gr.user_uuid = {user} AND (gr.expires_at IS NULL OR gr.expires_at > {now})
+                AND (
+                    (gr.scope_type = {kind} AND gr.scope_uuid = {entity})
+                    OR ({kind} = 'project' AND gr.scope_type = 'customer' AND gr.scope_uuid IN (
+                        SELECT bp.customer_uuid FROM projects bp WHERE bp.uuid = {entity}))
+                    OR ({kind} = 'offering' AND gr.scope_type = 'project' AND gr.scope_uuid IN (
+                        SELECT bo.project_uuid FROM offerings bo WHERE bo.uuid = {entity}))
+                    OR ({kind} = 'offering' AND gr.scope_type = 'customer' AND gr.scope_uuid IN (
+                        SELECT bo.customer_uuid FROM offerings bo WHERE bo.uuid = {entity}
+                        UNION ALL
+                        SELECT bp.customer_uuid FROM offerings bo
+                        JOIN projects bp ON bp.uuid = bo.project_uuid
+                        WHERE bo.uuid = {entity}))
+                )
+        )
     )"""  # noqa: S608 - the module's own expressions

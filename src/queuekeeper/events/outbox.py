@@ -80,7 +80,7 @@ class Claimed:
     created: datetime
     last_error: str | None
     copy_offering_uuid: uuid.UUID | None  # a fan-out's copy: its queue's offering
-    offering_uuid: uuid.UUID  # the event's (first) offering
+    offering_uuid: uuid.UUID | None  # the event's (first) offering; none: an identity event
     object_type: str
     accepted: datetime
     body: str  # the stored payload JSON, sent as it is
@@ -338,7 +338,11 @@ class _Store:
         events = [event for request in self.group for event in request.events]
         offerings = {offering for event in events for offering in event.offerings}
         object_types = {event.object_type for event in events}
-        return RecipientIndex.of(await self.unit.recipients(offerings, object_types, self.now))
+        projects = {event.project_uuid for event in events if event.project_uuid is not None}
+        subjects = {e.subject_user_uuid for e in events if e.subject_user_uuid is not None}
+        return RecipientIndex.of(
+            await self.unit.recipients(offerings, object_types, self.now, projects, subjects)
+        )
 
     def refuse_unknown_offerings(self, index: RecipientIndex) -> None:
         """A request naming an offering the backend never pushed fails alone."""
@@ -358,12 +362,18 @@ class _Store:
                 if event_id in self.first_of:
                     continue
                 self.first_of[event_id] = (r, position)
+                body = request.bodies[position]
                 if event.offering_uuids is None:
                     found = index.recipients(
-                        event.offerings[0], event.object_type, event.user_uuids
+                        event.offering_uuid,
+                        event.object_type,
+                        event.user_uuids,
+                        event.project_uuid,
+                        event.subject_user_uuid,
+                        body,
                     )
                 else:
-                    found, self.copy_offerings[event_id] = _fan_out(index, event)
+                    found, self.copy_offerings[event_id] = _fan_out(index, event, body)
                 self.recipients[event_id] = found
                 self.event_rows[event_id] = _event_row(
                     event, event_id, request.bodies[position], found, self.now
@@ -475,7 +485,9 @@ def _event_row(
 ) -> dict[str, Any]:
     return {
         "event_id": event_id,
-        "offering_uuid": event.offerings[0],
+        "offering_uuid": event.offerings[0] if event.offerings else None,
+        "project_uuid": event.project_uuid,
+        "subject_user_uuid": event.subject_user_uuid,
         "offering_uuids": [o.hex for o in event.offering_uuids]
         if event.offering_uuids is not None
         else None,
@@ -503,7 +515,19 @@ def field_name(prefix: str, *parts: object) -> str:
 
 
 def _unknown_offering(request: Request, index: RecipientIndex) -> BadRequest | None:
+    """The first offering, project or subject user of the request the backend never pushed."""
     for position, event in enumerate(request.events):
+        for name, entity, known in (
+            ("project_uuid", event.project_uuid, index.known_projects),
+            ("subject_user_uuid", event.subject_user_uuid, index.known_users),
+        ):
+            if entity is not None and entity not in known:
+                prefix = request.field_prefix
+                what = "project" if name == "project_uuid" else "user"
+                return BadRequest(
+                    f"Unknown {what} {entity.hex}: the backend has not pushed it.",
+                    field=field_name(prefix, position, name) if prefix else name,
+                )
         for number, offering in enumerate(event.offerings):
             if offering not in index.known:
                 prefix = request.field_prefix
@@ -521,14 +545,23 @@ def _unknown_offering(request: Request, index: RecipientIndex) -> BadRequest | N
     return None
 
 
-def _fan_out(index: RecipientIndex, event: EventIn) -> tuple[Recipients, dict[Copy, uuid.UUID]]:
+def _fan_out(
+    index: RecipientIndex, event: EventIn, body: dict[str, Any]
+) -> tuple[Recipients, dict[Copy, uuid.UUID]]:
     """An event sent to several offerings: each offering's recipients, as for an event of
     that offering alone, and one copy per queue (a consumer scoped to several of them gets
     one copy, carrying the first of them in the event's order)."""
     found = Recipients()
     offering_of: dict[Copy, uuid.UUID] = {}
     for offering in event.offerings:
-        each = index.recipients(offering, event.object_type, event.user_uuids)
+        each = index.recipients(
+            offering,
+            event.object_type,
+            event.user_uuids,
+            event.project_uuid,
+            event.subject_user_uuid,
+            body,
+        )
         found.candidates += each.candidates
         for copy in each.copies:
             if copy not in offering_of:

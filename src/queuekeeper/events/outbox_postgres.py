@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from queuekeeper.events.authorization import authorized_sql
+from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.events.recipients import RecipientsChanged
 
 _SQLSTATE_CONSTRAINT = "23"
@@ -41,12 +41,36 @@ async def send(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
     return list(await driver.fetch(sql, *arguments))
 
 
-# Who may receive events of the offerings $1 and the object types $2 at $3: the offerings
-# left-joined with the subscriptions (with their queue for a requested type) and the
-# consumers of owners who are active, hold a token that has not expired and have access to
-# them (the rule `_authorized` applies again when a copy is published), so
-# an unknown offering yields no row at all (events/recipients.py decides from the rows).
-RECIPIENT_ROWS = """
+# Who may receive events of the offerings $1, the projects $4 and the subject users $5, of the
+# object types $2, at $3 (contract §12). Per offering: its subscriptions (with their queue
+# for a requested type) and the consumers bound to it or to one of its chain's keys (its
+# customer, its project, that project's customer), left-joined so an unknown offering
+# yields no row at all. Then, with no offering: a marker per known project and per known
+# user ('known_project', 'known_user': an unknown one is refused), the consumers bound to a
+# project's keys (the project, its customer: kind 'project', the project in `queue_uuid`)
+# or to a subject user (kind 'subject', the user in `queue_uuid`), and the global
+# consumers. Every owner is active, holds a token that has not expired and may still hold
+# the binding matched (`binding_allowed_sql`; the rule `authorized_sql` applies again when a
+# copy is published). A consumer's `filter` is [its object types, its payload filters].
+# Each part reads through an index on what the event names, so consumers bound to entities
+# the request does not name cost nothing (events/recipients.py decides from the rows).
+_ACTIVE_OWNER = """u.is_active AND u.token_hash IS NOT NULL
+        AND (u.token_expires_at IS NULL OR u.token_expires_at > $3)"""
+_CONSUMER = "c.uuid, c.user_uuid, json_build_array(c.object_types, c.payload_filters)"
+_BOUND = (
+    """
+    JOIN event_consumer_bindings b ON b.scope_type = k.scope_type AND b.scope_uuid = k.entity
+    JOIN event_consumers c ON c.uuid = b.consumer_uuid
+    JOIN users u ON u.uuid = c.user_uuid
+    WHERE """
+    + _ACTIVE_OWNER
+    + " AND "
+    + binding_allowed_sql("c.user_uuid", "b.scope_type", "b.scope_uuid", "$3")
+)
+_NO_QUEUE = "NULL::uuid, NULL::varchar"
+_MARKER = "NULL::uuid, NULL::json, NULL::uuid, NULL::varchar, NULL::varchar, NULL::varchar"
+_BY_OFFERING = (
+    """
 SELECT o.uuid, r.kind, r.recipient_uuid, r.user_uuid, r.filter, r.queue_uuid,
        r.object_type, r.queue_name, r.vhost
 FROM offerings o LEFT JOIN (
@@ -58,27 +82,112 @@ FROM offerings o LEFT JOIN (
     JOIN event_subscriptions s ON s.user_uuid = a.user_uuid
     LEFT JOIN event_subscription_queues q ON q.subscription_uuid = s.uuid
         AND q.offering_uuid = a.offering_uuid AND q.object_type = ANY($2::varchar[])
-    WHERE a.offering_uuid = ANY($1::uuid[]) AND u.is_active AND u.token_hash IS NOT NULL
-        AND (u.token_expires_at IS NULL OR u.token_expires_at > $3)
+    WHERE a.offering_uuid = ANY($1::uuid[]) AND """  # noqa: S608 - the module's constants
+    + _ACTIVE_OWNER
+    + """
     UNION ALL
-    SELECT 'consumer', a.offering_uuid, c.uuid, c.user_uuid, c.object_types, NULL::uuid,
-           NULL::varchar, c.queue_name, c.vhost
-    FROM offering_access a
-    JOIN users u ON u.uuid = a.user_uuid
-    JOIN event_consumer_scopes sc ON sc.offering_uuid = a.offering_uuid
-    JOIN event_consumers c ON c.uuid = sc.consumer_uuid AND c.user_uuid = a.user_uuid
-    WHERE a.offering_uuid = ANY($1::uuid[]) AND u.is_active AND u.token_hash IS NOT NULL
-        AND (u.token_expires_at IS NULL OR u.token_expires_at > $3)
+    SELECT 'consumer', sc.offering_uuid, """
+    + _CONSUMER
+    + ", "
+    + _NO_QUEUE
+    + """, c.queue_name, c.vhost
+    FROM event_consumer_scopes sc
+    JOIN event_consumers c ON c.uuid = sc.consumer_uuid
+    JOIN users u ON u.uuid = c.user_uuid
+    WHERE sc.offering_uuid = ANY($1::uuid[]) AND """
+    + _ACTIVE_OWNER
+    + " AND "
+    + binding_allowed_sql("c.user_uuid", "'offering'", "sc.offering_uuid", "$3")
+    + """
+    UNION ALL
+    SELECT 'consumer', k.offering_uuid, """
+    + _CONSUMER
+    + ", "
+    + _NO_QUEUE
+    + """, c.queue_name, c.vhost
+    FROM (
+        SELECT ko.uuid AS offering_uuid, 'customer'::varchar AS scope_type,
+               ko.customer_uuid AS entity
+        FROM offerings ko WHERE ko.uuid = ANY($1::uuid[]) AND ko.customer_uuid IS NOT NULL
+        UNION ALL
+        SELECT ko.uuid, 'project', ko.project_uuid
+        FROM offerings ko WHERE ko.uuid = ANY($1::uuid[]) AND ko.project_uuid IS NOT NULL
+        UNION ALL
+        SELECT ko.uuid, 'customer', kp.customer_uuid
+        FROM offerings ko JOIN projects kp ON kp.uuid = ko.project_uuid
+        WHERE ko.uuid = ANY($1::uuid[])
+    ) k"""
+    + _BOUND
+    + """
 ) r ON r.offering_uuid = o.uuid
 WHERE o.uuid = ANY($1::uuid[])
 """
+)
+_MARKERS = (
+    """UNION ALL
+SELECT NULL::uuid, 'known_project', kp.uuid, """
+    + _MARKER
+    + """
+FROM projects kp WHERE kp.uuid = ANY($4::uuid[])
+UNION ALL
+SELECT NULL::uuid, 'known_user', ku.uuid, """
+    + _MARKER
+    + """
+FROM users ku WHERE ku.uuid = ANY($5::uuid[])
+"""
+)
+_KEYED = (
+    """UNION ALL
+SELECT NULL::uuid, k.kind, """  # noqa: S608 - the module's constants
+    + _CONSUMER
+    + """, k.key_uuid, NULL::varchar, c.queue_name, c.vhost
+FROM (
+    SELECT 'project'::varchar AS kind, kp.uuid AS key_uuid, 'project'::varchar AS scope_type,
+           kp.uuid AS entity
+    FROM projects kp WHERE kp.uuid = ANY(ARRAY(SELECT unnest($4::uuid[])))
+    UNION ALL
+    SELECT 'project', kp.uuid, 'customer', kp.customer_uuid
+    FROM projects kp WHERE kp.uuid = ANY(ARRAY(SELECT unnest($4::uuid[])))
+    UNION ALL
+    SELECT 'subject', ku.uuid, 'user', ku.uuid
+    FROM users ku WHERE ku.uuid = ANY(ARRAY(SELECT unnest($5::uuid[])))
+) k"""
+    + _BOUND
+    + "\n"
+)
+_GLOBAL = (
+    """UNION ALL
+SELECT NULL::uuid, 'global', """
+    + _CONSUMER
+    + ", "
+    + _NO_QUEUE
+    + """, c.queue_name, c.vhost
+FROM event_consumers c JOIN users u ON u.uuid = c.user_uuid
+WHERE c.is_global AND (u.is_staff OR u.is_support) AND """
+    + _ACTIVE_OWNER
+    + "\n"
+)
+# Two forms of the one statement, made of the same parts: with the consumers of the
+# request's projects and subject users (`_KEYED`), and without them for a request naming
+# none. PostgreSQL plans a prepared statement for its parameters (a custom plan) until a
+# generic plan is as cheap; with many bindings `_KEYED` would keep every request planned
+# anew (milliseconds). So it reads its arrays through `ARRAY(SELECT unnest(..))`, whose
+# value no plan sees (custom and generic cost the same, and the generic plan is kept), and a
+# request naming neither runs without it at all
+# (docs/decisions/025-bindings-authorized-at-delivery.md).
+RECIPIENT_ROWS = _BY_OFFERING + _MARKERS + _KEYED + _GLOBAL
+RECIPIENT_ROWS_BY_OFFERING = _BY_OFFERING + _MARKERS + _GLOBAL
 # The rows, and on each a digest of them all: what a store remembers them by
 # (`RecipientCache`), checked again by the write (`INSERT_ACCEPTED`).
 _DIGEST = "md5(coalesce(string_agg(r::text, ',' ORDER BY r::text), ''))"
 _EMPTY_DIGEST = "d41d8cd98f00b204e9800998ecf8427e"  # md5(''): no rows
 # Built from the module's constants alone (no input reaches them), so the rule has one text.
-_ROWS = "WITH r AS (" + RECIPIENT_ROWS + ")\n"
-RECIPIENTS = _ROWS + "SELECT r.*, (SELECT " + _DIGEST + " FROM r) FROM r"  # noqa: S608 - constants
+_FORMS = ((True, RECIPIENT_ROWS), (False, RECIPIENT_ROWS_BY_OFFERING))
+# Keyed by whether the request names projects or subject users.
+RECIPIENTS = {
+    keyed: "WITH r AS (" + rows + ")\nSELECT r.*, (SELECT " + _DIGEST + " FROM r) FROM r"  # noqa: S608 - constants
+    for keyed, rows in _FORMS
+}
 EVENT_COUNTS = """
 SELECT event_id, queued, skipped_unregistered FROM events WHERE event_id = ANY($1::varchar[])
 """
@@ -87,21 +196,23 @@ SELECT event_id, queued, skipped_unregistered FROM events WHERE event_id = ANY($
 # recipients, then this) with no BEGIN and no COMMIT of its own
 # (docs/decisions/017-single-event-cost.md), and one when the recipients are remembered
 # (docs/decisions/020-recipient-digest.md). The statement reads the recipients of the
-# offerings $1 and types $2 at $3 again (`RECIPIENT_ROWS`, with the same parameters) and
-# writes nothing unless their digest is still $4, the digest of the rows the copies were
-# planned from. The copies are inserted in the
+# offerings $1, types $2, projects $4 and subject users $5 at $3 again (`RECIPIENT_ROWS`,
+# with the same parameters) and writes nothing unless their digest is still $6, the digest
+# of the rows the copies were planned from. The copies are inserted in the
 # order they are given (acceptance order: ids follow it); a copy of an event that was not
 # new is dropped. The foreign key to `events` is checked at the statement's end, when the
 # new events are there. Returned: ('g', digest now) once, ('e', event_id, ...) per new
 # event, ('d', event_id, id, queue, consumer) per copy.
-_FRESH = "WITH fresh AS (SELECT " + _DIGEST + " AS digest FROM (" + RECIPIENT_ROWS + ") r"  # noqa: S608 - constants
+_FRESH = "WITH fresh AS (SELECT " + _DIGEST + " AS digest FROM ({rows}) r"  # noqa: S608 - constants
 _WRITE = """
 ), new_events AS (
     INSERT INTO events (event_id, offering_uuid, offering_uuids, object_type, payload,
-                        user_uuids, queued, skipped_unregistered, accepted)
-    SELECT * FROM unnest($5::varchar[], $6::uuid[], $7::json[], $8::varchar[], $9::json[],
-                         $10::json[], $11::int[], $12::int[], $13::timestamptz[])
-    WHERE (SELECT digest FROM fresh) = $4
+                        user_uuids, queued, skipped_unregistered, accepted, project_uuid,
+                        subject_user_uuid)
+    SELECT * FROM unnest($7::varchar[], $8::uuid[], $9::json[], $10::varchar[], $11::json[],
+                         $12::json[], $13::int[], $14::int[], $15::timestamptz[],
+                         $16::uuid[], $17::uuid[])
+    WHERE (SELECT digest FROM fresh) = $6
     ON CONFLICT DO NOTHING
     RETURNING event_id
 ), copies AS (
@@ -111,9 +222,9 @@ _WRITE = """
     SELECT c.event_id, c.queue_uuid, c.consumer_uuid, c.queue_name, c.vhost,
            c.offering_uuid, c.state, c.attempts, c.claimed_by, c.claimed_until,
            c.next_attempt_at, c.created
-    FROM unnest($14::varchar[], $15::uuid[], $16::uuid[], $17::varchar[], $18::varchar[],
-                $19::uuid[], $20::varchar[], $21::int[], $22::varchar[],
-                $23::timestamptz[], $24::timestamptz[], $25::timestamptz[])
+    FROM unnest($18::varchar[], $19::uuid[], $20::uuid[], $21::varchar[], $22::varchar[],
+                $23::uuid[], $24::varchar[], $25::int[], $26::varchar[],
+                $27::timestamptz[], $28::timestamptz[], $29::timestamptz[])
          WITH ORDINALITY AS c(event_id, queue_uuid, consumer_uuid, queue_name, vhost,
                               offering_uuid, state, attempts, claimed_by, claimed_until,
                               next_attempt_at, created, position)
@@ -129,14 +240,19 @@ SELECT 'e', event_id, NULL, NULL, NULL FROM new_events
 UNION ALL
 SELECT 'd', event_id, id, queue_uuid, consumer_uuid FROM copies
 """
-INSERT_ACCEPTED = _FRESH + _WRITE
+INSERT_ACCEPTED = {keyed: _FRESH.replace("{rows}", rows) + _WRITE for keyed, rows in _FORMS}
 
 # A copy whose queue row is gone (both uuids set null by the delete) is left to the relay,
 # which gives it up for that reason; any other is judged by the rule.
 _JUDGED = (
     "d.id, (d.queue_uuid IS NULL AND d.consumer_uuid IS NULL) OR "
     + authorized_sql(
-        "d.queue_uuid", "d.consumer_uuid", "coalesce(d.offering_uuid, e.offering_uuid)", "{now}"
+        "d.queue_uuid",
+        "d.consumer_uuid",
+        "coalesce(d.offering_uuid, e.offering_uuid)",
+        "{now}",
+        "e.project_uuid",
+        "e.subject_user_uuid",
     )
     + " AS ok"
 )
@@ -302,16 +418,17 @@ WITH running AS (
     WHERE state = 'pending' AND replay AND claimed_by IS NULL
 ), firsts AS (
     SELECT min(d.id) AS first_id, d.event_id, coalesce(d.offering_uuid, e.offering_uuid) AS o,
-           d.offering_uuid
+           d.offering_uuid, e.project_uuid AS p, e.subject_user_uuid AS s
     FROM deliveries d JOIN events e ON e.event_id = d.event_id
     WHERE d.vhost = $1 AND d.queue_name = $2 AND NOT d.replay
         AND e.accepted >= $5 AND e.accepted < $6
         AND ($7::varchar[] IS NULL OR e.object_type = ANY($7::varchar[]))
-    GROUP BY d.event_id, coalesce(d.offering_uuid, e.offering_uuid), d.offering_uuid
+    GROUP BY d.event_id, coalesce(d.offering_uuid, e.offering_uuid), d.offering_uuid,
+        e.project_uuid, e.subject_user_uuid
 ), allowed AS (
     SELECT f.first_id, f.event_id, f.offering_uuid FROM firsts f
     WHERE """  # noqa: S608 - the module's constants
-    + authorized_sql("$3::uuid", "$4::uuid", "f.o", "$8::timestamptz")
+    + authorized_sql("$3::uuid", "$4::uuid", "f.o", "$8::timestamptz", "f.p", "f.s")
     + """
 ), added AS (
     INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost,
@@ -398,6 +515,8 @@ EVENT_COLUMNS = (
     "queued",
     "skipped_unregistered",
     "accepted",
+    "project_uuid",
+    "subject_user_uuid",
 )
 _JSON_COLUMNS = frozenset({"offering_uuids", "payload", "user_uuids"})
 DELIVERY_COLUMNS = (
@@ -432,8 +551,9 @@ def _decoded(value: Any) -> Any:
     return json.loads(value) if isinstance(value, str) else value
 
 
-_Key = tuple[frozenset[Any], frozenset[str]]
-_NO_KEY: _Key = (frozenset(), frozenset())
+# (offerings, object types, projects, subject users)
+_Key = tuple[frozenset[Any], frozenset[str], frozenset[Any], frozenset[Any]]
+_NO_KEY: _Key = (frozenset(), frozenset(), frozenset(), frozenset())
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -468,24 +588,43 @@ class StoreUnit:
     def __init__(self, driver: Driver, cache: RecipientCache) -> None:
         self.driver = driver
         self.cache = cache
-        self._read: tuple[_Key, list[Any], list[str], datetime, str] | None = None
+        self._read: (
+            tuple[_Key, list[Any], list[str], list[Any], list[Any], datetime, str] | None
+        ) = None
 
     async def recipients(
-        self, offerings: Collection[Any], object_types: Collection[str], now: datetime
+        self,
+        offerings: Collection[Any],
+        object_types: Collection[str],
+        now: datetime,
+        projects: Collection[Any] = (),
+        subjects: Collection[Any] = (),
     ) -> list[tuple[Any, ...]]:
         """(offering, kind, recipient, owner, filter, queue, object type, name, vhost)."""
-        key = (frozenset(offerings), frozenset(object_types))
-        asked, types = list(key[0]), list(key[1])
+        key = (
+            frozenset(offerings),
+            frozenset(object_types),
+            frozenset(projects),
+            frozenset(subjects),
+        )
+        asked, types, in_projects, about = list(key[0]), list(key[1]), list(key[2]), list(key[3])
         remembered = self.cache.get(key)
         if remembered is None:
-            records = await self.driver.fetch(RECIPIENTS, asked, types, now)
+            records = await self.driver.fetch(
+                RECIPIENTS[bool(in_projects or about)], asked, types, now, in_projects, about
+            )
             rows = [(*r[:4], _decoded(r[4]), *r[5:9]) for r in records]
             digest = records[0][9] if records else _EMPTY_DIGEST
-            if {row[0] for row in rows} == key[0]:
+            # Only rows that know every entity asked about are remembered.
+            if (
+                {row[0] for row in rows if row[0] is not None} == key[0]
+                and {row[2] for row in rows if row[1] == "known_project"} == key[2]
+                and {row[2] for row in rows if row[1] == "known_user"} == key[3]
+            ):
                 self.cache.put(key, digest, rows)
         else:
             digest, rows = remembered
-        self._read = (key, asked, types, now, digest)
+        self._read = (key, asked, types, in_projects, about, now, digest)
         return rows
 
     async def event_counts(self, event_ids: Collection[str]) -> dict[str, tuple[int, int]]:
@@ -502,12 +641,22 @@ class StoreUnit:
         the recipients (else `RecipientsChanged`, nothing written); returns the new event
         ids and (id, event_id, queue_uuid, consumer_uuid) of each copy inserted."""
         # Without a read first (a test's own rows) nothing is checked: no offerings asked.
-        key, asked, types, now, digest = self._read or (_NO_KEY, [], [], _EPOCH, _EMPTY_DIGEST)
+        key, asked, types, in_projects, about, now, digest = self._read or (
+            _NO_KEY,
+            [],
+            [],
+            [],
+            [],
+            _EPOCH,
+            _EMPTY_DIGEST,
+        )
         records = await self.driver.fetch(
-            INSERT_ACCEPTED,
+            INSERT_ACCEPTED[bool(in_projects or about)],
             asked,
             types,
             now,
+            in_projects,
+            about,
             digest,
             *column_arrays(events, EVENT_COLUMNS),
             *column_arrays(copies, DELIVERY_COLUMNS),

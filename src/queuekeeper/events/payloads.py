@@ -193,6 +193,9 @@ PAYLOAD_MODELS: dict[str, type[Payload]] = {
 }
 
 OBJECT_TYPES: tuple[str, ...] = tuple(PAYLOAD_MODELS)
+# Events about a user rather than an offering (contract §12): sent with
+# `subject_user_uuid`, `offering_uuid` optional.
+IDENTITY_TYPES = frozenset({"user_role", "user_profile", "user_ssh_key", "user_lifecycle"})
 
 
 def _known_object_type(value: str) -> str:

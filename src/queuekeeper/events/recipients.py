@@ -14,6 +14,13 @@ legacy queues then get none of that event (as Waldur does), so an agent upgraded
 1.0.5 to 1.0.7 does not fill the per-type queues it no longer reads, and a user on both
 protocols gets each event once. Consumers come from the same statement (a UNION ALL).
 
+Consumers of other scopes (contract §12) come from the same statement: those bound to an
+offering's chain (its customer, its project, that project's customer) are consumers of the
+offering; those bound to an event's project (or its customer) or to its subject user, and
+global ones, are keyed by that project or user. An event's consumers are the union, each
+once however many of its bindings match, narrowed by its object types and then by its
+payload filters (`{field: [values]}` over the message body's top-level fields).
+
 A new kind of recipient is one more source of `Copy` in `RecipientIndex`.
 """
 
@@ -108,6 +115,35 @@ class _Consumer:
     owner: uuid.UUID
     object_types: frozenset[str]  # empty: every type
     copy: Copy
+    payload_filters: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+
+    def takes(self, object_type: str, body: dict[str, Any] | None) -> bool:
+        """Its filters hold the type and (given the body) every field it filters on."""
+        if self.object_types and object_type not in self.object_types:
+            return False
+        if body is None:
+            return True
+        return all(body.get(name) in values for name, values in self.payload_filters)
+
+
+def _consumer(owner: uuid.UUID, filter_: Any, copy: Copy) -> _Consumer:
+    """A consumer row's `filter`: [object types, payload filters]."""
+    types, payload = (filter_ or [[], {}]) if isinstance(filter_, list) else ([], {})
+    if not isinstance(payload, dict):
+        payload = {}
+    return _Consumer(
+        owner,
+        frozenset(str(t) for t in types or []),
+        copy,
+        tuple((str(k), tuple(v)) for k, v in sorted(payload.items()) if isinstance(v, list)),
+    )
+
+
+# An event's keys other than its offering: (kind, uuid) of the recipients statement's rows.
+_PROJECT = "project"
+_SUBJECT = "subject"
+_GLOBAL = "global"
+_KEYED = frozenset({_PROJECT, _SUBJECT, _GLOBAL})
 
 
 class RecipientIndex:
@@ -120,30 +156,59 @@ class RecipientIndex:
         may receive events of."""
         known: set[uuid.UUID] = set()
         rows: list[_Row] = []
+        index = cls(known, [])
         for offering, kind, recipient, *rest in found:
+            if offering is None:
+                index._add_keyed(kind, recipient, rest)
+                continue
             known.add(offering)
             if recipient is not None:
                 owner, filter_, queue, object_type, name, vhost = rest
                 rows.append(
                     _Row(kind, recipient, owner, filter_, offering, queue, object_type, name, vhost)
                 )
-        return cls(known, rows)
+        index._add_rows(rows)
+        return index
+
+    def _add_keyed(self, kind: str, recipient: uuid.UUID, rest: Sequence[Any]) -> None:
+        if kind == "known_project":
+            self.known_projects.add(recipient)
+        elif kind == "known_user":
+            self.known_users.add(recipient)
+        elif kind in _KEYED:
+            owner, filter_, key, _type, name, vhost = rest
+            if name and vhost:
+                consumer = _consumer(owner, filter_, Copy(None, recipient, name, vhost))
+                self._keyed[(kind, None if kind == _GLOBAL else key)][recipient] = consumer
+                self._filtered |= bool(consumer.payload_filters)
 
     def __init__(self, known: set[uuid.UUID], rows: Sequence[_Row]) -> None:
         self.known = known  # the offerings among those asked for that exist
+        self.known_projects: set[uuid.UUID] = set()
+        self.known_users: set[uuid.UUID] = set()
+        self._keyed: dict[tuple[str, uuid.UUID | None], dict[uuid.UUID, _Consumer]] = defaultdict(
+            dict
+        )
+        self._filtered = False  # a consumer filters on the payload: answers are per body
         self._subscriptions: dict[uuid.UUID, dict[uuid.UUID, tuple[uuid.UUID, list[Any]]]] = (
             defaultdict(dict)
         )
         self._queues: dict[tuple[uuid.UUID, uuid.UUID, str], Copy] = {}
         self._consumers: dict[uuid.UUID, dict[uuid.UUID, _Consumer]] = defaultdict(dict)
+        self._cache: dict[tuple[Any, ...], Recipients] = {}
+        self._add_rows(rows)
+
+    def _add_rows(self, rows: Sequence[_Row]) -> None:
         for row in rows:
             if row.kind == CONSUMER:
                 if row.queue_name and row.vhost:
-                    self._consumers[row.offering_uuid][row.recipient_uuid] = _Consumer(
+                    consumer = _consumer(
                         row.owner_uuid,
-                        frozenset(str(t) for t in row.filter or []),
+                        row.filter,
                         Copy(None, row.recipient_uuid, row.queue_name, row.vhost),
                     )
+                    self._consumers[row.offering_uuid][row.recipient_uuid] = consumer
+                    self._filtered |= bool(consumer.payload_filters)
                 continue
             self._subscriptions[row.offering_uuid][row.recipient_uuid] = (
                 row.owner_uuid,
@@ -152,27 +217,43 @@ class RecipientIndex:
             if row.queue_uuid is not None and row.object_type and row.queue_name and row.vhost:
                 key = (row.recipient_uuid, row.offering_uuid, row.object_type)
                 self._queues[key] = Copy(row.queue_uuid, None, row.queue_name, row.vhost)
-        self._cache: dict[tuple[Any, ...], Recipients] = {}
 
     def recipients(
-        self, offering_uuid: uuid.UUID, object_type: str, user_uuids: Sequence[uuid.UUID] | None
+        self,
+        offering_uuid: uuid.UUID | None,
+        object_type: str,
+        user_uuids: Sequence[uuid.UUID] | None,
+        project_uuid: uuid.UUID | None = None,
+        subject_uuid: uuid.UUID | None = None,
+        body: dict[str, Any] | None = None,
     ) -> Recipients:
         users = frozenset(user_uuids) if user_uuids is not None else None
-        key = (offering_uuid, object_type, users)
-        cached = self._cache.get(key)
+        key = (offering_uuid, object_type, users, project_uuid, subject_uuid)
+        cached = None if self._filtered else self._cache.get(key)
         if cached is not None:
             return cached
-        found = Recipients(
-            candidates=len(self._consumers[offering_uuid]) + len(self._subscriptions[offering_uuid])
-        )
         served: set[uuid.UUID] = set()  # owners a consumer of theirs receives this for
-        for consumer in self._consumers[offering_uuid].values():
+        candidates: dict[uuid.UUID, _Consumer] = {}
+        subscriptions: dict[uuid.UUID, tuple[uuid.UUID, list[Any]]] = {}
+        if offering_uuid is not None:
+            candidates.update(self._consumers[offering_uuid])
+            subscriptions = self._subscriptions[offering_uuid]
+        if project_uuid is not None:
+            candidates.update(self._keyed.get((_PROJECT, project_uuid), {}))
+        if subject_uuid is not None:
+            candidates.update(self._keyed.get((_SUBJECT, subject_uuid), {}))
+        candidates.update(self._keyed.get((_GLOBAL, None), {}))
+        # Who could have received it before the filters (no_copy_reason tells them apart).
+        found = Recipients(candidates=len(candidates) + len(subscriptions))
+        for consumer in candidates.values():  # each once, however many bindings matched
             if users is not None and consumer.owner not in users:
                 continue
-            if not consumer.object_types or object_type in consumer.object_types:
+            if consumer.takes(object_type, body):
                 found.copies.append(consumer.copy)
                 served.add(consumer.owner)
-        for subscription_uuid, (owner, observable) in self._subscriptions[offering_uuid].items():
+        if offering_uuid is None:
+            return found  # an identity event: consumers only
+        for subscription_uuid, (owner, observable) in subscriptions.items():
             if (users is not None and owner not in users) or owner in served:
                 continue
             queue = self._queues.get((subscription_uuid, offering_uuid, object_type))
@@ -180,5 +261,6 @@ class RecipientIndex:
                 found.copies.append(queue)
             elif _lists_type(observable, offering_uuid, object_type):
                 found.skipped.append(subscription_uuid)
-        self._cache[key] = found
+        if not self._filtered:
+            self._cache[key] = found
         return found

@@ -98,7 +98,7 @@ def message_body(item: Claimed) -> bytes:
 
 def event_message(item: Claimed) -> aio_pika.Message:
     """contract §6: the stored body, and the properties consumers rely on."""
-    offering = (item.copy_offering_uuid or item.offering_uuid).hex
+    offering = item.copy_offering_uuid or item.offering_uuid
     return aio_pika.Message(
         message_body(item),
         content_type="application/json",
@@ -108,7 +108,8 @@ def event_message(item: Claimed) -> aio_pika.Message:
         type=item.object_type,
         app_id="queuekeeper",
         headers={
-            "offering_uuid": offering,
+            # An identity event without an offering has none (contract §12).
+            **({"offering_uuid": offering.hex} if offering is not None else {}),
             "object_type": item.object_type,
             "event_id": item.event_id,
             # A string: RabbitMQ's STOMP adapter drops boolean AMQP headers (contract §11).

@@ -48,7 +48,10 @@ class EventIn(BaseModel):
         "when it is left out.",
     )
     offering_uuid: HexUUID | None = Field(
-        default=None, description="The offering the event concerns (or `offering_uuids`)."
+        default=None,
+        description="The offering the event concerns (or `offering_uuids`). Optional for an "
+        "identity event (`user_role`, `user_profile`, `user_ssh_key`, `user_lifecycle`) that "
+        "names `subject_user_uuid`.",
     )
     offering_uuids: list[HexUUID] | None = Field(
         default=None,
@@ -58,6 +61,16 @@ class EventIn(BaseModel):
         "offerings (a service provider's project group goes to each of its offerings, as "
         "Waldur sends it): one event, one `event_id`, and each copy's body and headers carry "
         "the `offering_uuid` of the queue it goes to. Exactly one of the two.",
+    )
+    project_uuid: HexUUID | None = Field(
+        default=None,
+        description="The consumer-side project of an order or resource (pushed first): "
+        "consumers bound to it or its customer receive the event.",
+    )
+    subject_user_uuid: HexUUID | None = Field(
+        default=None,
+        description="The user an identity event is about (pushed first): the consumers "
+        "that user bound to itself receive it.",
     )
     object_type: ObjectType
     payload: dict[str, Any] = Field(default_factory=dict)
@@ -225,10 +238,14 @@ class EventDetail(Schema):
     )
 
     event_id: str
-    offering_uuid: HexUUID = Field(description="The event's (first) offering.")
+    offering_uuid: HexUUID | None = Field(
+        description="The event's (first) offering; null for an identity event without one."
+    )
     offering_uuids: list[str] | None = Field(
         default=None, description="Every offering of an event sent with `offering_uuids`."
     )
+    project_uuid: HexUUID | None = Field(default=None, description="As sent.")
+    subject_user_uuid: HexUUID | None = Field(default=None, description="As sent.")
     object_type: str
     user_uuids: list[str] | None
     accepted: UTCDateTime
@@ -243,6 +260,8 @@ class EventDetail(Schema):
             event_id=event.event_id,
             offering_uuid=event.offering_uuid,
             offering_uuids=event.offering_uuids,
+            project_uuid=event.project_uuid,
+            subject_user_uuid=event.subject_user_uuid,
             object_type=event.object_type,
             user_uuids=event.user_uuids,
             accepted=event.accepted,

@@ -22,7 +22,7 @@ from queuekeeper.common.signals import Signal
 from queuekeeper.events import repository
 from queuekeeper.events.intake import Intake
 from queuekeeper.events.outbox import field_name
-from queuekeeper.events.payloads import PAYLOAD_MODELS
+from queuekeeper.events.payloads import IDENTITY_TYPES, PAYLOAD_MODELS
 from queuekeeper.events.repository import OutboxDepth
 from queuekeeper.events.schemas import DeliveryOut, EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest, NotFound, TooLarge, shown
@@ -61,14 +61,10 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
                 }
             )
         offerings = event.offerings
-        bodies.append(
-            {
-                **event.payload,
-                # a fan-out's copies each get their own offering when published
-                "offering_uuid": offerings[0].hex if offerings else None,
-                "object_type": event.object_type,
-            }
-        )
+        body = {**event.payload, "object_type": event.object_type}
+        if offerings:  # a fan-out's copies each get their own offering when published
+            body["offering_uuid"] = offerings[0].hex
+        bodies.append(body)
     if errors:
         raise BadRequest(
             "; ".join(f"{error['field']}: {error['message']}" for error in errors),
@@ -78,8 +74,23 @@ def validate_payloads(events: Sequence[EventIn], prefix: str) -> list[dict[str, 
 
 
 def _offering_errors(event: EventIn, where: str) -> list[dict[str, str]]:
-    """Exactly one of `offering_uuid` and `offering_uuids`, each offering once, and a
-    payload `offering_uuid` (if any) that agrees."""
+    """Exactly one of `offering_uuid` and `offering_uuids` (or neither, for an identity event
+    about `subject_user_uuid`), each offering once, and a payload `offering_uuid` (if any)
+    that agrees."""
+    if (
+        event.offering_uuid is None
+        and event.offering_uuids is None
+        and event.subject_user_uuid is not None
+    ):
+        if event.object_type in IDENTITY_TYPES:
+            return []
+        return [
+            {
+                "field": field_name(where, "offering_uuid"),
+                "message": f"required for {event.object_type!r}: only identity events "
+                f"({', '.join(sorted(IDENTITY_TYPES))}) may name subject_user_uuid alone",
+            }
+        ]
     if (event.offering_uuid is None) == (event.offering_uuids is None):
         return [
             {
