@@ -243,9 +243,15 @@ SELECT 'd', event_id, id, queue_uuid, consumer_uuid FROM copies
 INSERT_ACCEPTED = {keyed: _FRESH.replace("{rows}", rows) + _WRITE for keyed, rows in _FORMS}
 
 # A copy whose queue row is gone (both uuids set null by the delete) is left to the relay,
-# which gives it up for that reason; any other is judged by the rule.
+# which gives it up for that reason. A copy fresh from the store (`{fresh}`) was judged by
+# the store's own write (the recipients read again in it, decision 020) moments ago, as the
+# copies a store hands to its own relay are: the claim judges the others (retries, copies
+# claimed late, replays), and the release every parked copy. CASE keeps the rule's
+# subqueries from running for the copies that need none
+# (docs/decisions/021-authorized-when-published.md).
 _JUDGED = (
-    "d.id, (d.queue_uuid IS NULL AND d.consumer_uuid IS NULL) OR "
+    "d.id, CASE WHEN d.queue_uuid IS NULL AND d.consumer_uuid IS NULL THEN true"
+    " WHEN {fresh} THEN true ELSE "
     + authorized_sql(
         "d.queue_uuid",
         "d.consumer_uuid",
@@ -254,7 +260,13 @@ _JUDGED = (
         "e.project_uuid",
         "e.subject_user_uuid",
     )
-    + " AS ok"
+    + " END AS ok"
+)
+# How long after its acceptance a copy never claimed counts as fresh from the store.
+FRESH_SECONDS = 10
+_FRESH_COPY = (
+    "d.attempts = 0 AND NOT d.replay"
+    f" AND d.created >= $1::timestamptz - interval '{FRESH_SECONDS} seconds'"
 )
 # What a refused copy records as its reason.
 REFUSED_REASON = (
@@ -294,7 +306,7 @@ WITH due AS (
     FOR UPDATE SKIP LOCKED
 ), judged AS (
     SELECT """  # noqa: S608 - the module's constants
-    + _JUDGED.format(now="$1::timestamptz")
+    + _JUDGED.format(now="$1::timestamptz", fresh=_FRESH_COPY)
     + """
     FROM due JOIN deliveries d ON d.id = due.id JOIN events e ON e.event_id = d.event_id
 )"""
@@ -376,7 +388,7 @@ WITH oldest AS (
     LIMIT $3
 ), judged AS (
     SELECT """  # noqa: S608 - the module's constants
-    + _JUDGED.format(now="$6::timestamptz")
+    + _JUDGED.format(now="$6::timestamptz", fresh="false")
     + """
     FROM oldest JOIN deliveries d ON d.id = oldest.id JOIN events e ON e.event_id = d.event_id
 )"""
