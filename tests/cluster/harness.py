@@ -31,6 +31,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from queuekeeper.common.processes import alive
+
 RABBIT_BIN = Path("/usr/lib/rabbitmq/bin")
 NODES = (1, 2, 3)
 HOST = "127.0.0.1"
@@ -246,32 +248,17 @@ class Cluster:
         with ThreadPoolExecutor(3) as pool:
             list(pool.map(stop, NODES))
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(pid) for pid in self.pids):
+        while time.monotonic() < deadline and any(alive(pid) for pid in self.pids):
             time.sleep(0.5)
         for pid in self.pids:
-            if _alive(pid):
+            if alive(pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)
-        left = [pid for pid in self.pids if _alive(pid)]
+        left = [pid for pid in self.pids if alive(pid)]
         if not left:
             shutil.rmtree(self.dir, ignore_errors=True)
         return left
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def main(argv: list[str]) -> int:

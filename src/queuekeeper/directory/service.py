@@ -8,6 +8,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable, Collection
 from functools import partial
+from typing import TypeVar
 
 import structlog
 from sqlalchemy.exc import IntegrityError
@@ -291,6 +292,41 @@ async def _known(
         )
 
 
+Row = TypeVar("Row", Offering, Customer, Project, Role)
+
+
+async def _upsert(
+    session: AsyncSession,
+    table: type[Row],
+    key: uuid.UUID,
+    make: Callable[[], Row],
+    apply: Callable[[Row], None],
+    *,
+    gone: BadRequest | None = None,
+) -> tuple[Row, bool]:
+    """The backend's idempotent PUT of one directory row, committed; True when created. A
+    conflict (a concurrent PUT created the row first, or a row it references was deleted
+    meanwhile) is tried once more on what is there now; a second is `gone` when given (the
+    reference is missing), else raised."""
+    for attempt in range(2):
+        row = await session.get(table, key)
+        created = row is None
+        if row is None:
+            row = make()
+            session.add(row)
+        apply(row)
+        try:
+            await session.commit()
+            return row, created
+        except IntegrityError as exc:
+            await session.rollback()
+            if attempt:
+                if gone is not None:
+                    raise gone from exc
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 async def put_offering(
     session: AsyncSession, offering_uuid: uuid.UUID, body: OfferingPut
 ) -> tuple[Offering, bool]:
@@ -299,12 +335,8 @@ async def put_offering(
     if body.project_uuid is not None:
         await _known(session, Project, body.project_uuid, "project_uuid")
     sent = body.model_fields_set
-    for attempt in range(2):
-        offering = await session.get(Offering, offering_uuid)
-        created = offering is None
-        if offering is None:
-            offering = Offering(uuid=offering_uuid, name=body.name, state=body.state or "")
-            session.add(offering)
+
+    def apply(offering: Offering) -> None:
         offering.name = body.name
         if body.state is not None:
             offering.state = body.state
@@ -312,59 +344,51 @@ async def put_offering(
             offering.customer_uuid = body.customer_uuid
         if "project_uuid" in sent:
             offering.project_uuid = body.project_uuid
-        try:
-            await session.commit()
-            return offering, created
-        except IntegrityError:
-            await session.rollback()
-            if attempt:
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+
+    return await _upsert(
+        session,
+        Offering,
+        offering_uuid,
+        lambda: Offering(uuid=offering_uuid, name=body.name, state=body.state or ""),
+        apply,
+    )
 
 
 async def put_customer(
     session: AsyncSession, customer_uuid: uuid.UUID, body: CustomerPut
 ) -> tuple[Customer, bool]:
-    for attempt in range(2):
-        customer = await session.get(Customer, customer_uuid)
-        created = customer is None
-        if customer is None:
-            customer = Customer(uuid=customer_uuid, name=body.name)
-            session.add(customer)
+    def apply(customer: Customer) -> None:
         customer.name = body.name
-        try:
-            await session.commit()
-            return customer, created
-        except IntegrityError:
-            await session.rollback()
-            if attempt:
-                raise
-    raise AssertionError("unreachable")  # pragma: no cover
+
+    return await _upsert(
+        session,
+        Customer,
+        customer_uuid,
+        lambda: Customer(uuid=customer_uuid, name=body.name),
+        apply,
+    )
 
 
 async def put_project(
     session: AsyncSession, project_uuid: uuid.UUID, body: ProjectPut
 ) -> tuple[Project, bool]:
     await _known(session, Customer, body.customer_uuid, "customer_uuid")
-    for attempt in range(2):
-        project = await session.get(Project, project_uuid)
-        created = project is None
-        if project is None:
-            project = Project(uuid=project_uuid, name=body.name, customer_uuid=body.customer_uuid)
-            session.add(project)
+
+    def apply(project: Project) -> None:
         project.name = body.name
         project.customer_uuid = body.customer_uuid
-        try:
-            await session.commit()
-            return project, created
-        except IntegrityError as exc:
-            await session.rollback()
-            if attempt:
-                raise BadRequest(
-                    f"Customer {body.customer_uuid.hex} was deleted meanwhile: PUT it first.",
-                    field="customer_uuid",
-                ) from exc
-    raise AssertionError("unreachable")  # pragma: no cover
+
+    return await _upsert(
+        session,
+        Project,
+        project_uuid,
+        lambda: Project(uuid=project_uuid, name=body.name, customer_uuid=body.customer_uuid),
+        apply,
+        gone=BadRequest(
+            f"Customer {body.customer_uuid.hex} was deleted meanwhile: PUT it first.",
+            field="customer_uuid",
+        ),
+    )
 
 
 async def delete_customer(session: AsyncSession, customer_uuid: uuid.UUID) -> None:
@@ -408,36 +432,32 @@ async def put_role(session: AsyncSession, role_uuid: uuid.UUID, body: RolePut) -
             f"Unknown user {body.user_uuid.hex}: PUT the user first.", field="user_uuid"
         )
     await _known(session, _ROLE_SCOPES[body.scope.type], body.scope.uuid, "scope.uuid")
-    for attempt in range(2):
-        role = await session.get(Role, role_uuid)
-        created = role is None
-        if role is None:
-            role = Role(uuid=role_uuid)
-            session.add(role)
+
+    def apply(role: Role) -> None:
         role.user_uuid = body.user_uuid
         role.role_name = body.role_name
         role.scope_type = body.scope.type
         role.scope_uuid = body.scope.uuid
         role.expires_at = body.expires_at
-        try:
-            await session.commit()
-        except IntegrityError as exc:
-            await session.rollback()
-            if attempt:
-                raise BadRequest(
-                    f"User {body.user_uuid.hex} was deleted meanwhile: PUT it first.",
-                    field="user_uuid",
-                ) from exc
-            continue
-        log.info(
-            "role_saved",
-            role=role_uuid.hex,
-            user=body.user_uuid.hex,
-            scope=f"{body.scope.type}:{body.scope.uuid.hex}",
-            created=created,
-        )
-        return role, created
-    raise AssertionError("unreachable")  # pragma: no cover
+
+    role, created = await _upsert(
+        session,
+        Role,
+        role_uuid,
+        lambda: Role(uuid=role_uuid),
+        apply,
+        gone=BadRequest(
+            f"User {body.user_uuid.hex} was deleted meanwhile: PUT it first.", field="user_uuid"
+        ),
+    )
+    log.info(
+        "role_saved",
+        role=role_uuid.hex,
+        user=body.user_uuid.hex,
+        scope=f"{body.scope.type}:{body.scope.uuid.hex}",
+        created=created,
+    )
+    return role, created
 
 
 async def delete_role(session: AsyncSession, role_uuid: uuid.UUID) -> None:
