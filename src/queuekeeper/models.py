@@ -360,6 +360,21 @@ class EventConsumer(Base):
     payload_filters: Mapped[dict[str, Any]] = mapped_column(
         default=dict, server_default=text("'{}'")
     )
+    # How it receives (contract §13): "rmq", its queue; "webhook", an HTTP POST to
+    # `webhook_url`. A webhook consumer's `queue_name` is `webhook_<uuid hex>`, a name no
+    # broker queue has (none is declared for it), and its copies are marked `webhook`.
+    delivery: Mapped[str] = mapped_column(String(8), default="rmq", server_default="rmq")
+    # The URL may carry a credential: stored, never returned (`webhook_destination` is).
+    webhook_url: Mapped[str | None] = mapped_column(Text)
+    # `whsec_` + base64 of the key; shown once, in the registration's answer.
+    webhook_secret: Mapped[str | None] = mapped_column(String(128))
+    # Set when the receiver answered 410: nothing more is delivered until an update.
+    webhook_gone_at: Mapped[datetime | None]
+    # The first failed attempt of the current run of failures; None once one succeeds.
+    webhook_failing_since: Mapped[datetime | None]
+    last_delivered_at: Mapped[datetime | None]
+    last_error: Mapped[str] = mapped_column(Text, default="", server_default="")
+    last_error_at: Mapped[datetime | None]
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     # Loaded with the consumer (one more query per listing, not per row).
@@ -437,7 +452,15 @@ class Delivery(Base):
             "ix_deliveries_pending_due",
             "next_attempt_at",
             "id",
-            postgresql_where=text("state = 'pending'"),
+            postgresql_where=text("state = 'pending' AND NOT webhook"),
+        ),
+        # A webhook consumer's pending copies in acceptance order: the dispatcher reads
+        # each consumer's oldest (migration 0015_webhooks).
+        Index(
+            "ix_deliveries_webhook_pending",
+            "consumer_uuid",
+            "id",
+            postgresql_where=text("state = 'pending' AND webhook"),
         ),
         # The parked copies of each queue, and those released but not yet published, in
         # acceptance order (migration 0011_parking; docs/decisions/015-parking.md).
@@ -485,6 +508,9 @@ class Delivery(Base):
     # A replay's copy: published with `x-queuekeeper-replay: "true"`. A database default
     # only, so the accept path's inserts need not name it.
     replay: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    # A webhook consumer's copy (contract §13): delivered by the webhook dispatcher, one
+    # at a time per consumer, never claimed by the queue relay. A database default only.
+    webhook: Mapped[bool] = mapped_column(Boolean, server_default=false())
 
 
 class JobRun(Base):

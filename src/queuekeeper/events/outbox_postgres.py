@@ -292,15 +292,16 @@ FROM judged j, events e
 WHERE d.id = j.id AND d.event_id = e.event_id AND {guard}
 """
 )
-# 'pending' is written out, not bound: the partial index of pending rows is used only when
-# the planner sees the literal it was defined with (asyncpg plans prepared statements).
+# 'pending' and `NOT webhook` are written out, not bound: the partial index of pending rows
+# is used only when the planner sees the predicate it was defined with (asyncpg plans
+# prepared statements); webhook copies are the webhook dispatcher's (migration 0015_webhooks).
 # FOR UPDATE SKIP LOCKED lets relays claim side by side without waiting on or
 # double-claiming each other's rows; the claim returns what publishing needs.
 CLAIM = (
     """
 WITH due AS (
     SELECT id FROM deliveries
-    WHERE state = 'pending' AND next_attempt_at <= $1
+    WHERE state = 'pending' AND NOT webhook AND next_attempt_at <= $1
     ORDER BY next_attempt_at, id
     LIMIT $2
     FOR UPDATE SKIP LOCKED

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, String, Table, case, func, literal_column, select
+from sqlalchemy import Row, String, Table, case, func, literal_column, select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from queuekeeper.models import Base, DeliveryState, Event, EventConsumer, EventSubscriptionQueue
@@ -28,6 +28,9 @@ PENDING = DeliveryState.PENDING
 # Written out, not bound: the partial index of pending rows is used only when the
 # planner sees the literal it was defined with.
 IS_PENDING = literal_column(f"'{PENDING.value}'", String)
+# The queue relay's copies: with `state = 'pending'`, the predicate of that index (webhook
+# copies are the webhook dispatcher's, counted apart; migration 0015_webhooks).
+FOR_QUEUES = text("NOT deliveries.webhook")
 
 
 async def delivery_states(
@@ -99,7 +102,7 @@ async def outbox_depth(session: Executor, now: datetime) -> OutboxDepth:
                 func.count(),
                 func.coalesce(func.sum(case((DELIVERIES.c.claimed_until > now, 1), else_=0)), 0),
                 func.min(DELIVERIES.c.created),
-            ).where(DELIVERIES.c.state == IS_PENDING)
+            ).where(DELIVERIES.c.state == IS_PENDING, FOR_QUEUES)
         )
     ).one()
     oldest = row[2]
