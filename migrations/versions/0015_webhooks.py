@@ -26,9 +26,7 @@ _TS = sa.DateTime(timezone=True)
 
 def upgrade() -> None:
     with op.batch_alter_table("event_consumers") as batch:
-        batch.add_column(
-            sa.Column("delivery", sa.String(8), nullable=False, server_default="rmq")
-        )
+        batch.add_column(sa.Column("delivery", sa.String(8), nullable=False, server_default="rmq"))
         batch.add_column(sa.Column("webhook_url", sa.Text(), nullable=True))
         batch.add_column(sa.Column("webhook_secret", sa.String(128), nullable=True))
         batch.add_column(sa.Column("webhook_gone_at", _TS, nullable=True))
