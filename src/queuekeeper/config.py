@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from functools import lru_cache
+from ipaddress import IPv4Network, IPv6Network, ip_network
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
@@ -26,6 +27,8 @@ POSTGRESQL_SCHEMES = ("postgresql", "postgres", "postgresql+asyncpg")
 # RabbitMQ's `x-overflow` values: a typo is refused at start-up, not by the broker at the
 # first registration.
 Overflow = Literal["drop-head", "reject-publish", "reject-publish-dlx"]
+
+IPNetwork = IPv4Network | IPv6Network
 
 
 class Settings(BaseSettings):
@@ -536,6 +539,62 @@ class Settings(BaseSettings):
     amqp_connect_timeout: float = Field(
         default=5.0, gt=0, description="Seconds to open an AMQP connection."
     )
+
+    # --- webhook consumers (contract §13; docs/webhooks.md) -----------------------------
+    webhook_allowed_networks: Annotated[list[IPNetwork], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated networks (CIDR) a webhook may point into although they "
+        "are loopback, private, link-local or otherwise not public (e.g. `10.0.5.0/24` for a "
+        "receiver inside the site). Empty: public addresses only.",
+    )
+    webhook_timeout_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds one webhook request may take (connect, send, answer) before the "
+        "attempt counts as failed.",
+    )
+    webhook_retry_seconds: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [1.0, 5.0, 25.0, 60.0, 300.0, 900.0, 3600.0],
+        description="Comma-separated delays (s) after the 1st, 2nd, ... failed attempt of a "
+        "webhook copy, the last repeated until retention gives the copy up; each with up to "
+        "20 % jitter.",
+    )
+    webhook_concurrency: int = Field(
+        default=64,
+        ge=1,
+        description="Webhook requests in flight at once in one relay, all receivers together.",
+    )
+    webhook_concurrency_per_destination: int = Field(
+        default=8,
+        ge=1,
+        description="Webhook requests in flight at once to one destination (scheme, host and "
+        "port): a slow receiver takes at most this many, the others go on.",
+    )
+    webhook_response_max_bytes: int = Field(
+        default=64 * 1024,
+        ge=0,
+        description="Most bytes of a receiver's answer read (the rest is dropped; the "
+        "status code decides).",
+    )
+
+    @field_validator("webhook_allowed_networks", mode="before")
+    @classmethod
+    def _networks(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [
+                ip_network(part.strip(), strict=False) for part in value.split(",") if part.strip()
+            ]
+        return value
+
+    @field_validator("webhook_retry_seconds", mode="before")
+    @classmethod
+    def _delays(cls, value: object) -> object:
+        if isinstance(value, str):
+            delays = [float(part) for part in value.split(",") if part.strip()]
+            if not delays or any(delay <= 0 for delay in delays):
+                raise ValueError("a comma-separated list of positive seconds")
+            return delays
+        return value
 
     @field_validator("service_tokens", "forwarded_allow_ips", mode="before")
     @classmethod
