@@ -34,6 +34,7 @@ from queuekeeper.broker.amqp import (
     connect_vhost,
     describe,
 )
+from queuekeeper.common.tasks import cancel_within
 from queuekeeper.config import Settings
 
 log = structlog.get_logger(__name__)
@@ -99,13 +100,9 @@ class PresenceListener:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
             # A stop that lands while the connection is being opened or closed must not wait
-            # on the broker's answer: the service stops within seconds whatever it does.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.gather(self._task, return_exceptions=True), STOP_SECONDS
-                )
+            # on the broker's answer.
+            await cancel_within(self._task, STOP_SECONDS)
             self._task = None
 
     async def _run(self) -> None:

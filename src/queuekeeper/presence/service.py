@@ -32,8 +32,9 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from queuekeeper.broker import topology
 from queuekeeper.broker.amqp import CONNECT_ERRORS, describe
 from queuekeeper.broker.management import ConnectionInfo, ManagementClient, QueueInfo
-from queuekeeper.broker.presence import ConsumerEvent, consumer_counts
+from queuekeeper.broker.presence import STOP_SECONDS, ConsumerEvent, consumer_counts
 from queuekeeper.broker.provisioner import Provisioner
+from queuekeeper.common.tasks import cancel_within
 from queuekeeper.config import Settings
 from queuekeeper.consumers import service as consumers
 from queuekeeper.jobs.runs import JobContext, Run
@@ -95,8 +96,8 @@ class PresenceWriter:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # Its write asks the broker (`observe`): a stop must not wait on a dead connection.
+            await cancel_within(self._task, STOP_SECONDS)
             self._task = None
 
     async def _run(self) -> None:
