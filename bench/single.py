@@ -197,15 +197,17 @@ class Step:
 
 @dataclass
 class Consumer:
-    """Takes every message off a queue; records when each message_id first arrived."""
+    """Takes every message off a queue (each queue `start` is called for, on a connection to
+    its vhost); records when each message_id first arrived."""
 
     received: dict[str, float] = field(default_factory=dict)
     duplicates: int = 0
-    connection: aio_pika.abc.AbstractConnection | None = None
+    connections: list[aio_pika.abc.AbstractConnection] = field(default_factory=list)
 
     async def start(self, vhost: str, queue: str) -> None:
-        self.connection = await aio_pika.connect(AMQP + vhost)
-        channel = await self.connection.channel()
+        connection = await aio_pika.connect(AMQP + vhost)
+        self.connections.append(connection)
+        channel = await connection.channel()
         await channel.set_qos(prefetch_count=2000)
         declared = await channel.declare_queue(queue, passive=True)
         await declared.consume(self._on_message, no_ack=True)
@@ -218,8 +220,9 @@ class Consumer:
             self.received[key] = time.time()
 
     async def close(self) -> None:
-        if self.connection is not None:
-            await self.connection.close()
+        for connection in self.connections:
+            await connection.close()
+        self.connections.clear()
 
 
 @dataclass
@@ -236,6 +239,22 @@ class Pipeline:
     log_lines: Callable[[], int] = lambda: 0
     # The service's own accept-to-confirm times of a step's events (None for raw).
     confirm_times: Callable[[str], Awaitable[list[float]]] | None = None
+
+
+async def start_rawpipe(
+    dsn: str, queues: list[tuple[str, str]]
+) -> tuple[subprocess.Popen[bytes], int]:
+    """`bench/_rawpipe.py` publishing each event to every (vhost, queue), once it is ready;
+    the process and its port."""
+    port = free_port()
+    targets = [part for vhost, queue in queues for part in (AMQP + vhost, queue)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "bench._rawpipe", str(port), dsn, *targets],
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    await asyncio.to_thread(process.stdout.readline)
+    return process, port
 
 
 async def generate(target: dict[str, Any], rate: int, seconds: float, prefix: str) -> Any:
@@ -587,21 +606,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
             raw_vhost, raw_queue = f"{settings.instance_name}-raw", "subscription_raw_single"
             await provisioner.ensure_vhost(raw_vhost)
             await provisioner.ensure_queue(raw_vhost, raw_queue)
-            raw_port = free_port()
-            raw_process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench._rawpipe",
-                    str(raw_port),
-                    dsn,
-                    AMQP + raw_vhost,
-                    raw_queue,
-                ],
-                stdout=subprocess.PIPE,
-            )
-            assert raw_process.stdout is not None
-            await asyncio.to_thread(raw_process.stdout.readline)
+            raw_process, raw_port = await start_rawpipe(dsn, [(raw_vhost, raw_queue)])
             raw_consumer = Consumer()
             consumers.append(raw_consumer)
             await raw_consumer.start(raw_vhost, raw_queue)

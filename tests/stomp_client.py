@@ -60,8 +60,13 @@ class StompConsumer:
     def connect(self) -> None:
         self.connection.connect(self.login, self.passcode, wait=True, with_connect_command=False)
 
-    def subscribe(self, destination: str, sub_id: str = "1") -> None:
-        self.connection.subscribe(destination=destination, id=sub_id, ack="auto")
+    def subscribe(
+        self, destination: str, sub_id: str = "1", ack: str = "auto", prefetch: int | None = None
+    ) -> None:
+        """`ack="client-individual"` with a `prefetch` leaves what it received unacked (the
+        broker sends no more than `prefetch` until they are acked)."""
+        headers = {"prefetch-count": str(prefetch)} if prefetch is not None else {}
+        self.connection.subscribe(destination=destination, id=sub_id, ack=ack, headers=headers)
 
     def wait_for(self, count: int = 1, timeout: float = 10.0) -> list[Received]:
         deadline = time.monotonic() + timeout

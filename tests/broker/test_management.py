@@ -9,8 +9,10 @@ import httpx
 import pytest
 import respx
 
+from queuekeeper.broker import management
 from queuekeeper.broker.management import (
     BrokerUnavailable,
+    ConnectionInfo,
     ManagementBadRequest,
     ManagementClient,
     ManagementNotFound,
@@ -196,6 +198,49 @@ async def test_real_broker_round_trip(settings: Settings) -> None:
     finally:
         await client.delete_vhost(vhost)
         await client.aclose()
+
+
+async def test_queues_now_counts_exactly_the_named_queues(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Names are matched whole and literally (a `.` is no wildcard), in as many calls as
+    QUEUES_PER_CALL needs; a vhost that is not there has none of them."""
+    monkeypatch.setattr(management, "QUEUES_PER_CALL", 2)
+    client = ManagementClient(settings)
+    vhost = f"{settings.instance_name}-totals"
+    try:
+        await client.put_vhost(vhost, description="test", tags=[settings.instance_tag])
+        for name in ("a.b", "aXb", "a.b.c", "c", "d"):
+            await client.put_queue(vhost, name, arguments={"x-max-length": 5})
+        found = await client.queues_now(vhost, ["a.b", "c", "d", "missing"])
+        assert sorted(found) == ["a.b", "c", "d"]
+        info = found["a.b"]
+        assert (info.messages_ready, info.messages_unacknowledged) == (0, 0)
+        assert (info.arguments, info.durable, info.auto_delete) == (
+            {"x-max-length": 5},
+            True,
+            False,
+        )
+        assert await client.queues_now(f"{vhost}-absent", ["a.b"]) == {}
+    finally:
+        await client.delete_vhost(vhost)
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("name", "peer"),
+    [
+        ("127.0.0.1:51962 -> 127.0.0.1:15674", ("127.0.0.1", 51962)),
+        ("[::1]:40000 -> [::1]:61613", ("::1", 40000)),
+        ("a name a plugin chose", (None, None)),
+    ],
+)
+def test_a_tracked_connection_is_named_after_its_peer(
+    name: str, peer: tuple[str | None, int | None]
+) -> None:
+    tracked = ConnectionInfo.tracked({"name": name, "vhost": "v", "user": "u", "node": "n"})
+    assert (tracked.peer_host, tracked.peer_port, tracked.vhost) == (*peer, "v")
+    assert (tracked.connected_at, tracked.client) == (None, None)
 
 
 async def test_a_refused_connection_is_named_as_such(settings: Settings) -> None:

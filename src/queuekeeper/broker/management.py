@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -177,6 +178,32 @@ class ConnectionInfo:
     peer_port: int | None
     connected_at: datetime | None
     client: str | None  # product and version from the client's properties, else the protocol
+    vhost: str | None = None
+
+    @classmethod
+    def tracked(cls, body: dict[str, Any]) -> ConnectionInfo:
+        """A connection as the broker's connection tracking lists it (`/connections/username/`):
+        exact at once, but only its name, vhost, user and node. RabbitMQ names a connection
+        `<peer host>:<peer port> -> <own host>:<own port>` (an IPv6 host in brackets), so the
+        peer is read from the name; when and with what client it came, only its statistics
+        say (`with_details`)."""
+        name = str(body.get("name") or "")
+        host, port = _peer_of(name)
+        vhost = body.get("vhost")
+        return cls(name, host, port, None, None, vhost if isinstance(vhost, str) else None)
+
+    def with_details(self, listed: ConnectionInfo | None) -> ConnectionInfo:
+        """This connection with what its statistics know, once they have arrived."""
+        if listed is None:
+            return self
+        return ConnectionInfo(
+            self.name,
+            listed.peer_host or self.peer_host,
+            listed.peer_port if listed.peer_port is not None else self.peer_port,
+            listed.connected_at,
+            listed.client,
+            self.vhost,
+        )
 
     @classmethod
     def parse(cls, body: dict[str, Any]) -> ConnectionInfo:
@@ -198,6 +225,14 @@ class ConnectionInfo:
             ),
             client=client or (str(protocol) if protocol else None),
         )
+
+
+_CONNECTION_NAME = re.compile(r"^\[?(?P<host>[^\]]*?)\]?:(?P<port>\d+) -> ")
+
+
+def _peer_of(name: str) -> tuple[str | None, int | None]:
+    match = _CONNECTION_NAME.match(name)
+    return (match["host"], int(match["port"])) if match else (None, None)
 
 
 def _dicts(body: Any) -> list[dict[str, Any]]:
@@ -252,6 +287,16 @@ def _ssl_context(settings: Settings) -> ssl.SSLContext | bool:
         context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
     return context
 
+
+# A queue's definition and the counts the queue itself answers (`enable_queue_totals`
+# without statistics): exact the moment they change, where the statistics' counts lag the
+# broker's collection interval (docs/decisions/028-status-without-lag.md).
+_TOTALS_COLUMNS = (
+    "name,vhost,durable,auto_delete,arguments,type,messages,messages_ready,messages_unacknowledged"
+)
+# Queues asked for in one call: their names go into the URL as one regular expression,
+# which stays well below the broker's 8,000-byte request line.
+QUEUES_PER_CALL = 40
 
 # A queue's fields that the broker answers without computing its statistics.
 _DEFINITION_COLUMNS = frozenset(
@@ -521,6 +566,38 @@ class ManagementClient:
         body = await self._get_or_none(path, "queue", **_queue_columns(columns))
         return QueueInfo.parse(body, vhost) if body is not None else None
 
+    async def queues_now(self, vhost: str, names: Collection[str]) -> dict[str, QueueInfo]:
+        """These queues of `vhost` that exist, with their definitions and the counts their
+        queue processes hold now (`messages_ready`, `messages_unacknowledged`, `messages`;
+        `consumers` is not among them): one call per QUEUES_PER_CALL names, none lagging the
+        statistics (docs/decisions/028-status-without-lag.md)."""
+        wanted = sorted(set(names))
+        found: dict[str, QueueInfo] = {}
+        path = f"/queues/{_q(vhost)}"
+        for start in range(0, len(wanted), QUEUES_PER_CALL):
+            chunk = wanted[start : start + QUEUES_PER_CALL]
+            params = {
+                "disable_stats": "true",
+                "enable_queue_totals": "true",
+                "columns": _TOTALS_COLUMNS,
+                "pagination": "true",
+                "page": 1,
+                "page_size": len(chunk),
+                "name": "^(" + "|".join(re.escape(name) for name in chunk) + ")$",
+                "use_regex": "true",
+            }
+            try:
+                response = await self._request("GET", path, "queue_list", params=params)
+            except ManagementNotFound:
+                return {}  # no such vhost: none of its queues exists
+            body = self._json(response, path)
+            items = _dicts(body.get("items")) if isinstance(body, dict) else []
+            for item in items:
+                info = QueueInfo.parse(item, vhost)
+                if info.name in chunk:
+                    found[info.name] = info
+        return found
+
     async def delete_queue(
         self, vhost: str, name: str, *, if_empty: bool = False, if_unused: bool = False
     ) -> bool:
@@ -601,28 +678,52 @@ class ManagementClient:
             return []
         return [ConnectionInfo.parse(item) for item in _dicts(self._json(response, path))]
 
-    async def queue_connections(self, vhost: str) -> dict[str, list[ConnectionInfo]]:
-        """Each queue of `vhost` that has consumers: the connections they came on (one entry
-        per connection, however many consumers it holds), oldest first."""
-        consumers, connections = await asyncio.gather(
-            self.list_consumers(vhost), self.list_connections(vhost)
+    async def user_connections(self, user: str) -> list[ConnectionInfo]:
+        """The connections logged in as `user` now, in any vhost, from the broker's connection
+        tracking: exact the moment a connection opens or closes, unlike the statistics
+        (`list_connections`), which lag the collection interval
+        (docs/decisions/028-status-without-lag.md)."""
+        path = f"/connections/username/{_q(user)}"
+        try:
+            response = await self._request("GET", path, "connection")
+        except ManagementNotFound:
+            return []
+        return [ConnectionInfo.tracked(item) for item in _dicts(self._json(response, path))]
+
+    async def queue_connections(
+        self, vhost: str, readers: Mapping[str, str]
+    ) -> dict[str, list[ConnectionInfo]]:
+        """The connections reading each queue of `readers` (queue name -> the broker user its
+        consumers log in as), oldest first.
+
+        Exact from the connection tracking (`user_connections`): the user's open connections
+        in `vhost`, without those the statistics say consume only other queues. The
+        statistics, seconds behind, add when and with what client each came, and tell a
+        user's connections to two queues apart once they have seen them
+        (docs/decisions/028-status-without-lag.md)."""
+        users = sorted(set(readers.values()))
+        consumers, listed, tracked = await asyncio.gather(
+            self.list_consumers(vhost),
+            self.list_connections(vhost),
+            asyncio.gather(*(self.user_connections(user) for user in users)),
         )
-        by_name = {connection.name: connection for connection in connections}
-        found: dict[str, dict[str, ConnectionInfo]] = {}
+        details = {connection.name: connection for connection in listed}
+        reading: dict[str, set[str]] = {}
         for consumer in consumers:
-            connection = by_name.get(consumer.connection_name)
-            if connection is None and consumer.peer_host is not None:
-                # Listed among the consumers before its connection's statistics arrived.
-                connection = ConnectionInfo(
-                    consumer.connection_name, consumer.peer_host, consumer.peer_port, None, None
-                )
-            if connection is not None:  # else: neither list knows its peer yet
-                found.setdefault(consumer.queue, {})[connection.name] = connection
+            reading.setdefault(consumer.connection_name, set()).add(consumer.queue)
+        open_by_user = dict(zip(users, tracked, strict=True))
         oldest = datetime.max.replace(tzinfo=UTC)
-        return {
-            queue: sorted(named.values(), key=lambda c: (c.connected_at or oldest, c.name))
-            for queue, named in found.items()
-        }
+        found: dict[str, list[ConnectionInfo]] = {}
+        for queue, user in readers.items():
+            mine = [
+                connection.with_details(details.get(connection.name))
+                for connection in open_by_user[user]
+                if connection.vhost == vhost
+                # Not yet seen consuming (new since the last collection), or seen on this queue.
+                and queue in reading.get(connection.name, {queue})
+            ]
+            found[queue] = sorted(mine, key=lambda c: (c.connected_at or oldest, c.name))
+        return found
 
     # --- connections and limits (revocation, quotas) --------------------------------------
     async def close_user_connections(self, user: str) -> bool:

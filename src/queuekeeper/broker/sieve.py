@@ -1,19 +1,20 @@
-"""Taking one offering's copies out of a consumer's queue, keeping the rest
+"""Taking chosen copies out of a consumer's queue, keeping the rest
 (docs/decisions/003-revoked-scope-copies.md).
 
-A consumer bound to several offerings has one queue for all of them; when the owner's
-grant of one offering is revoked, that offering's copies already queued must not reach
-the agent. AMQP cannot remove chosen messages from a queue, so the queue is read once
-through: each message (basic.get) is either dropped (its `offering_uuid` header names
-the offering) or published again to the same queue and confirmed, and only then acked.
-A failure leaves the message unacked, so the broker puts it back: nothing else is lost.
+A consumer has one queue for every entity it binds; when its owner loses the right to some
+of them (a revoked offering grant, a revoked role), their copies already queued must not
+reach the agent. AMQP cannot remove chosen messages from a queue, so the queue is read once
+through, a batch at a time: the caller judges each batch (by the copies' event and
+offering), and each message is either dropped or published again to the same queue and
+confirmed, and only then acked. A failure leaves the messages unacked, so the broker puts
+them back: nothing else is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,9 @@ from queuekeeper.config import Settings
 
 # Set on every copy by the relay (events/relay.event_message).
 OFFERING_HEADER = "offering_uuid"
+EVENT_HEADER = "event_id"
+# Messages held unacked while their batch is judged.
+BATCH = 100
 
 
 def copy_of(message: AbstractIncomingMessage, headers: dict[str, Any]) -> aio_pika.Message:
@@ -52,13 +56,42 @@ class Sieved:
     removed: int
 
 
+@dataclass(frozen=True)
+class QueuedCopy:
+    """A message of the queue as the judge sees it: the event it is a copy of and the
+    offering it was published for (None when its headers do not say)."""
+
+    event_id: str | None
+    offering_uuid: str | None  # hex
+
+    @classmethod
+    def of(cls, message: AbstractIncomingMessage) -> QueuedCopy:
+        headers = dict(message.headers or {})
+        event = headers.get(EVENT_HEADER) or message.message_id
+        offering = headers.get(OFFERING_HEADER)
+        return cls(str(event) if event else None, str(offering) if offering else None)
+
+
+# Given a batch of copies, the positions of those to remove.
+Judge = Callable[[Sequence[QueuedCopy]], Awaitable[Collection[int]]]
+
+
 async def remove_offering_copies(
     settings: Settings, vhost: str, queue: str, offering_uuids: Collection[uuid.UUID]
 ) -> Sieved:
-    """Read `queue` once through, dropping the copies of `offering_uuids` and publishing the
-    others again (to its tail, confirmed). The caller makes sure nobody else consumes the
-    queue meanwhile: a message another consumer holds unacked is not seen."""
+    """Remove the copies of `offering_uuids` from `queue`, as `remove_copies` does."""
     offerings = {offering.hex for offering in offering_uuids}
+
+    async def of_offerings(copies: Sequence[QueuedCopy]) -> set[int]:
+        return {i for i, copy in enumerate(copies) if copy.offering_uuid in offerings}
+
+    return await remove_copies(settings, vhost, queue, of_offerings)
+
+
+async def remove_copies(settings: Settings, vhost: str, queue: str, judge: Judge) -> Sieved:
+    """Read `queue` once through, BATCH messages at a time, dropping those `judge` names and
+    publishing the others again (to its tail, confirmed). The caller makes sure nobody else
+    consumes the queue meanwhile: a message another consumer holds unacked is not seen."""
     timeout = settings.management_timeout
     connection, _node = await connect_vhost(
         amqp_nodes(settings), vhost, connect_timeout=timeout, ssl_context=amqp_ssl_context(settings)
@@ -76,18 +109,27 @@ async def remove_offering_copies(
             await asyncio.sleep(0.05)
             declared = await channel.declare_queue(queue, passive=True)
         # Only what was there when we started: what we publish again goes behind it.
-        for _ in range(int(declared.declaration_result.message_count or 0)):
-            message = await declared.get(fail=False, no_ack=False, timeout=timeout)
-            if message is None:
-                break
-            headers = dict(message.headers or {})
-            if str(headers.get(OFFERING_HEADER) or "") in offerings:
-                await message.ack()
-                removed += 1
-                continue
-            await channel.default_exchange.publish(
-                copy_of(message, headers), routing_key=queue, mandatory=True, timeout=timeout
-            )
-            await message.ack()  # only now: the copy is confirmed in the queue
-            kept += 1
+        left = int(declared.declaration_result.message_count or 0)
+        while left > 0:
+            batch: list[AbstractIncomingMessage] = []
+            while len(batch) < min(left, BATCH):
+                message = await declared.get(fail=False, no_ack=False, timeout=timeout)
+                if message is None:
+                    break
+                batch.append(message)
+            left = 0 if len(batch) < min(left, BATCH) else left - len(batch)
+            unwanted = await judge([QueuedCopy.of(message) for message in batch])
+            for position, message in enumerate(batch):
+                if position in unwanted:
+                    await message.ack()
+                    removed += 1
+                    continue
+                await channel.default_exchange.publish(
+                    copy_of(message, dict(message.headers or {})),
+                    routing_key=queue,
+                    mandatory=True,
+                    timeout=timeout,
+                )
+                await message.ack()  # only now: the copy is confirmed in the queue
+                kept += 1
     return Sieved(kept, removed)

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from queuekeeper.broker import topology
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
 from queuekeeper.consumers.schemas import ConsumerFilters
-from queuekeeper.events.authorization import binding_allowed_sql
+from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.models import (
     AgentIdentity,
     AwareDateTime,
@@ -377,6 +377,89 @@ async def authorized_now(
         },
     )
     return set(rows)
+
+
+# The rule copies are published by, for a copy of event `e` to the consumer `:consumer` for
+# the offering `offering` (a fan-out copy's own, else its event's). The outer aliases are
+# not those authorized_sql uses inside (`c`, `u`, ...).
+def _copy_authorized(consumer: str, offering: str) -> str:
+    return authorized_sql(
+        "NULL::uuid", consumer, offering, ":now", "e.project_uuid", "e.subject_user_uuid"
+    )
+
+
+_HOLDING_UNAUTHORIZED = text(
+    f"""
+    SELECT DISTINCT oc.uuid, oc.user_uuid FROM event_consumers oc
+    JOIN deliveries d ON d.consumer_uuid = oc.uuid
+    JOIN events e ON e.event_id = d.event_id
+    WHERE oc.user_uuid = ANY(:owners) AND oc.delivery = 'rmq'
+        AND d.state = 'published' AND d.finished >= :since
+        AND NOT {_copy_authorized("oc.uuid", "COALESCE(d.offering_uuid, e.offering_uuid)")}
+    """  # noqa: S608 - the module's constants
+).bindparams(
+    bindparam("owners", type_=ARRAY(Uuid())),
+    bindparam("since", type_=AwareDateTime()),
+    bindparam("now", type_=AwareDateTime()),
+)
+
+
+async def holding_unauthorized_copies(
+    session: AsyncSession, owner_uuids: Collection[uuid.UUID], since: datetime, now: datetime
+) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    """(consumer, owner) of these owners' queue consumers that the broker confirmed a copy
+    to since `since` which their owner may not receive at `now`: the queues that may hold
+    copies to take out (docs/decisions/003-revoked-scope-copies.md)."""
+    if not owner_uuids:
+        return []
+    rows = await session.execute(
+        _HOLDING_UNAUTHORIZED, {"owners": list(owner_uuids), "since": since, "now": now}
+    )
+    return [(consumer, owner) for consumer, owner in rows]
+
+
+_UNAUTHORIZED_COPIES = text(
+    f"""
+    SELECT m.position FROM unnest(:events, :offerings) WITH ORDINALITY
+        AS m(event_id, offering, position)
+    JOIN events e ON e.event_id = m.event_id
+    WHERE NOT {_copy_authorized(":consumer", "COALESCE(m.offering, e.offering_uuid)")}
+    """  # noqa: S608 - the module's constants
+).bindparams(
+    bindparam("events", type_=ARRAY(String())),
+    bindparam("offerings", type_=ARRAY(Uuid())),
+    bindparam("consumer", type_=Uuid()),
+    bindparam("now", type_=AwareDateTime()),
+)
+
+
+async def unauthorized_copies(
+    session: AsyncSession,
+    consumer_uuid: uuid.UUID,
+    copies: Sequence[tuple[str | None, str | None]],
+    now: datetime,
+) -> set[int]:
+    """Of copies in the consumer's queue, as (event id, offering hex), the positions of those
+    its owner may not receive at `now` (one query for a batch). A copy of an event no longer
+    stored (past retention), or without an event id, is kept: nothing says it is not."""
+    offerings = [_uuid_or_none(offering) for _, offering in copies]
+    rows = await session.scalars(
+        _UNAUTHORIZED_COPIES,
+        {
+            "events": [event or "" for event, _ in copies],
+            "offerings": offerings,
+            "consumer": consumer_uuid,
+            "now": now,
+        },
+    )
+    return {int(position) - 1 for position in rows}
+
+
+def _uuid_or_none(value: str | None) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(value) if value else None
+    except ValueError:
+        return None
 
 
 async def delete_bindings_on(

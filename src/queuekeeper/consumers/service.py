@@ -17,7 +17,7 @@ there.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -481,7 +481,69 @@ async def remove_revoked_copies(
     """A consumer that lost `offering_uuids` as scopes (its owner's grant was revoked, or its
     identity moved to another offering) and kept others: take those offerings' copies out of
     its queue, keeping the others (docs/decisions/003-revoked-scope-copies.md,
-    docs/decisions/021-authorized-when-published.md).
+    docs/decisions/021-authorized-when-published.md)."""
+    await _sieve(
+        session,
+        provisioner,
+        owner_uuid,
+        consumer_uuid,
+        lambda vhost, queue: sieve.remove_offering_copies(
+            provisioner.settings, vhost, queue, offering_uuids
+        ),
+        offerings=sorted(offering.hex for offering in offering_uuids),
+    )
+
+
+async def remove_unauthorized_copies(
+    session: AsyncSession, provisioner: Provisioner, owner_uuids: Collection[uuid.UUID]
+) -> None:
+    """After these owners lost a role (deleted, expired, moved): take out of each of their
+    consumers' queues the copies they may no longer receive, by the rule copies are
+    published by, keeping the others (docs/decisions/003-revoked-scope-copies.md). Only a
+    queue that was sent such a copy within its messages' time to live is read through."""
+    now = utcnow()
+    since = now - timedelta(milliseconds=provisioner.settings.queue_message_ttl_ms)
+    holding = await repository.holding_unauthorized_copies(session, owner_uuids, since, now)
+    await session.commit()
+    for consumer_uuid, owner_uuid in holding:
+        await _sieve(
+            session,
+            provisioner,
+            owner_uuid,
+            consumer_uuid,
+            _unauthorized_reader(session, provisioner.settings, consumer_uuid),
+            reason="role_revoked",
+        )
+
+
+def _unauthorized_reader(
+    session: AsyncSession, settings: Settings, consumer_uuid: uuid.UUID
+) -> Callable[[str, str], Awaitable[sieve.Sieved]]:
+    """Reads a queue through, removing the copies the consumer's owner may no longer receive."""
+
+    async def unauthorized(copies: Sequence[sieve.QueuedCopy]) -> set[int]:
+        return await repository.unauthorized_copies(
+            session,
+            consumer_uuid,
+            [(copy.event_id, copy.offering_uuid) for copy in copies],
+            utcnow(),
+        )
+
+    async def read_through(vhost: str, queue: str) -> sieve.Sieved:
+        return await sieve.remove_copies(settings, vhost, queue, unauthorized)
+
+    return read_through
+
+
+async def _sieve(
+    session: AsyncSession,
+    provisioner: Provisioner,
+    owner_uuid: uuid.UUID,
+    consumer_uuid: uuid.UUID,
+    read_through: Callable[[str, str], Awaitable[sieve.Sieved]],
+    **context: Any,
+) -> None:
+    """Read the consumer's queue through with `read_through(vhost, queue)`.
 
     Under the owner lock, its broker login is switched off and its connections closed
     (what the agent held unacked goes back to the queue) while the queue is read through,
@@ -498,15 +560,13 @@ async def remove_revoked_copies(
         try:
             await provisioner.set_consumer_password(consumer_uuid, None)
             await provisioner.close_connections([name])
-            sieved = await sieve.remove_offering_copies(
-                provisioner.settings, vhost, queue, offering_uuids
-            )
+            sieved = await read_through(vhost, queue)
         except Exception as exc:  # never turns the committed revocation into an error
             log.warning(
                 "revoked_copies_not_removed",
                 consumer=consumer_uuid.hex,
-                offerings=sorted(offering.hex for offering in offering_uuids),
                 error=repr(exc),
+                **context,
             )
         finally:
             try:
@@ -524,7 +584,7 @@ async def remove_revoked_copies(
         log.info(
             "revoked_copies_removed",
             consumer=consumer_uuid.hex,
-            offerings=sorted(offering.hex for offering in offering_uuids),
             removed=sieved.removed,
             kept=sieved.kept,
+            **context,
         )

@@ -167,9 +167,15 @@ async def delete_project(project_uuid: str, session: SessionDep) -> Response:
     responses={**created_or_updated(RoleOut), **SERVICE_ERRORS},
 )
 async def put_role(
-    role_uuid: str, body: RolePut, response: Response, session: SessionDep
+    role_uuid: str,
+    body: RolePut,
+    response: Response,
+    session: SessionDep,
+    provisioner: ProvisionerDep,
 ) -> RoleOut:
-    role, created = await service.put_role(session, _uuid(role_uuid, "role_uuid"), body)
+    role, created = await service.put_role(
+        session, provisioner, _uuid(role_uuid, "role_uuid"), body
+    )
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     return RoleOut.from_row(role)
 
@@ -178,11 +184,12 @@ async def put_role(
     "/roles/{role_uuid}/",
     status_code=status.HTTP_204_NO_CONTENT,
     summary="Delete a role grant",
-    description="Delivery through it stops with the next event. 204 also when gone.",
+    description="Delivery through it stops with the next event, and the copies its user may "
+    "no longer receive are taken out of its consumers' queues. 204 also when gone.",
     responses=SERVICE_ERRORS,
 )
-async def delete_role(role_uuid: str, session: SessionDep) -> Response:
-    await service.delete_role(session, _uuid(role_uuid, "role_uuid"))
+async def delete_role(role_uuid: str, session: SessionDep, provisioner: ProvisionerDep) -> Response:
+    await service.delete_role(session, provisioner, _uuid(role_uuid, "role_uuid"))
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

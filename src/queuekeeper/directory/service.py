@@ -424,14 +424,20 @@ _ROLE_SCOPES: dict[str, type[Customer | Project | Offering]] = {
 }
 
 
-async def put_role(session: AsyncSession, role_uuid: uuid.UUID, body: RolePut) -> tuple[Role, bool]:
+async def put_role(
+    session: AsyncSession, provisioner: Provisioner, role_uuid: uuid.UUID, body: RolePut
+) -> tuple[Role, bool]:
     """A user's role on a customer, project or offering; True when created. The user and
-    the scope must have been pushed (else a 400 naming which)."""
+    the scope must have been pushed (else a 400 naming which). An update that takes a role
+    away from its user (another user or scope, or an expiry now past) removes the copies
+    that user may no longer receive from its consumers' queues, as `delete_role` does."""
     if await session.get(User, body.user_uuid) is None:
         raise BadRequest(
             f"Unknown user {body.user_uuid.hex}: PUT the user first.", field="user_uuid"
         )
     await _known(session, _ROLE_SCOPES[body.scope.type], body.scope.uuid, "scope.uuid")
+    before = await session.get(Role, role_uuid)
+    held = (before.user_uuid, before.scope_type, before.scope_uuid) if before is not None else None
 
     def apply(role: Role) -> None:
         role.user_uuid = body.user_uuid
@@ -457,17 +463,26 @@ async def put_role(session: AsyncSession, role_uuid: uuid.UUID, body: RolePut) -
         scope=f"{body.scope.type}:{body.scope.uuid.hex}",
         created=created,
     )
+    expired = body.expires_at is not None and body.expires_at <= utcnow()
+    if held is not None and (expired or held != (body.user_uuid, body.scope.type, body.scope.uuid)):
+        await consumers_service.remove_unauthorized_copies(session, provisioner, [held[0]])
     return role, created
 
 
-async def delete_role(session: AsyncSession, role_uuid: uuid.UUID) -> None:
+async def delete_role(
+    session: AsyncSession, provisioner: Provisioner, role_uuid: uuid.UUID
+) -> None:
     """The role stops counting for the next event (authorization at delivery, contract
-    §12). 204 also when gone."""
+    §12), and the copies its user may no longer receive leave its consumers' queues
+    (docs/decisions/003-revoked-scope-copies.md). 204 also when gone."""
     role = await session.get(Role, role_uuid)
+    user_uuid = role.user_uuid if role is not None else None
     if role is not None:
         await session.delete(role)
     await session.commit()
     log.info("role_deleted", role=role_uuid.hex, existed=role is not None)
+    if user_uuid is not None:
+        await consumers_service.remove_unauthorized_copies(session, provisioner, [user_uuid])
 
 
 async def delete_offering(

@@ -66,17 +66,20 @@ class QueueStatusFields(BaseModel):
     )
     connections: list[ConnectionOut] = Field(
         default_factory=list,
-        description="The connections its consumers came on (the Management API's statistics, "
-        "a few seconds behind).",
+        description="The connections its consumers came on, whenever `connected` is true "
+        "(`connected_at` and `client` may be null in the seconds after a connect).",
     )
     away_since: datetime | None = Field(
         default=None,
         description="Since when it has had no consumer (its last one left, or queuekeeper first "
         "saw it without one); null while connected.",
     )
-    ready: int | None = Field(default=None, description="Messages waiting in the queue.")
+    ready: int | None = Field(
+        default=None, description="Messages waiting in the queue now (null: no such queue)."
+    )
     unacked: int | None = Field(
-        default=None, description="Messages delivered to its consumer and not yet acknowledged."
+        default=None,
+        description="Messages delivered to its consumer and not yet acknowledged, now.",
     )
     parked: int | None = Field(
         default=None, description="Copies held in the outbox while its agent is away."

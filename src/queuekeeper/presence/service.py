@@ -56,10 +56,6 @@ from queuekeeper.presence.schemas import (
 
 log = structlog.get_logger(__name__)
 
-# The columns a queue's status needs from the Management API.
-STATUS_COLUMNS = (
-    "name,arguments,durable,auto_delete,messages,messages_ready,messages_unacknowledged,consumers"
-)
 # Events arriving together (an agent with several queues, a broker restart) are handled
 # as one batch: one query and one connection per vhost.
 GATHER_SECONDS = 0.2
@@ -331,11 +327,11 @@ async def statuses(
     provisioner: Provisioner,
     settings: Settings,
     regs: Sequence[Registration],
-    listed: dict[Key, QueueInfo | None] | None = None,
 ) -> dict[Key, QueueStatusFields]:
-    """Each registration's status. `listed`: the broker's entries when the caller has them
-    (the admin view's listing); otherwise each queue is asked for. The database is read
-    first and its transaction ended before any broker call."""
+    """Each registration's status. The database is read first and its transaction ended
+    before any broker call. What the broker says is what it holds at the moment it is asked,
+    never its statistics, which lag their collection interval: the queues' counts and who
+    reads them right after an agent (re)connects (docs/decisions/028-status-without-lag.md)."""
     if not regs:
         return {}
     keys = [reg.key for reg in regs]
@@ -351,13 +347,26 @@ async def statuses(
 
     management = provisioner.management
     limit = asyncio.Semaphore(8)
-    vhosts = sorted({reg.vhost for reg in regs})
+    by_vhost: dict[str, list[Registration]] = defaultdict(list)
+    for reg in regs:
+        by_vhost[reg.vhost].append(reg)
+    vhosts = sorted(by_vhost)
 
-    async def queue_info(reg: Registration) -> QueueInfo | None:
-        if listed is not None and reg.key in listed:
-            return listed[reg.key]
+    async def queues_now(vhost: str) -> dict[str, QueueInfo]:
         async with limit:
-            return await management.get_queue(reg.vhost, reg.queue_name, columns=STATUS_COLUMNS)
+            return await management.queues_now(vhost, [reg.queue_name for reg in by_vhost[vhost]])
+
+    async def readers(vhost: str) -> dict[str, list[ConnectionInfo]]:
+        # Only a queue that may have a consumer (or that no check has seen yet) is asked.
+        wanted = {
+            reg.queue_name: reg.broker_user.hex
+            for reg in by_vhost[vhost]
+            if (row := presence.get(reg.key)) is None or row.consumers > 0
+        }
+        if not wanted:
+            return {}
+        async with limit:
+            return await management.queue_connections(vhost, wanted)
 
     async def user_present(reg: Registration) -> bool:
         async with limit:
@@ -367,10 +376,10 @@ async def statuses(
     for vhost in vhosts:
         census.latest(vhost)  # a count that is due starts now, beside the calls below
 
-    infos, users, connections = await asyncio.gather(
-        asyncio.gather(*(queue_info(reg) for reg in regs)),
+    queues, users, connections = await asyncio.gather(
+        asyncio.gather(*(queues_now(vhost) for vhost in vhosts)),
         asyncio.gather(*(user_present(reg) for reg in regs)),
-        asyncio.gather(*(management.queue_connections(vhost) for vhost in vhosts)),
+        asyncio.gather(*(readers(vhost) for vhost in vhosts)),
     )
     letters = await asyncio.gather(*(census.read(vhost, CENSUS_WAIT_SECONDS) for vhost in vhosts))
     await _first_sight(
@@ -383,9 +392,11 @@ async def statuses(
     now = utcnow()
     park_after = timedelta(seconds=settings.park_after_seconds)
     found: dict[Key, QueueStatusFields] = {}
-    for reg, info, present in zip(regs, infos, users, strict=True):
+    queues_by_vhost = dict(zip(vhosts, queues, strict=True))
+    for reg, present in zip(regs, users, strict=True):
+        info = queues_by_vhost[reg.vhost].get(reg.queue_name)
         row = presence.get(reg.key)
-        consumers = row.consumers if row is not None else (info.consumers if info else None)
+        consumers = row.consumers if row is not None else None
         away_since = row.away_since if row is not None and not consumers else None
         differences = provisioner.differences(info) if info is not None else []
         reason, detail = blocked_reason(
@@ -407,7 +418,9 @@ async def statuses(
             connections=[
                 ConnectionOut.from_info(c)
                 for c in connected_by_vhost[reg.vhost].get(reg.queue_name, [])
-            ],
+            ]
+            if consumers
+            else [],
             away_since=away_since,
             ready=info.messages_ready if info else None,
             unacked=info.messages_unacknowledged if info else None,
@@ -456,12 +469,12 @@ async def statuses_of(
     session: AsyncSession,
     provisioner: Provisioner,
     settings: Settings,
-    listed: dict[Key, QueueInfo | None],
+    keys: Collection[Key],
 ) -> dict[Key, QueueStatusFields]:
-    """The status of each registered queue among `listed` (the admin queue view's page, with
-    the broker's entries it has already); queues nobody registered are left out."""
-    regs = await repository.registrations(session, listed.keys())
-    return await statuses(session, provisioner, settings, list(regs.values()), listed)
+    """The status of each registered queue among `keys` (the admin queue view's page);
+    queues nobody registered are left out."""
+    regs = await repository.registrations(session, keys)
+    return await statuses(session, provisioner, settings, list(regs.values()))
 
 
 async def consumer_status(

@@ -138,15 +138,15 @@ async def queue_page(
 async def with_status(context: JobContext, page: list[QueueStateOut]) -> list[QueueStateOut]:
     """The page's registered queues with why each is silent (contract §11): asked for the
     page only, so the cost follows the page size, not the number of queues."""
-    listed = {
-        (entry.vhost, entry.queue_name): entry.broker
+    keys = [
+        (entry.vhost, entry.queue_name)
         for entry in page
         if entry.registered and entry.state is not QueueState.FOREIGN_VHOST
-    }
-    if not listed:
+    ]
+    if not keys:
         return page
     async with context.sessions() as session:
-        found = await presence.statuses_of(session, context.provisioner, context.settings, listed)
+        found = await presence.statuses_of(session, context.provisioner, context.settings, keys)
     fields = list(QueueStatusFields.model_fields)
     return [
         entry.model_copy(update={name: getattr(status, name) for name in fields})
