@@ -27,11 +27,12 @@ from queuekeeper.consumers.schemas import (
     Delivery,
     QueueRegistration,
     RegistrationOut,
+    ResyncOut,
     WebhookConsumerOut,
     WebhookRegistration,
     WebhookUpdate,
 )
-from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
+from queuekeeper.state import EngineDep, ProvisionerDep, SessionDep, SettingsDep
 
 router = caller_router(Caller.AGENT, tags=["agents"])
 
@@ -326,3 +327,35 @@ async def update_webhook(
     consumer = await service.update_webhook(session, settings, caller, consumer_uuid, body)
     facts = await service.facts_of(session, settings, [consumer])
     return ConsumerOut.from_row(consumer, facts[consumer.uuid], as_staff=caller is None)
+
+
+@router.post(
+    "/api/event-consumers/{consumer_uuid}/resync/",
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Send a consumer the current state (staff and support, or the service token)",
+    description="Every active role grant the consumer may receive (within its bindings; every "
+    "one for a global consumer; through its object types and payload filters) is sent once "
+    'as a `user_role` message with `event_type: "role_snapshot"` (`user_uuid`, '
+    "`user_username`, `role_name`, `scope_type`, `scope_uuid`, `expires_at`), through the "
+    "consumer's own path (its queue or its webhook), to it alone. Answers 202 once they "
+    "are written to the outbox.",
+    responses=error_responses(
+        401,
+        403,
+        404,
+        descriptions={
+            403: "You are neither a staff nor a support user.",
+            404: "No such consumer, or another user's (a service token sees every one).",
+        },
+    ),
+)
+@service_too
+async def resync_event_consumer(
+    consumer_uuid: str,
+    caller: AgentOrService,
+    session: SessionDep,
+    engine: EngineDep,
+    settings: SettingsDep,
+) -> ResyncOut:
+    types = await service.resync(session, engine, settings, caller, consumer_uuid)
+    return ResyncOut(object_types=types)

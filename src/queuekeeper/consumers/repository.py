@@ -30,6 +30,7 @@ from queuekeeper.common.pagination import Page, Paged, fetch_paged
 from queuekeeper.consumers.schemas import ConsumerFilters
 from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.models import (
+    CONSUMER_ON_BROKER,
     AgentIdentity,
     AwareDateTime,
     Customer,
@@ -42,6 +43,7 @@ from queuekeeper.models import (
     Offering,
     Project,
     QueuePresence,
+    Role,
     User,
     utcnow,
 )
@@ -226,7 +228,8 @@ async def needing_password(
     named = [found for found in (topology.uuid_of(name) for name in also) if found is not None]
     rows = await session.scalars(
         consumers(owner_uuid).where(
-            or_(differs, EventConsumer.uuid.in_(named)) if named else differs
+            or_(differs, EventConsumer.uuid.in_(named)) if named else differs,
+            CONSUMER_ON_BROKER,  # a webhook consumer has no broker user
         )
     )
     return list(rows)
@@ -507,3 +510,14 @@ async def webhook_pending(session: AsyncSession, consumer_uuid: uuid.UUID) -> Pe
         _utc(row[1]) if row[1] is not None else None,
         _utc(row[2]) if row[2] is not None else None,
     )
+
+
+async def active_roles(session: AsyncSession, now: datetime) -> list[tuple[Role, str]]:
+    """Every role grant that has not expired, with its user's username, oldest first."""
+    rows = await session.execute(
+        select(Role, User.username)
+        .join(User, User.uuid == Role.user_uuid)
+        .where(or_(Role.expires_at.is_(None), Role.expires_at > now))
+        .order_by(Role.created, Role.uuid)
+    )
+    return [(role, username) for role, username in rows.tuples()]

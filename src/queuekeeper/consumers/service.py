@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
 from queuekeeper.auth.repository import UserGone, login_hash_now
@@ -48,6 +48,8 @@ from queuekeeper.consumers.schemas import (
     bindings_of,
     token_prefix,
 )
+from queuekeeper.events.outbox import Outbox, Snapshot
+from queuekeeper.events.recipients import Copy
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.models import (
     BrokerState,
@@ -55,6 +57,7 @@ from queuekeeper.models import (
     EventConsumerBinding,
     EventConsumerScope,
     Offering,
+    Role,
     User,
     utcnow,
 )
@@ -441,6 +444,12 @@ def _blocked(
     return None
 
 
+async def webhook_pending(session: AsyncSession, consumer_uuid: uuid.UUID) -> repository.Pending:
+    """A webhook consumer's copies waiting for its receiver: how many, the oldest, the next
+    attempt (contract §13's status)."""
+    return await repository.webhook_pending(session, consumer_uuid)
+
+
 async def list_consumers(
     session: AsyncSession, caller: User | None, filters: ConsumerFilters, page: Page
 ) -> Paged[EventConsumer]:
@@ -509,7 +518,9 @@ async def remove_revoked_copies(
     name = topology.consumer_user_name(consumer_uuid)
     async with owner_locked(session, owner_uuid, vhost_exclusive=False):
         consumer = await repository.get(session, consumer_uuid)
-        if consumer is None:
+        # A webhook consumer has no queue to read through nor broker login: what it had not
+        # received was given up with the revocation.
+        if consumer is None or consumer.delivery == WEBHOOK:
             await session.commit()
             return
         vhost, queue = consumer.vhost, consumer.queue_name
@@ -772,3 +783,63 @@ async def update_webhook(
         given_up=given_up,
     )
     return consumer
+
+
+# What a resync sends (contract §13): the current state of these object types.
+RESYNC_TYPES = ["user_role"]
+
+
+def _snapshot(run: str, consumer_hex: str, role: Role, username: str) -> Snapshot:
+    """One role grant as a `user_role` event whose scope keys are the role's: its offering or
+    project, and its user (the keys a live `user_role` event of that role has)."""
+    return Snapshot(
+        event_id=f"resync:{consumer_hex}:{run}:{role.uuid.hex}",
+        payload={
+            "event_type": "role_snapshot",
+            "user_uuid": role.user_uuid.hex,
+            "user_username": username,
+            "role_name": role.role_name,
+            "scope_type": role.scope_type,
+            "scope_uuid": role.scope_uuid.hex,
+            "expires_at": role.expires_at.isoformat() if role.expires_at else None,
+        },
+        offering_uuid=role.scope_uuid if role.scope_type == "offering" else None,
+        project_uuid=role.scope_uuid if role.scope_type == "project" else None,
+        subject_user_uuid=role.user_uuid,
+    )
+
+
+async def resync(
+    session: AsyncSession,
+    engine: AsyncEngine,
+    settings: Settings,
+    caller: User | None,
+    consumer_uuid: str,
+) -> list[str]:
+    """`POST /api/event-consumers/{uuid}/resync/`: every active role grant the consumer may
+    receive (within its bindings, through its filters, its owner authorized now) becomes one
+    `user_role` event with one copy for this consumer alone, delivered through its own path
+    (its queue, or its webhook). Event ids are new per resync, so a receiver tells two
+    resyncs apart."""
+    _staff_only(caller, "resync a consumer")
+    consumer = await get_consumer(session, caller, consumer_uuid)
+    now = utcnow()
+    snapshots: list[Snapshot] = []
+    if not consumer.object_types or "user_role" in consumer.object_types:
+        filters = dict(consumer.payload_filters or {})
+        run, consumer_hex = uuid.uuid4().hex, consumer.uuid.hex
+        for role, username in await repository.active_roles(session, now):
+            found = _snapshot(run, consumer_hex, role, username)
+            if all(found.payload.get(name) in values for name, values in filters.items()):
+                snapshots.append(found)
+    target = Copy(None, consumer.uuid, consumer.queue_name, consumer.vhost)
+    webhook = consumer.delivery == WEBHOOK
+    await session.commit()
+    written = await Outbox(engine, settings).add_resync(target, webhook, snapshots, now)
+    log.info(
+        "consumer_resync",
+        consumer=target.consumer_uuid.hex if target.consumer_uuid else None,
+        roles=len(snapshots),
+        copies=written,
+    )
+    return list(RESYNC_TYPES)
