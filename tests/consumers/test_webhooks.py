@@ -10,13 +10,18 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
+from sqlalchemy import select, update
 from structlog.testing import capture_logs
 
+from queuekeeper.app import Runtime
 from queuekeeper.broker.management import ManagementClient
+from queuekeeper.jobs.runs import Job, Trigger
+from queuekeeper.models import EventConsumer, QueuePresence, utcnow
 from queuekeeper.webhooks.urls import MAX_URL_LENGTH
 from tests.consumers.scopes import SERVICE, scopes, staff, tree
 from tests.consumers.test_event_consumers_api import CONSUMERS, EVENT_CONSUMER_KEYS
-from tests.helpers import Agent, Backend
+from tests.helpers import Agent, Backend, Operator
 
 REGISTER = f"{CONSUMERS}register_webhook/"
 # A credential in the query: it must never come back.
@@ -210,3 +215,109 @@ async def test_the_delivery_filter_and_delete(backend: Backend, client: httpx.As
     assert gone.status_code == 204
     listed = await client.get(CONSUMERS, params={"delivery": "webhook"}, headers=SERVICE)
     assert listed.json() == []
+
+
+@LOOPBACK
+async def test_update_webhook(app: FastAPI, backend: Backend, client: httpx.AsyncClient) -> None:
+    admin = await staff(backend)
+    place, elsewhere = await tree(client), await tree(client)
+    made = await register_webhook(
+        admin, {"webhook_url": URL, "scopes": scopes(("project", place.project))}
+    )
+    hook = made.json()
+    path = f"{CONSUMERS}{hook['uuid']}/update_webhook/"
+    state: Runtime = app.state.queuekeeper
+    async with state.sessions() as session:
+        await session.execute(
+            update(EventConsumer)
+            .where(EventConsumer.uuid == uuid.UUID(hook["uuid"]))
+            .values(webhook_gone_at=utcnow())
+        )
+        await session.commit()
+    gone = (await client.get(f"{CONSUMERS}{hook['uuid']}/", headers=admin.headers)).json()
+    assert gone["delivery_blocked_reason"] == "webhook_gone"
+    status = (await client.get(f"{CONSUMERS}{hook['uuid']}/status/", headers=admin.headers)).json()
+    assert status["delivery_blocked_reason"] == "webhook_gone"
+    assert "update_webhook" in status["delivery_blocked_detail"]
+
+    moved = await client.post(
+        path,
+        json={
+            "webhook_url": "http://127.0.0.1:8/v2?token=other-credential",
+            "object_types": ["user_role"],
+            "payload_filters": {"scope_type": ["project"]},
+            "scopes": scopes(("project", elsewhere.project)),
+        },
+        headers=admin.headers,
+    )
+    assert moved.status_code == 200, moved.text
+    answer = moved.json()
+    assert answer["webhook_destination"] == "http://127.0.0.1:8"
+    assert "other-credential" not in moved.text
+    assert "webhook_secret" not in answer
+    assert answer["object_types"] == ["user_role"]
+    assert answer["payload_filters"] == {"scope_type": ["project"]}
+    assert answer["scopes"] == [{"type": "project", "uuid": elsewhere.project.hex}]
+    assert answer["delivery_blocked_reason"] is None  # the update cleared webhook_gone
+
+    # Omitted fields stay.
+    kept = await client.post(path, json={}, headers=admin.headers)
+    assert kept.status_code == 200
+    assert kept.json()["scopes"] == answer["scopes"]
+    assert kept.json()["webhook_destination"] == "http://127.0.0.1:8"
+
+    bad = await client.post(path, json={"webhook_url": "http://x.invalid/"}, headers=admin.headers)
+    assert bad.status_code == 400
+    assert bad.json()["errors"][0]["field"] == "webhook_url"
+    ordinary = await backend.put_user()
+    refused = await client.post(path, json={}, headers=ordinary.headers)
+    assert refused.status_code == 403
+    unknown = await client.post(
+        f"{CONSUMERS}{uuid.uuid4().hex}/update_webhook/", json={}, headers=SERVICE
+    )
+    assert unknown.status_code == 404
+
+    agent, offering = await backend.agent_with_offering()
+    queue = await agent.client.post(
+        f"{CONSUMERS}register/",
+        json={"scopes": scopes(("offering", offering))},
+        headers=agent.headers,
+    )
+    not_a_webhook = await client.post(
+        f"{CONSUMERS}{queue.json()['rmq_username']}/update_webhook/", json={}, headers=SERVICE
+    )
+    assert not_a_webhook.status_code == 400
+    assert not_a_webhook.json()["errors"][0]["field"] == "delivery"
+
+
+@LOOPBACK
+async def test_reconcile_and_presence_leave_webhook_consumers_alone(
+    app: FastAPI,
+    backend: Backend,
+    client: httpx.AsyncClient,
+    operator: Operator,
+    management: ManagementClient,
+) -> None:
+    admin = await staff(backend)
+    hook = (await register_webhook(admin, {"webhook_url": URL})).json()
+    report = await operator.reconcile()
+    assert hook["queue_name"] not in repr(report)
+    assert await management.get_vhost(admin.vhost) is None
+    assert await management.get_user(hook["uuid"]) is None
+    state: Runtime = app.state.queuekeeper
+    await state.jobs.run(Job.PRESENCE, Trigger.API)
+    async with state.sessions() as session:
+        seen = await session.scalar(
+            select(QueuePresence).where(QueuePresence.queue_name == hook["queue_name"])
+        )
+    assert seen is None
+    status = await client.get(f"{CONSUMERS}{hook['uuid']}/status/", headers=SERVICE)
+    assert status.status_code == 200
+    answer = status.json()
+    assert answer["delivery_blocked_reason"] is None
+    assert (answer["pending"], answer["oldest_pending_at"], answer["next_attempt_at"]) == (
+        0,
+        None,
+        None,
+    )
+    assert answer["connected"] is None

@@ -520,4 +520,4 @@ async def active_roles(session: AsyncSession, now: datetime) -> list[tuple[Role,
         .where(or_(Role.expires_at.is_(None), Role.expires_at > now))
         .order_by(Role.created, Role.uuid)
     )
-    return [(role, username) for role, username in rows.tuples()]
+    return [(role, username) for role, username in rows]

@@ -794,7 +794,10 @@ def _snapshot(run: str, consumer_hex: str, role: Role, username: str) -> Snapsho
     project, and its user (the keys a live `user_role` event of that role has)."""
     return Snapshot(
         event_id=f"resync:{consumer_hex}:{run}:{role.uuid.hex}",
+        # The envelope's fields as every message body has them (events/service.py).
         payload={
+            "object_type": "user_role",
+            **({"offering_uuid": role.scope_uuid.hex} if role.scope_type == "offering" else {}),
             "event_type": "role_snapshot",
             "user_uuid": role.user_uuid.hex,
             "user_username": username,
