@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from sqlalchemy import select
 
 from queuekeeper.app import Runtime
-from queuekeeper.models import Delivery, utcnow
+from queuekeeper.models import Delivery, Event, utcnow
 from tests.consumers.scopes import SERVICE, role, scopes, staff, tree
 from tests.consumers.test_event_consumers_api import CONSUMERS, register
 from tests.consumers.test_webhooks import URL, register_webhook
@@ -186,3 +186,36 @@ async def test_a_webhook_consumers_resync_copies_wait_for_its_receiver(
             )
         )
     assert states == ["given_up", "given_up"]
+
+
+@pytest.mark.settings(webhook_allowed_networks=["127.0.0.0/8"], relay_enabled=False)
+async def test_narrowing_a_webhook_consumers_bindings_gives_up_what_they_no_longer_allow(
+    app: FastAPI, backend: Backend, client: httpx.AsyncClient
+) -> None:
+    kept, dropped = await tree(client), await tree(client)
+    user = await backend.put_user()
+    await role(client, user, "project", kept.project)
+    await role(client, user, "project", dropped.project)
+    admin = await staff(backend)
+    both = scopes(("project", kept.project), ("project", dropped.project))
+    hook = (await register_webhook(admin, {"webhook_url": URL, "scopes": both})).json()
+    assert (await resync(client, hook["uuid"], SERVICE)).status_code == 202
+
+    narrowed = await client.post(
+        f"{CONSUMERS}{hook['uuid']}/update_webhook/",
+        json={"scopes": scopes(("project", kept.project))},
+        headers=admin.headers,
+    )
+    assert narrowed.status_code == 200, narrowed.text
+    state: Runtime = app.state.queuekeeper
+    async with state.sessions() as session:
+        rows = await session.execute(
+            select(Delivery.state, Delivery.last_error, Event.project_uuid)
+            .join(Event, Event.event_id == Delivery.event_id)
+            .where(Delivery.consumer_uuid == uuid.UUID(hook["uuid"]))
+        )
+        found = {project: (state_, error) for state_, error, project in rows}
+    assert found[kept.project] == ("pending", None)
+    assert found[dropped.project] == ("given_up", "the consumer's bindings no longer allow it")
+    status = (await client.get(f"{CONSUMERS}{hook['uuid']}/status/", headers=SERVICE)).json()
+    assert status["pending"] == 1

@@ -260,11 +260,18 @@ async def test_update_webhook(app: FastAPI, backend: Backend, client: httpx.Asyn
     assert answer["scopes"] == [{"type": "project", "uuid": elsewhere.project.hex}]
     assert answer["delivery_blocked_reason"] is None  # the update cleared webhook_gone
 
-    # Omitted fields stay.
+    # Omitted fields stay; the same bindings again, or one more, keep the ones held.
     kept = await client.post(path, json={}, headers=admin.headers)
     assert kept.status_code == 200
     assert kept.json()["scopes"] == answer["scopes"]
     assert kept.json()["webhook_destination"] == "http://127.0.0.1:8"
+    both = scopes(("project", elsewhere.project), ("offering", elsewhere.offering))
+    grown = await client.post(path, json={"scopes": both}, headers=admin.headers)
+    assert grown.status_code == 200, grown.text
+    assert len(grown.json()["scopes"]) == 2
+    same = await client.post(path, json={"scopes": both[::-1]}, headers=admin.headers)
+    assert same.status_code == 200, same.text
+    assert same.json()["scopes"] == grown.json()["scopes"]
 
     bad = await client.post(path, json={"webhook_url": "http://x.invalid/"}, headers=admin.headers)
     assert bad.status_code == 400

@@ -627,6 +627,26 @@ def _wanted_webhook(
     )
 
 
+def _rebind(consumer: EventConsumer, wanted: _Wanted) -> None:
+    """Bring the consumer's bindings to `wanted`'s, keeping the rows of those it holds still
+    (a binding deleted and inserted again in one flush would meet its own unique key)."""
+    offerings = set(wanted.offerings)
+    kept_scopes = [s for s in consumer.scopes if s.offering_uuid in offerings]
+    held = {s.offering_uuid for s in kept_scopes}
+    consumer.scopes = kept_scopes + [
+        EventConsumerScope(offering_uuid=o) for o in wanted.offerings if o not in held
+    ]
+    others = set(wanted.bindings)
+    kept = [b for b in consumer.bindings if (b.scope_type, b.scope_uuid) in others]
+    present = {(b.scope_type, b.scope_uuid) for b in kept}
+    consumer.bindings = kept + [
+        EventConsumerBinding(scope_type=kind, scope_uuid=entity)
+        for kind, entity in wanted.bindings
+        if (kind, entity) not in present
+    ]
+    consumer.is_global = wanted.is_global
+
+
 def _pairs(scopes: Sequence[ScopeIn]) -> list[tuple[str, uuid.UUID]]:
     return [(scope.type, scope.uuid) for scope in scopes]
 
@@ -753,12 +773,7 @@ async def update_webhook(
         if wanted.payload_filters is not None:
             consumer.payload_filters = dict(wanted.payload_filters)
         if scopes is not None:
-            consumer.scopes = [EventConsumerScope(offering_uuid=o) for o in wanted.offerings]
-            consumer.bindings = [
-                EventConsumerBinding(scope_type=kind, scope_uuid=entity)
-                for kind, entity in wanted.bindings
-            ]
-            consumer.is_global = wanted.is_global
+            _rebind(consumer, wanted)
         if url is not None:
             consumer.webhook_url = url
         # An update is the operator's answer to a 410 or a run of failures: delivery
