@@ -219,3 +219,37 @@ async def test_narrowing_a_webhook_consumers_bindings_gives_up_what_they_no_long
     assert found[dropped.project] == ("given_up", "the consumer's bindings no longer allow it")
     status = (await client.get(f"{CONSUMERS}{hook['uuid']}/status/", headers=SERVICE)).json()
     assert status["pending"] == 1
+
+
+@pytest.mark.settings(webhook_allowed_networks=["127.0.0.0/8"], relay_enabled=False)
+async def test_a_webhook_consumer_going_with_its_offering_or_owner_gives_its_copies_up(
+    app: FastAPI, backend: Backend, client: httpx.AsyncClient
+) -> None:
+    place = await tree(client)
+    user = await backend.put_user()
+    await role(client, user, "offering", place.offering)
+    admin = await staff(backend)
+    with_offering = (
+        await register_webhook(
+            admin, {"webhook_url": URL, "scopes": scopes(("offering", place.offering))}
+        )
+    ).json()
+    other_admin = await staff(backend)
+    with_owner = (await register_webhook(other_admin, {"webhook_url": URL})).json()
+    for hook in (with_offering, with_owner):
+        assert (await resync(client, hook["uuid"], SERVICE)).status_code == 202
+
+    gone = await client.delete(f"/api/internal/offerings/{place.offering}/", headers=SERVICE)
+    assert gone.status_code == 204
+    removed = await client.delete(f"/api/internal/users/{other_admin.uuid}/", headers=SERVICE)
+    assert removed.status_code == 204
+    state: Runtime = app.state.queuekeeper
+    async with state.sessions() as session:
+        rows = await session.execute(
+            select(Delivery.state, Delivery.last_error, Delivery.consumer_uuid).where(
+                Delivery.queue_name.in_([with_offering["queue_name"], with_owner["queue_name"]])
+            )
+        )
+        found = sorted((state_, error, consumer) for state_, error, consumer in rows)
+    # The one role grant, once to each consumer; both given up when their consumer went.
+    assert found == [("given_up", "the consumer was deleted", None)] * 2

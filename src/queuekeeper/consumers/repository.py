@@ -422,12 +422,17 @@ def _give_up(now: datetime, reason: str) -> dict[str, object]:
 
 
 async def give_up_waiting(
-    session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime, reason: str
+    session: AsyncSession, consumers: Collection[EventConsumer], now: datetime, reason: str
 ) -> int:
-    """Give up every copy of the consumer not yet delivered (pending or parked)."""
+    """Give up every copy not yet delivered (pending or parked) of these consumers that
+    receive by webhook, before their rows go: no relay takes a webhook copy whose consumer
+    is gone (a queue consumer's are given up by the relay, for that reason)."""
+    webhooks = [consumer.uuid for consumer in consumers if consumer.delivery == "webhook"]
+    if not webhooks:
+        return 0
     result = await session.execute(
         update(Delivery)
-        .where(Delivery.consumer_uuid == consumer_uuid, Delivery.state.in_(_WAITING))
+        .where(Delivery.consumer_uuid.in_(webhooks), Delivery.state.in_(_WAITING))
         .values(**_give_up(now, reason))
         .execution_options(synchronize_session=False)
     )

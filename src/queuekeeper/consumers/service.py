@@ -76,6 +76,8 @@ log = structlog.get_logger(__name__)
 
 # `delivery` of a consumer that receives by HTTP (contract §13).
 WEBHOOK = "webhook"
+# Why a webhook consumer's waiting copies were given up when it went.
+CONSUMER_DELETED = "the consumer was deleted"
 
 
 @dataclass(frozen=True)
@@ -487,10 +489,7 @@ async def delete_consumer(
         consumer = await repository.get(session, key)
         if consumer is None:
             raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
-        if consumer.delivery == WEBHOOK:
-            # No relay takes a copy whose consumer is gone from the dispatcher's index: they
-            # are given up here, in the deletion's transaction.
-            await repository.give_up_waiting(session, key, utcnow(), "the consumer was deleted")
+        await repository.give_up_waiting(session, [consumer], utcnow(), CONSUMER_DELETED)
         leftovers = BrokerLeftovers().add_consumers([consumer])  # none for a webhook
         await session.delete(consumer)
         await session.flush()
