@@ -231,7 +231,7 @@ async def test_update_webhook(app: FastAPI, backend: Backend, client: httpx.Asyn
         await session.execute(
             update(EventConsumer)
             .where(EventConsumer.uuid == uuid.UUID(hook["uuid"]))
-            .values(webhook_gone_at=utcnow())
+            .values(webhook_gone_at=utcnow(), webhook_failing_since=utcnow())
         )
         await session.commit()
     gone = (await client.get(f"{CONSUMERS}{hook['uuid']}/", headers=admin.headers)).json()
@@ -258,7 +258,8 @@ async def test_update_webhook(app: FastAPI, backend: Backend, client: httpx.Asyn
     assert answer["object_types"] == ["user_role"]
     assert answer["payload_filters"] == {"scope_type": ["project"]}
     assert answer["scopes"] == [{"type": "project", "uuid": elsewhere.project.hex}]
-    assert answer["delivery_blocked_reason"] is None  # the update cleared webhook_gone
+    # The update cleared webhook_gone and webhook_failing: the next attempt tells.
+    assert answer["delivery_blocked_reason"] is None
 
     # Omitted fields stay; the same bindings again, or one more, keep the ones held.
     kept = await client.post(path, json={}, headers=admin.headers)

@@ -776,8 +776,10 @@ async def update_webhook(
         if url is not None:
             consumer.webhook_url = url
         # An update is the operator's answer to a 410 or a run of failures: delivery
-        # resumes, the copies waiting fall due now.
+        # resumes, the copies waiting fall due now, and the next attempt says whether it
+        # still fails (`last_error` keeps what happened).
         consumer.webhook_gone_at = None
+        consumer.webhook_failing_since = None
         consumer.modified = now
         await session.flush()
         given_up = await repository.give_up_unauthorized(
