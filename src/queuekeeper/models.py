@@ -389,6 +389,11 @@ class EventConsumer(Base):
     owner: Mapped[User] = relationship(lazy="selectin", viewonly=True)
 
 
+# The consumers that have broker objects (a queue, a broker user): every one but webhook
+# consumers (contract §13), which reconcile, presence and the broker logins leave out.
+CONSUMER_ON_BROKER = EventConsumer.delivery == "rmq"
+
+
 class EventConsumerBinding(Base):
     """A customer, project or user whose events a consumer receives (contract §12); offering
     bindings are `EventConsumerScope` rows. The entity is checked at registration; deleting

@@ -35,6 +35,9 @@ from tests.helpers import Agent, Backend
 IDENTITIES = "/api/marketplace-site-agent-identities/"
 CONSUMERS = "/api/event-consumers/"
 SERVICE = {"Authorization": f"Bearer {SERVICE_TOKEN}"}
+# Nothing listens there and nothing is sent in these tests; the settings allow loopback.
+WEBHOOK_URL = "http://127.0.0.1:9/hooks?key=credential"
+LOOPBACK_WEBHOOKS = pytest.mark.settings(webhook_allowed_networks=["127.0.0.0/8"])
 
 # Runs in the client's virtualenv: parses each captured answer with the named model.
 PARSE_SCRIPT = r"""
@@ -199,6 +202,34 @@ async def capture_answers(http: httpx.AsyncClient) -> list[dict[str, Any]]:
         await agent.client.get(f"{CONSUMERS}{consumer_uuid}/", headers=agent.headers),
         (200,),
     )
+    # Webhook consumers (contract §13; the test's settings allow loopback): a staff user's.
+    admin = await backend.put_user(is_staff=True)
+    hook = case(
+        "register_webhook",
+        "EventConsumer",
+        await post(admin, f"{CONSUMERS}register_webhook/", {"webhook_url": WEBHOOK_URL}),
+        (201,),
+    )
+    case(
+        "update_webhook",
+        "EventConsumer",
+        await post(
+            admin, f"{CONSUMERS}{hook['uuid']}/update_webhook/", {"object_types": ["user_role"]}
+        ),
+        (200,),
+    )
+    case(
+        "event-consumers list, webhook",
+        "EventConsumer",
+        await agent.client.get(CONSUMERS, params={"delivery": "webhook"}, headers=SERVICE),
+        (200,),
+    )
+    case(
+        "resync",
+        "EventConsumerResyncResponse",
+        await post(admin, f"{CONSUMERS}{hook['uuid']}/resync/", {}),
+        (202,),
+    )
     return cases
 
 
@@ -220,6 +251,7 @@ def has_filter(item: dict[str, Any]) -> bool:
 
 
 @pytest.mark.timeout(600)
+@LOOPBACK_WEBHOOKS
 @pytest.mark.parametrize("source", CLIENTS, ids=[source.label for source in CLIENTS])
 async def test_every_answer_parses_with_the_clients_models(
     server: Server, source: ClientSource, tmp_path: Path
@@ -271,8 +303,15 @@ async def test_every_answer_parses_with_the_clients_models(
         assert outcomes[("register_queue", "AgentQueueRegistrationResponse")] == "ok"
         assert outcomes[("event-consumers retrieve", "EventConsumer")] == "ok"
     if requires_814:
-        for label in ("event-consumers list", "event-consumers list, service token"):
+        for label in (
+            "event-consumers list",
+            "event-consumers list, service token",
+            "register_webhook",
+            "update_webhook",
+            "event-consumers list, webhook",
+        ):
             assert outcomes[(label, "EventConsumer")] == "ok"
+        assert outcomes[("resync", "EventConsumerResyncResponse")] == "ok"
 
 
 # Runs in the client's virtualenv: its own endpoint functions against queuekeeper.
@@ -383,3 +422,62 @@ async def test_the_clients_own_endpoint_functions_work_against_queuekeeper(
         assert seen["compatibility"] == "compatible"
         assert seen["username"] == f"user-{agent.uuid.hex[:8]}"
     print(f"\n{source.label} endpoint functions: {seen}", file=sys.stderr)
+
+
+# Runs in the client's virtualenv: its webhook consumer functions (8.1.4 and later) against
+# queuekeeper, with a staff user's token; `null` from a client without them.
+WEBHOOK_SCRIPT = """
+import json, sys
+try:
+    from waldur_api_client.api.event_consumers import (
+        event_consumers_register_webhook as register_webhook,
+        event_consumers_resync as resync,
+        event_consumers_update_webhook as update_webhook,
+    )
+except ImportError:
+    print(json.dumps(None))
+    sys.exit(0)
+from waldur_api_client.client import AuthenticatedClient
+from waldur_api_client.models.event_consumer_webhook_request import EventConsumerWebhookRequest
+from waldur_api_client.models.event_consumer_webhook_update_request import (
+    EventConsumerWebhookUpdateRequest,
+)
+
+url, token, webhook_url = sys.argv[1:4]
+client = AuthenticatedClient(base_url=url, token=token, prefix="Token")
+made = register_webhook.sync(
+    client=client, body=EventConsumerWebhookRequest(webhook_url=webhook_url, scopes=[])
+)
+changed = update_webhook.sync(
+    uuid=made.uuid, client=client, body=EventConsumerWebhookUpdateRequest(object_types=[])
+)
+started = resync.sync(uuid=made.uuid, client=client)
+print(json.dumps({
+    "made": [str(made.delivery), made.webhook_destination, made.is_global,
+             made.additional_properties.get("webhook_secret", "")[:6]],
+    "changed": [str(changed.uuid) == str(made.uuid), changed.webhook_destination],
+    "resync": started.object_types,
+}))
+"""
+
+
+@pytest.mark.timeout(300)
+@LOOPBACK_WEBHOOKS
+@pytest.mark.parametrize(
+    "source", ENDPOINT_CLIENTS, ids=[source.label for source in ENDPOINT_CLIENTS]
+)
+async def test_the_clients_webhook_functions_work_against_queuekeeper(
+    server: Server, source: ClientSource
+) -> None:
+    python = await asyncio.to_thread(client_python, source)
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+        admin = await Backend(http, SERVICE_TOKEN).put_user(is_staff=True)
+        seen = await run_in(python, "-c", WEBHOOK_SCRIPT, server.url, admin.token, WEBHOOK_URL)
+    if seen is None:  # a client before 8.1.4
+        return
+    assert seen == {
+        "made": ["webhook", "http://127.0.0.1:9", True, "whsec_"],
+        "changed": [True, "http://127.0.0.1:9"],
+        "resync": ["user_role"],
+    }
+    print(f"\n{source.label} webhook functions: {seen}", file=sys.stderr)

@@ -94,6 +94,12 @@ def consumer_queue_name(consumer_uuid: uuid.UUID) -> str:
     return f"{CONSUMER_QUEUE_PREFIX}{consumer_uuid.hex}"
 
 
+def webhook_queue_name(consumer_uuid: uuid.UUID) -> str:
+    """`webhook_<uuid hex>`: a webhook consumer's name in the rows a queue's name fills
+    (its copies, its presence); no broker queue has it, none is declared (contract §13)."""
+    return f"webhook_{consumer_uuid.hex}"
+
+
 def consumer_user_name(consumer_uuid: uuid.UUID) -> str:
     """The 1.0.7 agent logs in with `login = rmq_username`, which is this."""
     return consumer_uuid.hex

@@ -13,8 +13,8 @@ from typing import Annotated, Literal
 
 from fastapi import Body, Depends, Query, Request, Response, status
 
-from queuekeeper.auth.dependencies import AgentOrService, CallerToken, CurrentUser
-from queuekeeper.common.access import Caller
+from queuekeeper.auth.dependencies import AgentOrService, CallerToken, CurrentUser, credentials
+from queuekeeper.common.access import Caller, service_too
 from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
 from queuekeeper.common.pagination import Page, page_params, set_page_headers
@@ -27,8 +27,12 @@ from queuekeeper.consumers.schemas import (
     Delivery,
     QueueRegistration,
     RegistrationOut,
+    ResyncOut,
+    WebhookConsumerOut,
+    WebhookRegistration,
+    WebhookUpdate,
 )
-from queuekeeper.state import ProvisionerDep, SessionDep, SettingsDep
+from queuekeeper.state import EngineDep, ProvisionerDep, SessionDep, SettingsDep
 
 router = caller_router(Caller.AGENT, tags=["agents"])
 
@@ -152,7 +156,7 @@ def consumer_filters(
     ] = None,
     delivery: Annotated[
         Delivery | None,
-        Query(description="`rmq` or `webhook` (`webhook` lists nothing: no webhook consumers)."),
+        Query(description="`rmq` (queue consumers) or `webhook` (webhook consumers)."),
     ] = None,
 ) -> ConsumerFilters:
     """The list filters of waldur-api-client 8.1.3's `event_consumers_list` / `_count`."""
@@ -231,8 +235,9 @@ async def get_event_consumer(
     "/api/event-consumers/{consumer_uuid}/",
     status_code=status.HTTP_204_NO_CONTENT,
     summary="Delete an event consumer",
-    description="Deletes its queue (with any messages in it) and its broker user. A site "
-    "agent's consumer is made again by the agent's next start.",
+    description="Deletes its queue (with any messages in it) and its broker user; a webhook "
+    "consumer's copies not yet delivered are given up. A site agent's consumer is made again "
+    "by the agent's next start.",
     responses=error_responses(401, 404),
 )
 async def delete_event_consumer(
@@ -240,3 +245,117 @@ async def delete_event_consumer(
 ) -> Response:
     await service.delete_consumer(session, provisioner, caller, consumer_uuid)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+_STAFF_403 = (
+    "You are neither a staff nor a support user (webhook consumers are theirs and the "
+    "service token's), or a binding you may not hold (named)."
+)
+
+
+@router.post(
+    "/api/event-consumers/register_webhook/",
+    status_code=status.HTTP_201_CREATED,
+    summary="Register a webhook consumer (staff and support, or the service token)",
+    description="A consumer whose copies are POSTed as JSON to `webhook_url`, signed as "
+    "Standard Webhooks sign (`webhook-id`, `webhook-timestamp`, `webhook-signature`), "
+    "instead of waiting in a queue: the same bindings, filters and authorization at delivery "
+    "as /api/event-consumers/register/, and no broker object. The answer holds "
+    "`webhook_secret`, the signing secret, this once. Every call makes a new consumer. A "
+    "service token names the owner (a staff or support user) in `user_uuid`.",
+    responses=error_responses(
+        400,
+        401,
+        403,
+        descriptions={
+            400: "`webhook_url` refused (the reason is named: not http(s), too long, a "
+            "fragment, no host, does not resolve, or an address not allowed), a bad body, "
+            "an unknown scope entity, or, for a service token, `user_uuid` missing or "
+            "unknown.",
+            403: _STAFF_403,
+        },
+    ),
+)
+@service_too
+async def register_webhook(
+    body: WebhookRegistration,
+    request: Request,
+    caller: AgentOrService,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> WebhookConsumerOut:
+    token = None if caller is None else credentials(request.headers.get("Authorization"))
+    consumer = await service.register_webhook(session, settings, caller, token, body)
+    facts = await service.facts_of(session, settings, [consumer])
+    return WebhookConsumerOut(
+        **ConsumerOut.from_row(
+            consumer, facts[consumer.uuid], as_staff=caller is None
+        ).model_dump(),
+        webhook_secret=consumer.webhook_secret or "",
+    )
+
+
+@router.post(
+    "/api/event-consumers/{consumer_uuid}/update_webhook/",
+    summary="Change a webhook consumer",
+    description="Changes what the body names of `webhook_url`, `object_types`, "
+    "`payload_filters` and `scopes` (checked as at registration); omitted fields stay. A "
+    "consumer stopped by its receiver's 410 resumes, and its waiting copies fall due now. "
+    "Copies not yet delivered that narrowed bindings no longer allow are given up. The "
+    "secret stays.",
+    responses=error_responses(
+        400,
+        401,
+        403,
+        404,
+        descriptions={
+            400: "A queue (`rmq`) consumer, `webhook_url` refused (the reason named), or a bad "
+            "body.",
+            403: _STAFF_403,
+            404: "No such consumer, or another user's (a service token sees every one).",
+        },
+    ),
+)
+@service_too
+async def update_webhook(
+    consumer_uuid: str,
+    body: WebhookUpdate,
+    caller: AgentOrService,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> ConsumerOut:
+    consumer = await service.update_webhook(session, settings, caller, consumer_uuid, body)
+    facts = await service.facts_of(session, settings, [consumer])
+    return ConsumerOut.from_row(consumer, facts[consumer.uuid], as_staff=caller is None)
+
+
+@router.post(
+    "/api/event-consumers/{consumer_uuid}/resync/",
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Send a consumer the current state (staff and support, or the service token)",
+    description="Every active role grant the consumer may receive (within its bindings; every "
+    "one for a global consumer; through its object types and payload filters) is sent once "
+    'as a `user_role` message with `event_type: "role_snapshot"` (`user_uuid`, '
+    "`user_username`, `role_name`, `scope_type`, `scope_uuid`, `expires_at`), through the "
+    "consumer's own path (its queue or its webhook), to it alone. Answers 202 once they "
+    "are written to the outbox.",
+    responses=error_responses(
+        401,
+        403,
+        404,
+        descriptions={
+            403: "You are neither a staff nor a support user.",
+            404: "No such consumer, or another user's (a service token sees every one).",
+        },
+    ),
+)
+@service_too
+async def resync_event_consumer(
+    consumer_uuid: str,
+    caller: AgentOrService,
+    session: SessionDep,
+    engine: EngineDep,
+    settings: SettingsDep,
+) -> ResyncOut:
+    types = await service.resync(session, engine, settings, caller, consumer_uuid)
+    return ResyncOut(object_types=types)

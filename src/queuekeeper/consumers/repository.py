@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import uuid
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import (
@@ -14,7 +15,6 @@ from sqlalchemy import (
     and_,
     bindparam,
     delete,
-    false,
     func,
     or_,
     select,
@@ -30,6 +30,7 @@ from queuekeeper.common.pagination import Page, Paged, fetch_paged
 from queuekeeper.consumers.schemas import ConsumerFilters
 from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.models import (
+    CONSUMER_ON_BROKER,
     AgentIdentity,
     AwareDateTime,
     Customer,
@@ -42,6 +43,7 @@ from queuekeeper.models import (
     Offering,
     Project,
     QueuePresence,
+    Role,
     User,
     utcnow,
 )
@@ -74,8 +76,8 @@ def filtered(owner_uuid: uuid.UUID | None, filters: ConsumerFilters) -> Select[E
         query = query.where(EventConsumer.user_uuid.in_(owners))
     if filters.is_global is not None:
         query = query.where(EventConsumer.is_global.is_(filters.is_global))
-    if filters.delivery == "webhook":
-        query = query.where(false())  # every consumer here is read over STOMP
+    if filters.delivery is not None:
+        query = query.where(EventConsumer.delivery == filters.delivery)
     return query
 
 
@@ -226,7 +228,8 @@ async def needing_password(
     named = [found for found in (topology.uuid_of(name) for name in also) if found is not None]
     rows = await session.scalars(
         consumers(owner_uuid).where(
-            or_(differs, EventConsumer.uuid.in_(named)) if named else differs
+            or_(differs, EventConsumer.uuid.in_(named)) if named else differs,
+            CONSUMER_ON_BROKER,  # a webhook consumer has no broker user
         )
     )
     return list(rows)
@@ -475,3 +478,134 @@ async def delete_bindings_on(
                 )
             )
         )
+
+
+async def fresh(session: AsyncSession, consumer_uuid: uuid.UUID) -> EventConsumer | None:
+    """The consumer read again, its owner and bindings with it (a row this session wrote
+    has none of its relationships loaded)."""
+    found: EventConsumer | None = await session.scalar(
+        select(EventConsumer)
+        .where(EventConsumer.uuid == consumer_uuid)
+        .execution_options(populate_existing=True)
+    )
+    return found
+
+
+_WAITING = (DeliveryState.PENDING, DeliveryState.PARKED)
+
+
+def _give_up(now: datetime, reason: str) -> dict[str, object]:
+    return {
+        "state": DeliveryState.GIVEN_UP,
+        "finished": now,
+        "claimed_by": None,
+        "claimed_until": None,
+        "last_error": reason,
+    }
+
+
+async def give_up_waiting(
+    session: AsyncSession, consumers: Collection[EventConsumer], now: datetime, reason: str
+) -> int:
+    """Give up every copy not yet delivered (pending or parked) of these consumers that
+    receive by webhook, before their rows go: no relay takes a webhook copy whose consumer
+    is gone (a queue consumer's are given up by the relay, for that reason)."""
+    webhooks = [consumer.uuid for consumer in consumers if consumer.delivery == "webhook"]
+    if not webhooks:
+        return 0
+    result = await session.execute(
+        update(Delivery)
+        .where(Delivery.consumer_uuid.in_(webhooks), Delivery.state.in_(_WAITING))
+        .values(**_give_up(now, reason))
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+# The consumer's copies not yet delivered whose event its owner may no longer receive
+# through its bindings: the rule of every publish (docs/decisions/021-authorized-when-published.md).
+_UNAUTHORIZED = text(
+    """
+UPDATE deliveries d SET state = 'given_up', finished = :now, claimed_by = NULL,
+    claimed_until = NULL, last_error = :reason
+FROM events e
+WHERE d.consumer_uuid = :consumer AND d.state IN ('pending', 'parked')
+    AND e.event_id = d.event_id AND NOT """
+    + authorized_sql(
+        "NULL::uuid",
+        ":consumer",
+        "coalesce(d.offering_uuid, e.offering_uuid)",
+        ":now",
+        "e.project_uuid",
+        "e.subject_user_uuid",
+    )
+).bindparams(
+    bindparam("consumer", type_=Uuid()),
+    bindparam("now", type_=AwareDateTime()),
+    bindparam("reason", type_=String()),
+)
+
+
+async def give_up_unauthorized(
+    session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime, reason: str
+) -> int:
+    """Give up the consumer's waiting copies its bindings no longer allow (after they
+    narrowed); returns how many."""
+    result = await session.execute(
+        _UNAUTHORIZED, {"consumer": consumer_uuid, "now": now, "reason": reason}
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
+async def due_now(session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime) -> None:
+    """A webhook consumer's pending copies fall due now (an update: the receiver is fixed,
+    or the consumer points elsewhere)."""
+    await session.execute(
+        update(Delivery)
+        .where(
+            Delivery.consumer_uuid == consumer_uuid,
+            text("deliveries.state = 'pending' AND deliveries.webhook"),
+            Delivery.next_attempt_at > now,
+        )
+        .values(next_attempt_at=now)
+        .execution_options(synchronize_session=False)
+    )
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A webhook consumer's copies waiting for their receiver (contract §13's status)."""
+
+    pending: int = 0
+    oldest_pending_at: datetime | None = None
+    next_attempt_at: datetime | None = None
+
+
+# `state = 'pending' AND webhook` written out: the predicate of ix_deliveries_webhook_pending,
+# which the planner matches only literally (migration 0015_webhooks).
+_PENDING = text(
+    """
+SELECT count(*), min(created), min(next_attempt_at) FROM deliveries
+WHERE consumer_uuid = :consumer AND state = 'pending' AND webhook
+"""
+).bindparams(bindparam("consumer", type_=Uuid()))
+
+
+async def webhook_pending(session: AsyncSession, consumer_uuid: uuid.UUID) -> Pending:
+    row = (await session.execute(_PENDING, {"consumer": consumer_uuid})).one()
+    return Pending(
+        int(row[0] or 0),
+        _utc(row[1]) if row[1] is not None else None,
+        _utc(row[2]) if row[2] is not None else None,
+    )
+
+
+async def active_roles(session: AsyncSession, now: datetime) -> list[tuple[Role, str]]:
+    """Every role grant that has not expired, with its user's username, oldest first."""
+    rows = await session.execute(
+        select(Role, User.username)
+        .join(User, User.uuid == Role.user_uuid)
+        .where(or_(Role.expires_at.is_(None), Role.expires_at > now))
+        .order_by(Role.created, Role.uuid)
+    )
+    return [(role, username) for role, username in rows]

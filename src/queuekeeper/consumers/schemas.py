@@ -19,6 +19,7 @@ from queuekeeper.broker import topology
 from queuekeeper.common.schemas import HexUUID, Schema, UTCDateTime
 from queuekeeper.events.payloads import OBJECT_TYPES, ObjectType
 from queuekeeper.models import EventConsumer
+from queuekeeper.webhooks import urls
 
 _CONSUMER_UUID = "0dc92ac0518e4604a2e27ff11120df6c"
 _USER_UUID = "8b1a9953c4611296a827abf8c47804d7"
@@ -96,6 +97,16 @@ class ScopeIn(BaseModel):
     uuid: HexUUID
 
 
+def _distinct_scopes(scopes: list[ScopeIn] | None) -> list[ScopeIn] | None:
+    seen: set[tuple[str, str]] = set()
+    for scope in scopes or []:
+        key = (scope.type, scope.uuid.hex)
+        if key in seen:
+            raise ValueError(f"{scope.type} {scope.uuid.hex} is listed twice")
+        seen.add(key)
+    return scopes
+
+
 PayloadFilters = dict[
     str, Annotated[list[JsonValue], Field(min_length=1, max_length=MAX_PAYLOAD_FILTER_VALUES)]
 ]
@@ -142,17 +153,99 @@ class ConsumerRegistration(BaseModel):
     )
 
     _unique = field_validator("object_types")(_no_duplicates)
+    _distinct = field_validator("scopes")(_distinct_scopes)
 
-    @field_validator("scopes")
-    @classmethod
-    def _distinct_scopes(cls, scopes: list[ScopeIn]) -> list[ScopeIn]:
-        seen: set[tuple[str, str]] = set()
-        for scope in scopes:
-            key = (scope.type, scope.uuid.hex)
-            if key in seen:
-                raise ValueError(f"{scope.type} {scope.uuid.hex} is listed twice")
-            seen.add(key)
-        return scopes
+
+WEBHOOK_URL_DESCRIPTION = (
+    "HTTP(S) URL the messages are POSTed to as JSON. It may carry a credential (in its query "
+    "or user info): it is stored as a secret and never returned or logged; answers show "
+    "`webhook_destination` (scheme, host and port). Refused (400) when it is not http or "
+    "https, longer than 2,048 characters, has a fragment or no host, does not resolve, or "
+    "its host is or resolves to a loopback, private, link-local, multicast, unspecified or "
+    "reserved address outside QUEUEKEEPER_WEBHOOK_ALLOWED_NETWORKS."
+)
+SCOPES_DESCRIPTION = (
+    "The entities whose events it receives, each at most once, as for "
+    "/api/event-consumers/register/. `[]` (or omitted) means global: every event."
+)
+
+
+class WebhookRegistration(BaseModel):
+    """`EventConsumerWebhookRequest` (client 8.1.4): a consumer that receives by HTTP."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={
+            "examples": [
+                {
+                    "webhook_url": "https://hooks.example.org/waldur?key=s3cret",
+                    "object_types": ["user_role"],
+                    "scopes": [],
+                    "payload_filters": {"scope_type": ["customer"]},
+                }
+            ]
+        },
+    )
+
+    webhook_url: str = Field(description=WEBHOOK_URL_DESCRIPTION)
+    payload_filters: PayloadFilters | None = Field(
+        default=None,
+        max_length=MAX_PAYLOAD_FILTER_FIELDS,
+        description="`{field: [values]}`: a copy is made only when each listed top-level "
+        "field of the message holds one of its values. Omitted or `{}`: no filter.",
+    )
+    object_types: ObjectTypes = Field(
+        default=None, max_length=len(OBJECT_TYPES), description=OBJECT_TYPES_DESCRIPTION
+    )
+    scopes: list[ScopeIn] = Field(
+        default_factory=list, max_length=MAX_SCOPES, description=SCOPES_DESCRIPTION
+    )
+    user_uuid: HexUUID | None = Field(
+        default=None,
+        description="With a service token only, and then required: the staff or support user "
+        "who owns the consumer (whose access is checked for every event delivered). A user "
+        "token registers for its own user.",
+    )
+
+    _unique = field_validator("object_types")(_no_duplicates)
+    _distinct = field_validator("scopes")(_distinct_scopes)
+
+
+class WebhookUpdate(BaseModel):
+    """`EventConsumerWebhookUpdateRequest` (client 8.1.4), and `scopes`: omitted fields
+    are left unchanged."""
+
+    model_config = ConfigDict(
+        extra="ignore",
+        json_schema_extra={"examples": [{"webhook_url": "https://hooks.example.org/v2"}]},
+    )
+
+    webhook_url: str | None = Field(default=None, description=WEBHOOK_URL_DESCRIPTION)
+    payload_filters: PayloadFilters | None = Field(
+        default=None,
+        max_length=MAX_PAYLOAD_FILTER_FIELDS,
+        description="Replaces the filters (`{}` removes them).",
+    )
+    object_types: ObjectTypes = Field(
+        default=None, max_length=len(OBJECT_TYPES), description=OBJECT_TYPES_DESCRIPTION
+    )
+    scopes: list[ScopeIn] | None = Field(
+        default=None,
+        max_length=MAX_SCOPES,
+        description=SCOPES_DESCRIPTION + " Copies not yet delivered that the new bindings "
+        "no longer allow are given up.",
+    )
+
+    _unique = field_validator("object_types")(_no_duplicates)
+    _distinct = field_validator("scopes")(_distinct_scopes)
+
+
+class ResyncOut(BaseModel):
+    """`EventConsumerResyncResponse` (client 8.1.4)."""
+
+    object_types: list[str] = Field(
+        description="The object types whose current state is sent: `user_role`."
+    )
 
 
 def bindings_of(consumer: EventConsumer) -> list[tuple[str, uuid.UUID]]:
@@ -219,7 +312,15 @@ def token_prefix(token: str) -> str:
 Delivery = Literal["rmq", "webhook"]
 # The reasons of `GET /api/event-consumers/{uuid}/status/` (contract §11) that the database
 # alone can tell, so that a list page costs no broker call: the same words.
-RowBlockedReason = Literal["owner_inactive", "no_token", "token_expired", "no_access", "agent_away"]
+RowBlockedReason = Literal[
+    "owner_inactive",
+    "no_token",
+    "token_expired",
+    "no_access",
+    "agent_away",
+    "webhook_gone",
+    "webhook_failing",
+]
 
 
 @dataclass(frozen=True)
@@ -234,35 +335,55 @@ class DeliveryFields(BaseModel):
     """The fields waldur-api-client 8.1.4 requires on every consumer (contract §12)."""
 
     delivery: Delivery = Field(
-        default="rmq", description="`rmq`: copies wait in a queue read over STOMP."
+        default="rmq",
+        description="`rmq`: copies wait in a queue read over STOMP; `webhook`: they are "
+        "POSTed to the consumer's URL.",
     )
     webhook_destination: str | None = Field(
-        default=None, description="Null: an `rmq` consumer has no webhook."
+        default=None,
+        description="A webhook's scheme and host (and port); never its path, query or "
+        "credentials (the URL is a secret). Null for an `rmq` consumer.",
     )
     payload_filters: dict[str, list[JsonValue]] = Field(
         default_factory=dict,
         description="`{field: [values]}` over the message's top-level fields; `{}`: none.",
     )
     last_delivered_at: UTCDateTime | None = Field(
-        default=None, description="When the broker last confirmed a copy for it, or null."
+        default=None,
+        description="When the broker last confirmed a copy for it (a webhook: when its "
+        "receiver last answered 2xx), or null.",
     )
-    last_error: str = Field(default="", description="Always empty for an `rmq` consumer.")
+    last_error: str = Field(
+        default="",
+        description="A webhook's last failed attempt (`HTTP 503`, `timeout after 10 s`, "
+        "...); empty when none, and always for an `rmq` consumer.",
+    )
     last_error_at: UTCDateTime | None = Field(
-        default=None, description="Always null for an `rmq` consumer."
+        default=None, description="When `last_error` happened; null when none."
     )
     delivery_blocked_reason: RowBlockedReason | None = Field(
         default=None,
         description="Why events cannot reach it, as far as the database tells (the owner "
         "inactive, without a token or with an expired one, without access to what it binds, "
-        "or its agent away long enough for copies to park); null otherwise. "
+        "its agent away long enough for copies to park, a webhook whose receiver answered "
+        "410 (`webhook_gone`: update it to resume) or whose last attempt failed "
+        "(`webhook_failing`)); null otherwise. "
         "`GET /api/event-consumers/{uuid}/status/` adds what the broker tells.",
     )
 
     @classmethod
     def of(cls, consumer: EventConsumer, facts: ConsumerFacts) -> dict[str, Any]:
+        webhook = consumer.delivery == "webhook"
         return cls(
+            delivery="webhook" if webhook else "rmq",
+            webhook_destination=(
+                urls.destination(consumer.webhook_url) if webhook and consumer.webhook_url else None
+            ),
             payload_filters=dict(consumer.payload_filters or {}),
-            last_delivered_at=facts.last_delivered_at,
+            # A webhook's deliveries are settled on its row by the dispatcher.
+            last_delivered_at=consumer.last_delivered_at if webhook else facts.last_delivered_at,
+            last_error=consumer.last_error or "",
+            last_error_at=consumer.last_error_at,
             delivery_blocked_reason=facts.delivery_blocked_reason,
         ).model_dump()
 
@@ -321,9 +442,10 @@ class ConsumerOut(DeliveryFields, Schema):
     is_global: bool = Field(
         description="Registered with no scopes: every event (staff and support only)."
     )
-    rmq_username: str
+    rmq_username: str = Field(description="Empty for a webhook consumer (no broker user).")
     queue_created: bool = Field(
-        description="Always true: a consumer is stored only once its queue exists."
+        description="True for an `rmq` consumer (stored only once its queue exists); false "
+        "for a webhook consumer, which has no queue."
     )
     user_uuid: HexUUID
     user_username: str
@@ -353,14 +475,15 @@ class ConsumerOut(DeliveryFields, Schema):
         cls, consumer: EventConsumer, facts: ConsumerFacts, *, as_staff: bool
     ) -> ConsumerOut:
         """`as_staff`: the caller is a service token, not the owner."""
+        webhook = consumer.delivery == "webhook"
         return cls(
             **DeliveryFields.of(consumer, facts),
             uuid=consumer.uuid,
             object_types=list(consumer.object_types or []),
             scopes=[ScopeOut(type=kind, uuid=entity.hex) for kind, entity in bindings_of(consumer)],
             is_global=consumer.is_global,
-            rmq_username=topology.consumer_user_name(consumer.uuid),
-            queue_created=True,
+            rmq_username="" if webhook else topology.consumer_user_name(consumer.uuid),
+            queue_created=not webhook,
             user_uuid=consumer.user_uuid,
             user_username=consumer.owner.username,
             user_full_name=consumer.owner.full_name or "",
@@ -375,6 +498,22 @@ class ConsumerOut(DeliveryFields, Schema):
             vhost=consumer.vhost,
             agent_identity_uuid=consumer.agent_identity_uuid,
         )
+
+
+class WebhookConsumerOut(ConsumerOut):
+    """The answer of register_webhook: `EventConsumer` and, this once, the signing secret."""
+
+    webhook_secret: str = Field(
+        description="`whsec_` + base64 of the signing key (Standard Webhooks): shown in this "
+        "answer only; keep it to verify `webhook-signature`."
+    )
+
+    @classmethod
+    def with_secret(
+        cls, consumer: EventConsumer, facts: ConsumerFacts, *, as_staff: bool
+    ) -> WebhookConsumerOut:
+        answer = ConsumerOut.from_row(consumer, facts, as_staff=as_staff).model_dump()
+        return cls(**answer, webhook_secret=consumer.webhook_secret or "")
 
 
 class ConsumerFilters(BaseModel):

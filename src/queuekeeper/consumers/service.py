@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
 import structlog
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm.exc import StaleDataError
 
 from queuekeeper.auth.repository import UserGone, login_hash_now
@@ -42,9 +42,14 @@ from queuekeeper.consumers.schemas import (
     ConsumerRegistration,
     QueueRegistration,
     RowBlockedReason,
+    ScopeIn,
+    WebhookRegistration,
+    WebhookUpdate,
     bindings_of,
     token_prefix,
 )
+from queuekeeper.events.outbox import Outbox, Snapshot
+from queuekeeper.events.recipients import Copy
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
 from queuekeeper.models import (
     BrokerState,
@@ -52,6 +57,7 @@ from queuekeeper.models import (
     EventConsumerBinding,
     EventConsumerScope,
     Offering,
+    Role,
     User,
     utcnow,
 )
@@ -64,8 +70,14 @@ from queuekeeper.owners.service import (
     remove_leftovers_held,
     unmake,
 )
+from queuekeeper.webhooks import urls
 
 log = structlog.get_logger(__name__)
+
+# `delivery` of a consumer that receives by HTTP (contract §13).
+WEBHOOK = "webhook"
+# Why a webhook consumer's waiting copies were given up when it went.
+CONSUMER_DELETED = "the consumer was deleted"
 
 
 @dataclass(frozen=True)
@@ -421,10 +433,23 @@ def _blocked(
         return "token_expired"
     if not authorized:  # no binding it holds may reach its owner now
         return "no_access"
+    if consumer.delivery == WEBHOOK:
+        # Contract §13: a 410 stops it until an update; a failed last attempt is retried.
+        if consumer.webhook_gone_at is not None:
+            return "webhook_gone"
+        if consumer.webhook_failing_since is not None:
+            return "webhook_failing"
+        return None
     since = away.get((consumer.vhost, consumer.queue_name))
     if since is not None and now - since >= park_after:
         return "agent_away"
     return None
+
+
+async def webhook_pending(session: AsyncSession, consumer_uuid: uuid.UUID) -> repository.Pending:
+    """A webhook consumer's copies waiting for its receiver: how many, the oldest, the next
+    attempt (contract §13's status)."""
+    return await repository.webhook_pending(session, consumer_uuid)
 
 
 async def list_consumers(
@@ -455,7 +480,8 @@ async def delete_consumer(
     session: AsyncSession, provisioner: Provisioner, caller: User | None, consumer_uuid: str
 ) -> None:
     """Delete the row and, under the owner lock before it commits, its queue and broker user
-    (and the vhost if it emptied): a registration in flight cannot make them again."""
+    (and the vhost if it emptied): a registration in flight cannot make them again. A
+    webhook consumer has neither: its copies not yet delivered are given up."""
     found = await get_consumer(session, caller, consumer_uuid)
     owner_uuid, key = found.user_uuid, found.uuid
     await session.commit()
@@ -463,7 +489,8 @@ async def delete_consumer(
         consumer = await repository.get(session, key)
         if consumer is None:
             raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
-        leftovers = BrokerLeftovers().add_consumers([consumer])
+        await repository.give_up_waiting(session, [consumer], utcnow(), CONSUMER_DELETED)
+        leftovers = BrokerLeftovers().add_consumers([consumer])  # none for a webhook
         await session.delete(consumer)
         await session.flush()
         await remove_leftovers_held(session, provisioner, leftovers)
@@ -552,7 +579,9 @@ async def _sieve(
     name = topology.consumer_user_name(consumer_uuid)
     async with owner_locked(session, owner_uuid, vhost_exclusive=False):
         consumer = await repository.get(session, consumer_uuid)
-        if consumer is None:
+        # A webhook consumer has no queue to read through nor broker login: what it had not
+        # received was given up with the revocation.
+        if consumer is None or consumer.delivery == WEBHOOK:
             await session.commit()
             return
         vhost, queue = consumer.vhost, consumer.queue_name
@@ -588,3 +617,308 @@ async def _sieve(
             kept=sieved.kept,
             **context,
         )
+
+
+# --- webhook consumers (contract §13; docs/decisions/027-webhook-registration.md) -----------
+
+
+def _staff_only(caller: User | None, action: str) -> None:
+    """Webhook consumers are for staff and support users and the service token."""
+    if caller is not None and not (caller.is_staff or caller.is_support):
+        raise Forbidden(
+            f"Only staff and support users (or the service token) may {action}: your user "
+            f"{caller.username!r} is neither. Register a queue consumer "
+            "(/api/event-consumers/register/) instead."
+        )
+
+
+async def _webhook_owner(
+    session: AsyncSession, caller: User | None, named: uuid.UUID | None
+) -> User:
+    """Who owns a new webhook consumer: the calling user, or for a service token the staff or
+    support user it names (every event delivered is checked against the owner's access)."""
+    if caller is not None:
+        if named is not None and named != caller.uuid:
+            raise BadRequest(
+                "`user_uuid` names another owner, which only the service token may do: omit "
+                "it to register for yourself.",
+                field="user_uuid",
+            )
+        return caller
+    if named is None:
+        raise BadRequest(
+            "A service token registers a webhook consumer for a user: name its owner (a staff "
+            "or support user) in `user_uuid`.",
+            field="user_uuid",
+        )
+    owner = await session.get(User, named)
+    if owner is None:
+        raise BadRequest(
+            f"Unknown user {named.hex}: the backend has not pushed it.", field="user_uuid"
+        )
+    if not (owner.is_staff or owner.is_support):
+        raise Forbidden(
+            f"User {owner.username!r} is neither a staff nor a support user: a webhook "
+            "consumer is owned by one.",
+            field="user_uuid",
+        )
+    return owner
+
+
+def _wanted_webhook(
+    owner: User,
+    token: str | None,
+    scopes: Sequence[tuple[str, uuid.UUID]],
+    object_types: list[str] | None,
+    payload_filters: dict[str, list[Any]] | None,
+) -> _Wanted:
+    return _Wanted(
+        owner=owner,
+        offerings=[entity for kind, entity in scopes if kind == "offering"],
+        object_types=object_types,
+        identity_uuid=None,
+        owner_uuid=owner.uuid,
+        # Never a piece of the service token.
+        token_prefix=token_prefix(token) if token is not None else "",
+        bindings=tuple((kind, entity) for kind, entity in scopes if kind != "offering"),
+        is_global=not scopes,
+        payload_filters=payload_filters,
+    )
+
+
+def _rebind(consumer: EventConsumer, wanted: _Wanted) -> None:
+    """Bring the consumer's bindings to `wanted`'s, keeping the rows of those it holds still
+    (a binding deleted and inserted again in one flush would meet its own unique key)."""
+    offerings = set(wanted.offerings)
+    kept_scopes = [s for s in consumer.scopes if s.offering_uuid in offerings]
+    held = {s.offering_uuid for s in kept_scopes}
+    consumer.scopes = kept_scopes + [
+        EventConsumerScope(offering_uuid=o) for o in wanted.offerings if o not in held
+    ]
+    others = set(wanted.bindings)
+    kept = [b for b in consumer.bindings if (b.scope_type, b.scope_uuid) in others]
+    present = {(b.scope_type, b.scope_uuid) for b in kept}
+    consumer.bindings = kept + [
+        EventConsumerBinding(scope_type=kind, scope_uuid=entity)
+        for kind, entity in wanted.bindings
+        if (kind, entity) not in present
+    ]
+    consumer.is_global = wanted.is_global
+
+
+def _pairs(scopes: Sequence[ScopeIn]) -> list[tuple[str, uuid.UUID]]:
+    return [(scope.type, scope.uuid) for scope in scopes]
+
+
+async def register_webhook(
+    session: AsyncSession,
+    settings: Settings,
+    caller: User | None,
+    token: str | None,
+    body: WebhookRegistration,
+) -> EventConsumer:
+    """`POST /api/event-consumers/register_webhook/`: a new consumer that receives by HTTP.
+
+    The bindings are checked as /api/event-consumers/register/ checks them (`_check`), the
+    URL by the address rule; no broker object is made. Not idempotent: every call makes a
+    consumer with a secret of its own (docs/decisions/027-webhook-registration.md)."""
+    _staff_only(caller, "register a webhook consumer")
+    owner = await _webhook_owner(session, caller, body.user_uuid)
+    wanted = _wanted_webhook(
+        owner, token, _pairs(body.scopes), body.object_types, body.payload_filters
+    )
+    await _check(session, wanted)
+    await session.commit()
+    url = await urls.checked(body.webhook_url, settings.webhook_allowed_networks)
+    owner_uuid = wanted.owner_uuid
+    consumer_uuid = uuid.uuid4()
+    # The owner lock, as every registration: parallel calls cannot pass the quota together
+    # (docs/decisions/002-owner-lock.md).
+    async with owner_locked(session, owner_uuid, vhost_exclusive=False):
+        held = await repository.count_of_owner(session, owner_uuid)
+        check_quota(settings, "max_consumers_per_user", held, "event consumers")
+        await _check(session, wanted, lock=True)
+        session.add(
+            EventConsumer(
+                uuid=consumer_uuid,
+                user_uuid=owner_uuid,
+                agent_identity_uuid=None,
+                # No key: a repeat makes another consumer (decision 027).
+                scope_key=None,
+                object_types=list(wanted.object_types or []),
+                queue_name=topology.webhook_queue_name(consumer_uuid),
+                vhost=topology.vhost_name(owner_uuid),
+                broker_password_hash=None,
+                broker_state=BrokerState.OK,
+                auth_token_prefix=wanted.token_prefix,
+                scopes=[EventConsumerScope(offering_uuid=o) for o in wanted.offerings],
+                bindings=[
+                    EventConsumerBinding(scope_type=kind, scope_uuid=entity)
+                    for kind, entity in wanted.bindings
+                ],
+                is_global=wanted.is_global,
+                payload_filters=dict(wanted.payload_filters or {}),
+                delivery=WEBHOOK,
+                webhook_url=url,
+                webhook_secret=urls.new_secret(),
+            )
+        )
+        await session.commit()
+    CONSUMER_REGISTRATIONS.labels(route="register_webhook", outcome="created").inc()
+    consumer = await repository.fresh(session, consumer_uuid)
+    await session.commit()
+    if consumer is None:
+        raise NotFound("The consumer was deleted while it was being registered.")
+    # The destination only: the URL may hold a credential.
+    log.info(
+        "webhook_consumer_created",
+        consumer=consumer_uuid.hex,
+        destination=urls.destination(url),
+        owner=owner_uuid.hex,
+        is_global=consumer.is_global,
+        object_types=consumer.object_types or "all",
+    )
+    return consumer
+
+
+async def update_webhook(
+    session: AsyncSession,
+    settings: Settings,
+    caller: User | None,
+    consumer_uuid: str,
+    body: WebhookUpdate,
+) -> EventConsumer:
+    """`POST /api/event-consumers/{uuid}/update_webhook/`: what the body names changes; the
+    bindings are checked again (all of them, as the owner holds them now), and a consumer
+    stopped by a 410 resumes. Copies not yet delivered that the new bindings no longer
+    allow are given up, as a revocation gives them up
+    (docs/decisions/021-authorized-when-published.md)."""
+    _staff_only(caller, "update a webhook consumer")
+    found = await get_consumer(session, caller, consumer_uuid)
+    if found.delivery != WEBHOOK:
+        raise BadRequest(
+            f"Event consumer {found.uuid.hex} is a queue (`rmq`) consumer: register it again "
+            "with /api/event-consumers/register/ to change it, or delete it and register a "
+            "webhook consumer.",
+            field="delivery",
+        )
+    key, owner_uuid = found.uuid, found.user_uuid
+    owner = found.owner
+    scopes = body.scopes
+    wanted = _wanted_webhook(
+        owner,
+        None,
+        _pairs(scopes) if scopes is not None else bindings_of(found),
+        body.object_types,
+        body.payload_filters,
+    )
+    if scopes is None:
+        wanted = replace(wanted, is_global=found.is_global)
+    await _check(session, wanted)
+    await session.commit()
+    url = (
+        await urls.checked(body.webhook_url, settings.webhook_allowed_networks)
+        if body.webhook_url is not None
+        else None
+    )
+    async with owner_locked(session, owner_uuid, vhost_exclusive=False):
+        consumer = await repository.get(session, key)
+        if consumer is None:
+            raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
+        await _check(session, wanted, lock=True)
+        now = utcnow()
+        if wanted.object_types is not None:
+            consumer.object_types = list(wanted.object_types)
+        if wanted.payload_filters is not None:
+            consumer.payload_filters = dict(wanted.payload_filters)
+        if scopes is not None:
+            _rebind(consumer, wanted)
+        if url is not None:
+            consumer.webhook_url = url
+        # An update is the operator's answer to a 410 or a run of failures: delivery
+        # resumes, the copies waiting fall due now, and the next attempt says whether it
+        # still fails (`last_error` keeps what happened).
+        consumer.webhook_gone_at = None
+        consumer.webhook_failing_since = None
+        consumer.modified = now
+        await session.flush()
+        given_up = await repository.give_up_unauthorized(
+            session, key, now, "the consumer's bindings no longer allow it"
+        )
+        await repository.due_now(session, key, now)
+        await session.commit()
+    consumer = await repository.fresh(session, key)
+    await session.commit()
+    if consumer is None:
+        raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
+    log.info(
+        "webhook_consumer_updated",
+        consumer=key.hex,
+        destination=urls.destination(consumer.webhook_url or ""),
+        url_changed=url is not None,
+        given_up=given_up,
+    )
+    return consumer
+
+
+# What a resync sends (contract §13): the current state of these object types.
+RESYNC_TYPES = ["user_role"]
+
+
+def _snapshot(run: str, consumer_hex: str, role: Role, username: str) -> Snapshot:
+    """One role grant as a `user_role` event whose scope keys are the role's: its offering or
+    project, and its user (the keys a live `user_role` event of that role has)."""
+    return Snapshot(
+        event_id=f"resync:{consumer_hex}:{run}:{role.uuid.hex}",
+        # The envelope's fields as every message body has them (events/service.py).
+        payload={
+            "object_type": "user_role",
+            **({"offering_uuid": role.scope_uuid.hex} if role.scope_type == "offering" else {}),
+            "event_type": "role_snapshot",
+            "user_uuid": role.user_uuid.hex,
+            "user_username": username,
+            "role_name": role.role_name,
+            "scope_type": role.scope_type,
+            "scope_uuid": role.scope_uuid.hex,
+            "expires_at": role.expires_at.isoformat() if role.expires_at else None,
+        },
+        offering_uuid=role.scope_uuid if role.scope_type == "offering" else None,
+        project_uuid=role.scope_uuid if role.scope_type == "project" else None,
+        subject_user_uuid=role.user_uuid,
+    )
+
+
+async def resync(
+    session: AsyncSession,
+    engine: AsyncEngine,
+    settings: Settings,
+    caller: User | None,
+    consumer_uuid: str,
+) -> list[str]:
+    """`POST /api/event-consumers/{uuid}/resync/`: every active role grant the consumer may
+    receive (within its bindings, through its filters, its owner authorized now) becomes one
+    `user_role` event with one copy for this consumer alone, delivered through its own path
+    (its queue, or its webhook). Event ids are new per resync, so a receiver tells two
+    resyncs apart."""
+    _staff_only(caller, "resync a consumer")
+    consumer = await get_consumer(session, caller, consumer_uuid)
+    now = utcnow()
+    snapshots: list[Snapshot] = []
+    if not consumer.object_types or "user_role" in consumer.object_types:
+        filters = dict(consumer.payload_filters or {})
+        run, consumer_hex = uuid.uuid4().hex, consumer.uuid.hex
+        for role, username in await repository.active_roles(session, now):
+            found = _snapshot(run, consumer_hex, role, username)
+            if all(found.payload.get(name) in values for name, values in filters.items()):
+                snapshots.append(found)
+    target = Copy(None, consumer.uuid, consumer.queue_name, consumer.vhost)
+    webhook = consumer.delivery == WEBHOOK
+    await session.commit()
+    written = await Outbox(engine, settings).add_resync(target, webhook, snapshots, now)
+    log.info(
+        "consumer_resync",
+        consumer=target.consumer_uuid.hex if target.consumer_uuid else None,
+        roles=len(snapshots),
+        copies=written,
+    )
+    return list(RESYNC_TYPES)

@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.models import (
+    CONSUMER_ON_BROKER,
     EventConsumer,
     EventSubscription,
     EventSubscriptionQueue,
@@ -108,9 +109,10 @@ async def broker_logins(session: AsyncSession, now: datetime) -> list[BrokerLogi
         (EventSubscription, topology.subscription_user_name),
         (EventConsumer, topology.consumer_user_name),
     ):
-        rows = await session.execute(
-            select(table.uuid, table.user_uuid, wanted).join(User, User.uuid == table.user_uuid)
-        )
+        query = select(table.uuid, table.user_uuid, wanted).join(User, User.uuid == table.user_uuid)
+        if table is EventConsumer:
+            query = query.where(CONSUMER_ON_BROKER)  # a webhook consumer has no broker user
+        rows = await session.execute(query)
         found.extend(BrokerLogin(owner, name(row_uuid), hash_) for row_uuid, owner, hash_ in rows)
     return found
 

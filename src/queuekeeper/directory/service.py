@@ -263,7 +263,11 @@ async def delete_user(
             session, await repository.subscriptions_of_user(session, user_uuid)
         )
         # Its consumers go by cascade; their queues and broker users are removed below.
-        leftovers.add_consumers(await consumers_repository.of_owner(session, user_uuid))
+        owned = await consumers_repository.of_owner(session, user_uuid)
+        await consumers_repository.give_up_waiting(
+            session, owned, utcnow(), consumers_service.CONSUMER_DELETED
+        )
+        leftovers.add_consumers(owned)
         leftovers.owner_uuids.add(user_uuid)
         await consumers_repository.delete_bindings_on(session, [("user", user_uuid)])
         await session.delete(user)
@@ -504,6 +508,9 @@ async def delete_offering(
     queues = await repository.queues_of_offering(session, offering_uuid)
     # Consumers bound to it alone go with it; others only lose it as a scope (cascade).
     consumers = await consumers_repository.scoped_only_to(session, offering_uuid)
+    await consumers_repository.give_up_waiting(
+        session, consumers, utcnow(), consumers_service.CONSUMER_DELETED
+    )
     for consumer in consumers:
         await session.delete(consumer)
     # Before the offering: its deletion cascades to identities and so to these consumers.

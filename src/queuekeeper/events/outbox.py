@@ -232,6 +232,31 @@ class Outbox:
         rows = await self._run(sql.GIVE_UP_PARKED, before, limit, now, RETENTION_REASON)
         return int(rows[0][0])
 
+    async def add_resync(
+        self, to: Copy, webhook: bool, snapshots: Sequence[Snapshot], now: datetime
+    ) -> int:
+        """Write each snapshot as a new event with one pending copy for the consumer `to`
+        alone, of those its owner may receive now (contract §13's resync); returns how many.
+        One statement: all or none, announced to the relays and the webhook dispatcher by
+        the `deliveries` trigger."""
+        if not snapshots:
+            return 0
+        async with checked_out(self.engine) as driver:
+            rows = await driver.fetch(
+                sql.ADD_RESYNC,
+                [s.event_id for s in snapshots],
+                [s.offering_uuid for s in snapshots],
+                [json.dumps(s.payload, separators=(",", ":")) for s in snapshots],
+                [s.project_uuid for s in snapshots],
+                [s.subject_user_uuid for s in snapshots],
+                now,
+                to.consumer_uuid,
+                to.queue_name,
+                to.vhost,
+                webhook,
+            )
+        return int(rows[0][0])
+
     async def add_replays(
         self,
         to: Copy,
@@ -277,6 +302,17 @@ class Replayed:
     in_flight_since: datetime | None
     window: int  # copies the window holds (that the owner may receive)
     added: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One `user_role` event of a resync: its id, its body and its scope keys."""
+
+    event_id: str
+    payload: dict[str, Any]
+    offering_uuid: uuid.UUID | None
+    project_uuid: uuid.UUID | None
+    subject_user_uuid: uuid.UUID
 
 
 def _claimed(rows: Sequence[Sequence[Any]]) -> tuple[list[Claimed], int]:

@@ -461,6 +461,53 @@ SELECT (SELECT copies FROM running), (SELECT since FROM running),
 """
 )
 
+# A resync (contract §13): the role snapshots given ($1 event ids, $3 payloads, one
+# `user_role` event each, with its scope keys: the role's offering $2 or project $4, and
+# its user $5), written as new events with one pending copy each for the consumer $7
+# alone (queue name $8, vhost $9), of those its owner may receive now (the rule of every
+# publish, `authorized_sql`): nothing is written for the others. The copies are due at
+# $6, in the order given, marked `webhook` ($10) when the consumer receives by HTTP; the
+# `deliveries` trigger announces them. Event ids are new per resync, so `ON CONFLICT`
+# never drops one. Returned: the copies written.
+ADD_RESYNC = (
+    """
+WITH given AS (
+    SELECT * FROM unnest($1::varchar[], $2::uuid[], $3::json[], $4::uuid[], $5::uuid[])
+        WITH ORDINALITY AS r(event_id, offering_uuid, payload, project_uuid, subject_uuid,
+                             position)
+), allowed AS (
+    SELECT r.* FROM given r
+    WHERE """  # noqa: S608 - the module's constants
+    + authorized_sql(
+        "NULL::uuid",
+        "$7::uuid",
+        "r.offering_uuid",
+        "$6::timestamptz",
+        "r.project_uuid",
+        "r.subject_uuid",
+    )
+    + """
+), new_events AS (
+    INSERT INTO events (event_id, offering_uuid, object_type, payload, queued,
+                        skipped_unregistered, accepted, project_uuid, subject_user_uuid)
+    SELECT event_id, offering_uuid, 'user_role', payload, 1, 0, $6::timestamptz,
+           project_uuid, subject_uuid
+    FROM allowed ORDER BY position
+    ON CONFLICT DO NOTHING
+    RETURNING event_id
+), copies AS (
+    INSERT INTO deliveries (event_id, consumer_uuid, queue_name, vhost, state, attempts,
+                            next_attempt_at, created, webhook)
+    SELECT a.event_id, $7::uuid, $8::varchar, $9::varchar, 'pending', 0, $6::timestamptz,
+           $6::timestamptz, $10::boolean
+    FROM allowed a WHERE a.event_id IN (SELECT event_id FROM new_events)
+    ORDER BY a.position
+    RETURNING 1
+)
+SELECT count(*) FROM copies
+"""
+)
+
 
 def _database_error(sql: str, exc: BaseException, lost: bool) -> DBAPIError:
     """The driver's error as SQLAlchemy would raise it (SQLSTATE class 23: a constraint)."""

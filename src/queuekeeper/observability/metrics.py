@@ -144,8 +144,8 @@ AGENT_OFFERING_UUID_FORM = Counter(
 CONSUMER_REGISTRATIONS = Counter(
     "queuekeeper_consumer_registrations_total",
     "Consumer registrations by route (register_queue: site agents 1.0.7; api: "
-    "/api/event-consumers/register/) and outcome: created (201), reused (200), conflict, "
-    "broker_unavailable.",
+    "/api/event-consumers/register/; register_webhook: webhook consumers) and outcome: "
+    "created (201), reused (200), conflict, broker_unavailable.",
     ["route", "outcome"],
 )
 CONSUMERS = Gauge(

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper import db
 from queuekeeper.models import (
+    CONSUMER_ON_BROKER,
     EventConsumer,
     EventSubscription,
     EventSubscriptionQueue,
@@ -40,7 +41,7 @@ async def owner_uses_vhost(session: AsyncSession, user_uuid: uuid.UUID) -> bool:
         select(
             or_(
                 exists().where(EventSubscription.user_uuid == user_uuid),
-                exists().where(EventConsumer.user_uuid == user_uuid),
+                exists().where(EventConsumer.user_uuid == user_uuid, CONSUMER_ON_BROKER),
             )
         )
     )

@@ -36,6 +36,8 @@ class BrokerLeftovers:
     consumer_uuids: list[uuid.UUID] = field(default_factory=list)
 
     def add_consumers(self, consumers: Sequence[EventConsumer]) -> BrokerLeftovers:
+        # A webhook consumer has no queue and no broker user (contract §13).
+        consumers = [consumer for consumer in consumers if consumer.delivery == "rmq"]
         self.queues.extend((consumer.vhost, consumer.queue_name) for consumer in consumers)
         self.consumer_uuids.extend(consumer.uuid for consumer in consumers)
         self.owner_uuids.update(consumer.user_uuid for consumer in consumers)

@@ -26,6 +26,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.models import (
+    CONSUMER_ON_BROKER,
     Delivery,
     DeliveryState,
     Event,
@@ -147,7 +148,8 @@ async def registered(session: AsyncSession, keys: Collection[Key]) -> set[Key]:
             )
             .union_all(
                 select(EventConsumer.vhost, EventConsumer.queue_name).where(
-                    tuple_(EventConsumer.vhost, EventConsumer.queue_name).in_(part)
+                    tuple_(EventConsumer.vhost, EventConsumer.queue_name).in_(part),
+                    CONSUMER_ON_BROKER,
                 )
             )
         )
@@ -157,7 +159,9 @@ async def registered(session: AsyncSession, keys: Collection[Key]) -> set[Key]:
 
 async def registered_vhosts(session: AsyncSession) -> set[str]:
     rows = await session.scalars(
-        select(EventSubscriptionQueue.vhost).union(select(EventConsumer.vhost))
+        select(EventSubscriptionQueue.vhost).union(
+            select(EventConsumer.vhost).where(CONSUMER_ON_BROKER)
+        )
     )
     return set(rows)
 
@@ -166,7 +170,9 @@ async def registered_in(session: AsyncSession, vhost: str) -> set[str]:
     rows = await session.scalars(
         select(EventSubscriptionQueue.queue_name)
         .where(EventSubscriptionQueue.vhost == vhost)
-        .union_all(select(EventConsumer.queue_name).where(EventConsumer.vhost == vhost))
+        .union_all(
+            select(EventConsumer.queue_name).where(EventConsumer.vhost == vhost, CONSUMER_ON_BROKER)
+        )
     )
     return set(rows)
 
@@ -226,7 +232,8 @@ async def registrations(session: AsyncSession, keys: Collection[Key]) -> dict[Ke
             )
         consumers = await session.scalars(
             select(EventConsumer).where(
-                tuple_(EventConsumer.vhost, EventConsumer.queue_name).in_(part)
+                tuple_(EventConsumer.vhost, EventConsumer.queue_name).in_(part),
+                CONSUMER_ON_BROKER,
             )
         )
         for consumer in consumers:

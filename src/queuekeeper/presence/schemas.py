@@ -25,6 +25,10 @@ class BlockedReason(enum.StrEnum):
     BROKER_USER_MISSING = "broker_user_missing"
     FILTER_MATCHES_NOTHING = "filter_matches_nothing"
     AGENT_AWAY = "agent_away"
+    # A webhook consumer's (contract §13): its receiver answered 410, or its last attempt
+    # failed.
+    WEBHOOK_GONE = "webhook_gone"
+    WEBHOOK_FAILING = "webhook_failing"
 
 
 class ConnectionOut(BaseModel):
@@ -51,7 +55,9 @@ REASONS_DESCRIPTION = (
     "`no_token` (the marketplace removed the owner's API token), `no_access` (to the "
     "offering), `queue_missing`, `queue_misconfigured`, `broker_user_missing`, "
     "`filter_matches_nothing`, `agent_away` (no consumer for longer than "
-    "QUEUEKEEPER_PARK_AFTER_SECONDS: new copies are parked)."
+    "QUEUEKEEPER_PARK_AFTER_SECONDS: new copies are parked); for a webhook consumer, after "
+    "the owner's and access reasons, `webhook_gone` (its receiver answered 410: update it to "
+    "resume) or `webhook_failing` (its last attempt failed; it is retried)."
 )
 
 
@@ -111,7 +117,8 @@ class QueueStatusFields(BaseModel):
 
 
 class QueueStatusOut(QueueStatusFields):
-    """GET /api/event-consumers/{uuid}/status/."""
+    """GET /api/event-consumers/{uuid}/status/; a webhook consumer's has no queue (its
+    broker fields are null) and says what waits for its receiver."""
 
     model_config = ConfigDict(
         json_schema_extra={
@@ -143,3 +150,14 @@ class QueueStatusOut(QueueStatusFields):
     uuid: HexUUID
     queue_name: str
     vhost: str
+    pending: int | None = Field(
+        default=None,
+        description="A webhook consumer's copies waiting for its receiver (null for a queue).",
+    )
+    oldest_pending_at: datetime | None = Field(
+        default=None, description="When the oldest of them was written (a webhook consumer)."
+    )
+    next_attempt_at: datetime | None = Field(
+        default=None,
+        description="When the next attempt to deliver one is due (a webhook consumer).",
+    )

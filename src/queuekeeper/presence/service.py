@@ -38,7 +38,7 @@ from queuekeeper.common.tasks import cancel_within
 from queuekeeper.config import Settings
 from queuekeeper.consumers import service as consumers
 from queuekeeper.jobs.runs import JobContext, Run
-from queuekeeper.models import QueuePresence, User, utcnow
+from queuekeeper.models import EventConsumer, QueuePresence, User, utcnow
 from queuekeeper.observability.metrics import (
     OLDEST_PARKED_AGE,
     PARKED_COPIES,
@@ -486,8 +486,60 @@ async def consumer_status(
 ) -> QueueStatusOut:
     """GET /api/event-consumers/{uuid}/status/: NotFound for another user's consumer."""
     consumer = await consumers.get_consumer(session, caller, consumer_uuid)
+    if consumer.delivery == consumers.WEBHOOK:
+        return await _webhook_status(session, settings, consumer)
     key = (consumer.vhost, consumer.queue_name)
     found_uuid: uuid.UUID = consumer.uuid
     regs = await repository.registrations(session, [key])
     status = (await statuses(session, provisioner, settings, [regs[key]]))[key]
     return QueueStatusOut(uuid=found_uuid, queue_name=key[1], vhost=key[0], **status.model_dump())
+
+
+_WEBHOOK_DETAILS = {
+    BlockedReason.OWNER_INACTIVE: "The consumer's owner is inactive in the marketplace, so no "
+    "events are sent: ask the marketplace's staff to reactivate the user.",
+    BlockedReason.NO_TOKEN: "The marketplace removed the owner's API token, so no events are "
+    "sent: push a token for the owner from the marketplace.",
+    BlockedReason.TOKEN_EXPIRED: "The owner's API token expired, so no events are sent: renew "
+    "it in the marketplace.",
+    BlockedReason.NO_ACCESS: "The owner may no longer hold any of the consumer's bindings, so "
+    "its events are not sent: restore the owner's role or update the consumer's scopes.",
+    BlockedReason.WEBHOOK_GONE: "The receiver answered 410 Gone, so nothing more is sent to "
+    "it: fix or move the receiver and call update_webhook (with a new webhook_url if it "
+    "moved); waiting copies are then delivered in order.",
+    BlockedReason.WEBHOOK_FAILING: "The last attempt failed ({error}); copies wait and are "
+    "retried (next at {next}), in order: fix the receiver, or update_webhook to point "
+    "elsewhere.",
+}
+
+
+async def _webhook_status(
+    session: AsyncSession, settings: Settings, consumer: EventConsumer
+) -> QueueStatusOut:
+    """A webhook consumer's status (contract §13): no broker is asked; what waits for its
+    receiver and why it does not arrive, from the database."""
+    facts = (await consumers.facts_of(session, settings, [consumer]))[consumer.uuid]
+    waiting = await consumers.webhook_pending(session, consumer.uuid)
+    await session.commit()
+    reason = BlockedReason(facts.delivery_blocked_reason) if facts.delivery_blocked_reason else None
+    detail = None
+    if reason is not None:
+        when = waiting.next_attempt_at
+        detail = (
+            _WEBHOOK_DETAILS.get(reason, "").format(
+                error=consumer.last_error or "unknown error",
+                next=_when(when) if when is not None else "when a copy waits",
+            )
+            or None
+        )
+    return QueueStatusOut(
+        uuid=consumer.uuid,
+        queue_name=consumer.queue_name,
+        vhost=consumer.vhost,
+        last_delivered_at=consumer.last_delivered_at,
+        delivery_blocked_reason=reason,
+        delivery_blocked_detail=detail,
+        pending=waiting.pending,
+        oldest_pending_at=waiting.oldest_pending_at,
+        next_attempt_at=waiting.next_attempt_at,
+    )

@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.models import (
+    CONSUMER_ON_BROKER,
     BrokerState,
     EventConsumer,
     EventSubscription,
@@ -77,7 +78,9 @@ async def reader(engine: AsyncEngine) -> AsyncIterator[AsyncSession]:
 async def subscribed_vhosts(session: AsyncSession) -> set[str]:
     """The vhosts that should exist: one per user with a subscription or a consumer."""
     rows = await session.scalars(
-        select(EventSubscription.user_uuid).union(select(EventConsumer.user_uuid))
+        select(EventSubscription.user_uuid).union(
+            select(EventConsumer.user_uuid).where(CONSUMER_ON_BROKER)
+        )
     )
     return {owner.hex for owner in rows}
 
@@ -103,7 +106,7 @@ async def rows_in_range(
             null().cast(EventSubscriptionQueue.offering_uuid.type),
             null().cast(EventSubscriptionQueue.object_type.type),
             literal(True).label("consumer"),
-        ).where(EventConsumer.vhost == vhost),
+        ).where(EventConsumer.vhost == vhost, CONSUMER_ON_BROKER),
     ).subquery("registered")
     name: ColumnElement[str] = registered.c.name
     name = name.collate("C")  # byte order, as RabbitMQ sorts names
@@ -126,7 +129,9 @@ async def registered_names(session: AsyncSession, vhost: str, names: Sequence[st
         )
         .union_all(
             select(EventConsumer.queue_name).where(
-                EventConsumer.vhost == vhost, EventConsumer.queue_name.in_(list(names))
+                EventConsumer.vhost == vhost,
+                EventConsumer.queue_name.in_(list(names)),
+                CONSUMER_ON_BROKER,
             )
         )
     )
@@ -138,7 +143,7 @@ async def vhost_in_use(session: AsyncSession, vhost: str) -> bool:
     exists."""
     conditions: list[ColumnElement[bool]] = [
         exists().where(EventSubscriptionQueue.vhost == vhost),
-        exists().where(EventConsumer.vhost == vhost),
+        exists().where(EventConsumer.vhost == vhost, CONSUMER_ON_BROKER),
     ]
     owner = topology.uuid_of(vhost)
     if owner is not None:
@@ -176,7 +181,10 @@ async def _access_of_owners(
             model.uuid, model.broker_state, model.user_uuid, User.broker_login_hash_sql(utcnow())
         )
         .join(User, User.uuid == model.user_uuid)
-        .where(model.user_uuid.in_(list(owners)))
+        .where(
+            model.user_uuid.in_(list(owners)),
+            *([CONSUMER_ON_BROKER] if model is EventConsumer else []),
+        )
         .order_by(model.user_uuid, model.uuid)
     )
     for row in result.all():
@@ -229,14 +237,18 @@ async def existing_subscription_users(session: AsyncSession, names: Sequence[str
     rows = await session.scalars(
         select(EventSubscription.uuid)
         .where(EventSubscription.uuid.in_(uuids))
-        .union_all(select(EventConsumer.uuid).where(EventConsumer.uuid.in_(uuids)))
+        .union_all(
+            select(EventConsumer.uuid).where(EventConsumer.uuid.in_(uuids), CONSUMER_ON_BROKER)
+        )
     )
     return {row.hex for row in rows}
 
 
 async def queue_vhosts(session: AsyncSession) -> set[str]:
     rows = await session.scalars(
-        select(EventSubscriptionQueue.vhost).union(select(EventConsumer.vhost))
+        select(EventSubscriptionQueue.vhost).union(
+            select(EventConsumer.vhost).where(CONSUMER_ON_BROKER)
+        )
     )
     return set(rows)
 

@@ -99,6 +99,9 @@ async def _remove_subscriptions_of(
                 "delete_vhost", vhost, f"{reason}; with its {len(queues) + len(consumers)} queues"
             )
             return
+        await consumers_repository.give_up_waiting(
+            session, consumers, utcnow(), f"the consumer was removed: {reason}"
+        )
         for row in [*subscriptions, *consumers]:
             await session.delete(row)  # queue rows and scopes go by cascade
         await session.commit()
@@ -116,6 +119,8 @@ async def _remove_subscriptions_of(
     users: list[tuple[uuid.UUID, Callable[[uuid.UUID], Awaitable[bool]]]] = [
         (s.uuid, context.provisioner.delete_subscription_user) for s in subscriptions
     ]
+    # A webhook consumer has no broker user and no queue (contract §13).
+    consumers = [c for c in consumers if c.delivery == "rmq"]
     users += [(c.uuid, context.provisioner.delete_consumer_user) for c in consumers]
     for row_uuid, delete_user in users:
         async with run.item(f"broker user {row_uuid.hex}"):

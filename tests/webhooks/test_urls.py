@@ -1,0 +1,85 @@
+"""Where a webhook may point (contract §13) as pure functions: the address rule, a URL's
+form and what an answer shows of it. Nothing here resolves a name or connects anywhere."""
+
+from __future__ import annotations
+
+from ipaddress import ip_address, ip_network
+
+import pytest
+
+from queuekeeper.exceptions import BadRequest
+from queuekeeper.webhooks.addresses import refusal
+from queuekeeper.webhooks.urls import MAX_URL_LENGTH, destination, new_secret, parsed
+
+
+@pytest.mark.parametrize(
+    ("address", "kind"),
+    [
+        ("10.1.2.3", "private"),
+        ("172.16.0.1", "private"),
+        ("192.168.1.1", "private"),
+        ("127.0.0.1", "loopback"),
+        ("169.254.169.254", "link-local"),  # cloud metadata
+        ("224.0.0.1", "multicast"),
+        ("0.0.0.0", "unspecified"),
+        ("240.0.0.1", "240.0.0.1 is"),  # reserved (the registry also calls it private)
+        ("100.64.0.1", "not a public address"),  # carrier-grade NAT
+        ("::1", "loopback"),
+        ("fe80::1", "link-local"),
+        ("fc00::1", "private"),
+        ("::ffff:10.0.0.1", "private"),  # IPv4 written as IPv6
+    ],
+)
+def test_special_addresses_are_refused(address: str, kind: str) -> None:
+    reason = refusal(ip_address(address))
+    assert reason is not None
+    assert kind in reason
+
+
+@pytest.mark.parametrize("address", ["93.184.216.34", "2606:2800:220:1:248:1893:25c8:1946"])
+def test_public_addresses_pass(address: str) -> None:
+    assert refusal(ip_address(address)) is None
+
+
+def test_allowed_networks_let_their_addresses_through_and_no_others() -> None:
+    allowed = [ip_network("10.0.5.0/24")]
+    assert refusal(ip_address("10.0.5.7"), allowed) is None
+    assert refusal(ip_address("10.0.6.7"), allowed) is not None
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("ftp://hooks.example.org/", "must be an http or https URL"),
+        ("hooks.example.org/x", "must be an http or https URL"),
+        ("https://hooks.example.org/" + "a" * MAX_URL_LENGTH, "longer than 2048"),
+        ("https://hooks.example.org/x#frag", "has a fragment"),
+        ("https:///x", "has no host"),
+        ("https://hooks.example.org:0/", "port 0"),
+        ("https://hooks.example.org/a b", "whitespace"),
+    ],
+)
+def test_malformed_urls_are_refused_naming_the_field(url: str, reason: str) -> None:
+    with pytest.raises(BadRequest) as refused:
+        parsed(url)
+    assert refused.value.field == "webhook_url"
+    assert reason in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://user:pass@hooks.example.org/p?key=secret", "https://hooks.example.org"),
+        ("HTTPS://Hooks.Example.org:443/p", "https://hooks.example.org"),
+        ("http://hooks.example.org:8080/p", "http://hooks.example.org:8080"),
+        ("http://[2001:db8::1]:9/p", "http://[2001:db8::1]:9"),
+    ],
+)
+def test_the_destination_is_scheme_host_and_port_only(url: str, shown: str) -> None:
+    assert destination(url) == shown
+
+
+def test_secrets_are_standard_webhooks_secrets() -> None:
+    first, second = new_secret(), new_secret()
+    assert first.startswith("whsec_")
+    assert first != second
