@@ -310,3 +310,46 @@ async def test_a_customer_bound_consumers_dead_letters_are_redriven_by_the_same_
     run = await operator.redrive()
     assert run["changed"] == {"given_up": 1}, run
     assert await drain(watcher.vhost, queue) == []
+
+
+@pytest.mark.settings(queue_max_length=1)
+async def test_a_dead_letter_matched_through_its_events_project_is_redriven(
+    backend: Backend, client: httpx.AsyncClient, operator: Operator
+) -> None:
+    """A project-bound consumer receives an order of another provider's offering through the
+    order's own project: its dead letter goes back (the offering alone would refuse it), and
+    one of an order in another project is given up as not authorized."""
+    entities, elsewhere = await tree(client), await tree(client)
+    consumer_project = await project(client, entities.customer)
+    other_project = await project(client, entities.customer)
+    manager = await backend.put_user()
+    await role(client, manager, "project", consumer_project)
+    mine = await consumer_of(manager, {"scopes": scopes(("project", consumer_project))})
+    queue = mine["queue_name"]
+    stored = {}
+    for name, in_project in (("ours", consumer_project), ("theirs", other_project)):
+        event_id = f"{name}-{uuid.uuid4().hex}"
+        answer = await post_event(
+            client,
+            order_event(elsewhere.offering, event_id=event_id, project_uuid=in_project.hex),
+            wait=True,
+        )
+        assert answer.status_code == 200, answer.text
+        stored[name] = event_id
+    assert len(await drain(manager.vhost, queue)) == 1  # "ours" only
+
+    assert await publish(manager.vhost, queue, dead_event("keeper"))
+    for event_id in stored.values():
+        message = dead_event(event_id)
+        message.headers = {"offering_uuid": elsewhere.offering.hex, "event_id": event_id}
+        assert not await publish(manager.vhost, queue, message)  # full: dead-lettered
+    await wait_for_depth(manager.vhost, DLQ, 2)
+    await drain(manager.vhost, queue)
+
+    run = await operator.redrive()
+
+    assert run["changed"] == {"redriven": 1, "given_up": 1}, run
+    (back,) = await drain(manager.vhost, queue)
+    assert back.headers["event_id"] == stored["ours"]
+    dead_letters = await operator.get("/api/admin/dead-letters/")
+    assert [item["reason"].split(":")[0] for item in dead_letters["given_up"]] == ["not_authorized"]

@@ -83,6 +83,51 @@ async def receivable_offerings(
     return {uuid.UUID(str(o)).hex for o in offerings if o is not None}, every
 
 
+# Whether a consumer queue's owner may receive this event now, by the rule copies are
+# published by with the stored event's own keys (its project, the user it is about): what
+# the offering alone cannot tell (an order matched through its project, an identity event
+# with no offering). NULL: the event is no longer stored.
+_EVENT_RECEIVABLE = text(
+    """
+    SELECT """  # noqa: S608 - the module's constants
+    + authorized_sql(
+        "NULL::uuid",
+        "c.uuid",
+        "COALESCE(CAST(:offering AS uuid), e.offering_uuid)",
+        "CAST(:now AS timestamptz)",
+        "e.project_uuid",
+        "e.subject_user_uuid",
+    )
+    + """
+    FROM event_consumers c JOIN events e ON e.event_id = :event
+    WHERE c.vhost = :vhost AND c.queue_name = :queue
+    """
+)
+
+
+async def event_receivable(
+    session: AsyncSession,
+    vhost: str,
+    queue_name: str,
+    event_id: str,
+    offering: uuid.UUID | None,
+    now: datetime,
+) -> bool | None:
+    """Whether the owner of the consumer queue may receive the copy of `event_id` (for
+    `offering`, a fan-out's own) now; None when the event or the consumer is not stored."""
+    value = await session.scalar(
+        _EVENT_RECEIVABLE,
+        {
+            "vhost": vhost,
+            "queue": queue_name,
+            "event": event_id,
+            "offering": offering,
+            "now": now,
+        },
+    )
+    return None if value is None else bool(value)
+
+
 async def is_away(session: AsyncSession, vhost: str, queue_name: str) -> bool:
     """Whether the queue has had no consumer since some time (queue_presence)."""
     away_since = await session.scalar(

@@ -21,6 +21,7 @@ A run handles the messages that were in the queue when it reached the vhost
 from __future__ import annotations
 
 import asyncio
+import uuid
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -35,7 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from queuekeeper.broker import census, topology
 from queuekeeper.broker.amqp import amqp_nodes, amqp_ssl_context, connect_vhost
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.broker.sieve import OFFERING_HEADER, copy_of
+from queuekeeper.broker.sieve import EVENT_HEADER, OFFERING_HEADER, copy_of
 from queuekeeper.config import Settings
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
@@ -245,14 +246,20 @@ class VhostRedrive:
         if not target.registered:
             return Verdict("give_up", origin, "queue_gone", f"queue {origin!r} is not registered")
         offering = str(headers.get(OFFERING_HEADER) or "")
-        if offering and offering not in target.offerings and not target.every_offering:
+        if (
+            not target.every_offering
+            and (not offering or offering not in target.offerings)
+            and not await self.receivable(origin, headers, offering)
+        ):
             # Published only to whom may receive it now, as every copy is
             # (docs/decisions/021-authorized-when-published.md).
             return Verdict(
                 "give_up",
                 origin,
                 "not_authorized",
-                f"the queue's owner may no longer receive events of offering {offering}",
+                f"the queue's owner may no longer receive events of offering {offering}"
+                if offering
+                else "the queue's owner may no longer receive this event",
             )
         if not target.present:
             if not target.reported:
@@ -267,6 +274,25 @@ class VhostRedrive:
             return Verdict("leave", origin, "no_room")
         target.sent += 1
         return Verdict("redrive", origin)
+
+    async def receivable(self, name: str, headers: dict[str, Any], offering: str) -> bool:
+        """For a dead letter its queue's offerings do not cover (or that names none): may the
+        owner of a consumer queue receive its event now, judged with the event's own keys
+        (an order matched through its project, an identity event)? One statement for such a
+        dead letter; a legacy queue's offerings say all. An event no longer stored: a copy
+        naming an offering stays refused, one naming none goes back, as before the rule."""
+        event_id = str(headers.get(EVENT_HEADER) or "")
+        if not event_id or topology.consumer_of(name) is None:
+            return not offering
+        try:
+            offering_uuid = uuid.UUID(offering) if offering else None
+        except ValueError:
+            return False
+        async with self.context.sessions() as session:
+            verdict = await repository.event_receivable(
+                session, self.vhost, name, event_id, offering_uuid, self.now
+            )
+        return verdict if verdict is not None else not offering
 
     async def target(self, name: str) -> Target:
         known = self.targets.get(name)
