@@ -54,6 +54,7 @@ class Signal:
 @dataclass
 class OutboxSignals:
     accepted: Signal = field(default_factory=Signal)  # new deliveries: wake the relay
+    webhooks: Signal = field(default_factory=Signal)  # new webhook copies: wake the dispatcher
     settled: Signal = field(default_factory=Signal)  # deliveries settled: wake `?wait=true`
     # `?wait=true` requests in this process, from before their store to their answer: while
     # one is, the relay writes confirmed copies at once rather than every settle interval.

@@ -158,7 +158,9 @@ class Intake:
             # Committed: only now may anyone hear of it.
             if stored.handed and relay is not None:
                 relay.hand_over(stored.handed)
-            elif stored.deliveries:
+            elif stored.deliveries > stored.webhooks:
                 self.signals.accepted.notify()
+            if stored.webhooks:
+                self.signals.webhooks.notify()
             return stored.results
         raise AssertionError("unreachable")  # pragma: no cover

@@ -117,6 +117,8 @@ class Stored:
     results: list[Accepted | DomainError] = field(default_factory=list)
     handed: list[Claimed] = field(default_factory=list)
     deliveries: int = 0
+    # Copies for webhook consumers: written unclaimed, for the webhook dispatcher.
+    webhooks: int = 0
 
 
 class Outbox:
@@ -268,6 +270,88 @@ class Outbox:
         row = rows[0]
         return Replayed(int(row[0]), row[1], int(row[2]), int(row[3]))
 
+    # --- the webhook dispatcher's side (docs/decisions/026-webhooks-on-the-outbox.md) ------
+    async def claim_webhooks(
+        self, dispatcher_id: str, now: datetime, per_consumer: int, consumers: int
+    ) -> tuple[list[WebhookCopy], Lease]:
+        """Take, for up to `consumers` webhook consumers whose oldest pending copy is due,
+        the run of up to `per_consumer` due copies from that oldest, in acceptance order,
+        leased to `dispatcher_id` as a claim leases; those the owner may no longer receive
+        are given up instead. One claim at a time across dispatchers (an advisory lock), so
+        one consumer's copies are never held by two."""
+        lease = self.lease(dispatcher_id, now)
+        async with checked_out(self.engine) as driver, driver.driver.transaction():
+            await driver.fetch(sql.WEBHOOK_CLAIM_LOCK, lock_key("webhook-claims"))
+            rows = await driver.fetch(
+                sql.WEBHOOK_CLAIM, now, per_consumer, dispatcher_id, lease.until, consumers
+            )
+        copies = [WebhookCopy(Claimed(*row[:15]), row[15], row[16]) for row in rows if row[-1]]
+        if len(copies) < len(rows):
+            COPIES_REFUSED.inc(len(rows) - len(copies))
+        copies.sort(key=lambda copy: copy.claimed.id)
+        return copies, lease
+
+    async def settle_webhooks(self, dispatcher_id: str, run: WebhookRun, now: datetime) -> None:
+        """Write what one consumer's run of attempts came to (copies and consumer), in one
+        statement; only copies `dispatcher_id` still holds are touched."""
+        await self._run(
+            sql.WEBHOOK_SETTLE,
+            run.delivered,
+            now,
+            dispatcher_id,
+            run.failed,
+            run.retry_at,
+            run.error,
+            run.released,
+            run.consumer_uuid,
+            run.gone,
+        )
+
+    async def webhook_gauges(self) -> WebhookGauges:
+        rows = await self._run(sql.WEBHOOK_GAUGES)
+        gauges = WebhookGauges()
+        for kind, count, oldest in rows:
+            if kind is None:
+                gauges.failing, gauges.failing_since = int(count), oldest
+            elif kind:
+                gauges.webhook_pending, gauges.webhook_oldest = int(count), oldest
+            else:
+                gauges.queue_pending, gauges.queue_oldest = int(count), oldest
+        return gauges
+
+
+@dataclass(frozen=True)
+class WebhookCopy:
+    """A claimed webhook copy and where it goes (its consumer's URL and secret)."""
+
+    claimed: Claimed
+    url: str | None
+    secret: str | None
+
+
+@dataclass
+class WebhookRun:
+    """One consumer's attempts in order: those delivered, then at most one that failed (a
+    410: `gone`), and the copies claimed behind it, not attempted."""
+
+    consumer_uuid: uuid.UUID
+    delivered: list[int] = field(default_factory=list)
+    failed: int | None = None
+    retry_at: datetime | None = None
+    error: str | None = None
+    gone: bool = False
+    released: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WebhookGauges:
+    queue_pending: int = 0
+    queue_oldest: datetime | None = None
+    webhook_pending: int = 0
+    webhook_oldest: datetime | None = None
+    failing: int = 0  # webhook consumers whose last attempt failed (not gone)
+    failing_since: datetime | None = None  # the longest-failing one's first failure
+
 
 @dataclass(frozen=True)
 class Replayed:
@@ -331,7 +415,8 @@ class _Store:
                 handed=len(handed),
             )
         results = [result for result in self.results if result is not None]
-        return Stored(results, handed, len(self.copies))
+        webhooks = sum(1 for _, copy in self.copies if copy.webhook)
+        return Stored(results, handed, len(self.copies), webhooks)
 
     async def find_recipients(self) -> RecipientIndex:
         """Who may receive the group's events: one statement for the whole group."""
@@ -402,10 +487,13 @@ class _Store:
         return [
             self._handed(ids[(event_id, copy.queue_uuid or copy.consumer_uuid)], event_id, copy)
             for event_id, copy in self.copies
+            if not copy.webhook
         ]
 
     def _copy_row(self, event_id: str, copy: Copy) -> dict[str, Any]:
-        lease = self.lease
+        # A webhook copy is never the queue relay's: written unclaimed, due now, for the
+        # webhook dispatcher (docs/decisions/026-webhooks-on-the-outbox.md).
+        lease = None if copy.webhook else self.lease
         return {
             "event_id": event_id,
             "queue_uuid": copy.queue_uuid,

@@ -1,0 +1,455 @@
+"""The webhook dispatcher (contract §13): posts webhook consumers' copies from the outbox.
+
+Beside the queue relay, on the same outbox (docs/decisions/026-webhooks-on-the-outbox.md):
+a webhook consumer's copies are outbox rows marked `webhook`, which the relay never claims.
+The dispatcher claims per consumer, by its oldest pending copy, only when that copy is due
+(`Outbox.claim_webhooks`), and posts that consumer's copies one at a time in acceptance
+order; the first that fails ends the run (it is retried after `webhook_retry_seconds`, the
+copies behind it are released and wait for it), so a failing receiver holds back its own
+consumer only. A 2xx delivers; a 410 disables the consumer (`webhook_gone_at`) and leaves
+its copies pending; anything else, a timeout or a connection error is a failed attempt.
+
+At-least-once: a copy is written delivered after its 2xx, so a dispatcher that dies in
+between leaves it to its lease and it is posted again, with the same `webhook-id` (the
+event's id). Each attempt resolves the URL's host and checks every address
+(`addresses.resolve`); a new connection goes to the address checked, never resolving again
+(`_PinnedBackend`), and a kept-alive connection was made the same way to its host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import errno
+import random
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterable
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import partial
+from typing import Any
+
+import httpcore
+import httpx
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from queuekeeper.common.signals import OutboxSignals, Signal
+from queuekeeper.config import Settings
+from queuekeeper.events.outbox import DUE_CHANNEL, Outbox, WebhookCopy, WebhookRun
+from queuekeeper.events.outbox_postgres import listen
+from queuekeeper.events.relay import message_body, new_relay_id
+from queuekeeper.models import utcnow
+from queuekeeper.observability.metrics import (
+    OLDEST_PENDING_BY_KIND,
+    PENDING_BY_KIND,
+    WEBHOOK_ATTEMPT_SECONDS,
+    WEBHOOK_ATTEMPTS,
+    WEBHOOK_DELIVERIES,
+    WEBHOOK_LONGEST_FAILING,
+    WEBHOOKS_FAILING,
+)
+from queuekeeper.webhooks import signing
+from queuekeeper.webhooks.addresses import AddressRefused, Resolved, resolve
+
+log = structlog.get_logger(__name__)
+
+HOUSEKEEPING_INTERVAL = 5.0  # seconds between lease renewals and gauge refreshes
+STOP_GRACE = 5.0  # seconds a stopping dispatcher lets attempts in flight finish
+# Copies of one consumer claimed at once: posted one at a time, in order; the claim is
+# one statement for all of them rather than one per copy.
+RUN_LENGTH = 32
+RETENTION_REASON = "retention: not delivered within event_retention_days; given up"
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+# The address the current attempt checked (set in the attempt's task, read by the connect).
+_PINNED: contextvars.ContextVar[Resolved | None] = contextvars.ContextVar(
+    "queuekeeper_webhook_pinned", default=None
+)
+
+
+class _PinnedBackend(httpcore.AsyncNetworkBackend):
+    """Opens a connection only to the address the attempt checked: the request keeps its
+    host name (the Host header, TLS SNI and certificate check are the name's) while the
+    socket goes to the address that passed `addresses.resolve`."""
+
+    def __init__(self) -> None:
+        self._inner = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        pinned = _PINNED.get()
+        if pinned is None or pinned.host.strip("[]") != host.strip("[]") or pinned.port != port:
+            raise httpcore.ConnectError(f"{host}:{port} was not checked for this attempt")
+        return await self._inner.connect_tcp(
+            pinned.address, port, timeout, local_address, socket_options
+        )
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("webhooks connect over TCP only")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class _Transport(httpx.AsyncHTTPTransport):
+    """httpx's transport, its pool connecting through `_PinnedBackend`."""
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        super().__init__(limits=limits)
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=httpx.create_ssl_context(),
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            network_backend=_PinnedBackend(),
+        )
+
+
+def new_client(settings: Settings) -> httpx.AsyncClient:
+    """The dispatcher's one client: connections kept alive per host, never a redirect
+    followed, no proxy or environment settings, the timeout on every phase."""
+    limits = httpx.Limits(
+        max_connections=settings.webhook_concurrency,
+        max_keepalive_connections=settings.webhook_concurrency,
+        keepalive_expiry=30.0,
+    )
+    return httpx.AsyncClient(
+        transport=_Transport(limits),
+        timeout=httpx.Timeout(settings.webhook_timeout_seconds),
+        follow_redirects=False,
+        trust_env=False,
+        headers={"user-agent": "queuekeeper-webhooks"},
+    )
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one attempt came to: `result` is a `WEBHOOK_ATTEMPTS` label."""
+
+    result: str
+    error: str = ""
+
+    @property
+    def delivered(self) -> bool:
+        return self.result == "delivered"
+
+    @property
+    def gone(self) -> bool:
+        return self.result == "gone"
+
+
+def destination(url: httpx.URL) -> tuple[str, str, int]:
+    """(scheme, host, port): what `webhook_concurrency_per_destination` bounds."""
+    return url.scheme, url.host, url.port or _DEFAULT_PORTS.get(url.scheme, 0)
+
+
+def connection_error(exc: BaseException) -> str:
+    """A failed connection, in the words `last_error` shows."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError) or (
+            isinstance(cause, OSError) and cause.errno == errno.ECONNREFUSED
+        ):
+            return "connection refused"
+        cause = cause.__cause__ or cause.__context__
+    text = str(exc) or type(exc).__name__
+    if "refused" in text.lower():
+        return "connection refused"
+    return f"connection failed: {text}"[:500]
+
+
+class WebhookDispatcher:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: AsyncEngine,
+        signals: OutboxSignals | None = None,
+        dispatcher_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.outbox = Outbox(engine, settings)
+        self.engine = engine
+        self.signals = signals or OutboxSignals()
+        self.id = dispatcher_id or new_relay_id()
+        self.client = new_client(settings)
+        self._stopping = asyncio.Event()
+        self._wake = Signal()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runs: dict[uuid.UUID, asyncio.Task[None]] = {}
+        self._held: dict[int, datetime] = {}  # copies held and when their lease ends
+        self._slots = asyncio.Semaphore(settings.webhook_concurrency)
+        self._destinations: dict[tuple[str, str, int], asyncio.Semaphore] = defaultdict(
+            lambda: asyncio.Semaphore(settings.webhook_concurrency_per_destination)
+        )
+        self._retention = settings.event_retention
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._stopping.clear()
+        self.signals.webhooks.listen(self._wake.notify)
+        self._tasks = [
+            asyncio.create_task(self._claim_loop(), name="webhooks-claim"),
+            asyncio.create_task(self._housekeeping(), name="webhooks-housekeeping"),
+            asyncio.create_task(self._listen(), name="webhooks-listen"),
+        ]
+        log.info("webhook_dispatcher_started", dispatcher=self.id)
+
+    async def stop(self, grace: float = STOP_GRACE) -> None:
+        """Stop claiming; let attempts in flight finish for up to `grace` seconds, then cut
+        them short (their runs release what they did not post)."""
+        self._stopping.set()
+        self._wake.notify()
+        self.signals.webhooks.forget(self._wake.notify)
+        runs = list(self._runs.values())
+        if runs:
+            _done, pending = await asyncio.wait(runs, timeout=grace)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self.client.aclose()
+        log.info("webhook_dispatcher_stopped", dispatcher=self.id)
+
+    async def _listen(self) -> None:
+        """Wake on copies committed unclaimed by any process (`DUE_CHANNEL`)."""
+        while not self._stopping.is_set():
+            try:
+                await listen(self.engine, DUE_CHANNEL, self._wake.notify, self._stopping)
+            except Exception as exc:
+                log.warning("webhooks_listen_failed", dispatcher=self.id, error=repr(exc)[:500])
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+            self._wake.notify()
+
+    # --- claiming -------------------------------------------------------------------------
+    def _busy_destinations(self) -> set[tuple[str, str, int]]:
+        return {key for key, slots in self._destinations.items() if slots.locked()}
+
+    async def _claim_loop(self) -> None:
+        poll = self.settings.relay_poll_interval
+        while not self._stopping.is_set():
+            seen = self._wake.generation
+            free = 2 * self.settings.webhook_concurrency - len(self._runs)
+            if free > 0:
+                try:
+                    claimed = await self.claim(free)
+                except Exception as exc:  # the database is down: keep the loop alive
+                    log.error("webhooks_claim_failed", dispatcher=self.id, error=repr(exc)[:500])
+                    await self._wake.wait(self.settings.relay_backoff_base)
+                    continue
+                if claimed and not self._stopping.is_set():
+                    continue  # more may be due at once
+            await self._wake.wait(poll, since=seen)
+
+    async def claim(self, consumers: int) -> int:
+        """Claim the due copies of up to `consumers` consumers and start a run for each."""
+        now = utcnow()
+        copies, lease = await self.outbox.claim_webhooks(self.id, now, RUN_LENGTH, consumers)
+        by_consumer: dict[uuid.UUID, list[WebhookCopy]] = defaultdict(list)
+        for copy in copies:
+            self._held[copy.claimed.id] = lease.until
+            if copy.claimed.consumer_uuid is not None:
+                by_consumer[copy.claimed.consumer_uuid].append(copy)
+        for consumer_uuid, run in by_consumer.items():
+            task = asyncio.create_task(self._run_logged(consumer_uuid, run))
+            self._runs[consumer_uuid] = task
+            task.add_done_callback(partial(self._run_done, consumer_uuid))
+        return len(copies)
+
+    def _run_done(self, consumer_uuid: uuid.UUID, _task: asyncio.Task[None]) -> None:
+        self._runs.pop(consumer_uuid, None)
+        self._wake.notify()  # its next copies, if any, are due now
+
+    # --- one consumer's run -----------------------------------------------------------------
+    async def _run_logged(self, consumer_uuid: uuid.UUID, copies: list[WebhookCopy]) -> None:
+        try:
+            await self.deliver(consumer_uuid, copies)
+        except Exception as exc:  # what was not settled is posted again when its lease ends
+            log.error("webhook_run_failed", consumer=consumer_uuid.hex, error=repr(exc)[:500])
+        finally:
+            for copy in copies:
+                self._held.pop(copy.claimed.id, None)
+
+    async def deliver(self, consumer_uuid: uuid.UUID, copies: list[WebhookCopy]) -> WebhookRun:
+        """Post `copies` (one consumer's, in acceptance order) one at a time until one fails,
+        then write what came of them."""
+        run = WebhookRun(consumer_uuid)
+        given_up: list[tuple[int, str]] = []
+        try:
+            for position, copy in enumerate(copies):
+                item = copy.claimed
+                now = utcnow()
+                if now - item.created > self._retention:
+                    reason = RETENTION_REASON
+                    if item.last_error:
+                        reason += f"; last error: {item.last_error}"
+                    given_up.append((item.id, reason))
+                    continue
+                outcome = await self.attempt(copy)
+                if outcome.delivered:
+                    run.delivered.append(item.id)
+                    continue
+                run.failed, run.error, run.gone = item.id, outcome.error, outcome.gone
+                run.retry_at = now if outcome.gone else self._retry_at(item.attempts, item.created)
+                run.released = [later.claimed.id for later in copies[position + 1 :]]
+                break
+        except asyncio.CancelledError:
+            # Stopping: what was not posted goes back at once (the copy in flight too: it
+            # may have arrived, and is posted again with the same webhook-id).
+            done = set(run.delivered) | {i for i, _ in given_up}
+            run.failed, run.error, run.gone = None, None, False
+            run.released = [c.claimed.id for c in copies if c.claimed.id not in done]
+            await asyncio.shield(self._settle(run, given_up))
+            raise
+        await self._settle(run, given_up)
+        return run
+
+    def _retry_at(self, attempts: int, created: datetime) -> datetime:
+        now = utcnow()
+        delay = signing.retry_delay(
+            attempts,
+            self.settings.webhook_retry_seconds,
+            random.random(),  # noqa: S311 - jitter, not security
+        )
+        # Never past the give-up time, so an old copy is given up on time.
+        return min(now + timedelta(seconds=delay), max(created + self._retention, now))
+
+    async def _settle(self, run: WebhookRun, given_up: list[tuple[int, str]]) -> None:
+        now = utcnow()
+        if given_up:
+            await self.outbox.give_up(given_up, now)
+            WEBHOOK_DELIVERIES.labels(outcome="given_up").inc(len(given_up))
+        if run.delivered or run.failed is not None or run.released:
+            await self.outbox.settle_webhooks(self.id, run, now)
+        if run.delivered:
+            WEBHOOK_DELIVERIES.labels(outcome="delivered").inc(len(run.delivered))
+            self.signals.settled.notify()
+        if run.failed is not None:
+            log.info(
+                "webhook_attempt_failed",
+                consumer=run.consumer_uuid.hex,
+                error=run.error,
+                gone=run.gone,
+                retry_at=run.retry_at.isoformat() if run.retry_at else None,
+            )
+
+    # --- one attempt ----------------------------------------------------------------------
+    async def attempt(self, copy: WebhookCopy) -> Attempt:
+        """Post one copy: resolve and check the host, connect to the address checked, read at
+        most `webhook_response_max_bytes` of the answer."""
+        if not copy.url or not copy.secret:
+            return Attempt("http_error", "the consumer has no webhook URL or secret")
+        try:
+            url = httpx.URL(copy.url)
+        except httpx.InvalidURL as exc:
+            return Attempt("http_error", f"invalid webhook URL: {exc}")
+        if url.scheme not in _DEFAULT_PORTS or not url.host:
+            return Attempt("http_error", f"unsupported webhook URL scheme {url.scheme!r}")
+        scheme, host, port = destination(url)
+        started = time.perf_counter()
+        timeout = self.settings.webhook_timeout_seconds
+        async with self._destinations[(scheme, host, port)], self._slots:
+            try:
+                async with asyncio.timeout(timeout):
+                    outcome = await self._post(copy, url, host, port)
+            except (TimeoutError, httpx.TimeoutException):
+                outcome = Attempt("timeout", f"timeout after {timeout:g} s")
+            except AddressRefused as exc:
+                outcome = Attempt("address_refused", f"address refused: {exc.reason}")
+            except httpx.RemoteProtocolError as exc:
+                outcome = Attempt(
+                    "connection_error",
+                    f"connection closed by the receiver without a valid answer ({exc})"[:500],
+                )
+            except (httpx.TransportError, OSError) as exc:
+                outcome = Attempt("connection_error", connection_error(exc))
+        WEBHOOK_ATTEMPT_SECONDS.observe(time.perf_counter() - started)
+        WEBHOOK_ATTEMPTS.labels(result=outcome.result).inc()
+        return outcome
+
+    async def _post(self, copy: WebhookCopy, url: httpx.URL, host: str, port: int) -> Attempt:
+        pinned = await resolve(host, port, self.settings.webhook_allowed_networks)
+        item = copy.claimed
+        body = message_body(item)
+        assert copy.secret is not None  # checked by `attempt`
+        headers = signing.headers(copy.secret, item.event_id, int(time.time()), body)
+        token = _PINNED.set(pinned)
+        try:
+            async with self.client.stream("POST", url, content=body, headers=headers) as answer:
+                await _read_capped(answer, self.settings.webhook_response_max_bytes)
+        finally:
+            _PINNED.reset(token)
+        if 200 <= answer.status_code < 300:
+            return Attempt("delivered")
+        if answer.status_code == 410:
+            return Attempt("gone", "HTTP 410: the receiver is gone; delivery disabled")
+        return Attempt("http_error", f"HTTP {answer.status_code}")
+
+    # --- housekeeping ---------------------------------------------------------------------
+    async def _housekeeping(self) -> None:
+        while not self._stopping.is_set():
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+                return
+            try:
+                await self.renew_leases()
+                await self.refresh_gauges()
+            except Exception as exc:  # housekeeping never takes the dispatcher down
+                log.warning("webhooks_housekeeping_failed", error=repr(exc)[:500])
+
+    async def renew_leases(self) -> int:
+        """Extend the lease of held copies past its first third (a slow receiver, a run of
+        many copies): a dispatcher that dies stops renewing and they fall due."""
+        now = utcnow()
+        third = self.outbox.lease_length / 3
+        due = [i for i, until in self._held.items() if until - now < third * 2]
+        if not due:
+            return 0
+        renewed, lease = await self.outbox.renew(self.id, due, now)
+        for i in renewed:
+            if i in self._held:
+                self._held[i] = lease.until
+        return len(renewed)
+
+    async def refresh_gauges(self) -> None:
+        now = utcnow()
+        gauges = await self.outbox.webhook_gauges()
+        for kind, count, oldest in (
+            ("queue", gauges.queue_pending, gauges.queue_oldest),
+            ("webhook", gauges.webhook_pending, gauges.webhook_oldest),
+        ):
+            PENDING_BY_KIND.labels(kind=kind).set(count)
+            OLDEST_PENDING_BY_KIND.labels(kind=kind).set(
+                (now - oldest).total_seconds() if oldest else 0.0
+            )
+        WEBHOOKS_FAILING.set(gauges.failing)
+        since = gauges.failing_since
+        WEBHOOK_LONGEST_FAILING.set((now - since).total_seconds() if since else 0.0)
+
+
+async def _read_capped(answer: httpx.Response, limit: int) -> int:
+    """Read at most `limit` bytes of the answer (as sent: nothing decompressed)."""
+    read = 0
+    async for chunk in answer.aiter_raw():
+        read += len(chunk)
+        if read >= limit:
+            break
+    return read
