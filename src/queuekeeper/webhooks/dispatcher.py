@@ -215,15 +215,13 @@ class WebhookDispatcher:
         self._stopping.set()
         self._wake.notify()
         self.signals.webhooks.forget(self._wake.notify)
-        runs = list(self._runs.values())
-        if runs:
-            _done, pending = await asyncio.wait(runs, timeout=grace)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*runs, return_exceptions=True)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # The loops end on `_stopping` (a claim under way finishes first), then the runs.
+        for group in (self._tasks, list(self._runs.values())):
+            if group:
+                _done, pending = await asyncio.wait(group, timeout=grace)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*group, return_exceptions=True)
         self._tasks = []
         await self.client.aclose()
         log.info("webhook_dispatcher_stopped", dispatcher=self.id)
