@@ -69,7 +69,7 @@ class Receiver:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
-        server = site._server  # noqa: SLF001 - aiohttp exposes the bound port only here
+        server = site._server
         assert server is not None
         self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
 
@@ -167,7 +167,7 @@ async def consumer_row(settings: Settings, consumer: uuid.UUID) -> dict[str, Any
             ).one()
     finally:
         await engine.dispose()
-    return dict(row._mapping)  # noqa: SLF001 - SQLAlchemy's row mapping
+    return dict(row._mapping)
 
 
 async def copies(settings: Settings, consumer: uuid.UUID) -> list[dict[str, Any]]:
@@ -187,7 +187,7 @@ async def copies(settings: Settings, consumer: uuid.UUID) -> list[dict[str, Any]
             ).all()
     finally:
         await engine.dispose()
-    return [dict(row._mapping) for row in rows]  # noqa: SLF001
+    return [dict(row._mapping) for row in rows]
 
 
 async def eventually(

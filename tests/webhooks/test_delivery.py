@@ -111,9 +111,7 @@ async def test_a_failed_attempt_is_shown_on_the_consumer_until_one_succeeds(
     since = row["webhook_failing_since"]
     assert row["last_error_at"] >= since
     # Still failing later: the run's start stays.
-    await eventually(
-        lambda: _attempts_at_least(settings, hook.uuid, 3), what="retried while down"
-    )
+    await eventually(lambda: _attempts_at_least(settings, hook.uuid, 3), what="retried while down")
     assert (await consumer_row(settings, hook.uuid))["webhook_failing_since"] == since
     # The receiver comes back on its port: everything arrives, in order.
     async with receiving() as back:
