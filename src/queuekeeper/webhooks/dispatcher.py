@@ -65,6 +65,25 @@ RUN_LENGTH = 32
 RETENTION_REASON = "retention: not delivered within event_retention_days; given up"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
+# Bound once (a child's lookup per attempt costs more than its increment), and so exported
+# at zero from the start.
+_DELIVERED = WEBHOOK_DELIVERIES.labels(outcome="delivered")
+_GIVEN_UP = WEBHOOK_DELIVERIES.labels(outcome="given_up")
+_ATTEMPTS = {
+    result: WEBHOOK_ATTEMPTS.labels(result=result)
+    for result in (
+        "delivered",
+        "http_error",
+        "gone",
+        "timeout",
+        "connection_error",
+        "address_refused",
+    )
+}
+for _kind in ("queue", "webhook"):
+    PENDING_BY_KIND.labels(kind=_kind)
+    OLDEST_PENDING_BY_KIND.labels(kind=_kind)
+
 # The address the current attempt checked (set in the attempt's task, read by the connect).
 _PINNED: contextvars.ContextVar[Resolved | None] = contextvars.ContextVar(
     "queuekeeper_webhook_pinned", default=None
@@ -334,11 +353,11 @@ class WebhookDispatcher:
         now = utcnow()
         if given_up:
             await self.outbox.give_up(given_up, now)
-            WEBHOOK_DELIVERIES.labels(outcome="given_up").inc(len(given_up))
+            _GIVEN_UP.inc(len(given_up))
         if run.delivered or run.failed is not None or run.released:
             await self.outbox.settle_webhooks(self.id, run, now)
         if run.delivered:
-            WEBHOOK_DELIVERIES.labels(outcome="delivered").inc(len(run.delivered))
+            _DELIVERED.inc(len(run.delivered))
             self.signals.settled.notify()
         if run.failed is not None:
             log.info(
@@ -380,7 +399,7 @@ class WebhookDispatcher:
             except (httpx.TransportError, OSError) as exc:
                 outcome = Attempt("connection_error", connection_error(exc))
         WEBHOOK_ATTEMPT_SECONDS.observe(time.perf_counter() - started)
-        WEBHOOK_ATTEMPTS.labels(result=outcome.result).inc()
+        _ATTEMPTS[outcome.result].inc()
         return outcome
 
     async def _post(self, copy: WebhookCopy, url: httpx.URL, host: str, port: int) -> Attempt:
