@@ -51,10 +51,13 @@ from queuekeeper.observability.metrics import (
 log = structlog.get_logger(__name__)
 _DEBUG = logging.getLogger(__name__)
 
-# PostgreSQL NOTIFY channel on which a trigger of `deliveries` (migration 0006) announces
-# copies committed unclaimed: a relay anywhere may take them now. Relays poll as well, so
-# a lost notification delays a copy by at most the poll interval and loses nothing.
+# PostgreSQL NOTIFY channel on which a trigger of `deliveries` (migrations 0006, 0015)
+# announces queue copies committed unclaimed: a relay anywhere may take them now. Relays
+# poll as well, so a lost notification delays a copy by at most the poll interval and
+# loses nothing.
 DUE_CHANNEL = "queuekeeper_outbox_due"
+# The same for webhook copies (migration 0015), which only the webhook dispatcher takes.
+WEBHOOKS_DUE_CHANNEL = "queuekeeper_webhooks_due"
 
 # Why a copy is parked, or was given up while parked (its `last_error`, listed with the
 # event's copies).

@@ -13,7 +13,7 @@ At-least-once: a copy is written delivered after its 2xx, so a dispatcher that d
 between leaves it to its lease and it is posted again, with the same `webhook-id` (the
 event's id). Each attempt resolves the URL's host and checks every address
 (`addresses.resolve`); a new connection goes to the address checked, never resolving again
-(`_PinnedBackend`), and a kept-alive connection was made the same way to its host.
+(`_PinnedResolver`), and a kept-alive connection was made the same way to its host.
 """
 
 from __future__ import annotations
@@ -22,24 +22,26 @@ import asyncio
 import contextvars
 import errno
 import random
+import socket
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import partial
-from typing import Any
+from ipaddress import ip_address
 
-import httpcore
+import aiohttp
+import aiohttp.abc
 import httpx
 import structlog
+from httpx_aiohttp import AiohttpTransport
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
-from queuekeeper.events.outbox import DUE_CHANNEL, Outbox, WebhookCopy, WebhookRun
+from queuekeeper.events.outbox import WEBHOOKS_DUE_CHANNEL, Outbox, WebhookCopy, WebhookRun
 from queuekeeper.events.outbox_postgres import listen
 from queuekeeper.events.relay import message_body, new_relay_id
 from queuekeeper.models import utcnow
@@ -64,6 +66,7 @@ STOP_GRACE = 5.0  # seconds a stopping dispatcher lets attempts in flight finish
 RUN_LENGTH = 32
 RETENTION_REASON = "retention: not delivered within event_retention_days; given up"
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+_CLOSED = "connection closed by the receiver without an answer"
 
 # Bound once (a child's lookup per attempt costs more than its increment), and so exported
 # at zero from the start.
@@ -90,65 +93,54 @@ _PINNED: contextvars.ContextVar[Resolved | None] = contextvars.ContextVar(
 )
 
 
-class _PinnedBackend(httpcore.AsyncNetworkBackend):
-    """Opens a connection only to the address the attempt checked: the request keeps its
-    host name (the Host header, TLS SNI and certificate check are the name's) while the
-    socket goes to the address that passed `addresses.resolve`."""
+class _PinnedResolver(aiohttp.abc.AbstractResolver):
+    """Resolves a host name to the address the current attempt checked, and nothing else:
+    the request keeps its host name (the Host header, TLS SNI and certificate check are the
+    name's) while a new connection goes to the address that passed `addresses.resolve`,
+    never resolving again. aiohttp asks a resolver for every new connection to a name
+    (its DNS cache is off) and for none to an address literal (the literal was checked)."""
 
-    def __init__(self) -> None:
-        self._inner = httpcore.AnyIOBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[aiohttp.abc.ResolveResult]:
         pinned = _PINNED.get()
-        if pinned is None or pinned.host.strip("[]") != host.strip("[]") or pinned.port != port:
-            raise httpcore.ConnectError(f"{host}:{port} was not checked for this attempt")
-        return await self._inner.connect_tcp(
-            pinned.address, port, timeout, local_address, socket_options
-        )
+        if pinned is None or pinned.host != host or pinned.port != port:
+            raise OSError(f"{host}:{port} was not checked for this attempt")
+        address = ip_address(pinned.address)
+        return [
+            {
+                "hostname": host,
+                "host": pinned.address,
+                "port": port,
+                "family": socket.AF_INET6 if address.version == 6 else socket.AF_INET,
+                "proto": 0,
+                "flags": socket.AI_NUMERICHOST,
+            }
+        ]
 
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        raise httpcore.ConnectError("webhooks connect over TCP only")
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
-
-
-class _Transport(httpx.AsyncHTTPTransport):
-    """httpx's transport, its pool connecting through `_PinnedBackend`."""
-
-    def __init__(self, limits: httpx.Limits) -> None:
-        super().__init__(limits=limits)
-        self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=httpx.create_ssl_context(),
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            network_backend=_PinnedBackend(),
-        )
+    async def close(self) -> None:
+        return None
 
 
 def new_client(settings: Settings) -> httpx.AsyncClient:
-    """The dispatcher's one client: connections kept alive per host, never a redirect
+    """The dispatcher's one client: httpx's requests and errors on aiohttp's connections
+    (as the Management API client, docs/decisions/010-management-api-client.md: a
+    fraction of httpcore's CPU per request), kept alive per host, never a redirect
     followed, no proxy or environment settings, the timeout on every phase."""
-    limits = httpx.Limits(
-        max_connections=settings.webhook_concurrency,
-        max_keepalive_connections=settings.webhook_concurrency,
-        keepalive_expiry=30.0,
-    )
+
+    def session() -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            resolver=_PinnedResolver(),
+            use_dns_cache=False,
+            ssl=httpx.create_ssl_context(trust_env=False),
+            limit=settings.webhook_concurrency,
+            limit_per_host=settings.webhook_concurrency_per_destination,
+            keepalive_timeout=30.0,
+        )
+        return aiohttp.ClientSession(connector=connector, trust_env=False)
+
     return httpx.AsyncClient(
-        transport=_Transport(limits),
+        transport=AiohttpTransport(client=session, trust_env=False),
         timeout=httpx.Timeout(settings.webhook_timeout_seconds),
         follow_redirects=False,
         trust_env=False,
@@ -246,10 +238,10 @@ class WebhookDispatcher:
         log.info("webhook_dispatcher_stopped", dispatcher=self.id)
 
     async def _listen(self) -> None:
-        """Wake on copies committed unclaimed by any process (`DUE_CHANNEL`)."""
+        """Wake on webhook copies committed by any process (`WEBHOOKS_DUE_CHANNEL`)."""
         while not self._stopping.is_set():
             try:
-                await listen(self.engine, DUE_CHANNEL, self._wake.notify, self._stopping)
+                await listen(self.engine, WEBHOOKS_DUE_CHANNEL, self._wake.notify, self._stopping)
             except Exception as exc:
                 log.warning("webhooks_listen_failed", dispatcher=self.id, error=repr(exc)[:500])
                 with suppress(TimeoutError):
@@ -387,15 +379,20 @@ class WebhookDispatcher:
             try:
                 async with asyncio.timeout(timeout):
                     outcome = await self._post(copy, url, host, port)
-            except (TimeoutError, httpx.TimeoutException):
-                outcome = Attempt("timeout", f"timeout after {timeout:g} s")
+            except (TimeoutError, httpx.TimeoutException) as exc:
+                # The transport maps every aiohttp connection error to a timeout: its cause
+                # tells a closed connection or a refused one from a timeout.
+                cause = exc.__cause__
+                if isinstance(cause, aiohttp.ServerDisconnectedError):
+                    outcome = Attempt("connection_error", _CLOSED)
+                elif isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ClientOSError):
+                    outcome = Attempt("connection_error", connection_error(cause))
+                else:
+                    outcome = Attempt("timeout", f"timeout after {timeout:g} s")
             except AddressRefused as exc:
                 outcome = Attempt("address_refused", f"address refused: {exc.reason}")
-            except httpx.RemoteProtocolError as exc:
-                outcome = Attempt(
-                    "connection_error",
-                    f"connection closed by the receiver without a valid answer ({exc})"[:500],
-                )
+            except httpx.RemoteProtocolError:
+                outcome = Attempt("connection_error", _CLOSED)
             except (httpx.TransportError, OSError) as exc:
                 outcome = Attempt("connection_error", connection_error(exc))
         WEBHOOK_ATTEMPT_SECONDS.observe(time.perf_counter() - started)
