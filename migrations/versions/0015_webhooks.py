@@ -60,12 +60,21 @@ def upgrade() -> None:
         """
         CREATE OR REPLACE FUNCTION queuekeeper_announce_due() RETURNS trigger
         LANGUAGE plpgsql AS $$
+        DECLARE
+            consumers text;
         BEGIN
             IF EXISTS (SELECT 1 FROM inserted WHERE claimed_by IS NULL AND NOT webhook) THEN
                 PERFORM pg_notify('queuekeeper_outbox_due', '');
             END IF;
             IF EXISTS (SELECT 1 FROM inserted WHERE webhook) THEN
-                PERFORM pg_notify('queuekeeper_webhooks_due', '');
+                -- The consumers, so a dispatcher posting to them already claims nothing;
+                -- '' (any) when they would not fit a notification's payload.
+                SELECT string_agg(DISTINCT consumer_uuid::text, ',') INTO consumers
+                FROM inserted WHERE webhook;
+                PERFORM pg_notify(
+                    'queuekeeper_webhooks_due',
+                    CASE WHEN length(consumers) < 7000 THEN consumers ELSE '' END
+                );
             END IF;
             RETURN NULL;
         END

@@ -11,12 +11,14 @@ from datetime import timedelta
 import httpx
 import pytest
 from aiohttp import web
+from sqlalchemy import text
 
 from queuekeeper.app import running
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.events.outbox import Outbox
 from queuekeeper.models import utcnow
+from queuekeeper.webhooks.dispatcher import CONSUMER_GONE, WebhookDispatcher
 from tests.events.support import order_event, post_event
 from tests.helpers import Backend
 from tests.webhooks.support import (
@@ -264,3 +266,45 @@ async def test_a_restart_mid_delivery_posts_the_copy_again_with_the_same_id(
 
             await eventually(delivered, what="both delivered")
         assert receiver.ids() == ["restart-1", "restart-1", "restart-2"]
+
+
+@pytest.mark.settings(**{**WEBHOOK_SETTINGS, "event_retention_days": 2 / 86400})
+async def test_copies_no_claim_takes_are_given_up(
+    client: httpx.AsyncClient, backend: Backend, settings: Settings
+) -> None:
+    """A deleted consumer's copies, and a disabled (410) consumer's copies past retention,
+    are given up by the dispatcher's housekeeping rather than kept pending for ever."""
+    agent, offering = await backend.agent_with_offering()
+    async with receiving(_status(503)) as failing, receiving(_status(410)) as gone:
+        deleted = await webhook_consumer(settings, agent.uuid, offering, failing.url)
+        disabled = await webhook_consumer(settings, agent.uuid, offering, gone.url)
+        await post_event(client, order_event(offering, event_id="stranded-1"))
+        await failing.wait_for(1)
+        await gone.wait_for(1)
+        engine = create_engine(settings)
+        try:
+            async with engine.begin() as connection:
+                await connection.execute(
+                    text("DELETE FROM event_consumers WHERE uuid = :uuid"), {"uuid": deleted.uuid}
+                )
+            await asyncio.sleep(2.5)  # the disabled consumer's copy is past retention now
+            dispatcher = WebhookDispatcher(settings, engine)
+            try:
+                assert await dispatcher.give_up_stranded() == 2
+            finally:
+                await dispatcher.client.aclose()
+            async with engine.connect() as connection:
+                rows = (
+                    await connection.execute(
+                        text(
+                            "SELECT consumer_uuid, state, last_error FROM deliveries"
+                            " WHERE event_id = 'stranded-1' ORDER BY id"
+                        )
+                    )
+                ).all()
+        finally:
+            await engine.dispose()
+        reasons = {row[0]: (row[1], row[2]) for row in rows}
+        assert reasons[None] == ("given_up", CONSUMER_GONE)
+        assert reasons[disabled.uuid][0] == "given_up"
+        assert reasons[disabled.uuid][1].startswith("retention")

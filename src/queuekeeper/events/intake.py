@@ -161,6 +161,7 @@ class Intake:
             elif stored.deliveries > stored.webhooks:
                 self.signals.accepted.notify()
             if stored.webhooks:
+                self.signals.webhook_consumers |= stored.webhook_consumers
                 self.signals.webhooks.notify()
             return stored.results
         raise AssertionError("unreachable")  # pragma: no cover

@@ -122,6 +122,7 @@ class Stored:
     deliveries: int = 0
     # Copies for webhook consumers: written unclaimed, for the webhook dispatcher.
     webhooks: int = 0
+    webhook_consumers: set[uuid.UUID] = field(default_factory=set)
 
 
 class Outbox:
@@ -275,9 +276,15 @@ class Outbox:
 
     # --- the webhook dispatcher's side (docs/decisions/026-webhooks-on-the-outbox.md) ------
     async def claim_webhooks(
-        self, dispatcher_id: str, now: datetime, per_consumer: int, consumers: int
+        self,
+        dispatcher_id: str,
+        now: datetime,
+        per_consumer: int,
+        consumers: int,
+        skip: Collection[uuid.UUID] = (),
     ) -> tuple[list[WebhookCopy], Lease]:
-        """Take, for up to `consumers` webhook consumers whose oldest pending copy is due,
+        """Take, for up to `consumers` webhook consumers (not in `skip`) whose oldest
+        pending copy is due,
         the run of up to `per_consumer` due copies from that oldest, in acceptance order,
         leased to `dispatcher_id` as a claim leases; those the owner may no longer receive
         are given up instead. One claim at a time across dispatchers (an advisory lock), so
@@ -286,7 +293,13 @@ class Outbox:
         async with checked_out(self.engine) as driver, driver.driver.transaction():
             await driver.fetch(sql.WEBHOOK_CLAIM_LOCK, lock_key("webhook-claims"))
             rows = await driver.fetch(
-                sql.WEBHOOK_CLAIM, now, per_consumer, dispatcher_id, lease.until, consumers
+                sql.WEBHOOK_CLAIM,
+                now,
+                per_consumer,
+                dispatcher_id,
+                lease.until,
+                consumers,
+                list(skip),
             )
         copies = [WebhookCopy(Claimed(*row[:15]), row[15], row[16]) for row in rows if row[-1]]
         if len(copies) < len(rows):
@@ -309,6 +322,15 @@ class Outbox:
             run.consumer_uuid,
             run.gone,
         )
+
+    async def give_up_stranded_webhooks(
+        self, before: datetime, limit: int, now: datetime, gone: str, too_old: str
+    ) -> int:
+        """Give up up to `limit` webhook copies no claim takes: a deleted consumer's (reason
+        `gone`), and those unclaimed past retention, created before `before` (`too_old`);
+        returns how many."""
+        rows = await self._run(sql.WEBHOOK_GIVE_UP_STRANDED, before, limit, now, gone, too_old)
+        return int(rows[0][0])
 
     async def webhook_gauges(self) -> WebhookGauges:
         rows = await self._run(sql.WEBHOOK_GAUGES)
@@ -418,8 +440,9 @@ class _Store:
                 handed=len(handed),
             )
         results = [result for result in self.results if result is not None]
-        webhooks = sum(1 for _, copy in self.copies if copy.webhook)
-        return Stored(results, handed, len(self.copies), webhooks)
+        hooks = [copy.consumer_uuid for _, copy in self.copies if copy.webhook]
+        consumers = {consumer for consumer in hooks if consumer is not None}
+        return Stored(results, handed, len(self.copies), len(hooks), consumers)
 
     async def find_recipients(self) -> RecipientIndex:
         """Who may receive the group's events: one statement for the whole group."""

@@ -476,8 +476,9 @@ SELECT (SELECT copies FROM running), (SELECT since FROM running),
 # gone, by its oldest pending copy (acceptance order), only if that copy is due: a copy held
 # by a dispatcher (its lease) or waiting for its retry holds back the consumer's later ones.
 # Up to $2 of each consumer's pending copies, the run of due ones from its oldest; up to
-# $5 consumers, those waiting longest first. Judged (`_JUDGED`) and leased as `CLAIM` does;
-# the consumer's URL and secret come with each copy.
+# $5 consumers, those waiting longest first, none of $6 (those whose destination is busy).
+# Judged (`_JUDGED`) and leased as `CLAIM` does; the consumer's URL and secret come with
+# each copy.
 WEBHOOK_CLAIM_LOCK = "SELECT pg_advisory_xact_lock($1)"
 _WEBHOOK_PENDING = "state = 'pending' AND webhook"
 WEBHOOK_CLAIM = (
@@ -492,6 +493,7 @@ WITH heads AS (
         ORDER BY id LIMIT 1
     ) h
     WHERE c.delivery = 'webhook' AND c.webhook_gone_at IS NULL AND h.next_attempt_at <= $1
+        AND NOT (c.uuid = ANY($6::uuid[]))
     ORDER BY h.id
     LIMIT $5
 ), due AS (
@@ -561,6 +563,26 @@ WITH delivered AS (
 )
 SELECT (SELECT count(*) FROM delivered), (SELECT count(*) FROM failed),
        (SELECT count(*) FROM released), (SELECT count(*) FROM facts)
+"""
+# Webhook copies no claim will take: those of a deleted consumer (its uuid set null), and
+# those past retention ($1) that wait unclaimed (a consumer disabled by a 410): up to $2,
+# given up at $3 with the reason $4 or $5. A copy a dispatcher claimed meanwhile is left to
+# it (the guard is read again on the row as the claim left it).
+WEBHOOK_GIVE_UP_STRANDED = """
+WITH stranded AS (
+    SELECT id FROM deliveries
+    WHERE state = 'pending' AND webhook AND claimed_by IS NULL
+        AND (consumer_uuid IS NULL OR created < $1)
+    LIMIT $2
+), given_up AS (
+    UPDATE deliveries d
+    SET state = 'given_up', finished = $3,
+        last_error = CASE WHEN d.consumer_uuid IS NULL THEN $4 ELSE $5 END
+    FROM stranded s
+    WHERE d.id = s.id AND (d.state || '') = 'pending' AND d.claimed_by IS NULL
+    RETURNING 1
+)
+SELECT count(*) FROM given_up
 """
 # The gauges (contract §13): pending copies and the oldest one's acceptance, per kind of
 # consumer (each through its partial index, its predicate written out); the webhook
@@ -796,9 +818,14 @@ class StoreUnit:
 
 
 async def listen(
-    engine: AsyncEngine, channel: str, callback: Callable[[], None], until: asyncio.Event
+    engine: AsyncEngine,
+    channel: str,
+    callback: Callable[[], None],
+    until: asyncio.Event,
+    payloads: Callable[[str], None] | None = None,
 ) -> None:
-    """Call `callback` on every NOTIFY on `channel` until `until` is set, holding one
+    """Call `callback` (after `payloads` with the payload) on every NOTIFY on `channel`
+    until `until` is set, holding one
     connection of `engine`'s pool. Returns when the connection is lost (the caller listens
     again) or at `until`. asyncpg does the LISTEN; SQLAlchemy has no API for it."""
     lost = asyncio.Event()
@@ -806,7 +833,9 @@ async def listen(
         raw = await connection.get_raw_connection()
         driver: Any = raw.driver_connection
 
-        def on_notify(*_args: object) -> None:
+        def on_notify(*args: object) -> None:
+            if payloads is not None:  # asyncpg: (connection, pid, channel, payload)
+                payloads(str(args[3]) if len(args) > 3 else "")
             callback()
 
         def on_lost(*_args: object) -> None:

@@ -65,6 +65,9 @@ STOP_GRACE = 5.0  # seconds a stopping dispatcher lets attempts in flight finish
 # one statement for all of them rather than one per copy.
 RUN_LENGTH = 32
 RETENTION_REASON = "retention: not delivered within event_retention_days; given up"
+CONSUMER_GONE = "its webhook consumer was deleted; not posted"
+STRANDED_EVERY = 12  # housekeeping rounds (a minute) between looks for stranded copies
+STRANDED_PAGE = 1000
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _CLOSED = "connection closed by the receiver without an answer"
 
@@ -208,11 +211,15 @@ class WebhookDispatcher:
             lambda: asyncio.Semaphore(settings.webhook_concurrency_per_destination)
         )
         self._retention = settings.event_retention
+        self._destination_of: dict[uuid.UUID, tuple[str, str, int]] = {}
+        # Consumers with copies announced since the last claim; any: look at every one.
+        self._wanted: set[uuid.UUID] = set()
+        self._wanted_any = True
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
         self._stopping.clear()
-        self.signals.webhooks.listen(self._wake.notify)
+        self.signals.webhooks.listen(self._on_accepted)
         self._tasks = [
             asyncio.create_task(self._claim_loop(), name="webhooks-claim"),
             asyncio.create_task(self._housekeeping(), name="webhooks-housekeeping"),
@@ -225,7 +232,7 @@ class WebhookDispatcher:
         them short (their runs release what they did not post)."""
         self._stopping.set()
         self._wake.notify()
-        self.signals.webhooks.forget(self._wake.notify)
+        self.signals.webhooks.forget(self._on_accepted)
         # The loops end on `_stopping` (a claim under way finishes first), then the runs.
         for group in (self._tasks, list(self._runs.values())):
             if group:
@@ -237,41 +244,84 @@ class WebhookDispatcher:
         await self.client.aclose()
         log.info("webhook_dispatcher_stopped", dispatcher=self.id)
 
+    # --- what to claim: consumers with new copies, or any ----------------------------------
+    def _on_accepted(self) -> None:
+        """Webhook copies stored by this process: their consumers are wanted."""
+        self._wanted |= self.signals.webhook_consumers
+        self.signals.webhook_consumers.clear()
+        self._wake.notify()
+
+    def _on_announced(self, payload: str) -> None:
+        """Webhook copies committed by any process: the consumers the trigger names, or any
+        (an empty payload)."""
+        try:
+            self._wanted.update(uuid.UUID(part) for part in payload.split(",") if part)
+        except ValueError:
+            payload = ""
+        if not payload:
+            self._wanted_any = True
+
+    def _claim_wanted(self) -> bool:
+        """Whether a claim may find something: a poll, a run ended, a consumer with new
+        copies that no run of this process is posting to (one that is, takes them when its
+        run ends). Claiming for every accepted copy instead ran a claim transaction per
+        event, on the accept path's event loop in the small process models."""
+        return self._wanted_any or any(c not in self._runs for c in self._wanted)
+
     async def _listen(self) -> None:
         """Wake on webhook copies committed by any process (`WEBHOOKS_DUE_CHANNEL`)."""
         while not self._stopping.is_set():
             try:
-                await listen(self.engine, WEBHOOKS_DUE_CHANNEL, self._wake.notify, self._stopping)
+                await listen(
+                    self.engine,
+                    WEBHOOKS_DUE_CHANNEL,
+                    self._wake.notify,
+                    self._stopping,
+                    self._on_announced,
+                )
             except Exception as exc:
                 log.warning("webhooks_listen_failed", dispatcher=self.id, error=repr(exc)[:500])
                 with suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+            self._wanted_any = True  # what was announced while nobody listened
             self._wake.notify()
 
     # --- claiming -------------------------------------------------------------------------
-    def _busy_destinations(self) -> set[tuple[str, str, int]]:
-        return {key for key, slots in self._destinations.items() if slots.locked()}
+    def _waiting_on_busy_destinations(self) -> set[uuid.UUID]:
+        """Consumers last seen posting to a destination whose every slot is taken now: not
+        claimed, so their copies do not wait in this process while other receivers could
+        be posted to."""
+        busy = {key for key, slots in self._destinations.items() if slots.locked()}
+        return {consumer for consumer, key in self._destination_of.items() if key in busy}
 
     async def _claim_loop(self) -> None:
         poll = self.settings.relay_poll_interval
         while not self._stopping.is_set():
             seen = self._wake.generation
             free = 2 * self.settings.webhook_concurrency - len(self._runs)
-            if free > 0:
+            if free > 0 and self._claim_wanted():
+                self._wanted_any = False
+                self._wanted.clear()
                 try:
                     claimed = await self.claim(free)
                 except Exception as exc:  # the database is down: keep the loop alive
+                    self._wanted_any = True
                     log.error("webhooks_claim_failed", dispatcher=self.id, error=repr(exc)[:500])
                     await self._wake.wait(self.settings.relay_backoff_base)
                     continue
                 if claimed and not self._stopping.is_set():
-                    continue  # more may be due at once
+                    self._wanted_any = True  # more may be due at once
+                    continue
             await self._wake.wait(poll, since=seen)
+            if self._wake.generation == seen:  # the poll interval passed: retries fall due
+                self._wanted_any = True
 
     async def claim(self, consumers: int) -> int:
         """Claim the due copies of up to `consumers` consumers and start a run for each."""
         now = utcnow()
-        copies, lease = await self.outbox.claim_webhooks(self.id, now, RUN_LENGTH, consumers)
+        copies, lease = await self.outbox.claim_webhooks(
+            self.id, now, RUN_LENGTH, consumers, self._waiting_on_busy_destinations()
+        )
         by_consumer: dict[uuid.UUID, list[WebhookCopy]] = defaultdict(list)
         for copy in copies:
             self._held[copy.claimed.id] = lease.until
@@ -285,7 +335,8 @@ class WebhookDispatcher:
 
     def _run_done(self, consumer_uuid: uuid.UUID, _task: asyncio.Task[None]) -> None:
         self._runs.pop(consumer_uuid, None)
-        self._wake.notify()  # its next copies, if any, are due now
+        self._wanted.add(consumer_uuid)  # its next copies, if any, are due now
+        self._wake.notify()
 
     # --- one consumer's run -----------------------------------------------------------------
     async def _run_logged(self, consumer_uuid: uuid.UUID, copies: list[WebhookCopy]) -> None:
@@ -373,6 +424,10 @@ class WebhookDispatcher:
         if url.scheme not in _DEFAULT_PORTS or not url.host:
             return Attempt("http_error", f"unsupported webhook URL scheme {url.scheme!r}")
         scheme, host, port = destination(url)
+        if copy.claimed.consumer_uuid is not None:
+            if len(self._destination_of) > 4 * self.settings.webhook_concurrency:
+                self._destination_of.clear()  # bounded: relearnt at the next attempts
+            self._destination_of[copy.claimed.consumer_uuid] = (scheme, host, port)
         started = time.perf_counter()
         timeout = self.settings.webhook_timeout_seconds
         async with self._destinations[(scheme, host, port)], self._slots:
@@ -419,13 +474,17 @@ class WebhookDispatcher:
 
     # --- housekeeping ---------------------------------------------------------------------
     async def _housekeeping(self) -> None:
+        rounds = 0
         while not self._stopping.is_set():
             with suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
                 return
+            rounds += 1
             try:
                 await self.renew_leases()
                 await self.refresh_gauges()
+                if rounds % STRANDED_EVERY == 0:
+                    await self.give_up_stranded()
             except Exception as exc:  # housekeeping never takes the dispatcher down
                 log.warning("webhooks_housekeeping_failed", error=repr(exc)[:500])
 
@@ -442,6 +501,21 @@ class WebhookDispatcher:
             if i in self._held:
                 self._held[i] = lease.until
         return len(renewed)
+
+    async def give_up_stranded(self) -> int:
+        """Give up the copies no claim will take (a deleted consumer's; a disabled one's past
+        retention), page by page; returns how many."""
+        now, total = utcnow(), 0
+        while True:
+            given_up = await self.outbox.give_up_stranded_webhooks(
+                now - self._retention, STRANDED_PAGE, now, CONSUMER_GONE, RETENTION_REASON
+            )
+            total += given_up
+            if given_up < STRANDED_PAGE or self._stopping.is_set():
+                break
+        if total:
+            _GIVEN_UP.inc(total)
+        return total
 
     async def refresh_gauges(self) -> None:
         now = utcnow()
