@@ -3,6 +3,7 @@ events through the internal endpoint, the dispatcher started beside the relay.""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import uuid
@@ -173,3 +174,16 @@ async def test_queue_consumers_copies_are_not_marked_webhook(
     assert queue.startswith("consumer_")
     body = json.dumps(answer.json())
     assert "webhook" not in body
+
+
+async def test_a_credential_in_the_url_is_sent_as_basic_authorization(
+    client: httpx.AsyncClient, backend: Backend, settings: Settings
+) -> None:
+    agent, offering = await backend.agent_with_offering()
+    async with receiving() as receiver:
+        url = receiver.url.replace("http://", "http://hook-user:s%40cret@")
+        await webhook_consumer(settings, agent.uuid, offering, url)
+        await post_event(client, order_event(offering, event_id="with-credential"))
+        (got,) = await receiver.wait_for(1)
+        expected = "Basic " + base64.b64encode(b"hook-user:s@cret").decode()
+        assert got.headers["Authorization"] == expected

@@ -292,7 +292,7 @@ async def test_copies_no_claim_takes_are_given_up(
             try:
                 assert await dispatcher.give_up_stranded() == 2
             finally:
-                await dispatcher.client.aclose()
+                await dispatcher.close()
             async with engine.connect() as connection:
                 rows = (
                     await connection.execute(

@@ -19,6 +19,7 @@ event's id). Each attempt resolves the URL's host and checks every address
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextvars
 import errno
 import random
@@ -70,6 +71,7 @@ STRANDED_EVERY = 12  # housekeeping rounds (a minute) between looks for stranded
 STRANDED_PAGE = 1000
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _CLOSED = "connection closed by the receiver without an answer"
+USER_AGENT = "queuekeeper-webhooks"
 
 # Bound once (a child's lookup per attempt costs more than its increment), and so exported
 # at zero from the start.
@@ -125,11 +127,14 @@ class _PinnedResolver(aiohttp.abc.AbstractResolver):
         return None
 
 
-def new_client(settings: Settings) -> httpx.AsyncClient:
-    """The dispatcher's one client: httpx's requests and errors on aiohttp's connections
-    (as the Management API client, docs/decisions/010-management-api-client.md: a
-    fraction of httpcore's CPU per request), kept alive per host, never a redirect
-    followed, no proxy or environment settings, the timeout on every phase."""
+def new_transport(settings: Settings) -> AiohttpTransport:
+    """The dispatcher's one connection pool: httpx's requests, answers and errors on
+    aiohttp's connections (as the Management API client,
+    docs/decisions/010-management-api-client.md: a fraction of httpcore's CPU per request),
+    kept alive per host, no proxy or environment settings. Requests go to the transport
+    itself, not through an `httpx.AsyncClient`: a client would keep the receivers' cookies
+    and send them back, follow its auth and redirect logic, and (measured) spend more on
+    that than the request costs."""
 
     def session() -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -142,13 +147,33 @@ def new_client(settings: Settings) -> httpx.AsyncClient:
         )
         return aiohttp.ClientSession(connector=connector, trust_env=False)
 
-    return httpx.AsyncClient(
-        transport=AiohttpTransport(client=session, trust_env=False),
-        timeout=httpx.Timeout(settings.webhook_timeout_seconds),
-        follow_redirects=False,
-        trust_env=False,
-        headers={"user-agent": "queuekeeper-webhooks"},
-    )
+    return AiohttpTransport(client=session, trust_env=False)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A webhook URL as the dispatcher posts to it: without its credential (sent as a basic
+    authorization header instead), and its destination."""
+
+    url: httpx.URL
+    destination: tuple[str, str, int]
+    authorization: str | None
+
+
+def target(raw: str) -> Target | str:
+    """The URL parsed, or why it cannot be posted to."""
+    try:
+        url = httpx.URL(raw)
+    except httpx.InvalidURL as exc:
+        return f"invalid webhook URL: {exc}"
+    if url.scheme not in _DEFAULT_PORTS or not url.host:
+        return f"unsupported webhook URL scheme {url.scheme!r}"
+    authorization = None
+    if url.userinfo:
+        pair = f"{url.username}:{url.password}".encode()
+        authorization = "Basic " + base64.b64encode(pair).decode()
+        url = url.copy_with(username=None, password=None)
+    return Target(url, destination(url), authorization)
 
 
 @dataclass(frozen=True)
@@ -200,7 +225,9 @@ class WebhookDispatcher:
         self.engine = engine
         self.signals = signals or OutboxSignals()
         self.id = dispatcher_id or new_relay_id()
-        self.client = new_client(settings)
+        self.transport = new_transport(settings)
+        self._timeouts = httpx.Timeout(settings.webhook_timeout_seconds).as_dict()
+        self._targets: dict[str, Target | str] = {}  # parsed URLs, by URL
         self._stopping = asyncio.Event()
         self._wake = Signal()
         self._tasks: list[asyncio.Task[None]] = []
@@ -241,7 +268,7 @@ class WebhookDispatcher:
                     task.cancel()
                 await asyncio.gather(*group, return_exceptions=True)
         self._tasks = []
-        await self.client.aclose()
+        await self.close()
         log.info("webhook_dispatcher_stopped", dispatcher=self.id)
 
     # --- what to claim: consumers with new copies, or any ----------------------------------
@@ -267,6 +294,10 @@ class WebhookDispatcher:
         run ends). Claiming for every accepted copy instead ran a claim transaction per
         event, on the accept path's event loop in the small process models."""
         return self._wanted_any or any(c not in self._runs for c in self._wanted)
+
+    async def close(self) -> None:
+        """Close the connections (`stop` does)."""
+        await self.transport.aclose()
 
     async def _listen(self) -> None:
         """Wake on webhook copies committed by any process (`WEBHOOKS_DUE_CHANNEL`)."""
@@ -417,13 +448,14 @@ class WebhookDispatcher:
         most `webhook_response_max_bytes` of the answer."""
         if not copy.url or not copy.secret:
             return Attempt("http_error", "the consumer has no webhook URL or secret")
-        try:
-            url = httpx.URL(copy.url)
-        except httpx.InvalidURL as exc:
-            return Attempt("http_error", f"invalid webhook URL: {exc}")
-        if url.scheme not in _DEFAULT_PORTS or not url.host:
-            return Attempt("http_error", f"unsupported webhook URL scheme {url.scheme!r}")
-        scheme, host, port = destination(url)
+        parsed = self._targets.get(copy.url)
+        if parsed is None:
+            if len(self._targets) > 4 * self.settings.webhook_concurrency:
+                self._targets.clear()  # bounded: parsed again at the next attempts
+            parsed = self._targets[copy.url] = target(copy.url)
+        if isinstance(parsed, str):
+            return Attempt("http_error", parsed)
+        scheme, host, port = parsed.destination
         if copy.claimed.consumer_uuid is not None:
             if len(self._destination_of) > 4 * self.settings.webhook_concurrency:
                 self._destination_of.clear()  # bounded: relearnt at the next attempts
@@ -433,7 +465,7 @@ class WebhookDispatcher:
         async with self._destinations[(scheme, host, port)], self._slots:
             try:
                 async with asyncio.timeout(timeout):
-                    outcome = await self._post(copy, url, host, port)
+                    outcome = await self._post(copy, parsed)
             except (TimeoutError, httpx.TimeoutException) as exc:
                 # The transport maps every aiohttp connection error to a timeout: its cause
                 # tells a closed connection or a refused one from a timeout.
@@ -454,16 +486,26 @@ class WebhookDispatcher:
         _ATTEMPTS[outcome.result].inc()
         return outcome
 
-    async def _post(self, copy: WebhookCopy, url: httpx.URL, host: str, port: int) -> Attempt:
+    async def _post(self, copy: WebhookCopy, to: Target) -> Attempt:
+        _scheme, host, port = to.destination
         pinned = await resolve(host, port, self.settings.webhook_allowed_networks)
         item = copy.claimed
         body = message_body(item)
         assert copy.secret is not None  # checked by `attempt`
         headers = signing.headers(copy.secret, item.event_id, int(time.time()), body)
+        headers["user-agent"] = USER_AGENT
+        if to.authorization is not None:
+            headers["authorization"] = to.authorization
+        request = httpx.Request(
+            "POST", to.url, headers=headers, content=body, extensions={"timeout": self._timeouts}
+        )
         token = _PINNED.set(pinned)
         try:
-            async with self.client.stream("POST", url, content=body, headers=headers) as answer:
+            answer = await self.transport.handle_async_request(request)
+            try:
                 await _read_capped(answer, self.settings.webhook_response_max_bytes)
+            finally:
+                await answer.aclose()
         finally:
             _PINNED.reset(token)
         if 200 <= answer.status_code < 300:
@@ -536,7 +578,9 @@ class WebhookDispatcher:
 async def _read_capped(answer: httpx.Response, limit: int) -> int:
     """Read at most `limit` bytes of the answer (as sent: nothing decompressed)."""
     read = 0
-    async for chunk in answer.aiter_raw():
+    stream = answer.stream
+    assert isinstance(stream, httpx.AsyncByteStream)
+    async for chunk in stream:
         read += len(chunk)
         if read >= limit:
             break
