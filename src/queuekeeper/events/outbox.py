@@ -290,8 +290,10 @@ class Outbox:
         are given up instead. One claim at a time across dispatchers (an advisory lock), so
         one consumer's copies are never held by two."""
         lease = self.lease(dispatcher_id, now)
-        async with checked_out(self.engine) as driver, driver.driver.transaction():
-            await driver.fetch(sql.WEBHOOK_CLAIM_LOCK, lock_key("webhook-claims"))
+        # A statement failing leaves the connection in the transaction: `checked_out`
+        # drops such a connection, and the transaction with it.
+        async with checked_out(self.engine) as driver:
+            await driver.execute(sql.WEBHOOK_CLAIM_LOCK)
             rows = await driver.fetch(
                 sql.WEBHOOK_CLAIM,
                 now,
@@ -301,6 +303,7 @@ class Outbox:
                 consumers,
                 list(skip),
             )
+            await driver.execute(sql.COMMIT)
         copies = [WebhookCopy(Claimed(*row[:15]), row[15], row[16]) for row in rows if row[-1]]
         if len(copies) < len(rows):
             COPIES_REFUSED.inc(len(rows) - len(copies))

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from queuekeeper.common.locks import lock_key
 from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.events.recipients import RecipientsChanged, webhook_copy_sql
 
@@ -479,7 +480,9 @@ SELECT (SELECT copies FROM running), (SELECT since FROM running),
 # $5 consumers, those waiting longest first, none of $6 (those whose destination is busy).
 # Judged (`_JUDGED`) and leased as `CLAIM` does; the consumer's URL and secret come with
 # each copy.
-WEBHOOK_CLAIM_LOCK = "SELECT pg_advisory_xact_lock($1)"
+# BEGIN and the lock in one round trip (a simple query; the key is the module's constant).
+WEBHOOK_CLAIM_LOCK = f"BEGIN; SELECT pg_advisory_xact_lock({lock_key('webhook-claims')})"
+COMMIT = "COMMIT"
 _WEBHOOK_PENDING = "state = 'pending' AND webhook"
 WEBHOOK_CLAIM = (
     """
@@ -613,6 +616,10 @@ class Driver:
 
     async def fetch(self, sql: str, *arguments: Any) -> list[Any]:
         return await self.call(send(self.driver, sql, arguments), sql)
+
+    async def execute(self, sql: str) -> None:
+        """A simple query without parameters (it may hold several statements)."""
+        await self.call(self.driver.execute(sql), sql)
 
     async def call(self, step: Awaitable[T], sql: str) -> T:
         try:

@@ -340,15 +340,16 @@ class WebhookDispatcher:
                     log.error("webhooks_claim_failed", dispatcher=self.id, error=repr(exc)[:500])
                     await self._wake.wait(self.settings.relay_backoff_base)
                     continue
-                if claimed and not self._stopping.is_set():
-                    self._wanted_any = True  # more may be due at once
+                if claimed >= free and not self._stopping.is_set():
+                    self._wanted_any = True  # as many consumers as room: more may be due
                     continue
             await self._wake.wait(poll, since=seen)
             if self._wake.generation == seen:  # the poll interval passed: retries fall due
                 self._wanted_any = True
 
     async def claim(self, consumers: int) -> int:
-        """Claim the due copies of up to `consumers` consumers and start a run for each."""
+        """Claim the due copies of up to `consumers` consumers and start a run for each;
+        returns how many consumers."""
         now = utcnow()
         copies, lease = await self.outbox.claim_webhooks(
             self.id, now, RUN_LENGTH, consumers, self._waiting_on_busy_destinations()
@@ -362,7 +363,7 @@ class WebhookDispatcher:
             task = asyncio.create_task(self._run_logged(consumer_uuid, run))
             self._runs[consumer_uuid] = task
             task.add_done_callback(partial(self._run_done, consumer_uuid))
-        return len(copies)
+        return len(by_consumer)
 
     def _run_done(self, consumer_uuid: uuid.UUID, _task: asyncio.Task[None]) -> None:
         self._runs.pop(consumer_uuid, None)
