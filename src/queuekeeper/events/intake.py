@@ -160,7 +160,7 @@ class Intake:
                 relay.hand_over(stored.handed)
             elif stored.deliveries > stored.webhooks:
                 self.signals.accepted.notify()
-            if stored.webhooks:
+            if stored.webhooks and relay is not None:  # the dispatcher runs beside it
                 self.signals.webhook_consumers |= stored.webhook_consumers
                 self.signals.webhooks.notify()
             return stored.results

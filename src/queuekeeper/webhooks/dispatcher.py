@@ -193,8 +193,10 @@ class Attempt:
 
 
 def destination(url: httpx.URL) -> tuple[str, str, int]:
-    """(scheme, host, port): what `webhook_concurrency_per_destination` bounds."""
-    return url.scheme, url.host, url.port or _DEFAULT_PORTS.get(url.scheme, 0)
+    """(scheme, host, port): what `webhook_concurrency_per_destination` bounds; the host as
+    it is resolved and connected to (an international name in its IDNA form)."""
+    host = url.raw_host.decode("ascii")
+    return url.scheme, host, url.port or _DEFAULT_PORTS.get(url.scheme, 0)
 
 
 def connection_error(exc: BaseException) -> str:
