@@ -293,9 +293,13 @@ class Outbox:
         # A statement failing leaves the connection in the transaction: `checked_out`
         # drops such a connection, and the transaction with it.
         async with checked_out(self.engine) as driver:
+            heads = await driver.fetch(sql.WEBHOOK_DUE_HEADS, now, list(skip))
+            fresh, other = heads[0]
+            if not (fresh or other):
+                return [], lease
             await driver.execute(sql.WEBHOOK_CLAIM_LOCK)
             rows = await driver.fetch(
-                sql.WEBHOOK_CLAIM,
+                sql.WEBHOOK_CLAIM[not other],
                 now,
                 per_consumer,
                 dispatcher_id,
