@@ -15,7 +15,9 @@ registration leaves them.
   (5) to one consumer by `bench single`'s load generator (a process of its own); from each
   event's scheduled send to its arrival at the receiver, p50/p90/p99.
 
-Printed: each figure and its ratio to the raw client's.
+Printed: each figure and its ratio to the raw client's. BENCH_WEBHOOK_DEBUG=1 adds the
+accept's own answer times and a few events' latencies across the run (a backlog growing
+shows as latencies rising with n).
 
     .venv/bin/python -m bench webhooks
 """
