@@ -7,7 +7,8 @@ Create Date: 2026-11-28 15:00:00.000000
 Contract §13: a consumer delivers by `rmq` (its queue) or `webhook` (an HTTP POST). A webhook
 consumer's copies are outbox rows like any other, marked `webhook`: the queue relay's claim
 reads pending copies through an index that leaves them out, and the webhook dispatcher reads
-each consumer's oldest pending copy through an index of its own
+each consumer's oldest pending copy through an index of its own; the insert trigger of
+0006 announces webhook copies on a channel of their own
 (docs/decisions/026-webhooks-on-the-outbox.md).
 """
 
@@ -52,8 +53,50 @@ def upgrade() -> None:
         postgresql_where=sa.text("state = 'pending' AND webhook"),
     )
 
+    # Copies committed unclaimed are announced on two channels: the queue relay's (as
+    # migration 0006 did, now for queue copies only) and the webhook dispatcher's, so
+    # neither runs a claim for the other's copies (docs/decisions/026-webhooks-on-the-outbox.md).
+    op.execute(
+        """
+        CREATE OR REPLACE FUNCTION queuekeeper_announce_due() RETURNS trigger
+        LANGUAGE plpgsql AS $$
+        DECLARE
+            consumers text;
+        BEGIN
+            IF EXISTS (SELECT 1 FROM inserted WHERE claimed_by IS NULL AND NOT webhook) THEN
+                PERFORM pg_notify('queuekeeper_outbox_due', '');
+            END IF;
+            IF EXISTS (SELECT 1 FROM inserted WHERE webhook) THEN
+                -- The consumers, so a dispatcher posting to them already claims nothing;
+                -- '' (any) when they would not fit a notification's payload.
+                SELECT string_agg(DISTINCT consumer_uuid::text, ',') INTO consumers
+                FROM inserted WHERE webhook;
+                PERFORM pg_notify(
+                    'queuekeeper_webhooks_due',
+                    CASE WHEN length(consumers) < 7000 THEN consumers ELSE '' END
+                );
+            END IF;
+            RETURN NULL;
+        END
+        $$
+        """
+    )
+
 
 def downgrade() -> None:
+    op.execute(
+        """
+        CREATE OR REPLACE FUNCTION queuekeeper_announce_due() RETURNS trigger
+        LANGUAGE plpgsql AS $$
+        BEGIN
+            IF EXISTS (SELECT 1 FROM inserted WHERE claimed_by IS NULL) THEN
+                PERFORM pg_notify('queuekeeper_outbox_due', '');
+            END IF;
+            RETURN NULL;
+        END
+        $$
+        """
+    )
     op.drop_index("ix_deliveries_webhook_pending", table_name="deliveries")
     op.drop_index("ix_deliveries_pending_due", table_name="deliveries")
     op.execute("DELETE FROM deliveries WHERE webhook")

@@ -67,6 +67,7 @@ from queuekeeper.reconcile import stale
 from queuekeeper.reconcile.endpoints import router as admin_router
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
+from queuekeeper.webhooks.dispatcher import WebhookDispatcher
 
 log = structlog.get_logger(__name__)
 
@@ -190,6 +191,9 @@ class Runtime(AppState):
     # Releases parked copies when their queue's agent returns (beside the relay).
     releaser: Releaser | None = None
     relay_engine: AsyncEngine | None = None
+    # Posts webhook consumers' copies (contract §13), beside the relay, on its own pool.
+    webhooks: WebhookDispatcher | None = None
+    webhooks_engine: AsyncEngine | None = None
     scheduler: JobScheduler | None = None
     # Consumers arriving and leaving, from the broker's event exchange (contract §11).
     presence_listener: PresenceListener | None = None
@@ -226,8 +230,12 @@ def build_state(settings: Settings) -> Runtime:
     )
 
 
+WEBHOOK_POOL_SIZE = 6
+
+
 def start_relay(state: Runtime) -> Relay:
-    """The outbox relay, in this process (`queuekeeper relay` too)."""
+    """The outbox relay and the webhook dispatcher, in this process (`queuekeeper relay`
+    too)."""
     settings = state.settings
     # Its own small pool: the relay's statements never wait behind the API's requests.
     engine = create_engine(settings, pool_size=settings.relay_concurrency + 2 + MAX_RELEASES)
@@ -240,6 +248,10 @@ def start_relay(state: Runtime) -> Relay:
     state.intake.relay = relay  # events accepted here go to it already claimed
     state.releaser = Releaser(settings, engine, relay, state.publisher, gate, state.jobs)
     state.releaser.start()
+    # A claim, a listener, a renewal and the runs' settlements at once, each brief.
+    state.webhooks_engine = create_engine(settings, pool_size=WEBHOOK_POOL_SIZE)
+    state.webhooks = WebhookDispatcher(settings, state.webhooks_engine, state.signals)
+    state.webhooks.start()
     return relay
 
 
@@ -278,6 +290,12 @@ async def shutdown(state: Runtime) -> None:
     if state.presence_writer is not None:
         await state.presence_writer.stop()
         state.presence_writer = None
+    if state.webhooks is not None:
+        await state.webhooks.stop()
+        state.webhooks = None
+    if state.webhooks_engine is not None:
+        await state.webhooks_engine.dispose()
+        state.webhooks_engine = None
     if state.relay is not None:
         state.intake.relay = None
         await state.relay.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -54,6 +55,10 @@ class Signal:
 @dataclass
 class OutboxSignals:
     accepted: Signal = field(default_factory=Signal)  # new deliveries: wake the relay
+    webhooks: Signal = field(default_factory=Signal)  # new webhook copies: wake the dispatcher
+    # The consumers those copies are for (filled before `webhooks` is notified; the
+    # dispatcher takes them), so a dispatcher posting to them already claims nothing.
+    webhook_consumers: set[uuid.UUID] = field(default_factory=set)
     settled: Signal = field(default_factory=Signal)  # deliveries settled: wake `?wait=true`
     # `?wait=true` requests in this process, from before their store to their answer: while
     # one is, the relay writes confirmed copies at once rather than every settle interval.

@@ -158,7 +158,10 @@ class Intake:
             # Committed: only now may anyone hear of it.
             if stored.handed and relay is not None:
                 relay.hand_over(stored.handed)
-            elif stored.deliveries:
+            elif stored.deliveries > stored.webhooks:
                 self.signals.accepted.notify()
+            if stored.webhooks and relay is not None:  # the dispatcher runs beside it
+                self.signals.webhook_consumers |= stored.webhook_consumers
+                self.signals.webhooks.notify()
             return stored.results
         raise AssertionError("unreachable")  # pragma: no cover

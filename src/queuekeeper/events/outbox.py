@@ -51,10 +51,13 @@ from queuekeeper.observability.metrics import (
 log = structlog.get_logger(__name__)
 _DEBUG = logging.getLogger(__name__)
 
-# PostgreSQL NOTIFY channel on which a trigger of `deliveries` (migration 0006) announces
-# copies committed unclaimed: a relay anywhere may take them now. Relays poll as well, so
-# a lost notification delays a copy by at most the poll interval and loses nothing.
+# PostgreSQL NOTIFY channel on which a trigger of `deliveries` (migrations 0006, 0015)
+# announces queue copies committed unclaimed: a relay anywhere may take them now. Relays
+# poll as well, so a lost notification delays a copy by at most the poll interval and
+# loses nothing.
 DUE_CHANNEL = "queuekeeper_outbox_due"
+# The same for webhook copies (migration 0015), which only the webhook dispatcher takes.
+WEBHOOKS_DUE_CHANNEL = "queuekeeper_webhooks_due"
 
 # Why a copy is parked, or was given up while parked (its `last_error`, listed with the
 # event's copies).
@@ -117,6 +120,9 @@ class Stored:
     results: list[Accepted | DomainError] = field(default_factory=list)
     handed: list[Claimed] = field(default_factory=list)
     deliveries: int = 0
+    # Copies for webhook consumers: written unclaimed, for the webhook dispatcher.
+    webhooks: int = 0
+    webhook_consumers: set[uuid.UUID] = field(default_factory=set)
 
 
 class Outbox:
@@ -293,6 +299,116 @@ class Outbox:
         row = rows[0]
         return Replayed(int(row[0]), row[1], int(row[2]), int(row[3]))
 
+    # --- the webhook dispatcher's side (docs/decisions/026-webhooks-on-the-outbox.md) ------
+    async def claim_webhooks(
+        self,
+        dispatcher_id: str,
+        now: datetime,
+        per_consumer: int,
+        consumers: int,
+        skip: Collection[uuid.UUID] = (),
+    ) -> tuple[list[WebhookCopy], Lease]:
+        """Take, for up to `consumers` webhook consumers (not in `skip`) whose oldest
+        pending copy is due,
+        the run of up to `per_consumer` due copies from that oldest, in acceptance order,
+        leased to `dispatcher_id` as a claim leases; those the owner may no longer receive
+        are given up instead. One claim at a time across dispatchers (an advisory lock), so
+        one consumer's copies are never held by two."""
+        lease = self.lease(dispatcher_id, now)
+        # A statement failing leaves the connection in the transaction: `checked_out`
+        # drops such a connection, and the transaction with it.
+        async with checked_out(self.engine) as driver:
+            heads = await driver.fetch(sql.WEBHOOK_DUE_HEADS, now, list(skip))
+            fresh, other = heads[0]
+            if not (fresh or other):
+                return [], lease
+            await driver.execute(sql.WEBHOOK_CLAIM_LOCK)
+            rows = await driver.fetch(
+                sql.WEBHOOK_CLAIM[not other],
+                now,
+                per_consumer,
+                dispatcher_id,
+                lease.until,
+                consumers,
+                list(skip),
+            )
+            await driver.execute(sql.COMMIT)
+        copies = [WebhookCopy(Claimed(*row[:15]), row[15], row[16]) for row in rows if row[-1]]
+        if len(copies) < len(rows):
+            COPIES_REFUSED.inc(len(rows) - len(copies))
+        copies.sort(key=lambda copy: copy.claimed.id)
+        return copies, lease
+
+    async def settle_webhooks(self, dispatcher_id: str, run: WebhookRun, now: datetime) -> None:
+        """Write what one consumer's run of attempts came to (copies and consumer), in one
+        statement; only copies `dispatcher_id` still holds are touched."""
+        await self._run(
+            sql.WEBHOOK_SETTLE,
+            run.delivered,
+            now,
+            dispatcher_id,
+            run.failed,
+            run.retry_at,
+            run.error,
+            run.released,
+            run.consumer_uuid,
+            run.gone,
+        )
+
+    async def give_up_stranded_webhooks(
+        self, before: datetime, limit: int, now: datetime, gone: str, too_old: str
+    ) -> int:
+        """Give up up to `limit` webhook copies no claim takes: a deleted consumer's (reason
+        `gone`), and those unclaimed past retention, created before `before` (`too_old`);
+        returns how many."""
+        rows = await self._run(sql.WEBHOOK_GIVE_UP_STRANDED, before, limit, now, gone, too_old)
+        return int(rows[0][0])
+
+    async def webhook_gauges(self) -> WebhookGauges:
+        rows = await self._run(sql.WEBHOOK_GAUGES)
+        gauges = WebhookGauges()
+        for kind, count, oldest in rows:
+            if kind is None:
+                gauges.failing, gauges.failing_since = int(count), oldest
+            elif kind:
+                gauges.webhook_pending, gauges.webhook_oldest = int(count), oldest
+            else:
+                gauges.queue_pending, gauges.queue_oldest = int(count), oldest
+        return gauges
+
+
+@dataclass(frozen=True)
+class WebhookCopy:
+    """A claimed webhook copy and where it goes (its consumer's URL and secret)."""
+
+    claimed: Claimed
+    url: str | None
+    secret: str | None
+
+
+@dataclass
+class WebhookRun:
+    """One consumer's attempts in order: those delivered, then at most one that failed (a
+    410: `gone`), and the copies claimed behind it, not attempted."""
+
+    consumer_uuid: uuid.UUID
+    delivered: list[int] = field(default_factory=list)
+    failed: int | None = None
+    retry_at: datetime | None = None
+    error: str | None = None
+    gone: bool = False
+    released: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WebhookGauges:
+    queue_pending: int = 0
+    queue_oldest: datetime | None = None
+    webhook_pending: int = 0
+    webhook_oldest: datetime | None = None
+    failing: int = 0  # webhook consumers whose last attempt failed (not gone)
+    failing_since: datetime | None = None  # the longest-failing one's first failure
+
 
 @dataclass(frozen=True)
 class Replayed:
@@ -367,7 +483,9 @@ class _Store:
                 handed=len(handed),
             )
         results = [result for result in self.results if result is not None]
-        return Stored(results, handed, len(self.copies))
+        hooks = [copy.consumer_uuid for _, copy in self.copies if copy.webhook]
+        consumers = {consumer for consumer in hooks if consumer is not None}
+        return Stored(results, handed, len(self.copies), len(hooks), consumers)
 
     async def find_recipients(self) -> RecipientIndex:
         """Who may receive the group's events: one statement for the whole group."""
@@ -438,10 +556,13 @@ class _Store:
         return [
             self._handed(ids[(event_id, copy.queue_uuid or copy.consumer_uuid)], event_id, copy)
             for event_id, copy in self.copies
+            if not copy.webhook
         ]
 
     def _copy_row(self, event_id: str, copy: Copy) -> dict[str, Any]:
-        lease = self.lease
+        # A webhook copy is never the queue relay's: written unclaimed, due now, for the
+        # webhook dispatcher (docs/decisions/026-webhooks-on-the-outbox.md).
+        lease = None if copy.webhook else self.lease
         return {
             "event_id": event_id,
             "queue_uuid": copy.queue_uuid,

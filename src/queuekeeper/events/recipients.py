@@ -50,6 +50,32 @@ class Copy:
     queue_name: str
     vhost: str
 
+    @property
+    def webhook(self) -> bool:
+        """A webhook consumer's copy (contract §13): delivered by HTTP, not by a queue. The
+        store's write derives the same from the same rule (`webhook_copy_sql`), so the hot
+        path binds nothing more (docs/decisions/026-webhooks-on-the-outbox.md)."""
+        return self.consumer_uuid is not None and self.queue_name == webhook_queue_name(
+            self.consumer_uuid
+        )
+
+
+# A webhook consumer's `queue_name`: a name no broker queue has (none is declared for it),
+# which marks its copies as webhook copies.
+WEBHOOK_QUEUE_PREFIX = "webhook_"
+
+
+def webhook_queue_name(consumer_uuid: uuid.UUID) -> str:
+    return f"{WEBHOOK_QUEUE_PREFIX}{consumer_uuid.hex}"
+
+
+def webhook_copy_sql(consumer_uuid: str, queue_name: str) -> str:
+    """`Copy.webhook` in SQL, over these expressions (the module's constants only)."""
+    return (
+        f"({consumer_uuid} IS NOT NULL AND {queue_name} = '{WEBHOOK_QUEUE_PREFIX}'"
+        f" || replace({consumer_uuid}::text, '-', ''))"
+    )
+
 
 # Why an event made no copy, from what the recipients statement already read (contract §5).
 NoCopyReason = Literal["no_registered_queue", "no_agent", "all_recipients_filtered", "duplicate"]

@@ -207,3 +207,46 @@ REPLAYS = Counter(
     "Replays of a time window to a queue, by who asked.",
     ["caller"],
 )
+
+# --- webhook consumers (contract §13) ------------------------------------------------------------
+WEBHOOK_DELIVERIES = Counter(
+    "queuekeeper_webhook_deliveries_total",
+    "Webhook copies settled, by outcome: delivered (a 2xx), given_up (past retention).",
+    ["outcome"],
+)
+WEBHOOK_ATTEMPTS = Counter(
+    "queuekeeper_webhook_attempts_total",
+    "Webhook requests made (or refused before connecting), by result: delivered, http_error "
+    "(any status but 2xx and 410), gone (410), timeout, connection_error, address_refused.",
+    ["result"],
+)
+WEBHOOK_ATTEMPT_SECONDS = Histogram(
+    "queuekeeper_webhook_attempt_seconds",
+    "One webhook attempt, from the address check to the answer read.",
+    buckets=LATENCY_BUCKETS,
+)
+# Refreshed by the webhook dispatcher's housekeeping from the outbox every replica reads.
+PENDING_BY_KIND = Gauge(
+    "queuekeeper_pending_copies",
+    "Copies not yet delivered, by consumer kind (queue: published by the relay; webhook: "
+    "posted by the webhook dispatcher).",
+    ["kind"],
+    multiprocess_mode="livemax",
+)
+OLDEST_PENDING_BY_KIND = Gauge(
+    "queuekeeper_oldest_pending_copy_age_seconds",
+    "Age (since acceptance) of the oldest copy not yet delivered, by consumer kind; 0: none.",
+    ["kind"],
+    multiprocess_mode="livemax",
+)
+WEBHOOKS_FAILING = Gauge(
+    "queuekeeper_webhook_consumers_failing",
+    "Webhook consumers whose last attempt failed (410s excluded: those are disabled).",
+    multiprocess_mode="livemax",
+)
+WEBHOOK_LONGEST_FAILING = Gauge(
+    "queuekeeper_webhook_longest_failing_seconds",
+    "How long the webhook consumer failing for the longest has failed, from the first failed "
+    "attempt of its run (0: none failing).",
+    multiprocess_mode="livemax",
+)

@@ -1,0 +1,272 @@
+"""Webhook delivery (contract §13) against a raw HTTP client posting the same bodies.
+
+`queuekeeper serve` on a fresh database (its own process), loopback allowed for webhooks. A
+receiver on 127.0.0.1 (aiohttp, in this process) answers 200 at once and records each
+`webhook-id` with its arrival time. Webhook consumers are written in the database as
+registration leaves them.
+
+- raw: an httpx client posting the same signed bodies to the same receiver, one request
+  at a time per consumer (as the dispatcher posts one at a time per consumer), for 1 and
+  for BENCH_WEBHOOK_CONSUMERS (10) consumers side by side;
+- throughput: BENCH_WEBHOOK_EVENTS (2,000) events per consumer accepted while the consumers
+  are disabled (`webhook_gone_at`), then enabled: deliveries/s until the receiver has them
+  all, for 1 and for 10 consumers; the service's CPU per delivery (serve and its children);
+- latency: events sent open-loop at BENCH_WEBHOOK_RATE (200/s) for BENCH_WEBHOOK_SECONDS
+  (5) to one consumer by `bench single`'s load generator (a process of its own); from each
+  event's scheduled send to its arrival at the receiver, p50/p90/p99.
+
+Printed: each figure and its ratio to the raw client's. BENCH_WEBHOOK_DEBUG=1 adds the
+accept's own answer times and a few events' latencies across the run (a backlog growing
+shows as latencies rising with n).
+
+    .venv/bin/python -m bench webhooks
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import secrets
+import time
+import uuid
+from typing import Any
+
+import asyncpg
+import httpx
+from aiohttp import web
+
+from bench._support import bench_database, fmt_ms, free_port, percentiles
+from bench.publish import TOKEN, Service
+from bench.single import generate
+from queuekeeper.config import Settings
+from queuekeeper.events.recipients import webhook_queue_name
+from queuekeeper.webhooks import signing
+
+CONSUMERS = int(os.environ.get("BENCH_WEBHOOK_CONSUMERS", "10"))
+EVENTS = int(os.environ.get("BENCH_WEBHOOK_EVENTS", "2000"))
+RATE = float(os.environ.get("BENCH_WEBHOOK_RATE", "200"))
+SECONDS = float(os.environ.get("BENCH_WEBHOOK_SECONDS", "5"))
+BODY = {
+    "offering_uuid": uuid.uuid4().hex,
+    "object_type": "order",
+    "payload": {"order_uuid": uuid.uuid4().hex, "order_state": "executing"},
+    "schema_version": 1,
+}
+
+
+class Receiver:
+    """Answers 200 at once; the arrival time (wall clock, as the generator's) of each
+    webhook-id."""
+
+    def __init__(self) -> None:
+        self.arrived: dict[str, float] = {}
+        self.count = 0
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.arrived.setdefault(request.headers.get("webhook-id", ""), time.time())
+        self.count += 1
+        return web.Response(status=200)
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        self.port = free_port()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def url(self, n: int) -> str:
+        return f"http://127.0.0.1:{self.port}/hook/{n}"
+
+    async def wait_for(self, count: int, timeout: float = 300) -> None:
+        deadline = time.perf_counter() + timeout
+        while self.count < count:
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"receiver got {self.count} of {count}")
+            await asyncio.sleep(0.005)
+
+
+async def raw(receiver: Receiver, consumers: int, per_consumer: int) -> float:
+    """Posts/s of one httpx client, one request at a time per consumer."""
+    secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+    body = httpx.Request("POST", "http://x", json=BODY).content
+    async with httpx.AsyncClient() as client:
+
+        async def one_consumer(n: int) -> None:
+            for i in range(per_consumer):
+                headers = signing.headers(secret, f"raw-{n}-{i}", int(time.time()), body)
+                answer = await client.post(receiver.url(n), content=body, headers=headers)
+                answer.raise_for_status()
+
+        started = time.perf_counter()
+        await asyncio.gather(*(one_consumer(n) for n in range(consumers)))
+        return consumers * per_consumer / (time.perf_counter() - started)
+
+
+async def webhook_consumers(
+    service: Service, database: str, offering: uuid.UUID, receiver: Receiver, count: int
+) -> list[uuid.UUID]:
+    """`count` webhook consumers of one owner with access to `offering`, disabled."""
+    owner = uuid.uuid4()
+    await service.call(
+        "PUT",
+        f"/api/internal/users/{owner}/",
+        json={"username": "hooks", "token": secrets.token_hex(20)},
+    )
+    await service.call("PUT", f"/api/internal/offerings/{offering}/users/{owner}/")
+    made = [uuid.uuid4() for _ in range(count)]
+    connection = await asyncpg.connect(database.replace("+asyncpg", ""))
+    try:
+        for n, consumer in enumerate(made):
+            await connection.execute(
+                "INSERT INTO event_consumers (uuid, user_uuid, object_types, queue_name, vhost,"
+                " broker_state, auth_token_prefix, is_global, payload_filters, delivery,"
+                " webhook_url, webhook_secret, webhook_gone_at, last_error, created, modified)"
+                " VALUES ($1, $2, '[]', $3, $4, 'ok', '', false, '{}', 'webhook', $5, $6,"
+                " now(), '', now(), now())",
+                consumer,
+                owner,
+                webhook_queue_name(consumer),
+                owner.hex,
+                receiver.url(n),
+                "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode(),
+            )
+            await connection.execute(
+                "INSERT INTO event_consumer_scopes (consumer_uuid, offering_uuid) VALUES ($1, $2)",
+                consumer,
+                offering,
+            )
+    finally:
+        await connection.close()
+    return made
+
+
+async def set_enabled(database: str, consumers: list[uuid.UUID], enabled: bool) -> None:
+    connection = await asyncpg.connect(database.replace("+asyncpg", ""))
+    try:
+        await connection.execute(
+            "UPDATE event_consumers SET webhook_gone_at = CASE WHEN $2 THEN NULL ELSE now() END"
+            " WHERE uuid = ANY($1::uuid[])",
+            consumers,
+            enabled,
+        )
+    finally:
+        await connection.close()
+
+
+def _event(offering: uuid.UUID, event_id: str) -> dict[str, Any]:
+    return {
+        "event_id": event_id,
+        "offering_uuid": offering.hex,
+        "object_type": "order",
+        "payload": BODY["payload"],
+    }
+
+
+async def throughput(
+    service: Service, database: str, receiver: Receiver, count: int, label: str
+) -> tuple[float, float]:
+    """Deliveries/s and service CPU ms per delivery for `count` consumers' backlogs."""
+    offering = uuid.uuid4()
+    await service.call("PUT", f"/api/internal/offerings/{offering}/", json={"name": "hooks"})
+    consumers = await webhook_consumers(service, database, offering, receiver, count)
+    for start in range(0, EVENTS, 500):
+        events = [_event(offering, f"{label}-{n}") for n in range(start, min(start + 500, EVENTS))]
+        await service.call("POST", "/api/internal/events/batch/", json={"events": events})
+    before, cpu = receiver.count, service.cpu_seconds()
+    started = time.perf_counter()
+    await set_enabled(database, consumers, True)
+    await receiver.wait_for(before + count * EVENTS)
+    elapsed = time.perf_counter() - started
+    used = service.cpu_seconds() - cpu
+    await set_enabled(database, consumers, False)
+    return count * EVENTS / elapsed, used * 1000 / (count * EVENTS)
+
+
+async def latency(service: Service, database: str, receiver: Receiver) -> list[float]:
+    """Accept to arrival of events sent open-loop at RATE by `bench.single`'s generator (a
+    process of its own, so its cost is neither this process's nor the service's)."""
+    offering = uuid.uuid4()
+    await service.call("PUT", f"/api/internal/offerings/{offering}/", json={"name": "hooks"})
+    consumers = await webhook_consumers(service, database, offering, receiver, 1)
+    await set_enabled(database, consumers, True)
+    body = json.dumps(_event(offering, "__ID__"))
+    target = {
+        "kind": "http",
+        "port": service.port,
+        "path": "/api/internal/events/",
+        "token": TOKEN,
+        "body": body,
+    }
+    prefix = f"latency-{secrets.token_hex(3)}-"
+    start, results, _cpu = await generate(target, int(RATE), SECONDS, prefix)
+    accepted = sum(1 for row in results if row[1] == 202)
+    scheduled = {f"{prefix}{n}": start + n / RATE for n in range(int(RATE * SECONDS))}
+    deadline = time.perf_counter() + 30
+    while sum(1 for e in scheduled if e in receiver.arrived) < accepted:
+        if time.perf_counter() > deadline:
+            break
+        await asyncio.sleep(0.01)
+    print(f"sent {len(scheduled)} events open-loop at {RATE:g}/s, {accepted} accepted (202)")
+    if os.environ.get("BENCH_WEBHOOK_DEBUG"):
+        answered = sorted(row[2] for row in results)
+        print("answered - due", fmt_ms(percentiles(answered)))
+        for n in (0, 1, 10, 100, 500, len(scheduled) - 1):
+            key = f"{prefix}{n}"
+            print(n, receiver.arrived.get(key, 0) - scheduled[key])
+    return [receiver.arrived[e] - at for e, at in scheduled.items() if e in receiver.arrived]
+
+
+async def run(settings: Settings) -> None:
+    receiver = Receiver()
+    await receiver.start()
+    service = Service(
+        settings,
+        free_port(),
+        QUEUEKEEPER_WEBHOOK_ALLOWED_NETWORKS="127.0.0.1/32",
+        QUEUEKEEPER_LOG_LEVEL="WARNING",
+    )
+    await service.start()
+    try:
+        raw_one = await raw(receiver, 1, EVENTS)
+        raw_many = await raw(receiver, CONSUMERS, EVENTS // 2)
+        print(f"raw httpx: 1 consumer {raw_one:,.0f}/s; {CONSUMERS} consumers {raw_many:,.0f}/s")
+        one, cpu_one = await throughput(service, settings.database_url, receiver, 1, "one")
+        many, cpu_many = await throughput(
+            service, settings.database_url, receiver, CONSUMERS, "many"
+        )
+        print(
+            f"webhooks, 1 consumer: {one:,.0f} deliveries/s (x{one / raw_one:.2f} of raw), "
+            f"service CPU {cpu_one:.2f} ms/delivery"
+        )
+        print(
+            f"webhooks, {CONSUMERS} consumers: {many:,.0f} deliveries/s "
+            f"(x{many / raw_many:.2f} of raw), service CPU {cpu_many:.2f} ms/delivery"
+        )
+        samples = await latency(service, settings.database_url, receiver)
+        print(
+            f"accept -> receiver at {RATE:g} events/s, 1 consumer: {len(samples)} received, "
+            f"{fmt_ms(percentiles(samples))}"
+        )
+    finally:
+        await service.stop()
+        await receiver.stop()
+
+
+def main() -> None:
+    with bench_database() as url:
+        settings = Settings(database_url=url, instance_name=f"qkb-{uuid.uuid4().hex[:8]}")
+        asyncio.run(run(settings))
+
+
+if __name__ == "__main__":
+    main()

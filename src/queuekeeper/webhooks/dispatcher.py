@@ -1,0 +1,590 @@
+"""The webhook dispatcher (contract §13): posts webhook consumers' copies from the outbox.
+
+Beside the queue relay, on the same outbox (docs/decisions/026-webhooks-on-the-outbox.md):
+a webhook consumer's copies are outbox rows marked `webhook`, which the relay never claims.
+The dispatcher claims per consumer, by its oldest pending copy, only when that copy is due
+(`Outbox.claim_webhooks`), and posts that consumer's copies one at a time in acceptance
+order; the first that fails ends the run (it is retried after `webhook_retry_seconds`, the
+copies behind it are released and wait for it), so a failing receiver holds back its own
+consumer only. A 2xx delivers; a 410 disables the consumer (`webhook_gone_at`) and leaves
+its copies pending; anything else, a timeout or a connection error is a failed attempt.
+
+At-least-once: a copy is written delivered after its 2xx, so a dispatcher that dies in
+between leaves it to its lease and it is posted again, with the same `webhook-id` (the
+event's id). Each attempt resolves the URL's host and checks every address
+(`addresses.resolve`); a new connection goes to the address checked, never resolving again
+(`_PinnedResolver`), and a kept-alive connection was made the same way to its host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextvars
+import errno
+import random
+import socket
+import time
+import uuid
+from collections import defaultdict
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from functools import partial
+from ipaddress import ip_address
+
+import aiohttp
+import aiohttp.abc
+import httpx
+import structlog
+from httpx_aiohttp import AiohttpTransport
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from queuekeeper.common.signals import OutboxSignals, Signal
+from queuekeeper.config import Settings
+from queuekeeper.events.outbox import WEBHOOKS_DUE_CHANNEL, Outbox, WebhookCopy, WebhookRun
+from queuekeeper.events.outbox_postgres import listen
+from queuekeeper.events.relay import message_body, new_relay_id
+from queuekeeper.models import utcnow
+from queuekeeper.observability.metrics import (
+    OLDEST_PENDING_BY_KIND,
+    PENDING_BY_KIND,
+    WEBHOOK_ATTEMPT_SECONDS,
+    WEBHOOK_ATTEMPTS,
+    WEBHOOK_DELIVERIES,
+    WEBHOOK_LONGEST_FAILING,
+    WEBHOOKS_FAILING,
+)
+from queuekeeper.webhooks import signing
+from queuekeeper.webhooks.addresses import AddressRefused, Resolved, resolve
+
+log = structlog.get_logger(__name__)
+
+HOUSEKEEPING_INTERVAL = 5.0  # seconds between lease renewals and gauge refreshes
+STOP_GRACE = 5.0  # seconds a stopping dispatcher lets attempts in flight finish
+# Copies of one consumer claimed at once: posted one at a time, in order; the claim is
+# one statement for all of them rather than one per copy.
+RUN_LENGTH = 32
+RETENTION_REASON = "retention: not delivered within event_retention_days; given up"
+CONSUMER_GONE = "its webhook consumer was deleted; not posted"
+STRANDED_EVERY = 12  # housekeeping rounds (a minute) between looks for stranded copies
+STRANDED_PAGE = 1000
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_CLOSED = "connection closed by the receiver without an answer"
+USER_AGENT = "queuekeeper-webhooks"
+
+# Bound once (a child's lookup per attempt costs more than its increment), and so exported
+# at zero from the start.
+_DELIVERED = WEBHOOK_DELIVERIES.labels(outcome="delivered")
+_GIVEN_UP = WEBHOOK_DELIVERIES.labels(outcome="given_up")
+_ATTEMPTS = {
+    result: WEBHOOK_ATTEMPTS.labels(result=result)
+    for result in (
+        "delivered",
+        "http_error",
+        "gone",
+        "timeout",
+        "connection_error",
+        "address_refused",
+    )
+}
+for _kind in ("queue", "webhook"):
+    PENDING_BY_KIND.labels(kind=_kind)
+    OLDEST_PENDING_BY_KIND.labels(kind=_kind)
+
+# The address the current attempt checked (set in the attempt's task, read by the connect).
+_PINNED: contextvars.ContextVar[Resolved | None] = contextvars.ContextVar(
+    "queuekeeper_webhook_pinned", default=None
+)
+
+
+class _PinnedResolver(aiohttp.abc.AbstractResolver):
+    """Resolves a host name to the address the current attempt checked, and nothing else:
+    the request keeps its host name (the Host header, TLS SNI and certificate check are the
+    name's) while a new connection goes to the address that passed `addresses.resolve`,
+    never resolving again. aiohttp asks a resolver for every new connection to a name
+    (its DNS cache is off) and for none to an address literal (the literal was checked)."""
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[aiohttp.abc.ResolveResult]:
+        pinned = _PINNED.get()
+        if pinned is None or pinned.host != host or pinned.port != port:
+            raise OSError(f"{host}:{port} was not checked for this attempt")
+        address = ip_address(pinned.address)
+        return [
+            {
+                "hostname": host,
+                "host": pinned.address,
+                "port": port,
+                "family": socket.AF_INET6 if address.version == 6 else socket.AF_INET,
+                "proto": 0,
+                "flags": socket.AI_NUMERICHOST,
+            }
+        ]
+
+    async def close(self) -> None:
+        return None
+
+
+def new_transport(settings: Settings) -> AiohttpTransport:
+    """The dispatcher's one connection pool: httpx's requests, answers and errors on
+    aiohttp's connections (as the Management API client,
+    docs/decisions/010-management-api-client.md: a fraction of httpcore's CPU per request),
+    kept alive per host, no proxy or environment settings. Requests go to the transport
+    itself, not through an `httpx.AsyncClient`: a client would keep the receivers' cookies
+    and send them back, follow its auth and redirect logic, and (measured) spend more on
+    that than the request costs."""
+
+    def session() -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            resolver=_PinnedResolver(),
+            use_dns_cache=False,
+            ssl=httpx.create_ssl_context(trust_env=False),
+            limit=settings.webhook_concurrency,
+            limit_per_host=settings.webhook_concurrency_per_destination,
+            keepalive_timeout=30.0,
+        )
+        return aiohttp.ClientSession(connector=connector, trust_env=False)
+
+    return AiohttpTransport(client=session, trust_env=False)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A webhook URL as the dispatcher posts to it: without its credential (sent as a basic
+    authorization header instead), and its destination."""
+
+    url: httpx.URL
+    destination: tuple[str, str, int]
+    authorization: str | None
+
+
+def target(raw: str) -> Target | str:
+    """The URL parsed, or why it cannot be posted to."""
+    try:
+        url = httpx.URL(raw)
+    except httpx.InvalidURL as exc:
+        return f"invalid webhook URL: {exc}"
+    if url.scheme not in _DEFAULT_PORTS or not url.host:
+        return f"unsupported webhook URL scheme {url.scheme!r}"
+    authorization = None
+    if url.userinfo:
+        pair = f"{url.username}:{url.password}".encode()
+        authorization = "Basic " + base64.b64encode(pair).decode()
+        url = url.copy_with(username=None, password=None)
+    return Target(url, destination(url), authorization)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What one attempt came to: `result` is a `WEBHOOK_ATTEMPTS` label."""
+
+    result: str
+    error: str = ""
+
+    @property
+    def delivered(self) -> bool:
+        return self.result == "delivered"
+
+    @property
+    def gone(self) -> bool:
+        return self.result == "gone"
+
+
+def destination(url: httpx.URL) -> tuple[str, str, int]:
+    """(scheme, host, port): what `webhook_concurrency_per_destination` bounds; the host as
+    it is resolved and connected to (an international name in its IDNA form)."""
+    host = url.raw_host.decode("ascii")
+    return url.scheme, host, url.port or _DEFAULT_PORTS.get(url.scheme, 0)
+
+
+def connection_error(exc: BaseException) -> str:
+    """A failed connection, in the words `last_error` shows."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError) or (
+            isinstance(cause, OSError) and cause.errno == errno.ECONNREFUSED
+        ):
+            return "connection refused"
+        cause = cause.__cause__ or cause.__context__
+    text = str(exc) or type(exc).__name__
+    if "refused" in text.lower():
+        return "connection refused"
+    return f"connection failed: {text}"[:500]
+
+
+class WebhookDispatcher:
+    def __init__(
+        self,
+        settings: Settings,
+        engine: AsyncEngine,
+        signals: OutboxSignals | None = None,
+        dispatcher_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.outbox = Outbox(engine, settings)
+        self.engine = engine
+        self.signals = signals or OutboxSignals()
+        self.id = dispatcher_id or new_relay_id()
+        self.transport = new_transport(settings)
+        self._timeouts = httpx.Timeout(settings.webhook_timeout_seconds).as_dict()
+        self._targets: dict[str, Target | str] = {}  # parsed URLs, by URL
+        self._stopping = asyncio.Event()
+        self._wake = Signal()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runs: dict[uuid.UUID, asyncio.Task[None]] = {}
+        self._held: dict[int, datetime] = {}  # copies held and when their lease ends
+        self._slots = asyncio.Semaphore(settings.webhook_concurrency)
+        self._destinations: dict[tuple[str, str, int], asyncio.Semaphore] = defaultdict(
+            lambda: asyncio.Semaphore(settings.webhook_concurrency_per_destination)
+        )
+        self._retention = settings.event_retention
+        self._destination_of: dict[uuid.UUID, tuple[str, str, int]] = {}
+        # Consumers with copies announced since the last claim; any: look at every one.
+        self._wanted: set[uuid.UUID] = set()
+        self._wanted_any = True
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._stopping.clear()
+        self.signals.webhooks.listen(self._on_accepted)
+        self._tasks = [
+            asyncio.create_task(self._claim_loop(), name="webhooks-claim"),
+            asyncio.create_task(self._housekeeping(), name="webhooks-housekeeping"),
+            asyncio.create_task(self._listen(), name="webhooks-listen"),
+        ]
+        log.info("webhook_dispatcher_started", dispatcher=self.id)
+
+    async def stop(self, grace: float = STOP_GRACE) -> None:
+        """Stop claiming; let attempts in flight finish for up to `grace` seconds, then cut
+        them short (their runs release what they did not post)."""
+        self._stopping.set()
+        self._wake.notify()
+        self.signals.webhooks.forget(self._on_accepted)
+        # The loops end on `_stopping` (a claim under way finishes first), then the runs.
+        for group in (self._tasks, list(self._runs.values())):
+            if group:
+                _done, pending = await asyncio.wait(group, timeout=grace)
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*group, return_exceptions=True)
+        self._tasks = []
+        await self.close()
+        log.info("webhook_dispatcher_stopped", dispatcher=self.id)
+
+    # --- what to claim: consumers with new copies, or any ----------------------------------
+    def _on_accepted(self) -> None:
+        """Webhook copies stored by this process: their consumers are wanted."""
+        self._wanted |= self.signals.webhook_consumers
+        self.signals.webhook_consumers.clear()
+        self._wake.notify()
+
+    def _on_announced(self, payload: str) -> None:
+        """Webhook copies committed by any process: the consumers the trigger names, or any
+        (an empty payload)."""
+        try:
+            self._wanted.update(uuid.UUID(part) for part in payload.split(",") if part)
+        except ValueError:
+            payload = ""
+        if not payload:
+            self._wanted_any = True
+
+    def _claim_wanted(self) -> bool:
+        """Whether a claim may find something: a poll, a run ended, a consumer with new
+        copies that no run of this process is posting to (one that is, takes them when its
+        run ends). Claiming for every accepted copy instead ran a claim transaction per
+        event, on the accept path's event loop in the small process models."""
+        return self._wanted_any or any(c not in self._runs for c in self._wanted)
+
+    async def close(self) -> None:
+        """Close the connections (`stop` does)."""
+        await self.transport.aclose()
+
+    async def _listen(self) -> None:
+        """Wake on webhook copies committed by any process (`WEBHOOKS_DUE_CHANNEL`)."""
+        while not self._stopping.is_set():
+            try:
+                await listen(
+                    self.engine,
+                    WEBHOOKS_DUE_CHANNEL,
+                    self._wake.notify,
+                    self._stopping,
+                    self._on_announced,
+                )
+            except Exception as exc:
+                log.warning("webhooks_listen_failed", dispatcher=self.id, error=repr(exc)[:500])
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+            self._wanted_any = True  # what was announced while nobody listened
+            self._wake.notify()
+
+    # --- claiming -------------------------------------------------------------------------
+    def _waiting_on_busy_destinations(self) -> set[uuid.UUID]:
+        """Consumers last seen posting to a destination whose every slot is taken now: not
+        claimed, so their copies do not wait in this process while other receivers could
+        be posted to."""
+        busy = {key for key, slots in self._destinations.items() if slots.locked()}
+        return {consumer for consumer, key in self._destination_of.items() if key in busy}
+
+    async def _claim_loop(self) -> None:
+        poll = self.settings.relay_poll_interval
+        while not self._stopping.is_set():
+            seen = self._wake.generation
+            free = 2 * self.settings.webhook_concurrency - len(self._runs)
+            if free > 0 and self._claim_wanted():
+                self._wanted_any = False
+                self._wanted.clear()
+                try:
+                    claimed = await self.claim(free)
+                except Exception as exc:  # the database is down: keep the loop alive
+                    self._wanted_any = True
+                    log.error("webhooks_claim_failed", dispatcher=self.id, error=repr(exc)[:500])
+                    await self._wake.wait(self.settings.relay_backoff_base)
+                    continue
+                if claimed >= free and not self._stopping.is_set():
+                    self._wanted_any = True  # as many consumers as room: more may be due
+                    continue
+            await self._wake.wait(poll, since=seen)
+            if self._wake.generation == seen:  # the poll interval passed: retries fall due
+                self._wanted_any = True
+
+    async def claim(self, consumers: int) -> int:
+        """Claim the due copies of up to `consumers` consumers and start a run for each;
+        returns how many consumers."""
+        now = utcnow()
+        copies, lease = await self.outbox.claim_webhooks(
+            self.id, now, RUN_LENGTH, consumers, self._waiting_on_busy_destinations()
+        )
+        by_consumer: dict[uuid.UUID, list[WebhookCopy]] = defaultdict(list)
+        for copy in copies:
+            self._held[copy.claimed.id] = lease.until
+            if copy.claimed.consumer_uuid is not None:
+                by_consumer[copy.claimed.consumer_uuid].append(copy)
+        for consumer_uuid, run in by_consumer.items():
+            task = asyncio.create_task(self._run_logged(consumer_uuid, run))
+            self._runs[consumer_uuid] = task
+            task.add_done_callback(partial(self._run_done, consumer_uuid))
+        return len(by_consumer)
+
+    def _run_done(self, consumer_uuid: uuid.UUID, _task: asyncio.Task[None]) -> None:
+        self._runs.pop(consumer_uuid, None)
+        self._wanted.add(consumer_uuid)  # its next copies, if any, are due now
+        self._wake.notify()
+
+    # --- one consumer's run -----------------------------------------------------------------
+    async def _run_logged(self, consumer_uuid: uuid.UUID, copies: list[WebhookCopy]) -> None:
+        try:
+            await self.deliver(consumer_uuid, copies)
+        except Exception as exc:  # what was not settled is posted again when its lease ends
+            log.error("webhook_run_failed", consumer=consumer_uuid.hex, error=repr(exc)[:500])
+        finally:
+            for copy in copies:
+                self._held.pop(copy.claimed.id, None)
+
+    async def deliver(self, consumer_uuid: uuid.UUID, copies: list[WebhookCopy]) -> WebhookRun:
+        """Post `copies` (one consumer's, in acceptance order) one at a time until one fails,
+        then write what came of them."""
+        run = WebhookRun(consumer_uuid)
+        given_up: list[tuple[int, str]] = []
+        try:
+            for position, copy in enumerate(copies):
+                item = copy.claimed
+                now = utcnow()
+                if now - item.created > self._retention:
+                    reason = RETENTION_REASON
+                    if item.last_error:
+                        reason += f"; last error: {item.last_error}"
+                    given_up.append((item.id, reason))
+                    continue
+                outcome = await self.attempt(copy)
+                if outcome.delivered:
+                    run.delivered.append(item.id)
+                    continue
+                run.failed, run.error, run.gone = item.id, outcome.error, outcome.gone
+                run.retry_at = now if outcome.gone else self._retry_at(item.attempts, item.created)
+                run.released = [later.claimed.id for later in copies[position + 1 :]]
+                break
+        except asyncio.CancelledError:
+            # Stopping: what was not posted goes back at once (the copy in flight too: it
+            # may have arrived, and is posted again with the same webhook-id).
+            done = set(run.delivered) | {i for i, _ in given_up}
+            run.failed, run.error, run.gone = None, None, False
+            run.released = [c.claimed.id for c in copies if c.claimed.id not in done]
+            await asyncio.shield(self._settle(run, given_up))
+            raise
+        await self._settle(run, given_up)
+        return run
+
+    def _retry_at(self, attempts: int, created: datetime) -> datetime:
+        now = utcnow()
+        delay = signing.retry_delay(
+            attempts,
+            self.settings.webhook_retry_seconds,
+            random.random(),  # noqa: S311 - jitter, not security
+        )
+        # Never past the give-up time, so an old copy is given up on time.
+        return min(now + timedelta(seconds=delay), max(created + self._retention, now))
+
+    async def _settle(self, run: WebhookRun, given_up: list[tuple[int, str]]) -> None:
+        now = utcnow()
+        if given_up:
+            await self.outbox.give_up(given_up, now)
+            _GIVEN_UP.inc(len(given_up))
+        if run.delivered or run.failed is not None or run.released:
+            await self.outbox.settle_webhooks(self.id, run, now)
+        if run.delivered:
+            _DELIVERED.inc(len(run.delivered))
+            self.signals.settled.notify()
+        if run.failed is not None:
+            log.info(
+                "webhook_attempt_failed",
+                consumer=run.consumer_uuid.hex,
+                error=run.error,
+                gone=run.gone,
+                retry_at=run.retry_at.isoformat() if run.retry_at else None,
+            )
+
+    # --- one attempt ----------------------------------------------------------------------
+    async def attempt(self, copy: WebhookCopy) -> Attempt:
+        """Post one copy: resolve and check the host, connect to the address checked, read at
+        most `webhook_response_max_bytes` of the answer."""
+        if not copy.url or not copy.secret:
+            return Attempt("http_error", "the consumer has no webhook URL or secret")
+        parsed = self._targets.get(copy.url)
+        if parsed is None:
+            if len(self._targets) > 4 * self.settings.webhook_concurrency:
+                self._targets.clear()  # bounded: parsed again at the next attempts
+            parsed = self._targets[copy.url] = target(copy.url)
+        if isinstance(parsed, str):
+            return Attempt("http_error", parsed)
+        scheme, host, port = parsed.destination
+        if copy.claimed.consumer_uuid is not None:
+            if len(self._destination_of) > 4 * self.settings.webhook_concurrency:
+                self._destination_of.clear()  # bounded: relearnt at the next attempts
+            self._destination_of[copy.claimed.consumer_uuid] = (scheme, host, port)
+        started = time.perf_counter()
+        timeout = self.settings.webhook_timeout_seconds
+        async with self._destinations[(scheme, host, port)], self._slots:
+            try:
+                async with asyncio.timeout(timeout):
+                    outcome = await self._post(copy, parsed)
+            except (TimeoutError, httpx.TimeoutException) as exc:
+                # The transport maps every aiohttp connection error to a timeout: its cause
+                # tells a closed connection or a refused one from a timeout.
+                cause = exc.__cause__
+                if isinstance(cause, aiohttp.ServerDisconnectedError):
+                    outcome = Attempt("connection_error", _CLOSED)
+                elif isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ClientOSError):
+                    outcome = Attempt("connection_error", connection_error(cause))
+                else:
+                    outcome = Attempt("timeout", f"timeout after {timeout:g} s")
+            except AddressRefused as exc:
+                outcome = Attempt("address_refused", f"address refused: {exc.reason}")
+            except httpx.RemoteProtocolError:
+                outcome = Attempt("connection_error", _CLOSED)
+            except (httpx.TransportError, OSError) as exc:
+                outcome = Attempt("connection_error", connection_error(exc))
+        WEBHOOK_ATTEMPT_SECONDS.observe(time.perf_counter() - started)
+        _ATTEMPTS[outcome.result].inc()
+        return outcome
+
+    async def _post(self, copy: WebhookCopy, to: Target) -> Attempt:
+        _scheme, host, port = to.destination
+        pinned = await resolve(host, port, self.settings.webhook_allowed_networks)
+        item = copy.claimed
+        body = message_body(item)
+        assert copy.secret is not None  # checked by `attempt`
+        headers = signing.headers(copy.secret, item.event_id, int(time.time()), body)
+        headers["user-agent"] = USER_AGENT
+        if to.authorization is not None:
+            headers["authorization"] = to.authorization
+        request = httpx.Request(
+            "POST", to.url, headers=headers, content=body, extensions={"timeout": self._timeouts}
+        )
+        token = _PINNED.set(pinned)
+        try:
+            answer = await self.transport.handle_async_request(request)
+            try:
+                await _read_capped(answer, self.settings.webhook_response_max_bytes)
+            finally:
+                await answer.aclose()
+        finally:
+            _PINNED.reset(token)
+        if 200 <= answer.status_code < 300:
+            return Attempt("delivered")
+        if answer.status_code == 410:
+            return Attempt("gone", "HTTP 410: the receiver is gone; delivery disabled")
+        return Attempt("http_error", f"HTTP {answer.status_code}")
+
+    # --- housekeeping ---------------------------------------------------------------------
+    async def _housekeeping(self) -> None:
+        rounds = 0
+        while not self._stopping.is_set():
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+                return
+            rounds += 1
+            try:
+                await self.renew_leases()
+                await self.refresh_gauges()
+                if rounds % STRANDED_EVERY == 0:
+                    await self.give_up_stranded()
+            except Exception as exc:  # housekeeping never takes the dispatcher down
+                log.warning("webhooks_housekeeping_failed", error=repr(exc)[:500])
+
+    async def renew_leases(self) -> int:
+        """Extend the lease of held copies past its first third (a slow receiver, a run of
+        many copies): a dispatcher that dies stops renewing and they fall due."""
+        now = utcnow()
+        third = self.outbox.lease_length / 3
+        due = [i for i, until in self._held.items() if until - now < third * 2]
+        if not due:
+            return 0
+        renewed, lease = await self.outbox.renew(self.id, due, now)
+        for i in renewed:
+            if i in self._held:
+                self._held[i] = lease.until
+        return len(renewed)
+
+    async def give_up_stranded(self) -> int:
+        """Give up the copies no claim will take (a deleted consumer's; a disabled one's past
+        retention), page by page; returns how many."""
+        now, total = utcnow(), 0
+        while True:
+            given_up = await self.outbox.give_up_stranded_webhooks(
+                now - self._retention, STRANDED_PAGE, now, CONSUMER_GONE, RETENTION_REASON
+            )
+            total += given_up
+            if given_up < STRANDED_PAGE or self._stopping.is_set():
+                break
+        if total:
+            _GIVEN_UP.inc(total)
+        return total
+
+    async def refresh_gauges(self) -> None:
+        now = utcnow()
+        gauges = await self.outbox.webhook_gauges()
+        for kind, count, oldest in (
+            ("queue", gauges.queue_pending, gauges.queue_oldest),
+            ("webhook", gauges.webhook_pending, gauges.webhook_oldest),
+        ):
+            PENDING_BY_KIND.labels(kind=kind).set(count)
+            OLDEST_PENDING_BY_KIND.labels(kind=kind).set(
+                (now - oldest).total_seconds() if oldest else 0.0
+            )
+        WEBHOOKS_FAILING.set(gauges.failing)
+        since = gauges.failing_since
+        WEBHOOK_LONGEST_FAILING.set((now - since).total_seconds() if since else 0.0)
+
+
+async def _read_capped(answer: httpx.Response, limit: int) -> int:
+    """Read at most `limit` bytes of the answer (as sent: nothing decompressed)."""
+    read = 0
+    stream = answer.stream
+    assert isinstance(stream, httpx.AsyncByteStream)
+    async for chunk in stream:
+        read += len(chunk)
+        if read >= limit:
+            break
+    return read

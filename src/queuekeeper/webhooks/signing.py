@@ -1,0 +1,49 @@
+"""Standard Webhooks signing (contract §13), and the retry schedule of a failed attempt.
+
+The signature is `v1,` + base64 of HMAC-SHA256 over `"{id}.{timestamp}.{body}"`, keyed with
+the bytes the secret encodes after `whsec_`: three lines of the standard library, so it is
+written here rather than taken from the `standardwebhooks` package (a generated API client
+with its own dependencies), which the tests use to verify what is sent
+(docs/decisions/026-webhooks-on-the-outbox.md).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+SECRET_PREFIX = "whsec_"
+JITTER = 0.2  # a retry waits up to 20 % longer than its delay, so receivers are not hit in step
+
+
+def secret_key(secret: str) -> bytes:
+    """The key a `whsec_` secret encodes (a secret without the prefix is taken as base64)."""
+    encoded = secret.removeprefix(SECRET_PREFIX)
+    return base64.b64decode(encoded)
+
+
+def signature(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
+    """The `webhook-signature` header's value for this message."""
+    signed = f"{message_id}.{timestamp}.".encode() + body
+    digest = hmac.new(secret_key(secret), signed, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode()
+
+
+def headers(secret: str, message_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+    """The Standard Webhooks headers of one attempt."""
+    return {
+        "content-type": "application/json",
+        "webhook-id": message_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": signature(secret, message_id, timestamp, body),
+    }
+
+
+def retry_delay(attempt: int, schedule: Sequence[float], draw: float) -> float:
+    """Seconds before the next attempt after failed attempt number `attempt` (1 = the first):
+    the schedule's delay for it (the last one repeated), plus up to `JITTER` of it, `draw`
+    being a number in [0, 1)."""
+    base = schedule[min(max(attempt, 1), len(schedule)) - 1]
+    return base * (1.0 + JITTER * draw)

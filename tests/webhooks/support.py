@@ -1,0 +1,200 @@
+"""The webhook tests' receiver (a real HTTP server on 127.0.0.1, ephemeral port) and a
+webhook consumer made in the database (the registration endpoints are the API's)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from sqlalchemy import text
+
+from queuekeeper.config import Settings
+from queuekeeper.db import create_engine
+from queuekeeper.events.recipients import webhook_queue_name
+
+# A receiver answers each request with this: given the request and its number (from 0).
+Answer = Callable[[web.Request, int], Awaitable[web.StreamResponse]]
+
+# The settings every webhook test runs with: loopback allowed, short timeout and retries.
+WEBHOOK_SETTINGS: dict[str, Any] = {
+    "webhook_allowed_networks": "127.0.0.1/32",
+    "webhook_timeout_seconds": 1.0,
+    "webhook_retry_seconds": "0.2,0.4",
+    "relay_poll_interval": 0.1,
+}
+
+
+async def ok(_request: web.Request, _number: int) -> web.StreamResponse:
+    return web.Response(status=200, text="ok")
+
+
+@dataclass
+class Received:
+    headers: dict[str, str]
+    body: bytes
+    at: float  # time.monotonic()
+
+
+@dataclass
+class Receiver:
+    """Records every POST, then answers it with `answer`."""
+
+    answer: Answer = ok
+    received: list[Received] = field(default_factory=list)
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/hook"
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        number = len(self.received)
+        self.received.append(Received(dict(request.headers), body, time.monotonic()))
+        return await self.answer(request, number)
+
+    async def start(self, port: int = 0) -> None:
+        app = web.Application()
+        app.router.add_post("/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await site.start()
+        server = site._server
+        assert server is not None
+        self.port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def ids(self) -> list[str]:
+        return [r.headers["webhook-id"] for r in self.received]
+
+    async def wait_for(self, count: int, timeout: float = 10.0) -> list[Received]:
+        deadline = time.monotonic() + timeout
+        while len(self.received) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"received {len(self.received)} of {count}: {self.ids()}")
+            await asyncio.sleep(0.02)
+        return self.received
+
+
+@asynccontextmanager
+async def receiving(answer: Answer = ok) -> AsyncIterator[Receiver]:
+    receiver = Receiver(answer)
+    await receiver.start()
+    try:
+        yield receiver
+    finally:
+        await receiver.stop()
+
+
+def new_secret() -> str:
+    return "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+
+
+@dataclass
+class Hook:
+    uuid: uuid.UUID
+    secret: str
+    queue_name: str
+
+
+async def webhook_consumer(
+    settings: Settings,
+    owner: uuid.UUID,
+    offering: uuid.UUID,
+    url: str,
+    *,
+    object_types: list[str] | None = None,
+) -> Hook:
+    """A webhook consumer of `owner` bound to `offering`, as registration would leave it."""
+    consumer = uuid.uuid4()
+    secret = new_secret()
+    name = webhook_queue_name(consumer)
+    engine = create_engine(settings)
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(
+                text(
+                    "INSERT INTO event_consumers (uuid, user_uuid, object_types, queue_name,"
+                    " vhost, broker_state, auth_token_prefix, is_global, payload_filters,"
+                    " delivery, webhook_url, webhook_secret, last_error, created, modified)"
+                    " VALUES (:uuid, :owner, CAST(:types AS json), :name, :vhost, 'ok', '',"
+                    " false, '{}', 'webhook', :url, :secret, '', now(), now())"
+                ),
+                {
+                    "uuid": consumer,
+                    "owner": owner,
+                    "types": "[]" if not object_types else str(object_types).replace("'", '"'),
+                    "name": name,
+                    "vhost": owner.hex,
+                    "url": url,
+                    "secret": secret,
+                },
+            )
+            await connection.execute(
+                text(
+                    "INSERT INTO event_consumer_scopes (consumer_uuid, offering_uuid)"
+                    " VALUES (:consumer, :offering)"
+                ),
+                {"consumer": consumer, "offering": offering},
+            )
+    finally:
+        await engine.dispose()
+    return Hook(consumer, secret, name)
+
+
+async def consumer_row(settings: Settings, consumer: uuid.UUID) -> dict[str, Any]:
+    engine = create_engine(settings)
+    try:
+        async with engine.connect() as connection:
+            row = (
+                await connection.execute(
+                    text("SELECT * FROM event_consumers WHERE uuid = :uuid"), {"uuid": consumer}
+                )
+            ).one()
+    finally:
+        await engine.dispose()
+    return dict(row._mapping)
+
+
+async def copies(settings: Settings, consumer: uuid.UUID) -> list[dict[str, Any]]:
+    """The consumer's copies in acceptance order."""
+    engine = create_engine(settings)
+    try:
+        async with engine.connect() as connection:
+            rows = (
+                await connection.execute(
+                    text(
+                        "SELECT id, event_id, state, attempts, webhook, claimed_by, last_error,"
+                        " next_attempt_at, replay FROM deliveries WHERE consumer_uuid = :uuid"
+                        " ORDER BY id"
+                    ),
+                    {"uuid": consumer},
+                )
+            ).all()
+    finally:
+        await engine.dispose()
+    return [dict(row._mapping) for row in rows]
+
+
+async def eventually(
+    check: Callable[[], Awaitable[bool]], timeout: float = 10.0, what: str = ""
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.05)

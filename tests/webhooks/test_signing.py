@@ -1,0 +1,48 @@
+"""The signature and the retry schedule as pure functions (contract §13)."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from standardwebhooks import Webhook, WebhookVerificationError
+
+from queuekeeper.webhooks.signing import headers, retry_delay
+
+SCHEDULE = [1.0, 5.0, 25.0, 60.0, 300.0, 900.0, 3600.0]
+
+
+def test_the_signature_verifies_with_the_standard_s_library() -> None:
+    secret = "whsec_" + base64.b64encode(b"k" * 24).decode()
+    body = b'{"object_type":"order","n":1}'
+    sent = headers(secret, "event-1", 1_700_000_000, body)
+    verifier = Webhook(secret)
+    # The library checks the timestamp's age too: verify one made now.
+    import time
+
+    now = int(time.time())
+    fresh = headers(secret, "event-1", now, body)
+    assert verifier.verify(body, fresh) == {"object_type": "order", "n": 1}
+    assert sent["webhook-signature"].startswith("v1,")
+    with pytest.raises(WebhookVerificationError):
+        verifier.verify(body + b" ", fresh)
+    other = "whsec_" + base64.b64encode(b"o" * 24).decode()
+    with pytest.raises(WebhookVerificationError):
+        Webhook(other).verify(body, fresh)
+
+
+@pytest.mark.parametrize(
+    ("attempt", "delay"),
+    [(1, 1.0), (2, 5.0), (3, 25.0), (4, 60.0), (5, 300.0), (6, 900.0), (7, 3600.0), (30, 3600.0)],
+)
+def test_the_schedule_s_delay_for_each_failed_attempt_then_the_last_repeated(
+    attempt: int, delay: float
+) -> None:
+    assert retry_delay(attempt, SCHEDULE, 0.0) == delay
+
+
+def test_jitter_adds_up_to_a_fifth_never_less() -> None:
+    assert retry_delay(2, SCHEDULE, 0.0) == 5.0
+    assert retry_delay(2, SCHEDULE, 0.5) == pytest.approx(5.5)
+    assert retry_delay(2, SCHEDULE, 0.999999) == pytest.approx(6.0, abs=1e-4)
+    assert all(5.0 <= retry_delay(2, SCHEDULE, d / 100) < 6.0 for d in range(100))
