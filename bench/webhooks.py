@@ -40,8 +40,8 @@ from aiohttp import web
 from bench._support import bench_database, fmt_ms, free_port, percentiles
 from bench.publish import TOKEN, Service
 from bench.single import generate
+from queuekeeper.broker.topology import webhook_queue_name
 from queuekeeper.config import Settings
-from queuekeeper.events.recipients import webhook_queue_name
 from queuekeeper.webhooks import signing
 
 CONSUMERS = int(os.environ.get("BENCH_WEBHOOK_CONSUMERS", "10"))

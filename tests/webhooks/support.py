@@ -16,9 +16,9 @@ from typing import Any
 from aiohttp import web
 from sqlalchemy import text
 
+from queuekeeper.broker.topology import webhook_queue_name
 from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
-from queuekeeper.events.recipients import webhook_queue_name
 
 # A receiver answers each request with this: given the request and its number (from 0).
 Answer = Callable[[web.Request, int], Awaitable[web.StreamResponse]]

@@ -94,10 +94,15 @@ def consumer_queue_name(consumer_uuid: uuid.UUID) -> str:
     return f"{CONSUMER_QUEUE_PREFIX}{consumer_uuid.hex}"
 
 
+# A webhook consumer's `queue_name`: a name no broker queue has (none is declared for it),
+# which marks its copies as webhook copies (events/recipients.py `webhook_copy_sql`).
+WEBHOOK_QUEUE_PREFIX = "webhook_"
+
+
 def webhook_queue_name(consumer_uuid: uuid.UUID) -> str:
     """`webhook_<uuid hex>`: a webhook consumer's name in the rows a queue's name fills
     (its copies, its presence); no broker queue has it, none is declared (contract §13)."""
-    return f"webhook_{consumer_uuid.hex}"
+    return f"{WEBHOOK_QUEUE_PREFIX}{consumer_uuid.hex}"
 
 
 def consumer_user_name(consumer_uuid: uuid.UUID) -> str:

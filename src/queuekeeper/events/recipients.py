@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from queuekeeper.broker.topology import WEBHOOK_QUEUE_PREFIX, webhook_queue_name
 from queuekeeper.common.schemas import as_uuid
 
 
@@ -58,15 +59,6 @@ class Copy:
         return self.consumer_uuid is not None and self.queue_name == webhook_queue_name(
             self.consumer_uuid
         )
-
-
-# A webhook consumer's `queue_name`: a name no broker queue has (none is declared for it),
-# which marks its copies as webhook copies.
-WEBHOOK_QUEUE_PREFIX = "webhook_"
-
-
-def webhook_queue_name(consumer_uuid: uuid.UUID) -> str:
-    return f"{WEBHOOK_QUEUE_PREFIX}{consumer_uuid.hex}"
 
 
 def webhook_copy_sql(consumer_uuid: str, queue_name: str) -> str:

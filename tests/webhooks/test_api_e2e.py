@@ -1,0 +1,93 @@
+"""Webhook consumers end to end (contract §13): registered through the API, delivered to a real
+receiver on 127.0.0.1 with the secret the registration showed once; resync through the same
+path; a 410 blocks until `update_webhook`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from aiohttp import web
+from standardwebhooks import Webhook
+
+from tests.consumers.scopes import SERVICE, role, staff, tree
+from tests.events.support import order_event, post_event
+from tests.helpers import Backend
+from tests.webhooks.support import WEBHOOK_SETTINGS, receiving
+
+pytestmark = pytest.mark.settings(**WEBHOOK_SETTINGS)
+
+
+async def test_registered_through_the_api_then_delivered_signed_resync_too(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    place = await tree(client)
+    user = await backend.put_user()
+    await role(client, user, "project", place.project)
+    admin = await staff(backend)
+    async with receiving() as receiver:
+        made = await client.post(
+            "/api/event-consumers/register_webhook/",
+            json={"webhook_url": receiver.url + "?key=secret"},
+            headers=admin.headers,
+        )
+        assert made.status_code == 201, made.text
+        hook = made.json()
+        secret = hook["webhook_secret"]
+        answer = await post_event(client, order_event(place.offering, event_id="e2e-1"))
+        assert answer.json()["queued"] == 1, answer.text
+        (first,) = await receiver.wait_for(1)
+        assert Webhook(secret).verify(first.body, first.headers)["object_type"] == "order"
+        started = await client.post(f"/api/event-consumers/{hook['uuid']}/resync/", headers=SERVICE)
+        assert started.status_code == 202
+        got = await receiver.wait_for(2)
+        snapshot = Webhook(secret).verify(got[1].body, got[1].headers)
+        assert snapshot["event_type"] == "role_snapshot"
+        assert snapshot["user_uuid"] == user.uuid.hex
+        one = (await client.get(f"/api/event-consumers/{hook['uuid']}/", headers=SERVICE)).json()
+        assert one["last_delivered_at"] is not None
+        status = (
+            await client.get(f"/api/event-consumers/{hook['uuid']}/status/", headers=SERVICE)
+        ).json()
+        assert status["pending"] == 0, status
+        assert status["delivery_blocked_reason"] is None
+
+
+async def test_a_410_blocks_until_update_webhook(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    async def gone(_request: web.Request, number: int) -> web.StreamResponse:
+        return web.Response(status=410 if number == 0 else 200)
+
+    _agent, offering = await backend.agent_with_offering()
+    admin = await staff(backend)
+    async with receiving(gone) as receiver:
+        hook = (
+            await client.post(
+                "/api/event-consumers/register_webhook/",
+                json={"webhook_url": receiver.url},
+                headers=admin.headers,
+            )
+        ).json()
+        await post_event(client, order_event(offering, event_id="e2e-gone"))
+        await receiver.wait_for(1)
+        path = f"/api/event-consumers/{hook['uuid']}/"
+        for _ in range(50):
+            one = (await client.get(path, headers=SERVICE)).json()
+            if one["delivery_blocked_reason"] == "webhook_gone":
+                break
+            await asyncio.sleep(0.1)
+        assert one["delivery_blocked_reason"] == "webhook_gone", one
+        status = (
+            await client.get(f"/api/event-consumers/{hook['uuid']}/status/", headers=SERVICE)
+        ).json()
+        assert status["delivery_blocked_reason"] == "webhook_gone"
+        assert status["pending"] == 1, status
+        updated = await client.post(
+            f"/api/event-consumers/{hook['uuid']}/update_webhook/", json={}, headers=SERVICE
+        )
+        assert updated.status_code == 200
+        assert updated.json()["delivery_blocked_reason"] is None
+        await receiver.wait_for(2)
+        assert receiver.ids() == ["e2e-gone", "e2e-gone"]
