@@ -329,3 +329,23 @@ async def test_reconcile_and_presence_leave_webhook_consumers_alone(
         None,
     )
     assert answer["connected"] is None
+
+
+@LOOPBACK
+async def test_stale_cleanup_of_a_webhook_owner_plans_and_touches_no_broker_user(
+    backend: Backend, operator: Operator, management: ManagementClient
+) -> None:
+    admin = await staff(backend)
+    hook = (await register_webhook(admin, {"webhook_url": URL})).json()
+    await backend.put_user(admin.uuid, token=admin.token, is_active=False, is_staff=True)
+
+    planned = await operator.cleanup_stale(dry_run=True)
+
+    assert [(entry["action"], entry["item"]) for entry in planned["actions"]][:1] == [
+        ("delete_consumer", f"consumer {hook['uuid']}")
+    ]
+    assert "delete_user" not in {entry["action"] for entry in planned["actions"]}
+    run = await operator.cleanup_stale()
+    assert run["changed"].get("consumers_removed") == 1, run
+    assert "users_deleted" not in run["changed"]
+    assert await management.get_user(hook["uuid"]) is None

@@ -92,11 +92,13 @@ async def _remove_subscriptions_of(
             for subscription in subscriptions:
                 run.planned("delete_subscription", f"subscription {subscription.uuid.hex}", reason)
                 run.planned("delete_user", f"broker user {subscription.uuid.hex}", reason)
+            on_broker = [c for c in consumers if c.delivery == "rmq"]
             for consumer in consumers:
                 run.planned("delete_consumer", f"consumer {consumer.uuid.hex}", reason)
-                run.planned("delete_user", f"broker user {consumer.uuid.hex}", reason)
+                if consumer in on_broker:  # a webhook consumer has no broker user
+                    run.planned("delete_user", f"broker user {consumer.uuid.hex}", reason)
             run.planned(
-                "delete_vhost", vhost, f"{reason}; with its {len(queues) + len(consumers)} queues"
+                "delete_vhost", vhost, f"{reason}; with its {len(queues) + len(on_broker)} queues"
             )
             return
         await consumers_repository.give_up_waiting(
