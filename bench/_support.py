@@ -91,6 +91,13 @@ def bench_database() -> Iterator[str]:
         asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
+def on_a_bench_database(run: Callable[[Settings], Awaitable[None]]) -> None:
+    """`run` with the settings of a fresh bench database and an instance name of its own."""
+    with bench_database() as url:
+        settings = Settings(database_url=url, instance_name=f"qkb-{uuid.uuid4().hex[:8]}")
+        asyncio.run(run(settings))
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

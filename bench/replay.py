@@ -31,7 +31,7 @@ from typing import Any
 
 import aio_pika
 
-from bench._support import bench_database, fmt_ms, free_port, percentiles
+from bench._support import fmt_ms, free_port, on_a_bench_database, percentiles
 from bench.publish import Service
 from queuekeeper.config import Settings
 
@@ -164,9 +164,7 @@ async def run(settings: Settings) -> None:
 
 
 def main() -> None:
-    with bench_database() as url:
-        settings = Settings(database_url=url, instance_name=f"qkb-{uuid.uuid4().hex[:8]}")
-        asyncio.run(run(settings))
+    on_a_bench_database(run)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import asyncpg
 import httpx
 from aiohttp import web
 
-from bench._support import bench_database, fmt_ms, free_port, percentiles
+from bench._support import fmt_ms, free_port, on_a_bench_database, percentiles
 from bench.publish import TOKEN, Service
 from bench.single import generate
 from queuekeeper.broker.topology import webhook_queue_name
@@ -263,9 +263,7 @@ async def run(settings: Settings) -> None:
 
 
 def main() -> None:
-    with bench_database() as url:
-        settings = Settings(database_url=url, instance_name=f"qkb-{uuid.uuid4().hex[:8]}")
-        asyncio.run(run(settings))
+    on_a_bench_database(run)
 
 
 if __name__ == "__main__":

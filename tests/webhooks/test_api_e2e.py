@@ -91,3 +91,48 @@ async def test_a_410_blocks_until_update_webhook(
         assert updated.json()["delivery_blocked_reason"] is None
         await receiver.wait_for(2)
         assert receiver.ids() == ["e2e-gone", "e2e-gone"]
+
+
+async def test_update_webhook_during_an_attempt_keeps_one_at_a_time_in_order(
+    client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """An update makes waiting copies due now, not those an attempt holds: the next claim
+    would post them beside it."""
+    in_flight, most = 0, 0
+    first_arrived = asyncio.Event()
+
+    async def slow_first(_request: web.Request, number: int) -> web.StreamResponse:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        try:
+            if number == 0:
+                first_arrived.set()
+                await asyncio.sleep(0.8)  # inside the 1 s timeout of WEBHOOK_SETTINGS
+            return web.Response(status=200)
+        finally:
+            in_flight -= 1
+
+    _agent, offering = await backend.agent_with_offering()
+    admin = await staff(backend)
+    async with receiving(slow_first) as receiver:
+        hook = (
+            await client.post(
+                "/api/event-consumers/register_webhook/",
+                json={"webhook_url": receiver.url},
+                headers=admin.headers,
+            )
+        ).json()
+        for n in range(3):
+            await post_event(client, order_event(offering, event_id=f"upd-{n}"))
+        await asyncio.wait_for(first_arrived.wait(), 10)
+        updated = await client.post(
+            f"/api/event-consumers/{hook['uuid']}/update_webhook/",
+            json={"webhook_url": receiver.url},
+            headers=SERVICE,
+        )
+        assert updated.status_code == 200, updated.text
+        await receiver.wait_for(3)
+        await asyncio.sleep(0.5)  # a second run, if one were claimed, would have posted
+        assert receiver.ids() == ["upd-0", "upd-1", "upd-2"]
+        assert most == 1

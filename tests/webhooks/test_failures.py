@@ -5,6 +5,8 @@ copy given up, recorded, and never a dispatcher stuck (contract §13)."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import time
 from datetime import timedelta
 
@@ -18,7 +20,7 @@ from queuekeeper.config import Settings
 from queuekeeper.db import create_engine
 from queuekeeper.events.outbox import Outbox
 from queuekeeper.models import utcnow
-from queuekeeper.webhooks.dispatcher import CONSUMER_GONE, WebhookDispatcher
+from queuekeeper.webhooks.dispatcher import CONSUMER_GONE, WebhookDispatcher, connection_error
 from tests.events.support import order_event, post_event
 from tests.helpers import Backend
 from tests.webhooks.support import (
@@ -150,6 +152,57 @@ async def test_a_connection_closed_without_an_answer_is_a_failed_attempt(
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_an_answer_that_is_not_http_is_a_failed_attempt_that_never_shows_the_url(
+    client: httpx.AsyncClient,
+    backend: Backend,
+    settings: Settings,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A bad status line is a failed attempt on the retry schedule, recorded for the owner;
+    neither the record nor the log shows the URL's credential (decision 027)."""
+
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        writer.write(b"NOT-HTTP \x00\x01 nonsense\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(garbage, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    agent, offering = await backend.agent_with_offering()
+    try:
+        url = f"http://user:pa55word@127.0.0.1:{port}/hook?key=s3cret-credential"
+        hook = await webhook_consumer(settings, agent.uuid, offering, url)
+        await post_event(client, order_event(offering, event_id="garbage-1"))
+
+        async def recorded() -> bool:
+            return bool((await consumer_row(settings, hook.uuid))["last_error"])
+
+        await eventually(recorded, what="the bad answer recorded")
+        row = await consumer_row(settings, hook.uuid)
+        assert row["last_error"] == "invalid HTTP answer", row["last_error"]
+        assert row["webhook_failing_since"] is not None
+        (copy,) = await copies(settings, hook.uuid)
+        assert copy["state"] == "pending"
+        assert copy["next_attempt_at"] > utcnow()  # on the retry schedule, not the lease
+    finally:
+        server.close()
+        await server.wait_closed()
+    logged = capsys.readouterr()
+    for secret in ("s3cret-credential", "pa55word", "dXNlcjpwYTU1d29yZA"):
+        assert secret not in logged.out + logged.err
+
+
+def test_a_connection_error_never_repeats_the_clients_text() -> None:
+    """aiohttp's messages name the URL (`Can not write request body for <url>`)."""
+    leaking = OSError(None, "Can not write request body for http://h/x?key=s3cret")
+    assert "s3cret" not in connection_error(leaking)
+    refused = OSError(errno.ECONNREFUSED, "Connect call failed")
+    assert connection_error(refused) == "connection refused"
+    reset = OSError(errno.ECONNRESET, "reset by http://h/x?key=s3cret")
+    assert connection_error(reset) == f"connection failed: {os.strerror(errno.ECONNRESET)}"
 
 
 @pytest.mark.settings(**{**WEBHOOK_SETTINGS, "webhook_allowed_networks": ""})

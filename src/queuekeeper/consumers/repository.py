@@ -559,12 +559,15 @@ async def give_up_unauthorized(
 
 async def due_now(session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime) -> None:
     """A webhook consumer's pending copies fall due now (an update: the receiver is fixed,
-    or the consumer points elsewhere)."""
+    or the consumer points elsewhere). Not those a dispatcher holds: their due time is their
+    lease's end, and made due now the next claim would post them beside the run that holds
+    them (two at a time, out of order); that run's end makes the rest due."""
     await session.execute(
         update(Delivery)
         .where(
             Delivery.consumer_uuid == consumer_uuid,
             text("deliveries.state = 'pending' AND deliveries.webhook"),
+            Delivery.claimed_by.is_(None),
             Delivery.next_attempt_at > now,
         )
         .values(next_attempt_at=now)

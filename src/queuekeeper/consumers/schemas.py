@@ -243,6 +243,8 @@ class WebhookUpdate(BaseModel):
 class ResyncOut(BaseModel):
     """`EventConsumerResyncResponse` (client 8.1.4)."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [{"object_types": ["user_role"]}]})
+
     object_types: list[str] = Field(
         description="The object types whose current state is sent: `user_role`."
     )

@@ -250,6 +250,28 @@ async def _register(
     return consumer, created
 
 
+def _new_consumer(
+    consumer_uuid: uuid.UUID, owner_uuid: uuid.UUID, wanted: _Wanted, **columns: Any
+) -> EventConsumer:
+    """A new consumer row with its scopes and bindings: one transaction with the consumer,
+    so a global one is never half-written."""
+    return EventConsumer(
+        uuid=consumer_uuid,
+        user_uuid=owner_uuid,
+        object_types=list(wanted.object_types or []),
+        broker_state=BrokerState.OK,
+        auth_token_prefix=wanted.token_prefix,
+        scopes=[EventConsumerScope(offering_uuid=o) for o in wanted.offerings],
+        bindings=[
+            EventConsumerBinding(scope_type=kind, scope_uuid=entity)
+            for kind, entity in wanted.bindings
+        ],
+        is_global=wanted.is_global,
+        payload_filters=dict(wanted.payload_filters or {}),
+        **columns,
+    )
+
+
 async def _existing(session: AsyncSession, wanted: _Wanted) -> EventConsumer | None:
     """The consumer this registration is a repeat of: the identity's, or the owner's for the
     same set of offerings. Both are unique keys in the database."""
@@ -298,25 +320,15 @@ async def _make_real(
             await provisioner.ensure_queue(vhost, queue_name, known=existing is not None)
             await _check(session, wanted, lock=True)
             if existing is None:
-                consumer = EventConsumer(
-                    uuid=consumer_uuid,
-                    user_uuid=owner_uuid,
+                consumer = _new_consumer(
+                    consumer_uuid,
+                    owner_uuid,
+                    wanted,
                     agent_identity_uuid=wanted.identity_uuid,
                     scope_key=None if wanted.identity_uuid is not None else wanted.key,
-                    object_types=list(wanted.object_types or []),
                     queue_name=queue_name,
                     vhost=vhost,
                     broker_password_hash=password_hash,
-                    broker_state=BrokerState.OK,
-                    auth_token_prefix=wanted.token_prefix,
-                    scopes=[EventConsumerScope(offering_uuid=o) for o in wanted.offerings],
-                    # One transaction with the consumer: a global one is never half-written.
-                    bindings=[
-                        EventConsumerBinding(scope_type=kind, scope_uuid=entity)
-                        for kind, entity in wanted.bindings
-                    ],
-                    is_global=wanted.is_global,
-                    payload_filters=dict(wanted.payload_filters or {}),
                 )
                 session.add(consumer)
             else:
@@ -739,25 +751,16 @@ async def register_webhook(
         check_quota(settings, "max_consumers_per_user", held, "event consumers")
         await _check(session, wanted, lock=True)
         session.add(
-            EventConsumer(
-                uuid=consumer_uuid,
-                user_uuid=owner_uuid,
+            _new_consumer(
+                consumer_uuid,
+                owner_uuid,
+                wanted,
                 agent_identity_uuid=None,
                 # No key: a repeat makes another consumer (decision 027).
                 scope_key=None,
-                object_types=list(wanted.object_types or []),
                 queue_name=topology.webhook_queue_name(consumer_uuid),
                 vhost=topology.vhost_name(owner_uuid),
                 broker_password_hash=None,
-                broker_state=BrokerState.OK,
-                auth_token_prefix=wanted.token_prefix,
-                scopes=[EventConsumerScope(offering_uuid=o) for o in wanted.offerings],
-                bindings=[
-                    EventConsumerBinding(scope_type=kind, scope_uuid=entity)
-                    for kind, entity in wanted.bindings
-                ],
-                is_global=wanted.is_global,
-                payload_filters=dict(wanted.payload_filters or {}),
                 delivery=WEBHOOK,
                 webhook_url=url,
                 webhook_secret=urls.new_secret(),

@@ -39,7 +39,7 @@ from queuekeeper.events.outbox_postgres import RecipientCache, StoreUnit, checke
 from queuekeeper.events.recipients import Copy, RecipientIndex, Recipients
 from queuekeeper.events.schemas import EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest, DomainError
-from queuekeeper.models import DeliveryState
+from queuekeeper.models import DeliveryState, utcnow
 from queuekeeper.observability.metrics import (
     COPIES,
     COPIES_REFUSED,
@@ -164,6 +164,22 @@ class Outbox:
         lease = self.lease(relay_id, now)
         rows = await self._run(sql.CLAIM, now, limit, relay_id, lease.until)
         return _claimed(rows)[0], lease
+
+    async def renew_held(self, holder: str, held: dict[int, datetime]) -> int:
+        """Extend the lease of the copies `held` (copy -> lease end, updated) whose lease is
+        past its first third, so copies that wait (a busy process, a slow broker or
+        receiver) stay the holder's; a holder that dies stops renewing and its copies fall
+        due when the lease ends. Returns how many were renewed."""
+        now = utcnow()
+        third = self.lease_length / 3
+        due = [i for i, until in held.items() if until - now < third * 2]
+        if not due:
+            return 0
+        renewed, lease = await self.renew(holder, due, now)
+        for i in renewed:
+            if i in held:
+                held[i] = lease.until
+        return len(renewed)
 
     async def renew(
         self, relay_id: str, ids: Collection[int], now: datetime

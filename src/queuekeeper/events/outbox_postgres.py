@@ -669,13 +669,14 @@ SELECT (SELECT count(*) FROM delivered), (SELECT count(*) FROM failed),
        (SELECT count(*) FROM released), (SELECT count(*) FROM facts)
 """
 # Webhook copies no claim will take: those of a deleted consumer (its uuid set null), and
-# those past retention ($1) that wait unclaimed (a consumer disabled by a 410): up to $2,
-# given up at $3 with the reason $4 or $5. A copy a dispatcher claimed meanwhile is left to
-# it (the guard is read again on the row as the claim left it).
+# those past retention ($1) that wait unclaimed (a consumer disabled by a 410), or held by a
+# lease that ran out (a dispatcher that died holding a deleted consumer's copy): up to $2,
+# given up at $3 with the reason $4 or $5. A copy a dispatcher holds is left to it (the
+# guard is read again on the row as the claim left it).
 WEBHOOK_GIVE_UP_STRANDED = """
 WITH stranded AS (
     SELECT id FROM deliveries
-    WHERE state = 'pending' AND webhook AND claimed_by IS NULL
+    WHERE state = 'pending' AND webhook AND (claimed_by IS NULL OR claimed_until < $3)
         AND (consumer_uuid IS NULL OR created < $1)
     LIMIT $2
 ), given_up AS (
@@ -683,7 +684,8 @@ WITH stranded AS (
     SET state = 'given_up', finished = $3,
         last_error = CASE WHEN d.consumer_uuid IS NULL THEN $4 ELSE $5 END
     FROM stranded s
-    WHERE d.id = s.id AND (d.state || '') = 'pending' AND d.claimed_by IS NULL
+    WHERE d.id = s.id AND (d.state || '') = 'pending'
+        AND (d.claimed_by IS NULL OR d.claimed_until < $3)
     RETURNING 1
 )
 SELECT count(*) FROM given_up

@@ -601,19 +601,7 @@ class Relay:
                 log.warning("relay_housekeeping_failed", error=repr(exc)[:500])
 
     async def renew_leases(self) -> int:
-        """Extend the lease of held copies whose lease is past its first third, so copies
-        that wait (a busy process, a slow broker) stay ours; a relay that dies stops
-        renewing and its copies fall due when the lease ends. Returns how many."""
-        now = utcnow()
-        third = self.outbox.lease_length / 3
-        due = [i for i, until in self._held.items() if until - now < third * 2]
-        if not due:
-            return 0
-        renewed, lease = await self.outbox.renew(self.id, due, now)
-        for i in renewed:
-            if i in self._held:
-                self._held[i] = lease.until
-        return len(renewed)
+        return await self.outbox.renew_held(self.id, self._held)
 
     async def refresh_gauges(self) -> None:
         now = utcnow()

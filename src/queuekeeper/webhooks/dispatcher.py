@@ -22,6 +22,7 @@ import asyncio
 import base64
 import contextvars
 import errno
+import os
 import random
 import socket
 import time
@@ -200,18 +201,19 @@ def destination(url: httpx.URL) -> tuple[str, str, int]:
 
 
 def connection_error(exc: BaseException) -> str:
-    """A failed connection, in the words `last_error` shows."""
+    """A failed connection, in the words `last_error` shows. Never the exception's text: the
+    HTTP client's messages name the URL, which may carry a credential (decision 027); the
+    operating system's words for its error number, or the error's class, say enough."""
     cause: BaseException | None = exc
     while cause is not None:
         if isinstance(cause, ConnectionRefusedError) or (
             isinstance(cause, OSError) and cause.errno == errno.ECONNREFUSED
         ):
             return "connection refused"
+        if isinstance(cause, OSError) and cause.errno:
+            return f"connection failed: {os.strerror(cause.errno)}"
         cause = cause.__cause__ or cause.__context__
-    text = str(exc) or type(exc).__name__
-    if "refused" in text.lower():
-        return "connection refused"
-    return f"connection failed: {text}"[:500]
+    return f"connection failed: {type(exc).__name__}"
 
 
 class WebhookDispatcher:
@@ -377,7 +379,8 @@ class WebhookDispatcher:
         try:
             await self.deliver(consumer_uuid, copies)
         except Exception as exc:  # what was not settled is posted again when its lease ends
-            log.error("webhook_run_failed", consumer=consumer_uuid.hex, error=repr(exc)[:500])
+            # The class only: an HTTP client's exception names the URL (decision 027).
+            log.error("webhook_run_failed", consumer=consumer_uuid.hex, error=type(exc).__name__)
         finally:
             for copy in copies:
                 self._held.pop(copy.claimed.id, None)
@@ -485,6 +488,12 @@ class WebhookDispatcher:
                 outcome = Attempt("connection_error", _CLOSED)
             except (httpx.TransportError, OSError) as exc:
                 outcome = Attempt("connection_error", connection_error(exc))
+            except aiohttp.ClientResponseError:
+                # An answer that is not HTTP (a bad status line, headers too long): passed
+                # through by the transport unmapped.
+                outcome = Attempt("connection_error", "invalid HTTP answer")
+            except aiohttp.ClientError as exc:
+                outcome = Attempt("connection_error", connection_error(exc))
         WEBHOOK_ATTEMPT_SECONDS.observe(time.perf_counter() - started)
         _ATTEMPTS[outcome.result].inc()
         return outcome
@@ -534,18 +543,7 @@ class WebhookDispatcher:
                 log.warning("webhooks_housekeeping_failed", error=repr(exc)[:500])
 
     async def renew_leases(self) -> int:
-        """Extend the lease of held copies past its first third (a slow receiver, a run of
-        many copies): a dispatcher that dies stops renewing and they fall due."""
-        now = utcnow()
-        third = self.outbox.lease_length / 3
-        due = [i for i, until in self._held.items() if until - now < third * 2]
-        if not due:
-            return 0
-        renewed, lease = await self.outbox.renew(self.id, due, now)
-        for i in renewed:
-            if i in self._held:
-                self._held[i] = lease.until
-        return len(renewed)
+        return await self.outbox.renew_held(self.id, self._held)
 
     async def give_up_stranded(self) -> int:
         """Give up the copies no claim will take (a deleted consumer's; a disabled one's past

@@ -13,6 +13,8 @@ import secrets
 from collections.abc import Sequence
 from urllib.parse import SplitResult, urlsplit
 
+import httpx
+
 from queuekeeper.exceptions import BadRequest
 from queuekeeper.webhooks.addresses import AddressRefused, IPNetwork, resolve
 
@@ -51,6 +53,10 @@ def parsed(url: str) -> SplitResult:
         raise _refuse("has no host")
     if port == 0:
         raise _refuse("has port 0")
+    try:
+        httpx.URL(url)  # what each attempt posts to: refused now, not at every attempt
+    except httpx.InvalidURL as exc:
+        raise _refuse(f"is not a valid URL ({exc})") from None
     return split
 
 
