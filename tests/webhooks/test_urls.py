@@ -57,6 +57,7 @@ def test_allowed_networks_let_their_addresses_through_and_no_others() -> None:
         ("https:///x", "has no host"),
         ("https://hooks.example.org:0/", "port 0"),
         ("https://hooks.example.org/a b", "whitespace"),
+        ("https://hooks.example.org/a\x7fb", "not a valid URL"),  # nothing could post it
     ],
 )
 def test_malformed_urls_are_refused_naming_the_field(url: str, reason: str) -> None:
