@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,20 @@ class StompConsumer:
     def wait_for(self, count: int = 1, timeout: float = 10.0) -> list[Received]:
         deadline = time.monotonic() + timeout
         while len(self.listener.messages) < count and time.monotonic() < deadline:
+            self.listener.event.wait(0.05)
+            self.listener.event.clear()
+        return list(self.listener.messages)
+
+    def wait_for_ids(self, ids: Collection[str], timeout: float = 10.0) -> list[Received]:
+        """Until every `amqp-message-id` in `ids` has arrived: after a crash a copy may come
+        twice (at-least-once), so a count of messages can be reached with one still on its
+        way."""
+        deadline = time.monotonic() + timeout
+        wanted = set(ids)
+        while time.monotonic() < deadline:
+            seen = {m.headers.get("amqp-message-id") for m in self.listener.messages}
+            if wanted <= seen:
+                break
             self.listener.event.wait(0.05)
             self.listener.event.clear()
         return list(self.listener.messages)

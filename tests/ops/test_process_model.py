@@ -244,7 +244,7 @@ async def test_accept_workers_and_relays_deliver_survive_kill_9_and_stop_on_sigt
 
             # Nothing accepted is lost (copies the killed relay held come back when their
             # lease runs out).
-            received = await asyncio.to_thread(consumer.wait_for, len(accepted), 60)
+            received = await asyncio.to_thread(consumer.wait_for_ids, accepted, 60)
             missing = set(accepted) - {m.headers.get("amqp-message-id") for m in received}
             assert not missing, f"{len(missing)} accepted events never delivered: {missing}"
         finally:
