@@ -3,12 +3,13 @@ form and what an answer shows of it. Nothing here resolves a name or connects an
 
 from __future__ import annotations
 
+import asyncio
 from ipaddress import ip_address, ip_network
 
 import pytest
 
 from queuekeeper.exceptions import BadRequest
-from queuekeeper.webhooks.addresses import refusal
+from queuekeeper.webhooks.addresses import AddressRefused, refusal, resolve
 from queuekeeper.webhooks.urls import MAX_URL_LENGTH, destination, new_secret, parsed
 
 
@@ -84,3 +85,18 @@ def test_secrets_are_standard_webhooks_secrets() -> None:
     first, second = new_secret(), new_secret()
     assert first.startswith("whsec_")
     assert first != second
+
+
+async def test_a_name_under_invalid_is_refused_without_asking_a_resolver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RFC 6761: such a name never resolves; the tests' unresolvable URLs rely on it to send
+    nothing to the machine's resolver (not on loopback)."""
+
+    async def no_lookup(*_args: object, **_kwargs: object) -> list[object]:
+        raise AssertionError("a resolver was asked")
+
+    loop = asyncio.get_running_loop()
+    monkeypatch.setattr(loop, "getaddrinfo", no_lookup)
+    with pytest.raises(AddressRefused, match="does not resolve"):
+        await resolve("hooks.example.invalid", 443)

@@ -75,6 +75,9 @@ async def resolve(host: str, port: int, allowed: Sequence[IPNetwork] = ()) -> Re
         literal = None
     if literal is not None:
         found = [literal]
+    elif host.rstrip(".").lower().split(".")[-1] == "invalid":
+        # RFC 6761: a name under `.invalid` never resolves; no resolver is asked.
+        raise AddressRefused(f"{host} does not resolve (a name under .invalid never does)")
     else:
         loop = asyncio.get_running_loop()
         try:
