@@ -12,6 +12,7 @@ from aiohttp import web
 from standardwebhooks import Webhook
 
 from tests.consumers.scopes import SERVICE, role, staff, tree
+from tests.consumers.test_webhooks import register_webhook
 from tests.events.support import order_event, post_event
 from tests.helpers import Backend
 from tests.webhooks.support import WEBHOOK_SETTINGS, receiving
@@ -27,11 +28,7 @@ async def test_registered_through_the_api_then_delivered_signed_resync_too(
     await role(client, user, "project", place.project)
     admin = await staff(backend)
     async with receiving() as receiver:
-        made = await client.post(
-            "/api/event-consumers/register_webhook/",
-            json={"webhook_url": receiver.url + "?key=secret"},
-            headers=admin.headers,
-        )
+        made = await register_webhook(admin, {"webhook_url": receiver.url + "?key=secret"})
         assert made.status_code == 201, made.text
         hook = made.json()
         secret = hook["webhook_secret"]
@@ -63,13 +60,7 @@ async def test_a_410_blocks_until_update_webhook(
     _agent, offering = await backend.agent_with_offering()
     admin = await staff(backend)
     async with receiving(gone) as receiver:
-        hook = (
-            await client.post(
-                "/api/event-consumers/register_webhook/",
-                json={"webhook_url": receiver.url},
-                headers=admin.headers,
-            )
-        ).json()
+        hook = (await register_webhook(admin, {"webhook_url": receiver.url})).json()
         await post_event(client, order_event(offering, event_id="e2e-gone"))
         await receiver.wait_for(1)
         path = f"/api/event-consumers/{hook['uuid']}/"
@@ -116,13 +107,7 @@ async def test_update_webhook_during_an_attempt_keeps_one_at_a_time_in_order(
     _agent, offering = await backend.agent_with_offering()
     admin = await staff(backend)
     async with receiving(slow_first) as receiver:
-        hook = (
-            await client.post(
-                "/api/event-consumers/register_webhook/",
-                json={"webhook_url": receiver.url},
-                headers=admin.headers,
-            )
-        ).json()
+        hook = (await register_webhook(admin, {"webhook_url": receiver.url})).json()
         for n in range(3):
             await post_event(client, order_event(offering, event_id=f"upd-{n}"))
         await asyncio.wait_for(first_arrived.wait(), 10)
