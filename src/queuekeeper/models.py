@@ -22,6 +22,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    SmallInteger,
     String,
     Text,
     TypeDecorator,
@@ -30,6 +31,7 @@ from sqlalchemy import (
     and_,
     case,
     false,
+    func,
     null,
     or_,
     text,
@@ -128,7 +130,9 @@ class User(Base):
     # The same token in RabbitMQ's salted rabbit_password_hashing_sha256 format,
     # so broker users can be (re)created without ever holding the clear token.
     broker_password_hash: Mapped[str | None] = mapped_column(String(128))
-    token_expires_at: Mapped[datetime | None]
+    # Indexed: the gate asks whether any token expired since a copy was judged
+    # (docs/decisions/029-judged-as-it-leaves.md).
+    token_expires_at: Mapped[datetime | None] = mapped_column(index=True)
     is_active: Mapped[bool] = mapped_column(Boolean, default=True)
     # Staff and support users may bind other users and register global consumers
     # (contract §12).
@@ -200,7 +204,9 @@ class Role(Base):
     role_name: Mapped[str] = mapped_column(String(128))
     scope_type: Mapped[str] = mapped_column(String(16))
     scope_uuid: Mapped[UUID] = mapped_column()
-    expires_at: Mapped[datetime | None]
+    # Indexed: the gate asks whether any role expired since a copy was judged
+    # (docs/decisions/029-judged-as-it-leaves.md).
+    expires_at: Mapped[datetime | None] = mapped_column(index=True)
     created: Mapped[datetime] = mapped_column(default=utcnow)
     modified: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -516,6 +522,33 @@ class Delivery(Base):
     # A webhook consumer's copy (contract §13): delivered by the webhook dispatcher, one
     # at a time per consumer, never claimed by the queue relay. A database default only.
     webhook: Mapped[bool] = mapped_column(Boolean, server_default=false())
+    # The access epoch the copy was last judged under (`AccessEpoch`): while it is still
+    # the epoch and no expiry has passed, nothing the rule reads has changed
+    # (docs/decisions/029-judged-as-it-leaves.md). Null: never judged.
+    judged_epoch: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class AccessEpoch(Base):
+    """One row, bumped by a trigger in the same transaction as every change of a table the
+    authorization rule reads (migration 0016_access_changes;
+    docs/decisions/029-judged-as-it-leaves.md). Never written by the application."""
+
+    __tablename__ = "access_epoch"
+
+    id: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
+
+
+class AccessSweep(Base):
+    """An owner whose copies already in broker queues must be judged again (NULL: every
+    owner), written by the same triggers as `AccessEpoch` (contract §14)."""
+
+    __tablename__ = "access_sweeps"
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    owner_uuid: Mapped[UUID | None] = mapped_column()
+    reason: Mapped[str] = mapped_column(String(64))
+    at: Mapped[datetime] = mapped_column(server_default=func.now())
 
 
 class JobRun(Base):
