@@ -76,9 +76,9 @@ check-newest-agent: install services
 bench: install services
 	$(BIN)/python -m bench
 
-## make docs: regenerate the configuration tables of README.md and docs/operations.md
+## make docs: regenerate the configuration tables of README.md and docs/reference/settings.md
 docs: install
-	$(BIN)/queuekeeper settings-table --write README.md --write docs/operations.md
+	$(BIN)/queuekeeper settings-table --write README.md --write docs/reference/settings.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

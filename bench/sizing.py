@@ -1,4 +1,4 @@
-"""Sizing figures for docs/operations.md ("Sizing"): database bytes per retained event and
+"""Sizing figures for docs/howto/deploy.md ("Sizing"): database bytes per retained event and
 delivery, and broker memory per agent (vhost, queues, broker user, STOMP connection).
 
     .venv/bin/python -m bench.sizing            # BENCH_EVENTS=20000 BENCH_AGENTS=100

@@ -433,7 +433,7 @@ def test_serve_on_a_port_in_use_names_the_setting(tmp_path: Path, database_url: 
 
 
 def test_downgrade_to_the_previous_release_and_back(tmp_path: Path, empty_database: str) -> None:
-    """Rolling back a release (docs/operations.md, Upgrading and rolling back)."""
+    """Rolling back a release (docs/howto/upgrade.md, Upgrading and rolling back)."""
     url = empty_database
     assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0
     [(identity,)] = pg_rows(url, "SELECT uuid FROM installation")

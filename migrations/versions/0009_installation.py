@@ -9,7 +9,7 @@ next to `queuekeeper:<instance name>`, so two installations sharing a broker, or
 database restored from an older backup, never take each other's objects for their own
 (docs/decisions/001-installation-identity.md). The identity is made here, once; a
 database migrated before this revision gets it here too, and the service adopts the
-objects it has rows for (docs/operations.md, "Upgrading to installation identities").
+objects it has rows for (docs/howto/upgrade.md, "Upgrading to installation identities").
 """
 
 import uuid

@@ -136,7 +136,7 @@ class Settings(BaseSettings):
         "ignored and `source_ip` is the real peer.",
     )
 
-    # --- limits on what one request or one agent can take (docs/operations.md, Security) --
+    # --- limits on what one request or one agent can take (docs/howto/security.md) --
     body_max_bytes: int = Field(
         default=64 * 1024,
         ge=1024,
@@ -224,7 +224,7 @@ class Settings(BaseSettings):
         "loss). Quorum queues and their dead-letter queue get `x-queue-type: quorum`, "
         "`x-overflow: reject-publish` and `x-dead-letter-strategy: at-least-once` instead of "
         "`queue_overflow`; a full queue's nack is retried with backoff. Changing it on a "
-        'running installation: docs/operations.md, "Moving from classic to quorum queues".',
+        'running installation: docs/howto/upgrade.md, "Moving from classic to quorum queues".',
     )
     queue_message_ttl_ms: int = Field(
         default=3_600_000, ge=0, description="`x-message-ttl` of every registered queue."

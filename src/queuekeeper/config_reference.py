@@ -1,6 +1,6 @@
 """The configuration reference, generated from `Settings`, so the docs cannot drift from it.
 
-`queuekeeper settings-table --write README.md --write docs/operations.md` rewrites the
+`queuekeeper settings-table --write README.md --write docs/reference/settings.md` rewrites the
 tables between the `<!-- settings-table:start -->` and `<!-- settings-table:end -->`
 markers; a test fails when a committed table differs from what this module generates.
 """

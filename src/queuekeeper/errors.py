@@ -187,7 +187,7 @@ def install_error_handlers(app: FastAPI, settings: Settings) -> None:
             {
                 "detail": f"vhost {exc.vhost!r} exists on the broker but is not this "
                 f"installation's: {exc.reason}. This queuekeeper will not use it "
-                "(docs/operations.md, One instance name per installation).",
+                "(docs/howto/backup-and-restore.md, One instance name per installation).",
             },
             409,
         )

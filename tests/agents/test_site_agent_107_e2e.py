@@ -166,7 +166,7 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
         finally:
             await second.stop()
         assert second.process.returncode == 0, second.log_tail()
-        print(  # the figures quoted in docs/agents.md (run with -s to see them)
+        print(  # the figures quoted in docs/reference/site-agent-1.0.7.md (run with -s to see them)
             f"\nsite-agent 1.0.7 start-up, 10 types: first start "
             f"{first.status['setup_seconds']:.2f} s (queuekeeper {first_rest:.2f} s of it; "
             f"+{first.status['import_seconds']:.2f} s imports):\n{_timed(first_requests)}\n"

@@ -156,7 +156,7 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
         assert len(listed.json()) == 9
         registered = await http.get("/api/event-subscription-queues/", headers=agent.headers)
         assert len(registered.json()) == 9
-        print(  # the figures quoted in docs/agents.md (run with -s to see them)
+        print(  # the figures quoted in docs/tutorial/site-agent.md (run with -s to see them)
             f"\nsite-agent start-up, 9 types: first start {first.status['setup_seconds']:.2f} s "
             f"(queuekeeper {first_rest:.2f} s of it; +{first.status['import_seconds']:.2f} s "
             f"imports), restart {second.status['setup_seconds']:.2f} s (queuekeeper "
@@ -169,7 +169,7 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
 async def test_an_upper_case_offering_uuid_is_flagged_and_its_agent_receives_nothing(
     server: Server, site_agent_python: Path, tmp_path: Path
 ) -> None:
-    """Why docs/agents.md says to configure the offering uuid in lowercase
+    """Why docs/tutorial/site-agent.md says to configure the offering uuid in lowercase
     (agent-protocols 1.0.5 §4.1)."""
     metric = "queuekeeper_agent_offering_uuid_not_lowercase_total"
     flagged_before = REGISTRY.get_sample_value(metric) or 0.0

@@ -1,6 +1,6 @@
-"""The configuration reference in README.md and docs/operations.md is generated from
+"""The configuration reference in README.md and docs/reference/settings.md is generated from
 `Settings`; these fail when a setting is added, renamed or re-described without
-regenerating it (`queuekeeper settings-table --write README.md --write docs/operations.md`)."""
+regenerating it (`queuekeeper settings-table --write README.md --write docs/reference/settings.md`)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from queuekeeper.config_reference import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = [ROOT / "README.md", ROOT / "docs" / "operations.md"]
-REGENERATE = "run `queuekeeper settings-table --write README.md --write docs/operations.md`"
+DOCUMENTS = [ROOT / "README.md", ROOT / "docs" / "reference" / "settings.md"]
+REGENERATE = "run `queuekeeper settings-table --write README.md --write docs/reference/settings.md`"
 
 
 def test_every_setting_has_a_description() -> None:

@@ -148,7 +148,7 @@ def test_rules_pass_their_unit_tests() -> None:
 
 def test_the_alerts_the_operations_guide_promises_exist() -> None:
     assert set(rule_expressions()) >= REQUIRED_ALERTS
-    guide = (ROOT / "docs" / "operations.md").read_text()
+    guide = (ROOT / "docs" / "reference" / "monitoring.md").read_text()
     assert "deploy/prometheus/alerts.yml" in guide
     assert "deploy/grafana/queuekeeper.json" in guide
 

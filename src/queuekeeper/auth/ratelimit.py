@@ -3,7 +3,7 @@ memory).
 
 Counted per process: with N replicas or workers a token gets up to N times the limit.
 That bounds what one agent can make the broker do per second, which is what it is for;
-a shared store (Redis) is not worth a new dependency for it (docs/operations.md).
+a shared store (Redis) is not worth a new dependency for it (docs/howto/security.md, Quotas).
 
 The sliding window counter keeps two counters per token and limit: the current window's
 and the previous one's, weighted by how much of it still overlaps the last period. The

@@ -57,7 +57,7 @@ from queuekeeper.owners.service import (
 log = structlog.get_logger(__name__)
 
 # The API token is also the agents' broker password (contract §3), guessable over STOMP at the
-# broker's pace: shorter tokens are logged (docs/operations.md, Security).
+# broker's pace: shorter tokens are logged (docs/howto/security.md).
 RECOMMENDED_TOKEN_LENGTH = 32
 
 

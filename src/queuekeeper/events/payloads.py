@@ -103,7 +103,7 @@ class ImportableResourcesPayload(Payload):
 API_KEY_ACTIONS = ("create", "rotate", "pause", "resume", "update", "delete")
 # Agent 1.0.7's only other word, from Mastermind's docs; no published agent acts on it
 # (1.0.7 and 1.0.8 log it as unknown). Still accepted so a backend that sends it is not
-# refused after an upgrade (docs/agents.md, "resource_api_key_rotation").
+# refused after an upgrade (docs/reference/site-agent-1.0.8.md, "Payloads 1.0.8 reads").
 DEPRECATED_API_KEY_ACTIONS = ("revoke",)
 
 

@@ -69,7 +69,7 @@ class Readiness(BaseModel):
         "answer while others did (still ready); followed by `Warning: …` when the broker holds "
         "objects under this instance name that this database does not know (another "
         "installation with the same name, or a database restored from an older backup; still "
-        "ready, docs/operations.md)."
+        "ready, docs/howto/backup-and-restore.md)."
     )
     checks: dict[str, CheckResult] = Field(
         description="One entry per dependency: `database`, `amqp`, `management`; and "

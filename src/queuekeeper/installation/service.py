@@ -63,7 +63,7 @@ class Survey:
             f"does not know ({what}): another installation uses the same "
             "QUEUEKEEPER_INSTANCE_NAME, or this database was restored from an older backup. "
             "They are never touched; run `queuekeeper reconcile --dry-run` before anything "
-            "deletes (docs/operations.md, One instance name per installation)."
+            "deletes (docs/howto/backup-and-restore.md, One instance name per installation)."
         )
 
 

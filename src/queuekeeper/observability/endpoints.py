@@ -37,7 +37,7 @@ def exposition_registry() -> CollectorRegistry:
     "/metrics",
     summary="Prometheus metrics",
     description="Every queuekeeper metric in the Prometheus text format (see "
-    "docs/operations.md for what each means). Not counted as HTTP traffic itself. "
+    "docs/reference/monitoring.md for what each means). Not counted as HTTP traffic itself. "
     "No authentication: expose it to your Prometheus, not to the internet.",
     response_class=Response,
     responses={

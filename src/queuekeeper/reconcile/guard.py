@@ -76,7 +76,7 @@ def allows(
         f"QUEUEKEEPER_RECONCILE_MAX_DELETE_SHARE={settings.reconcile_max_delete_share:g}"
         f"{'' if run.dry_run else ', so nothing was deleted'}. A database restored from an "
         "older backup, or another installation with the same instance name, looks like "
-        "this: see docs/operations.md, Backup and restore. When these deletions are "
+        "this: see docs/howto/backup-and-restore.md. When these deletions are "
         "intended, run `queuekeeper reconcile --force` (API: ?force=true).",
     )
     return run.dry_run  # a dry run still lists each deletion it would make

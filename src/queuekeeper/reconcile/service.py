@@ -198,7 +198,7 @@ async def reconcile_limits(
     context: JobContext, run: Run, vhosts: Sequence[str], users: Sequence[str]
 ) -> None:
     """RabbitMQ's own limits on our vhosts and agent broker users are ours again when someone
-    changed or cleared them (docs/operations.md, Security)."""
+    changed or cleared them (docs/howto/security.md)."""
     provisioner = context.provisioner
     for kind, name, differences in await provisioner.limit_drift(vhosts, users):
         run.find("limits_drifted")
