@@ -1,6 +1,6 @@
 """The docs cite only what exists: every file path (`events/outbox.py`, `tests/`, `jobs/`) and
 every code name (`topology.queue_name`, `Outbox.store`, `jobs/runs.py:run_job`) that
-README.md and docs/*.md put in backticks is found in the tree. Decision records are left
+README.md and docs/**/*.md put in backticks is found in the tree. Decision records are left
 out: they tell what was decided when.
 
 A span is a path when it looks like one (no spaces, no `<`, not starting with `/` or `.`)
@@ -24,7 +24,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "queuekeeper"
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    *sorted(
+        path
+        for path in (ROOT / "docs").rglob("*.md")
+        if (ROOT / "docs" / "decisions") not in path.parents
+    ),
+]
 # Where a relative path in the docs may start: the repository, the package, the docs.
 BASES = [ROOT, PACKAGE, ROOT / "docs"]
 # A file named without its directory is looked for anywhere in the tree when it is one of these.
