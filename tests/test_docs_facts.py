@@ -131,6 +131,9 @@ def _name(cell: str) -> str:
 # --- the jobs ------------------------------------------------------------------------------
 
 
+AGREEMENT = "Keeping broker and database in agreement"  # architecture.md's jobs section
+
+
 def default_interval(seconds: int) -> str:
     """How the docs write a default interval: hours when whole hours, else seconds."""
     if seconds <= 0:
@@ -147,7 +150,7 @@ def job_defaults() -> dict[str, str]:
 
 @pytest.mark.parametrize(
     ("page", "heading"),
-    [(README, "Jobs"), (DOCS / "architecture.md", "Keeping broker and database in agreement")],
+    [(README, "Jobs"), (DOCS / "architecture.md", AGREEMENT)],
     ids=["README", "architecture"],
 )
 def test_a_jobs_table_lists_every_job_with_its_default(page: Path, heading: str) -> None:
@@ -163,7 +166,7 @@ def test_a_jobs_table_lists_every_job_with_its_default(page: Path, heading: str)
 
 
 def test_architecture_names_each_jobs_body_module() -> None:
-    rows = table(section(DOCS / "architecture.md", "Keeping broker and database in agreement"), "job")
+    rows = table(section(DOCS / "architecture.md", AGREEMENT), "job")
     said = {_name(row[0]): _name(row[3]) for row in rows}
     wanted = {
         job.value: spec.body.__module__.removeprefix("queuekeeper.").replace(".", "/") + ".py"
@@ -225,7 +228,8 @@ def locks_in(source: str, module: str) -> set[str]:
                     found.add(str(item.value.values[0].value))
         elif module == "common/locks.py" and isinstance(node, ast.Assign):
             names = [t.id for t in node.targets if isinstance(t, ast.Name)]
-            if any(name.endswith("_KEY") for name in names) and isinstance(node.value, ast.Constant):
+            constant = isinstance(node.value, ast.Constant)
+            if constant and any(name.endswith("_KEY") for name in names):
                 found.add(str(node.value.value))
     return found
 
@@ -242,7 +246,7 @@ def family(name: str) -> str:
 
 
 def test_the_locks_are_read_from_the_source() -> None:
-    source = '''
+    source = """
 WEBHOOK = f"SELECT pg_advisory_xact_lock({lock_key('webhook-claims')})"
 def release_lock(vhost, queue):
     return f"release:{vhost}/{queue}"
@@ -251,7 +255,7 @@ async def f(session):
     async with guard_all(session, [(user_key(u), True), ("other", False)]): ...
 def scope_key(x):
     return f"{x}:{x}"
-'''
+"""
     assert locks_in(source, "events/x.py") == {"webhook-claims", "release:", "sweeps", "other"}
     assert {"job:", "user:", "vhost:", "broker-users", "release:", "replays"} <= code_locks()
 
@@ -366,3 +370,37 @@ def test_a_decision_record_that_no_longer_holds_says_so_at_its_top(record: Path)
         assert re.search(r"(Superseded|Amended) by", top), (
             f"{record.name} names {stale}: say at its top what superseded or amended it"
         )
+
+
+# --- the layers ----------------------------------------------------------------------------
+
+
+def service_calls(source: str) -> dict[str, set[str]]:
+    """Per function of an endpoints module, the functions it calls on a service module (a
+    name with `service` in it: `service`, `events_service`)."""
+    calls = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            calls[node.name] = {
+                item.func.attr
+                for item in ast.walk(node)
+                if isinstance(item, ast.Call)
+                and isinstance(item.func, ast.Attribute)
+                and isinstance(item.func.value, ast.Name)
+                and "service" in item.func.value.id
+            }
+    return calls
+
+
+def test_an_endpoint_calls_one_service_function_and_facts_of_besides() -> None:
+    """docs/architecture.md, "The layers": an endpoint calls the one service function that
+    does the work; a consumer route that shows consumers also calls `facts_of`."""
+    route = "async def f():\n    a = await service.get(x)\n    service.facts_of(a)"
+    assert service_calls(route) == {"f": {"get", "facts_of"}}
+    more = {}
+    for path in sorted(PACKAGE.rglob("endpoints.py")):
+        for route, called in service_calls(path.read_text(encoding="utf-8")).items():
+            work = called - {"facts_of"} if path.parent.name == "consumers" else called
+            if len(work) > 1:
+                more[f"{path.relative_to(PACKAGE)}:{route}"] = sorted(called)
+    assert not more, f"endpoints calling several service functions: {more}"

@@ -161,7 +161,8 @@ def agent_config(
     all_types: bool = True,
     stomp_defaults: bool = False,
 ) -> Path:
-    """The agent configuration docs/tutorial/site-agent.md recommends; all nine types, or `order` only.
+    """The agent configuration docs/tutorial/site-agent.md recommends; all nine types, or
+    `order` only.
 
     The broker is RabbitMQ's web-STOMP, dialled directly without TLS; with `stomp_defaults`
     the configuration says nothing about the broker or TLS, as a site's does: the agent then

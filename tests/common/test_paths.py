@@ -134,7 +134,8 @@ async def test_served_under_a_prefix_whether_or_not_the_proxy_strips_it(
 
 
 def test_a_host_name_ending_in_a_p_or_i_loses_characters() -> None:
-    """Why docs/tutorial/site-agent.md warns about host names: rstrip strips characters, not a suffix."""
+    """Why docs/tutorial/site-agent.md warns about host names: rstrip strips characters, not
+    a suffix."""
     assert agent_base("http://h:8000/api/") == "http://h:8000"
     assert agent_base("http://wapi/api/") == "http://w"
     assert agent_base("http://h/api/v1/") == "http://h/api/v1"

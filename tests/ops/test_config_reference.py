@@ -1,6 +1,7 @@
 """The configuration reference in README.md and docs/reference/settings.md is generated from
 `Settings`; these fail when a setting is added, renamed or re-described without
-regenerating it (`queuekeeper settings-table --write README.md --write docs/reference/settings.md`)."""
+regenerating it (`make docs`: `queuekeeper settings-table --write README.md --write
+docs/reference/settings.md`)."""
 
 from __future__ import annotations
 
