@@ -228,9 +228,9 @@ def locks_in(source: str, module: str) -> set[str]:
                     found.add(str(item.value.values[0].value))
         elif module == "common/locks.py" and isinstance(node, ast.Assign):
             names = [t.id for t in node.targets if isinstance(t, ast.Name)]
-            constant = isinstance(node.value, ast.Constant)
-            if constant and any(name.endswith("_KEY") for name in names):
-                found.add(str(node.value.value))
+            value = node.value
+            if isinstance(value, ast.Constant) and any(name.endswith("_KEY") for name in names):
+                found.add(str(value.value))
     return found
 
 
