@@ -23,8 +23,10 @@ from __future__ import annotations
 import ast
 import os
 import re
+import subprocess
 import typing
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -356,8 +358,16 @@ def test_no_page_but_a_decision_record_names_sqlite() -> None:
     assert not naming, f"PostgreSQL is the only database (decision 022); named in {naming}"
 
 
+@cache
+def tracked_python_files() -> frozenset[str]:
+    listing = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return frozenset(Path(path).name for path in listing)
+
+
 def _removed_files(text: str) -> list[str]:
-    tracked = {p.name for p in ROOT.rglob("*.py") if ".venv" not in p.parts}
+    tracked = tracked_python_files()
     return [s for s in SPAN.findall(text) if s.endswith(".py") and Path(s).name not in tracked]
 
 
