@@ -4,9 +4,9 @@ Every write of a copy's life goes through here: `store` (accepted events and the
 in the request's transaction), `claim`, `renew`, the settlements (`publish`,
 `published_at`, `reject`, `give_up`, `reschedule`), `release` and `judge_held` (copies held
 in memory judged again before they go out, docs/decisions/029-judged-as-it-leaves.md); and
-parking's (parking/ decides when, the outbox writes): `park`, `unpark` (parked copies back to pending, claimed
-as a claim claims), `give_up_parked` (retention) and `add_replays` (a replay's new
-copies); no other module writes a copy's state. The lease rule lives in `Outbox.lease`
+parking's (parking/ decides when, the outbox writes): `park`, `unpark` (parked copies back
+to pending, claimed as a claim claims), `give_up_parked` (retention) and `add_replays` (a
+replay's new copies); no other module writes a copy's state. The lease rule lives in `Outbox.lease`
 alone: a copy is held by a relay until its lease ends, and a held copy is simply not due
 (`next_attempt_at` is the lease's end), so a relay that dies leaves its copies due again
 when its leases run out. Only `state = 'pending'` copies that are due are ever claimed;
