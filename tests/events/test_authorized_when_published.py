@@ -19,7 +19,7 @@ from sqlalchemy import delete, select
 
 from queuekeeper.app import Runtime
 from queuekeeper.events.outbox import Outbox
-from queuekeeper.events.outbox_postgres import FRESH_SECONDS, REFUSED_REASON
+from queuekeeper.events.outbox_postgres import REFUSED_REASON
 from queuekeeper.models import Delivery, OfferingAccess, utcnow
 from tests.consumers.test_register_queue import new_identity, register_queue
 from tests.events.support import SERVICE, drain, event_detail, order_event, post_event
@@ -129,10 +129,9 @@ async def test_a_copy_is_judged_when_claimed_whatever_removed_the_access(
         )
         await session.commit()
 
-    # Claimed past the store's freshness window: a copy that waited is judged again (one
-    # claimed at once was judged by the store's own write moments before).
-    later = utcnow() + timedelta(seconds=FRESH_SECONDS + 1)
-    claimed, _lease = await Outbox(state.engine, state.settings).claim("relay-t", later, 10)
+    # Claimed at once: the store's judgment of a moment ago proves nothing after the
+    # change (docs/decisions/029-judged-as-it-leaves.md).
+    claimed, _lease = await Outbox(state.engine, state.settings).claim("relay-t", utcnow(), 10)
     assert [item.event_id for item in claimed] == [kept_id]
     detail = await event_detail(client, lost_id)
     assert [(d["queue_name"], d["state"]) for d in detail["deliveries"]] == [(queue, "given_up")]

@@ -87,7 +87,7 @@ async def test_the_plain_state_guard_reads_the_backlog_here(after_a_burst: Any) 
     assert PENDING_INDEX in await _plan(after_a_burst, plain, ids, datetime.now(UTC))
 
 
-async def test_settling_renewing_releasing_and_parking_by_id_never_read_the_backlog(
+async def test_settling_renewing_releasing_parking_and_judging_by_id_never_read_the_backlog(
     after_a_burst: Any,
 ) -> None:
     ids = await _some_ids(after_a_burst)
@@ -99,6 +99,7 @@ async def test_settling_renewing_releasing_and_parking_by_id_never_read_the_back
         "PARK": (statements.PARK, ids, "relay-1", now, "away"),
         "GIVE_UP": (statements.GIVE_UP, ids, ["gone"] * len(ids), now),
         "RESCHEDULE": (statements.RESCHEDULE, ids, [now] * len(ids), ["x"] * len(ids), "r"),
+        "JUDGE_HELD": (statements.JUDGE_HELD, ids, "relay-1", now),
     }
     for name, (sql, *arguments) in cases.items():
         indexes = await _plan(after_a_burst, sql, *arguments)

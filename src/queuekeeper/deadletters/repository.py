@@ -12,7 +12,7 @@ from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
-from queuekeeper.events.authorization import authorized_sql
+from queuekeeper.events.authorization import access_sql, authorized_sql
 from queuekeeper.models import (
     EventConsumer,
     EventSubscriptionQueue,
@@ -68,6 +68,18 @@ _RECEIVABLE = text(
     WHERE """  # noqa: S608 - the module's constants
     + authorized_sql("t.queue", "t.consumer", "t.offering", "CAST(:now AS timestamptz)")
 )
+
+
+_ACCESS = text("SELECT " + access_sql("CAST(:now AS timestamptz)"))
+
+
+async def access(session: AsyncSession, now: datetime) -> tuple[int, datetime | None]:
+    """The access epoch and the latest role or token expiry passed by `now`: read before a
+    queue's judgment (its epoch), and again before a batch is published, which republishes
+    without judging again only if nothing the rule reads changed in between
+    (docs/decisions/029-judged-as-it-leaves.md)."""
+    row = (await session.execute(_ACCESS, {"now": now})).one()
+    return int(row[0]), row[1]
 
 
 async def receivable_offerings(

@@ -16,6 +16,12 @@ time (`basic.get`, unacknowledged), and for each decide:
 
 A run handles the messages that were in the queue when it reached the vhost
 (at most `redrive_max_messages`); what arrives meanwhile waits for the next.
+
+A dead letter goes back only to whom may receive it as the directory stands when it is
+published (docs/decisions/029-judged-as-it-leaves.md): each queue's owner is judged once
+when the run meets it, under the access epoch read first, and every batch is published
+only after one statement proves nothing the rule reads changed since (else its queues are
+judged again, and the refused given up as `not_authorized`).
 """
 
 from __future__ import annotations
@@ -75,6 +81,10 @@ class Target:
     sent: int = 0
     full: bool = False
     reported: bool = False
+    # The access epoch read before the owner was judged, and the time judged at: what a
+    # batch's check proves unchanged (docs/decisions/029-judged-as-it-leaves.md).
+    epoch: int | None = None
+    judged_at: datetime | None = None
 
 
 def count_change(counter: str) -> None:
@@ -245,22 +255,10 @@ class VhostRedrive:
         target = await self.target(origin)
         if not target.registered:
             return Verdict("give_up", origin, "queue_gone", f"queue {origin!r} is not registered")
-        offering = str(headers.get(OFFERING_HEADER) or "")
-        if (
-            not target.every_offering
-            and (not offering or offering not in target.offerings)
-            and not await self.receivable(origin, headers, offering)
-        ):
+        if not await self.authorized(origin, target, headers):
             # Published only to whom may receive it now, as every copy is
             # (docs/decisions/021-authorized-when-published.md).
-            return Verdict(
-                "give_up",
-                origin,
-                "not_authorized",
-                f"the queue's owner may no longer receive events of offering {offering}"
-                if offering
-                else "the queue's owner may no longer receive this event",
-            )
+            return _not_authorized(origin, headers)
         if not target.present:
             if not target.reported:
                 target.reported = True
@@ -275,7 +273,17 @@ class VhostRedrive:
         target.sent += 1
         return Verdict("redrive", origin)
 
-    async def receivable(self, name: str, headers: dict[str, Any], offering: str) -> bool:
+    async def authorized(self, origin: str, target: Target, headers: dict[str, Any]) -> bool:
+        """Whether the owner of the queue may receive this dead letter, as judged at
+        `target.judged_at`."""
+        offering = str(headers.get(OFFERING_HEADER) or "")
+        if target.every_offering or (offering and offering in target.offerings):
+            return True
+        return await self.receivable(origin, headers, offering, target.judged_at or self.now)
+
+    async def receivable(
+        self, name: str, headers: dict[str, Any], offering: str, now: datetime
+    ) -> bool:
         """For a dead letter its queue's offerings do not cover (or that names none): may the
         owner of a consumer queue receive its event now, judged with the event's own keys
         (an order matched through its project, an identity event)? One statement for such a
@@ -290,7 +298,7 @@ class VhostRedrive:
             return False
         async with self.context.sessions() as session:
             verdict = await repository.event_receivable(
-                session, self.vhost, name, event_id, offering_uuid, self.now
+                session, self.vhost, name, event_id, offering_uuid, now
             )
         return verdict if verdict is not None else not offering
 
@@ -301,18 +309,9 @@ class VhostRedrive:
         async with self.context.sessions() as session:
             registered = await repository.is_registered(session, self.vhost, name)
             away = registered and await repository.is_away(session, self.vhost, name)
-            offerings, every = (
-                await repository.receivable_offerings(session, self.vhost, name, self.now)
-                if registered
-                else (set(), False)
-            )
-        target = Target(
-            registered=registered,
-            present=False,
-            away=away,
-            offerings=frozenset(offerings),
-            every_offering=every,
-        )
+        target = Target(registered=registered, present=False, away=away)
+        if registered:
+            await self.judge_owner(name, target, self.now)
         if registered:
             assert self.probe is not None
             try:
@@ -324,11 +323,51 @@ class VhostRedrive:
         self.targets[name] = target
         return target
 
+    async def judge_owner(self, name: str, target: Target, now: datetime) -> None:
+        """What the queue's owner may receive at `now` (its offerings, or all), under the
+        access epoch read just before: the judgment is at least as new as the epoch."""
+        async with self.context.sessions() as session:
+            epoch, _expired = await repository.access(session, now)
+            offerings, every = await repository.receivable_offerings(session, self.vhost, name, now)
+        target.offerings, target.every_offering = frozenset(offerings), every
+        target.epoch, target.judged_at = epoch, now
+
+    async def judged_now(
+        self, batch: list[tuple[AbstractIncomingMessage, str]]
+    ) -> list[tuple[AbstractIncomingMessage, str]]:
+        """The batch's dead letters whose owner may receive them as the directory stands
+        now: one statement proves each queue's judgment still holds (the access epoch
+        unchanged, no role or token expired since); the queues it cannot prove are judged
+        again, and their refused dead letters given up (docs/decisions/029-...)."""
+        now = utcnow()
+        async with self.context.sessions() as session:
+            epoch, expired = await repository.access(session, now)
+        kept: list[tuple[AbstractIncomingMessage, str]] = []
+        refused: list[tuple[AbstractIncomingMessage, GivenUpDeadLetter]] = []
+        judged: set[str] = set()
+        for message, origin in batch:
+            target = self.targets[origin]
+            proven = target.epoch == epoch and (
+                expired is None or (target.judged_at is not None and expired <= target.judged_at)
+            )
+            if not proven and origin not in judged:
+                await self.judge_owner(origin, target, now)
+                judged.add(origin)
+            headers = dict(message.headers or {})
+            if origin not in judged or await self.authorized(origin, target, headers):
+                kept.append((message, origin))
+            else:
+                target.sent -= 1
+                refused.append((message, self._record(message, _not_authorized(origin, headers))))
+        await self.flush_give_ups(refused)
+        return kept
+
     async def flush_redrives(
         self, channel: AbstractChannel, batch: list[tuple[AbstractIncomingMessage, str]]
     ) -> None:
         if not batch:
             return
+        batch[:] = await self.judged_now(batch)
         results = await asyncio.gather(
             *(self._publish(channel, message, origin) for message, origin in batch),
             return_exceptions=True,
@@ -399,6 +438,18 @@ class VhostRedrive:
                 record.reason,
             )
         batch.clear()
+
+
+def _not_authorized(origin: str, headers: dict[str, Any]) -> Verdict:
+    offering = str(headers.get(OFFERING_HEADER) or "")
+    return Verdict(
+        "give_up",
+        origin,
+        "not_authorized",
+        f"the queue's owner may no longer receive events of offering {offering}"
+        if offering
+        else "the queue's owner may no longer receive this event",
+    )
 
 
 def _first_death(deaths: list[dict[str, Any]]) -> datetime | None:

@@ -1,5 +1,6 @@
 """The rule a copy is published by: its owner may receive the event now
-(docs/decisions/021-authorized-when-published.md).
+(docs/decisions/021-authorized-when-published.md), and the proof that lets a copy skip it
+(`unchanged_sql`, docs/decisions/029-judged-as-it-leaves.md).
 
 Written once, as SQL text, for every statement that publishes or re-creates a copy: the
 outbox's recipients, claim, unpark and replay (`outbox_postgres.py`, on asyncpg) and the
@@ -9,6 +10,36 @@ hold a binding (`binding_allowed_sql`), which registration checks as well
 """
 
 from __future__ import annotations
+
+# The access epoch (migration 0016_access_changes) as the statement's own snapshot sees it:
+# a trigger bumps it in the same transaction as every UPDATE or DELETE that can change a
+# verdict, so two reads that find the same value saw the same rows the rule reads (inserts
+# only add access). No row (a test emptied the table): 0, which no bump leaves behind.
+EPOCH_SQL = "coalesce((SELECT value FROM access_epoch WHERE id = 1), 0)"
+
+
+def last_expiry_sql(now: str) -> str:
+    """The latest role or token expiry that has passed by `now` (NULL: none): time ends
+    access with no write, so no epoch bump. Two index probes (migration 0016's indexes)."""
+    return f"""greatest(
+        (SELECT max(ex.expires_at) FROM roles ex WHERE ex.expires_at <= {now}),
+        (SELECT max(et.token_expires_at) FROM users et WHERE et.token_expires_at <= {now}))"""  # noqa: S608 - the module's own expressions
+
+
+def access_sql(now: str) -> str:
+    """The columns `epoch` and `expired` (`last_expiry_sql`) at `now`, in one snapshot."""
+    return f"{EPOCH_SQL} AS epoch, {last_expiry_sql(now)} AS expired"
+
+
+def unchanged_sql(judged_epoch: str, since: str, access: str) -> str:
+    """Whether a copy judged under the epoch `judged_epoch` at a time no earlier than
+    `since` may skip the rule: the epoch is still the one `access` (a row of `access_sql`)
+    read, and no role or token expired in between (docs/decisions/029-judged-as-it-leaves.md)."""
+    return (
+        f"({judged_epoch} = {access}.epoch"
+        f" AND ({access}.expired IS NULL OR {access}.expired <= {since}))"
+    )
+
 
 _ACTIVE = """u.is_active AND u.token_hash IS NOT NULL
             AND (u.token_expires_at IS NULL OR u.token_expires_at > {now})"""

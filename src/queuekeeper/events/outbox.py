@@ -2,10 +2,11 @@
 
 Every write of a copy's life goes through here: `store` (accepted events and their copies,
 in the request's transaction), `claim`, `renew`, the settlements (`publish`,
-`published_at`, `reject`, `give_up`, `reschedule`) and `release`; and parking's (parking/
-decides when, the outbox writes): `park`, `unpark` (parked copies back to pending, claimed
-as a claim claims), `give_up_parked` (retention) and `add_replays` (a replay's new
-copies); no other module writes a copy's state. The lease rule lives in `Outbox.lease`
+`published_at`, `reject`, `give_up`, `reschedule`), `release` and `judge_held` (copies held
+in memory judged again before they go out, docs/decisions/029-judged-as-it-leaves.md); and
+parking's (parking/ decides when, the outbox writes): `park`, `unpark` (parked copies back
+to pending, claimed as a claim claims), `give_up_parked` (retention) and `add_replays` (a
+replay's new copies); no other module writes a copy's state. The lease rule lives in `Outbox.lease`
 alone: a copy is held by a relay until its lease ends, and a held copy is simply not due
 (`next_attempt_at` is the lease's end), so a relay that dies leaves its copies due again
 when its leases run out. Only `state = 'pending'` copies that are due are ever claimed;
@@ -88,6 +89,31 @@ class Claimed:
     accepted: datetime
     body: str  # the stored payload JSON, sent as it is
     replay: bool = False  # a replay's copy (contract §11): marked with a header
+    # The access epoch it was last judged under, and a time no later than that judgment:
+    # what a holder proves unchanged before publishing it without judging it again
+    # (`Access.unchanged_since`; docs/decisions/029-judged-as-it-leaves.md).
+    judged_epoch: int | None = None
+    judged_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class Access:
+    """The access epoch now and the latest role or token expiry passed by now (None: none)."""
+
+    epoch: int
+    expired: datetime | None
+
+    def unchanged_since(self, item: Claimed) -> bool:
+        """Whether nothing the rule reads has changed since `item` was judged: the epoch is
+        the one it was judged under (every UPDATE or DELETE that can change a verdict bumps
+        it, in its own transaction), and no expiry passed since (time ends access with no
+        write). Otherwise its judgment proves nothing now."""
+        return (
+            item.judged_epoch is not None
+            and item.judged_at is not None
+            and item.judged_epoch == self.epoch
+            and (self.expired is None or self.expired <= item.judged_at)
+        )
 
 
 @dataclass(frozen=True)
@@ -160,10 +186,40 @@ class Outbox:
 
     async def claim(self, relay_id: str, now: datetime, limit: int) -> tuple[list[Claimed], Lease]:
         """Take up to `limit` due copies for `relay_id`, oldest first; those the owner may no
-        longer receive are given up instead (docs/decisions/021-authorized-when-published.md)."""
+        longer receive are given up instead (docs/decisions/021-authorized-when-published.md,
+        029-judged-as-it-leaves.md)."""
         lease = self.lease(relay_id, now)
         rows = await self._run(sql.CLAIM, now, limit, relay_id, lease.until)
         return _claimed(rows)[0], lease
+
+    async def access(self, now: datetime) -> Access:
+        """The access epoch and the latest expiry passed by `now`, in one light statement:
+        what a holder compares its copies' judgment with before publishing them
+        (docs/decisions/029-judged-as-it-leaves.md)."""
+        ((epoch, expired),) = await self._run(sql.ACCESS, now)
+        return Access(int(epoch), expired)
+
+    async def judge_held(
+        self, holder: str, items: Sequence[Claimed], now: datetime
+    ) -> tuple[list[Claimed], int]:
+        """Judge again, in one statement, copies `holder` holds whose judgment is no longer
+        proven (`Access.unchanged_since`): those the owner may no longer receive are given up
+        (the claim's reason, counted as refused); returns the others, recording this
+        judgment, in the order given, and how many were refused. A copy no longer held
+        (given up by a revocation, or its lease lost) is in neither: not to publish."""
+        if not items:
+            return [], 0
+        rows = await self._run(sql.JUDGE_HELD, [item.id for item in items], holder, now)
+        verdicts = {row[0]: (bool(row[1]), int(row[2])) for row in rows}
+        kept = [
+            replace(item, judged_epoch=verdicts[item.id][1], judged_at=now)
+            for item in items
+            if verdicts.get(item.id, (False, 0))[0]
+        ]
+        refused = sum(1 for ok, _ in verdicts.values() if not ok)
+        if refused:
+            COPIES_REFUSED.inc(refused)
+        return kept, refused
 
     async def renew_held(self, holder: str, held: dict[int, datetime]) -> int:
         """Extend the lease of the copies `held` (copy -> lease end, updated) whose lease is
@@ -335,21 +391,25 @@ class Outbox:
         # drops such a connection, and the transaction with it.
         async with checked_out(self.engine) as driver:
             heads = await driver.fetch(sql.WEBHOOK_DUE_HEADS, now, list(skip))
-            fresh, other = heads[0]
-            if not (fresh or other):
+            unchanged, other = heads[0]
+            if not (unchanged or other):
                 return [], lease
+            claim = (now, per_consumer, dispatcher_id, lease.until)
             await driver.execute(sql.WEBHOOK_CLAIM_LOCK)
-            rows = await driver.fetch(
-                sql.WEBHOOK_CLAIM[not other],
-                now,
-                per_consumer,
-                dispatcher_id,
-                lease.until,
-                consumers,
-                list(skip),
-            )
+            # The form without the rule in its plan when every due head was proven
+            # unchanged: it proves that again itself and takes nothing it cannot
+            # (docs/decisions/029-judged-as-it-leaves.md).
+            rows = await driver.fetch(sql.WEBHOOK_CLAIM[not other], *claim, consumers, list(skip))
+            taken = len({row[3] for row in rows})
+            if not other and taken < min(unchanged, consumers):
+                # Fewer than the read found: access changed in between (or another
+                # dispatcher took some). The rule's form judges the rest, in the same
+                # transaction (what was just claimed is no longer due).
+                rows += await driver.fetch(
+                    sql.WEBHOOK_CLAIM[False], *claim, consumers - taken, list(skip)
+                )
             await driver.execute(sql.COMMIT)
-        copies = [WebhookCopy(Claimed(*row[:15]), row[15], row[16]) for row in rows if row[-1]]
+        copies = [WebhookCopy(Claimed(*row[:17]), row[17], row[18]) for row in rows if row[-1]]
         if len(copies) < len(rows):
             COPIES_REFUSED.inc(len(rows) - len(copies))
         copies.sort(key=lambda copy: copy.claimed.id)
@@ -596,6 +656,8 @@ class _Store:
         }
 
     def _handed(self, delivery_id: int, event_id: str, copy: Copy) -> Claimed:
+        # Judged by the write itself (its recipients read again in its snapshot) at `now`:
+        # the relay proves that judgment still holds before publishing it, or judges again.
         row = self.event_rows[event_id]
         return Claimed(
             id=delivery_id,
@@ -612,6 +674,8 @@ class _Store:
             object_type=row["object_type"],
             accepted=self.now,
             body=json.dumps(row["payload"]),  # as the JSON column stores it
+            judged_epoch=self.unit.judged_epoch,
+            judged_at=self.now,
         )
 
     def answer(self, earlier: dict[str, tuple[int, int]]) -> None:

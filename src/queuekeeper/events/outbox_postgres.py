@@ -30,7 +30,13 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from queuekeeper.common.locks import lock_key
-from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
+from queuekeeper.events.authorization import (
+    EPOCH_SQL,
+    access_sql,
+    authorized_sql,
+    binding_allowed_sql,
+    unchanged_sql,
+)
 from queuekeeper.events.recipients import RecipientsChanged, webhook_copy_sql
 
 _SQLSTATE_CONSTRAINT = "23"
@@ -203,8 +209,17 @@ SELECT event_id, queued, skipped_unregistered FROM events WHERE event_id = ANY($
 # order they are given (acceptance order: ids follow it); a copy of an event that was not
 # new is dropped. The foreign key to `events` is checked at the statement's end, when the
 # new events are there. Returned: ('g', digest now) once, ('e', event_id, ...) per new
-# event, ('d', event_id, id, queue, consumer) per copy.
-_FRESH = "WITH fresh AS (SELECT " + _DIGEST + " AS digest FROM ({rows}) r"  # noqa: S608 - constants
+# event, ('d', event_id, id, queue, consumer) per copy. Each copy records the access epoch
+# read in the same snapshot as the recipients it was judged by (returned on the 'g' row as
+# its id), so whatever publishes it later can prove nothing changed since
+# (docs/decisions/029-judged-as-it-leaves.md).
+_FRESH = (
+    "WITH fresh AS (SELECT "  # noqa: S608 - constants
+    + _DIGEST
+    + " AS digest, "
+    + EPOCH_SQL
+    + " AS epoch FROM ({rows}) r"
+)
 _WRITE = (
     """
 ), new_events AS (
@@ -220,10 +235,10 @@ _WRITE = (
 ), copies AS (
     INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost,
                             offering_uuid, state, attempts, claimed_by, claimed_until,
-                            next_attempt_at, created, webhook)
+                            next_attempt_at, created, judged_epoch, webhook)
     SELECT c.event_id, c.queue_uuid, c.consumer_uuid, c.queue_name, c.vhost,
            c.offering_uuid, c.state, c.attempts, c.claimed_by, c.claimed_until,
-           c.next_attempt_at, c.created, """  # noqa: S608 - the module's constants
+           c.next_attempt_at, c.created, (SELECT epoch FROM fresh), """  # noqa: S608 - the module's constants
     + webhook_copy_sql("c.consumer_uuid", "c.queue_name")
     + """
     FROM unnest($18::varchar[], $19::uuid[], $20::uuid[], $21::varchar[], $22::varchar[],
@@ -236,7 +251,7 @@ _WRITE = (
     ORDER BY c.position
     RETURNING id, event_id, queue_uuid, consumer_uuid
 )
-SELECT 'g' AS kind, digest AS event_id, NULL::bigint AS id, NULL::uuid AS queue_uuid,
+SELECT 'g' AS kind, digest AS event_id, epoch AS id, NULL::uuid AS queue_uuid,
        NULL::uuid AS consumer_uuid
 FROM fresh
 UNION ALL
@@ -247,16 +262,20 @@ SELECT 'd', event_id, id, queue_uuid, consumer_uuid FROM copies
 )
 INSERT_ACCEPTED = {keyed: _FRESH.replace("{rows}", rows) + _WRITE for keyed, rows in _FORMS}
 
+# The access now (`access_sql`): one row, `access ax`, read once per statement.
+_ACCESS = "access AS (SELECT " + access_sql("{now}") + ")"
 # A copy whose queue row is gone (both uuids set null by the delete) is left to the relay,
-# which gives it up for that reason. A copy fresh from the store (`{fresh}`) was judged by
-# the store's own write (the recipients read again in it, decision 020) moments ago, as the
-# copies a store hands to its own relay are: the claim judges the others (retries, copies
-# claimed late, replays), and the release every parked copy. CASE keeps the rule's
-# subqueries from running for the copies that need none
-# (docs/decisions/021-authorized-when-published.md).
+# which gives it up for that reason. Every other copy is judged as the statement takes it
+# to be published: by the rule, or, where it is proven that nothing the rule reads has
+# changed since the copy was last judged, by that judgment (`unchanged_sql`: the epoch it
+# was judged under is still the epoch, and no role or token expired since its creation, a
+# time no later than any judgment of it). CASE keeps the rule's subqueries from running
+# for the copies that need none; `ax.epoch` is what a copy taken records
+# (docs/decisions/029-judged-as-it-leaves.md).
 _JUDGED = (
-    "d.id, CASE WHEN d.queue_uuid IS NULL AND d.consumer_uuid IS NULL THEN true"
-    " WHEN {fresh} THEN true ELSE "
+    "d.id, ax.epoch, CASE WHEN d.queue_uuid IS NULL AND d.consumer_uuid IS NULL THEN true WHEN "
+    + unchanged_sql("d.judged_epoch", "d.created", "ax")
+    + " THEN true ELSE "
     + authorized_sql(
         "d.queue_uuid",
         "d.consumer_uuid",
@@ -266,12 +285,6 @@ _JUDGED = (
         "e.subject_user_uuid",
     )
     + " END AS ok"
-)
-# How long after its acceptance a copy never claimed counts as fresh from the store.
-FRESH_SECONDS = 10
-_FRESH_COPY = (
-    "d.attempts = 0 AND NOT d.replay"
-    f" AND d.created >= $1::timestamptz - interval '{FRESH_SECONDS} seconds'"
 )
 # What a refused copy records as its reason.
 REFUSED_REASON = (
@@ -289,6 +302,7 @@ SET state = CASE WHEN j.ok THEN 'pending' ELSE 'given_up' END,
     claimed_by = CASE WHEN j.ok THEN {relay}::varchar END,
     claimed_until = CASE WHEN j.ok THEN {until}::timestamptz END,
     next_attempt_at = CASE WHEN j.ok THEN {until}::timestamptz ELSE d.next_attempt_at END,
+    judged_epoch = CASE WHEN j.ok THEN j.epoch ELSE d.judged_epoch END,
     finished = CASE WHEN j.ok THEN NULL ELSE {now}::timestamptz END,
     last_error = CASE WHEN j.ok THEN d.last_error ELSE '"""
     + REFUSED_REASON
@@ -303,29 +317,31 @@ WHERE d.id = j.id AND d.event_id = e.event_id AND {guard}
 # FOR UPDATE SKIP LOCKED lets relays claim side by side without waiting on or
 # double-claiming each other's rows; the claim returns what publishing needs.
 CLAIM = (
-    """
-WITH due AS (
+    "\nWITH "  # noqa: S608 - the module's constants
+    + _ACCESS.format(now="$1::timestamptz")
+    + """, due AS (
     SELECT id FROM deliveries
     WHERE state = 'pending' AND NOT webhook AND next_attempt_at <= $1
     ORDER BY next_attempt_at, id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ), judged AS (
-    SELECT """  # noqa: S608 - the module's constants
-    + _JUDGED.format(now="$1::timestamptz", fresh=_FRESH_COPY)
+    SELECT """
+    + _JUDGED.format(now="$1::timestamptz")
     + """
     FROM due JOIN deliveries d ON d.id = due.id JOIN events e ON e.event_id = d.event_id
+    CROSS JOIN access ax
 )"""
     + _SETTLE_TAKEN.format(relay="$3", until="$4", now="$1", guard="true")
 )
 # What a claimed copy carries (`outbox.Claimed`, in its fields' order, then the verdict):
-# the claim's and the unpark's alike.
+# the claim's and the unpark's alike; judged under `judged_epoch` at the statement's time.
 _CLAIMED = """
 RETURNING d.id, d.event_id, d.queue_uuid, d.consumer_uuid, d.queue_name, d.vhost,
           d.attempts, d.created, d.last_error, d.offering_uuid, e.offering_uuid,
-          e.object_type, e.accepted, e.payload::text, d.replay, j.ok
-"""
-CLAIM += _CLAIMED
+          e.object_type, e.accepted, e.payload::text, d.replay, d.judged_epoch,
+          {now}::timestamptz"""
+CLAIM += _CLAIMED.format(now="$1") + ", j.ok\n"
 # The statements below address copies by id and guard on the state with
 # `(state || '') = 'pending'`, which the planner cannot match to the partial index of
 # pending copies (as it would `state = 'pending'`): that index's statistics
@@ -372,6 +388,39 @@ FROM unnest($1::bigint[], $2::timestamptz[], $3::text[]) AS r(id, next, error)
 WHERE d.id = r.id AND (d.state || '') = 'pending' AND d.claimed_by = $4
 """
 
+# --- judged as it leaves (docs/decisions/029-judged-as-it-leaves.md) -----------------------
+# The access epoch and the latest expiry passed by $1, in one snapshot: what a holder of
+# copies compares with what they were judged under before publishing them (three index
+# probes, no table of copies read).
+ACCESS = "SELECT " + access_sql("$1::timestamptz")
+# The copies $1 that the holder $2 still holds, judged again at $3 (`_JUDGED`): an
+# authorized copy stays held and records the epoch; a refused one is given up (the claim's
+# reason). Returned: (id, verdict, epoch) of each copy still held.
+JUDGE_HELD = (
+    "\nWITH "  # noqa: S608 - the module's constants
+    + _ACCESS.format(now="$3::timestamptz")
+    + """, judged AS (
+    SELECT """
+    + _JUDGED.format(now="$3::timestamptz")
+    + """
+    FROM deliveries d JOIN events e ON e.event_id = d.event_id CROSS JOIN access ax
+    WHERE d.id = ANY($1::bigint[]) AND (d.state || '') = 'pending' AND d.claimed_by = $2
+)
+UPDATE deliveries d
+SET state = CASE WHEN j.ok THEN d.state ELSE 'given_up' END,
+    judged_epoch = CASE WHEN j.ok THEN j.epoch ELSE d.judged_epoch END,
+    claimed_by = CASE WHEN j.ok THEN d.claimed_by END,
+    claimed_until = CASE WHEN j.ok THEN d.claimed_until END,
+    finished = CASE WHEN j.ok THEN d.finished ELSE $3::timestamptz END,
+    last_error = CASE WHEN j.ok THEN d.last_error ELSE '"""
+    + REFUSED_REASON
+    + """' END
+FROM judged j
+WHERE d.id = j.id AND (d.state || '') = 'pending' AND d.claimed_by = $2
+RETURNING d.id, j.ok, j.epoch
+"""
+)
+
 # --- parking's writes (docs/decisions/015-parking.md) -------------------------------------
 # The parked copies' statements spell `ix_deliveries_parked`'s predicate as migration
 # 0011_parking defines it (models.PARKED_OR_RELEASING), so the planner uses that index.
@@ -385,22 +434,24 @@ WHERE id = ANY($1::bigint[]) AND (state || '') = 'pending' AND claimed_by = $2
 # The queue's oldest parked copies, back to pending and claimed as `CLAIM` claims (and
 # judged as it judges).
 UNPARK = (
-    """
-WITH oldest AS (
+    "\nWITH "  # noqa: S608 - the module's constants
+    + _ACCESS.format(now="$6::timestamptz")
+    + """, oldest AS (
     SELECT id FROM deliveries
     WHERE parked_at IS NOT NULL AND state IN ('parked', 'pending')
         AND state = 'parked' AND vhost = $1 AND queue_name = $2
     ORDER BY id
     LIMIT $3
 ), judged AS (
-    SELECT """  # noqa: S608 - the module's constants
-    + _JUDGED.format(now="$6::timestamptz", fresh="false")
+    SELECT """
+    + _JUDGED.format(now="$6::timestamptz")
     + """
     FROM oldest JOIN deliveries d ON d.id = oldest.id JOIN events e ON e.event_id = d.event_id
+    CROSS JOIN access ax
 )"""
     + _SETTLE_TAKEN.format(relay="$4", until="$5", now="$6", guard="d.state = 'parked'")
 )
-UNPARK += _CLAIMED
+UNPARK += _CLAIMED.format(now="$6") + ", j.ok\n"
 GIVE_UP_PARKED = """
 WITH expired AS (
     SELECT id FROM deliveries
@@ -419,10 +470,11 @@ SELECT count(*) FROM given_up
 # flight (its copies not yet published) and unless the window holds more than $9 copies,
 # a new pending copy, marked as a replay, of each event accepted in [$5, $6) (of the
 # object types $7, or all for NULL) that had a copy for the queue and that the queue's
-# owner may receive now, in the order of each event's first copy (acceptance order). The
-# copies fall due $10 seconds apart, behind every replay copy still pending anywhere: all
-# replays together add at most 1/$10 copies a second to the relay's claims, so live copies
-# (due when accepted) are never queued behind a replay. Returned: the copies of a replay
+# owner may receive now (each recording the epoch it was judged under), in the order of
+# each event's first copy (acceptance order). The copies fall due $10 seconds apart,
+# behind every replay copy still pending anywhere: all replays together add at most 1/$10
+# copies a second to the relay's claims, so live copies (due when accepted) are never
+# queued behind a replay. Returned: the copies of a replay
 # in flight and its oldest copy's time, the window's copies, the copies added.
 REPLAY_LOCK = "SELECT pg_advisory_xact_lock($1)"
 ADD_REPLAYS = (
@@ -451,12 +503,14 @@ WITH running AS (
 ), added AS (
     INSERT INTO deliveries (event_id, queue_uuid, consumer_uuid, queue_name, vhost,
                             offering_uuid, state, attempts, next_attempt_at, created, replay,
-                            webhook)
+                            judged_epoch, webhook)
     SELECT event_id, $3::uuid, $4::uuid, $2::varchar, $1::varchar, offering_uuid, 'pending',
            0,
            (SELECT at FROM base)
                + make_interval(secs => (row_number() OVER (ORDER BY first_id) - 1) * $10::float8),
            $8::timestamptz, true, """
+    + EPOCH_SQL
+    + ", "
     + webhook_copy_sql("$4::uuid", "$2::varchar")
     + """
     FROM allowed
@@ -473,7 +527,8 @@ SELECT (SELECT copies FROM running), (SELECT since FROM running),
 # `user_role` event each, with its scope keys: the role's offering $2 or project $4, and
 # its user $5), written as new events with one pending copy each for the consumer $7
 # alone (queue name $8, vhost $9), of those its owner may receive now (the rule of every
-# publish, `authorized_sql`): nothing is written for the others. The copies are due at
+# publish, `authorized_sql`, under the epoch recorded): nothing is written for the others.
+# The copies are due at
 # $6, in the order given, marked `webhook` ($10) when the consumer receives by HTTP; the
 # `deliveries` trigger announces them. Event ids are new per resync, so `ON CONFLICT`
 # never drops one. Returned: the copies written.
@@ -505,9 +560,11 @@ WITH given AS (
     RETURNING event_id
 ), copies AS (
     INSERT INTO deliveries (event_id, consumer_uuid, queue_name, vhost, state, attempts,
-                            next_attempt_at, created, webhook)
+                            next_attempt_at, created, judged_epoch, webhook)
     SELECT a.event_id, $7::uuid, $8::varchar, $9::varchar, 'pending', 0, $6::timestamptz,
-           $6::timestamptz, $10::boolean
+           $6::timestamptz, """
+    + EPOCH_SQL
+    + """, $10::boolean
     FROM allowed a WHERE a.event_id IN (SELECT event_id FROM new_events)
     ORDER BY a.position
     RETURNING 1
@@ -538,37 +595,40 @@ WEBHOOK_CLAIM_LOCK = (
 )
 COMMIT = "COMMIT"
 _WEBHOOK_PENDING = "state = 'pending' AND webhook"
-_HEAD_FRESH = _FRESH_COPY.replace("d.", "h.")
-_ROW_FRESH = _FRESH_COPY.replace("d.", "")
+# A copy the claim may take without the rule in its plan: proven judged under the directory
+# as it stands (`unchanged_sql` against the statement's own `access` row).
+_HEAD_UNCHANGED = unchanged_sql("h.judged_epoch", "h.created", "ax")
+_ROW_UNCHANGED = unchanged_sql("f.judged_epoch", "f.created", "ax")
 
 
-def _webhook_claim(fresh_only: bool) -> str:
-    """The claim; with `fresh_only`, of consumers whose due copies are fresh from the store
-    only (the run stops at the first that is not), which the store's write judged moments
-    ago, so the statement leaves the rule out of its plan altogether: starting the
-    executor on the rule's plan (hundreds of subplan nodes) took 1.5-3 ms a claim, the
-    claim's own work 0.15 ms."""
-    head_fresh = f" AND {_HEAD_FRESH}" if fresh_only else ""
-    row_fresh = f" AND {_ROW_FRESH}" if fresh_only else ""
-    judged = (
-        "d.id, true AS ok"
-        if fresh_only
-        else _JUDGED.format(now="$1::timestamptz", fresh=_FRESH_COPY)
-    )
+def _webhook_claim(unchanged_only: bool) -> str:
+    """The claim; with `unchanged_only`, of consumers whose due copies are all proven
+    unchanged since their last judgment (the run stops at the first that is not), so the
+    statement leaves the rule out of its plan altogether: starting the executor on the
+    rule's plan (hundreds of subplan nodes) took 1.5-3 ms a claim, the claim's own work
+    0.15 ms. The proof is the statement's own (its snapshot's epoch and expiries), never the
+    read of due heads before it (docs/decisions/029-judged-as-it-leaves.md)."""
+    head_unchanged = f" AND {_HEAD_UNCHANGED}" if unchanged_only else ""
+    row_unchanged = f" AND {_ROW_UNCHANGED}" if unchanged_only else ""
+    judged = _JUDGED.format(now="$1::timestamptz")
+    if unchanged_only:
+        judged = "d.id, ax.epoch, true AS ok"
     return (
-        """
-WITH heads AS (
+        "\nWITH "  # noqa: S608 - the module's constants
+        + _ACCESS.format(now="$1::timestamptz")
+        + """, heads AS (
     SELECT c.uuid, h.id FROM event_consumers c
     CROSS JOIN LATERAL (
-        SELECT id, next_attempt_at, attempts, replay, created FROM deliveries
-        WHERE """  # noqa: S608 - the module's constants
+        SELECT id, next_attempt_at, judged_epoch, created FROM deliveries
+        WHERE """
         + _WEBHOOK_PENDING
         + """ AND consumer_uuid = c.uuid
         ORDER BY id LIMIT 1
     ) h
+    CROSS JOIN access ax
     WHERE c.delivery = 'webhook' AND c.webhook_gone_at IS NULL AND h.next_attempt_at <= $1
         AND NOT (c.uuid = ANY($6::uuid[]))"""
-        + head_fresh
+        + head_unchanged
         + """
     ORDER BY h.id
     LIMIT $5
@@ -577,15 +637,15 @@ WITH heads AS (
     CROSS JOIN LATERAL (
         SELECT w.id FROM (
             SELECT id, bool_and(next_attempt_at <= $1"""
-        + row_fresh
+        + row_unchanged
         + """) OVER (ORDER BY id) AS ready
             FROM (
-                SELECT id, next_attempt_at, attempts, replay, created FROM deliveries
+                SELECT id, next_attempt_at, judged_epoch, created FROM deliveries
                 WHERE """
         + _WEBHOOK_PENDING
         + """ AND consumer_uuid = heads.uuid
                 ORDER BY id LIMIT $2
-            ) f
+            ) f CROSS JOIN access ax
         ) w WHERE w.ready
     ) r
 ), judged AS (
@@ -594,36 +654,41 @@ WITH heads AS (
         + """, c.webhook_url, c.webhook_secret
     FROM due JOIN deliveries d ON d.id = due.id JOIN events e ON e.event_id = d.event_id
     JOIN event_consumers c ON c.uuid = d.consumer_uuid
+    CROSS JOIN access ax
 )"""
         + _SETTLE_TAKEN.format(relay="$3", until="$4", now="$1", guard="true")
         + """
 RETURNING d.id, d.event_id, d.queue_uuid, d.consumer_uuid, d.queue_name, d.vhost,
           d.attempts, d.created, d.last_error, d.offering_uuid, e.offering_uuid,
-          e.object_type, e.accepted, e.payload::text, d.replay, j.webhook_url,
-          j.webhook_secret, j.ok
+          e.object_type, e.accepted, e.payload::text, d.replay, d.judged_epoch,
+          $1::timestamptz, j.webhook_url, j.webhook_secret, j.ok
 """
     )
 
 
-# Keyed by whether every due head is fresh from the store (`WEBHOOK_DUE_HEADS`).
-WEBHOOK_CLAIM = {fresh_only: _webhook_claim(fresh_only) for fresh_only in (True, False)}
-# Before a claim, outside its transaction: whether any consumer (not gone, none of $2) has
-# a due head at $1, fresh from the store or not. None: no claim at all (a copy committed
-# after this read is announced, and claimed then).
+# Keyed by whether every due head is proven unchanged (`WEBHOOK_DUE_HEADS`).
+WEBHOOK_CLAIM = {only: _webhook_claim(only) for only in (True, False)}
+# Before a claim, outside its transaction: how many consumers (not gone, none of $2) have
+# a due head at $1 proven unchanged since its judgment, and how many have one that is not.
+# Neither: no claim at all (a copy committed after this read is announced, and claimed
+# then). Only a hint of which form of the claim to run: the claim proves it again.
 WEBHOOK_DUE_HEADS = (
-    """
-SELECT coalesce(bool_or(x.fresh), false), coalesce(bool_or(NOT x.fresh), false) FROM (
-    SELECT """  # noqa: S608 - the module's constants
-    + _HEAD_FRESH
-    + """ AS fresh
+    "\nWITH "  # noqa: S608 - the module's constants
+    + _ACCESS.format(now="$1::timestamptz")
+    + """
+SELECT count(*) FILTER (WHERE x.unchanged), count(*) FILTER (WHERE NOT x.unchanged) FROM (
+    SELECT """
+    + _HEAD_UNCHANGED
+    + """ AS unchanged
     FROM event_consumers c
     CROSS JOIN LATERAL (
-        SELECT next_attempt_at, attempts, replay, created FROM deliveries
+        SELECT next_attempt_at, judged_epoch, created FROM deliveries
         WHERE """
     + _WEBHOOK_PENDING
     + """ AND consumer_uuid = c.uuid
         ORDER BY id LIMIT 1
     ) h
+    CROSS JOIN access ax
     WHERE c.delivery = 'webhook' AND c.webhook_gone_at IS NULL AND h.next_attempt_at <= $1
         AND NOT (c.uuid = ANY($2::uuid[]))
 ) x
@@ -849,6 +914,8 @@ class StoreUnit:
         self._read: (
             tuple[_Key, list[Any], list[str], list[Any], list[Any], datetime, str] | None
         ) = None
+        # The access epoch the last insert's copies were judged under (its own snapshot's).
+        self.judged_epoch: int | None = None
 
     async def recipients(
         self,
@@ -919,9 +986,11 @@ class StoreUnit:
             *column_arrays(events, EVENT_COLUMNS),
             *column_arrays(copies, DELIVERY_COLUMNS),
         )
-        if next(record[1] for record in records if record[0] == "g") != digest:
+        found = next(record for record in records if record[0] == "g")
+        if found[1] != digest:
             self.cache.drop(key)
             raise RecipientsChanged
+        self.judged_epoch = found[2]
         inserted = {record[1] for record in records if record[0] == "e"}
         copied = [(r[2], r[1], r[3], r[4]) for r in records if r[0] == "d"]
         return inserted, copied

@@ -18,6 +18,12 @@ What happens to a copy, by the broker's answer:
   exponential backoff;
 - its queue row is gone (access revoked, queue or subscription deleted), or it is
   older than `delivery_max_age` → `given_up`, with the reason stored.
+
+Every copy is judged against the directory as it stands when it is taken to be published
+(docs/decisions/029-judged-as-it-leaves.md): a claimed or released one by the claim's own
+statement; one handed over by the store of this process, which no claim takes, by a light
+statement before it goes out that proves the store's judgment still holds, or else by the
+rule again (`judged_now`).
 """
 
 from __future__ import annotations
@@ -320,6 +326,7 @@ class Relay:
                 self._handed[: self.settings.relay_batch_size],
                 self._handed[self.settings.relay_batch_size :],
             )
+            handed = bool(batch)
             if not batch and self._claim_wanted and not self._stopping.is_set():
                 self._claim_wanted = False
                 try:
@@ -336,7 +343,7 @@ class Relay:
                 slots.release()
                 await self._pause(self.settings.relay_poll_interval, seen)
                 continue
-            task = asyncio.create_task(self._process_logged(batch))
+            task = asyncio.create_task(self._process_logged(batch, handed))
             in_flight.add(task)
             task.add_done_callback(finished)
             if not self._handed and not self._claim_wanted:
@@ -349,9 +356,9 @@ class Relay:
         if self._wake.generation == seen:  # the poll interval passed: look for due copies
             self._claim_wanted = True
 
-    async def _process_logged(self, claimed: list[Claimed]) -> None:
+    async def _process_logged(self, claimed: list[Claimed], handed: bool = False) -> None:
         try:
-            await self.process(claimed, gather=True)
+            await self.process(claimed, gather=True, judge=handed)
         except Exception as exc:  # claims not settled are retried when their lease ends
             log.error("relay_batch_failed", relay=self.id, error=repr(exc)[:500])
 
@@ -378,20 +385,51 @@ class Relay:
         return released, refused
 
     async def process(
-        self, claimed: list[Claimed], *, park: bool = True, gather: bool = False
+        self,
+        claimed: list[Claimed],
+        *,
+        park: bool = True,
+        gather: bool = False,
+        judge: bool = False,
     ) -> None:
         """Publish a claimed batch and write back what became of each copy; `park=False`
         for released parked copies, which go out whatever the queue's state. With `gather`
         (the dispatch loop's batches), the confirmed copies are written published with
-        those of the next `relay_settle_interval`, not before returning."""
+        those of the next `relay_settle_interval`, not before returning. With `judge` (copies
+        handed over by the store, which no claim judged), those not to be published now are
+        given up first (`judged_now`)."""
         try:
             to_publish = claimed
             if park and self.hold_back is not None:
                 to_publish = await self.hold_back(self.id, claimed)
+            if judge:
+                to_publish = await self.judged_now(to_publish)
             await self._process(to_publish, gather=gather)
         finally:
             for item in claimed:  # settled, parked, or left to its lease: no longer renewed
                 self._held.pop(item.id, None)
+
+    async def judged_now(self, items: list[Claimed]) -> list[Claimed]:
+        """Of copies this relay holds, those its owner may receive as the directory stands
+        now, in order: one light statement (`Outbox.access`) proves the last judgment of
+        each still holds; only those it cannot prove are judged again, by the rule in one
+        statement that gives up the refused (docs/decisions/029-judged-as-it-leaves.md).
+        No window of trust: a handed copy may wait behind busy batches for seconds."""
+        if not items:
+            return items
+        now = utcnow()
+        access = await self.outbox.access(now)
+        stale = [item for item in items if not access.unchanged_since(item)]
+        if not stale:
+            return items
+        kept, _refused = await self.outbox.judge_held(self.id, stale, now)
+        judged = {item.id: item for item in kept}
+        stale_ids = {item.id for item in stale}
+        return [
+            judged.get(item.id, item)
+            for item in items
+            if item.id not in stale_ids or item.id in judged
+        ]
 
     async def _process(self, claimed: list[Claimed], *, gather: bool = False) -> None:
         now = utcnow()
