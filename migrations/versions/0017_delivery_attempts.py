@@ -11,7 +11,7 @@ appended by the statement that settles the attempt), the last one's time and sta
 a code for why it was given up (`given_up_reason`; `last_error` keeps the sentence). A
 consumer's copies are listed newest first through `ix_deliveries_consumer_copies`
 (consumer, id), which replaces the index on the consumer alone: one index, not two, on
-the accept path's insert. A webhook consumer keeps its previous secret until
+the accept path's insert; the few copies given up have a partial index of their own. A webhook consumer keeps its previous secret until
 `webhook_previous_until` after a rotation.
 """
 
@@ -47,6 +47,14 @@ def upgrade() -> None:
         "ix_deliveries_consumer_copies", "deliveries", ["consumer_uuid", "id"], unique=False
     )
     op.drop_index("ix_deliveries_consumer_uuid", table_name="deliveries")
+    # The few copies given up, per consumer: `?state=given_up` without reading the rest.
+    op.create_index(
+        "ix_deliveries_consumer_given_up",
+        "deliveries",
+        ["consumer_uuid", "id"],
+        unique=False,
+        postgresql_where=sa.text("state IN ('given_up', 'rejected')"),
+    )
     op.add_column(
         "event_consumers", sa.Column("webhook_previous_secret", sa.String(128), nullable=True)
     )
@@ -57,6 +65,7 @@ def downgrade() -> None:
     op.drop_column("event_consumers", "webhook_previous_until")
     op.drop_column("event_consumers", "webhook_previous_secret")
     op.create_index("ix_deliveries_consumer_uuid", "deliveries", ["consumer_uuid"], unique=False)
+    op.drop_index("ix_deliveries_consumer_given_up", table_name="deliveries")
     op.drop_index("ix_deliveries_consumer_copies", table_name="deliveries")
     op.drop_column("deliveries", "given_up_reason")
     op.drop_column("deliveries", "last_status")

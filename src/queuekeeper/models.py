@@ -458,6 +458,11 @@ class Event(Base):
 PARKED_OR_RELEASING = "parked_at IS NOT NULL AND state IN ('parked', 'pending')"
 
 
+# A copy given up, or dead-lettered by the broker (a full queue): as its consumer sees it,
+# given up (contract §14). Written out for the planner to match `ix_deliveries_consumer_given_up`.
+GIVEN_UP_STATES = "state IN ('given_up', 'rejected')"
+
+
 class Delivery(Base):
     """One copy of an event for one queue: the transactional outbox."""
 
@@ -483,6 +488,12 @@ class Delivery(Base):
         # A consumer's copies newest first (`GET .../deliveries/`; migration
         # 0017_delivery_attempts): also every lookup by consumer alone.
         Index("ix_deliveries_consumer_copies", "consumer_uuid", "id"),
+        Index(
+            "ix_deliveries_consumer_given_up",
+            "consumer_uuid",
+            "id",
+            postgresql_where=text(GIVEN_UP_STATES),
+        ),
         Index(
             "ix_deliveries_parked",
             "vhost",

@@ -10,7 +10,9 @@ from datetime import UTC, timedelta
 from typing import Any
 
 import httpx
+import pytest
 
+from queuekeeper.consumers import repository as consumer_copies
 from queuekeeper.models import utcnow
 from tests.consumers.scopes import role, scopes, tree, unrole
 from tests.consumers.test_event_consumers_api import CONSUMERS, SERVICE, register
@@ -107,6 +109,7 @@ async def test_filters_and_pages_newest_first(backend: Backend, client: httpx.As
     assert (await _list(agent, consumer, **window)).headers["X-Result-Count"] == "6"
     later = (after + timedelta(seconds=1)).astimezone(UTC).replace(tzinfo=None).isoformat()
     assert (await _list(agent, consumer, accepted_after=later)).json() == []  # naive: UTC
+    assert "X-Result-Count-Capped" not in first.headers
     refused = await client.get(_path(consumer), params={"state": "lost"}, headers=agent.headers)
     assert refused.status_code == 400
     assert "state" in refused.text
@@ -134,3 +137,24 @@ async def test_a_consumer_bound_through_a_role_is_not_said_to_have_no_access(
     assert got["delivery_blocked_reason"] == "no_access"
     assert status["delivery_blocked_reason"] == "no_access"
     assert "bindings" in status["delivery_blocked_detail"]
+
+
+async def test_a_long_list_is_counted_to_a_bound_and_every_page_is_still_reached(
+    backend: Backend, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(consumer_copies, "COUNT_LIMIT", 3)
+    agent, offering, consumer = await _queue_consumer(backend)
+    events = [order_event(offering, event_id=f"long-{n}") for n in range(5)]
+    assert (await post_batch(client, events, wait=True)).status_code in (200, 202)
+    seen: list[str] = []
+    page: dict[str, Any] = {"page_size": 2}
+    for number in (1, 2, 3):
+        answer = await _list(agent, consumer, **page, page=number)
+        assert answer.headers["X-Result-Count"] == "3"
+        assert answer.headers["X-Result-Count-Capped"] == "true"
+        seen += [row["event_id"] for row in answer.json()]
+        assert ('rel="next"' in answer.headers.get("Link", "")) == (number < 3)
+    assert seen == [f"long-{n}" for n in range(4, -1, -1)]
+    few = await _list(agent, consumer, event_id="long-1")
+    assert few.headers["X-Result-Count"] == "1"
+    assert "X-Result-Count-Capped" not in few.headers

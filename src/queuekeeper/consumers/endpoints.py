@@ -18,7 +18,12 @@ from queuekeeper.auth.dependencies import AgentOrService, CallerToken, CurrentUs
 from queuekeeper.common.access import Caller, service_too
 from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
-from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.common.pagination import (
+    Page,
+    page_params,
+    set_bounded_page_headers,
+    set_page_headers,
+)
 from queuekeeper.consumers import service
 from queuekeeper.consumers.schemas import (
     ConsumerFilters,
@@ -465,9 +470,11 @@ async def list_deliveries(
     page: Annotated[Page, Depends(page_params)],
     filters: Annotated[DeliveryFilters, Depends(delivery_filters)],
 ) -> list[DeliveryOut]:
-    found = await service.deliveries(session, caller, consumer_uuid, filters, page)
-    set_page_headers(request, response, page, found.total)
-    return found.rows
+    found, rows = await service.deliveries(session, caller, consumer_uuid, filters, page)
+    set_bounded_page_headers(
+        request, response, page, found.total, capped=found.capped, more=found.more
+    )
+    return rows
 
 
 @router.get(

@@ -7,17 +7,20 @@ import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
     RowMapping,
     Select,
     String,
+    TextClause,
     Uuid,
     and_,
     bindparam,
     delete,
     func,
+    literal_column,
     or_,
     select,
     text,
@@ -33,6 +36,7 @@ from queuekeeper.consumers.schemas import ConsumerFilters, DeliveryFilters
 from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.models import (
     CONSUMER_ON_BROKER,
+    GIVEN_UP_STATES,
     AgentIdentity,
     AwareDateTime,
     Customer,
@@ -625,14 +629,18 @@ async def active_roles(session: AsyncSession, now: datetime) -> list[tuple[Role,
 
 
 # --- what a consumer can see of its copies (contract §14; docs/decisions/031-delivery-log.md)
-# The API's states, by the copy states they are made of: a copy the broker dead-lettered
+# The API's states, as conditions on the copy states they are made of, written out so the
+# planner matches the partial indexes' predicates: a copy the broker dead-lettered
 # (`rejected`, a full queue) was given up as far as its consumer can tell.
-_LISTED_STATES: dict[str, tuple[DeliveryState, ...]] = {
-    "pending": (DeliveryState.PENDING,),
-    "delivered": (DeliveryState.PUBLISHED,),
-    "parked": (DeliveryState.PARKED,),
-    "given_up": (DeliveryState.GIVEN_UP, DeliveryState.REJECTED),
+_LISTED_STATES: dict[str, str] = {
+    "pending": "deliveries.state = 'pending'",
+    "delivered": "deliveries.state = 'published'",
+    "parked": "deliveries.state = 'parked'",
+    "given_up": "deliveries." + GIVEN_UP_STATES,
 }
+# How many copies a list counts at most: a consumer with a million copies is counted to
+# here, not through (docs/decisions/031-delivery-log.md).
+COUNT_LIMIT = 10000
 _LISTED = (
     Delivery.id,
     Delivery.event_id,
@@ -653,15 +661,15 @@ _LISTED = (
 
 def _copy_filters(
     consumer_uuid: uuid.UUID, filters: DeliveryFilters
-) -> tuple[list[ColumnElement[bool]], bool]:
+) -> tuple[list[ColumnElement[bool] | TextClause], bool]:
     """The conditions of the filters, and whether any reads the event (a count without
     one need not join it: every copy has its event)."""
-    where: list[ColumnElement[bool]] = [Delivery.consumer_uuid == consumer_uuid]
+    where: list[ColumnElement[bool] | TextClause] = [Delivery.consumer_uuid == consumer_uuid]
     if filters.state is not None:
-        where.append(Delivery.state.in_(_LISTED_STATES[filters.state]))
+        where.append(text(_LISTED_STATES[filters.state]))
     if filters.event_id is not None:
         where.append(Delivery.event_id == filters.event_id)
-    on_event: list[ColumnElement[bool]] = []
+    on_event: list[ColumnElement[bool] | TextClause] = []
     if filters.object_type is not None:
         on_event.append(Event.object_type == filters.object_type)
     if filters.accepted_after is not None:
@@ -671,27 +679,49 @@ def _copy_filters(
     return where + on_event, bool(on_event)
 
 
+@dataclass(frozen=True)
+class CopiesPage:
+    """One page of a consumer's copies: how many match (at most COUNT_LIMIT: `capped` when
+    more do), its rows, and whether a row follows them."""
+
+    total: int
+    capped: bool
+    rows: list[RowMapping]
+    more: bool
+
+
 async def copies_page(
     session: AsyncSession, consumer_uuid: uuid.UUID, filters: DeliveryFilters, page: Page
-) -> Paged[RowMapping]:
+) -> CopiesPage:
     """One page of the consumer's copies, newest first (by id: the order copies were made,
-    which is acceptance order for every copy but a replay's), and how many match. Read
-    through `ix_deliveries_consumer_copies`: the first page of a million copies reads a
-    page of index entries."""
+    which is acceptance order for every copy but a replay's), and how many match, counted
+    to COUNT_LIMIT. Read through `ix_deliveries_consumer_copies` (the given up ones through
+    `ix_deliveries_consumer_given_up`): the first page of a million copies reads a page of
+    index entries, its count at most COUNT_LIMIT + 1 of them."""
     where, on_event = _copy_filters(consumer_uuid, filters)
-    counted = select(func.count()).select_from(Delivery)
+    matching: Select[tuple[Any]] = select(literal_column("1")).select_from(Delivery)
     if on_event:
-        counted = counted.join(Event, Event.event_id == Delivery.event_id)
-    total = await session.scalar(counted.where(*where))
-    rows = await session.execute(
-        select(*_LISTED)
-        .join(Event, Event.event_id == Delivery.event_id)
-        .where(*where)
-        .order_by(Delivery.id.desc())
-        .offset(page.offset)
-        .limit(page.page_size)
+        matching = matching.join(Event, Event.event_id == Delivery.event_id)
+    counted = matching.where(*where).limit(COUNT_LIMIT + 1).subquery()
+    total = int(await session.scalar(select(func.count()).select_from(counted)) or 0)
+    rows = list(
+        (
+            await session.execute(
+                select(*_LISTED)
+                .join(Event, Event.event_id == Delivery.event_id)
+                .where(*where)
+                .order_by(Delivery.id.desc())
+                .offset(page.offset)
+                .limit(page.page_size + 1)
+            )
+        ).mappings()
     )
-    return Paged(int(total or 0), list(rows.mappings()))
+    return CopiesPage(
+        min(total, COUNT_LIMIT),
+        total > COUNT_LIMIT,
+        rows[: page.page_size],
+        len(rows) > page.page_size,
+    )
 
 
 async def copy_of_event(

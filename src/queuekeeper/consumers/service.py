@@ -938,13 +938,14 @@ async def deliveries(
     consumer_uuid: str,
     filters: DeliveryFilters,
     page: Page,
-) -> Paged[DeliveryOut]:
-    """`GET /api/event-consumers/{uuid}/deliveries/`: the consumer's copies, newest first;
-    NotFound for another user's consumer (any, for a service token)."""
+) -> tuple[repository.CopiesPage, list[DeliveryOut]]:
+    """`GET /api/event-consumers/{uuid}/deliveries/`: the consumer's copies, newest first
+    (and how many, counted to `repository.COUNT_LIMIT`); NotFound for another user's
+    consumer (any, for a service token)."""
     consumer = await get_consumer(session, caller, consumer_uuid)
     found = await repository.copies_page(session, consumer.uuid, filters, page)
     await session.commit()
-    return Paged(found.total, [DeliveryOut.of(row) for row in found.rows])
+    return found, [DeliveryOut.of(row) for row in found.rows]
 
 
 async def delivery(
