@@ -6,7 +6,10 @@ secret among them. Verified with the `standardwebhooks` package, as a receiver w
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -15,12 +18,28 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from queuekeeper.config import Settings
 from queuekeeper.webhooks import signing
+from tests.conftest import ROOT
 from tests.consumers.scopes import SERVICE, staff
 from tests.events.support import order_event, post_event
 from tests.helpers import Backend
 from tests.webhooks.support import WEBHOOK_SETTINGS, consumer_row, receiving, webhook_consumer
 
 pytestmark = pytest.mark.settings(**WEBHOOK_SETTINGS)
+
+GUIDE = ROOT / "docs" / "webhooks.md"
+
+
+def receivers_verify(new: str, old: str) -> Callable[..., Any]:
+    """The receiver's `verify` of docs/webhooks.md (the Python block after
+    `<!-- webhooks:rotation -->`), run as written with the two secrets."""
+    found = re.search(
+        r"<!-- webhooks:rotation -->\n```python\n(?P<code>.*?)\n```", GUIDE.read_text(), re.S
+    )
+    assert found, "docs/webhooks.md has no webhooks:rotation block"
+    scope: dict[str, Any] = {"NEW_SECRET": new, "OLD_SECRET": old}
+    exec(compile(found["code"], str(GUIDE), "exec"), scope)
+    verify: Callable[..., Any] = scope["verify"]
+    return verify
 
 
 async def test_both_secrets_verify_during_the_window_and_only_the_new_one_after(
@@ -46,6 +65,10 @@ async def test_both_secrets_verify_during_the_window_and_only_the_new_one_after(
         assert time.monotonic() - started < 3
         Webhook(new).verify(during.body, during.headers)
         Webhook(old).verify(during.body, during.headers)
+        # The guide's receiver, holding either secret or both, accepts it.
+        verify = receivers_verify(new, old)
+        for secrets in ([new, old], [old], [new]):
+            assert verify(during.body, during.headers, secrets)["object_type"] == "order"
         stamp = int(during.headers["webhook-timestamp"])
         assert during.headers["webhook-signature"] == " ".join(
             signing.signature(secret, "during", stamp, during.body) for secret in (new, old)
@@ -57,6 +80,9 @@ async def test_both_secrets_verify_during_the_window_and_only_the_new_one_after(
         with pytest.raises(WebhookVerificationError):
             Webhook(old).verify(after.body, after.headers)
         assert len(after.headers["webhook-signature"].split()) == 1
+        assert verify(after.body, after.headers)["object_type"] == "order"
+        with pytest.raises(WebhookVerificationError):
+            verify(after.body, after.headers, [old])
     # Stored as the first one was; the answer was the only place it was shown.
     row = await consumer_row(settings, hook.uuid)
     assert row["webhook_secret"] == new
