@@ -200,6 +200,7 @@ class Registration:
     # included), by the rule every copy is published by (`binding_allowed_sql`); a legacy
     # queue's access is `granted`.
     may_receive: bool = False
+    bindings: list[str] = field(default_factory=list)  # a consumer's, as "type uuid-hex"
 
     @property
     def key(self) -> Key:
@@ -266,6 +267,9 @@ async def registrations(session: AsyncSession, keys: Collection[Key]) -> dict[Ke
                 [str(kind) for kind in consumer.object_types or []],
                 consumer.modified,
                 may_receive=consumer.uuid in allowed,
+                bindings=["global"]
+                if consumer.is_global
+                else [f"{kind} {entity.hex}" for kind, entity in bindings_of(consumer)],
             )
     await _add_grants(session, found.values())
     return found

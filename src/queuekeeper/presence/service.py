@@ -280,10 +280,12 @@ def blocked_reason(
             f"(PUT /api/internal/users/{reg.vhost}/ with a token) and restart the agent with it."
         )
     if reg.consumer and not reg.may_receive:
+        bound = ", ".join(reg.bindings) or "none"
         return BlockedReason.NO_ACCESS, (
-            "The owner may receive nothing through any of the consumer's bindings (it holds "
-            "no grant or role on what they name any more), so no events are sent here: ask "
-            "for the access again, or register the consumer with scopes the owner holds."
+            "The owner may receive nothing through any of the consumer's bindings "
+            f"({bound}): it holds no grant or role on what they name, so no events are sent "
+            "here: ask for the access again, or register the consumer with scopes the owner "
+            "holds."
         )
     if not reg.consumer and not reg.granted:
         offerings = ", ".join(offering.hex for offering in reg.offerings) or "none"
