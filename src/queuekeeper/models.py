@@ -36,6 +36,7 @@ from sqlalchemy import (
     or_,
     text,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -374,6 +375,10 @@ class EventConsumer(Base):
     webhook_url: Mapped[str | None] = mapped_column(Text)
     # `whsec_` + base64 of the key; shown once, in the registration's answer.
     webhook_secret: Mapped[str | None] = mapped_column(String(128))
+    # After a rotation, the secret before it, which every delivery is signed with as well
+    # until `webhook_previous_until` (contract §14).
+    webhook_previous_secret: Mapped[str | None] = mapped_column(String(128))
+    webhook_previous_until: Mapped[datetime | None]
     # Set when the receiver answered 410: nothing more is delivered until an update.
     webhook_gone_at: Mapped[datetime | None]
     # The first failed attempt of the current run of failures; None once one succeeds.
@@ -453,6 +458,11 @@ class Event(Base):
 PARKED_OR_RELEASING = "parked_at IS NOT NULL AND state IN ('parked', 'pending')"
 
 
+# A copy given up, or dead-lettered by the broker (a full queue): as its consumer sees it,
+# given up (contract §14). Written out for the planner to match `ix_deliveries_consumer_given_up`.
+GIVEN_UP_STATES = "state IN ('given_up', 'rejected')"
+
+
 class Delivery(Base):
     """One copy of an event for one queue: the transactional outbox."""
 
@@ -475,6 +485,15 @@ class Delivery(Base):
         ),
         # The parked copies of each queue, and those released but not yet published, in
         # acceptance order (migration 0011_parking; docs/decisions/015-parking.md).
+        # A consumer's copies newest first (`GET .../deliveries/`; migration
+        # 0017_delivery_attempts): also every lookup by consumer alone.
+        Index("ix_deliveries_consumer_copies", "consumer_uuid", "id"),
+        Index(
+            "ix_deliveries_consumer_given_up",
+            "consumer_uuid",
+            "id",
+            postgresql_where=text(GIVEN_UP_STATES),
+        ),
         Index(
             "ix_deliveries_parked",
             "vhost",
@@ -496,7 +515,7 @@ class Delivery(Base):
     )
     # A consumer's copy (contract §9) has this instead of queue_uuid; SET NULL as above.
     consumer_uuid: Mapped[UUID | None] = mapped_column(
-        ForeignKey("event_consumers.uuid", ondelete="SET NULL"), index=True
+        ForeignKey("event_consumers.uuid", ondelete="SET NULL")
     )
     queue_name: Mapped[str] = mapped_column(String(255))
     vhost: Mapped[str] = mapped_column(String(64))
@@ -526,6 +545,18 @@ class Delivery(Base):
     # the epoch and no expiry has passed, nothing the rule reads has changed
     # (docs/decisions/029-judged-as-it-leaves.md). Null: never judged.
     judged_epoch: Mapped[int | None] = mapped_column(BigInteger)
+    # Its last 20 attempts, oldest first, each {at, duration_ms, status, error}: appended by
+    # the statement that settles the attempt (docs/decisions/031-delivery-log.md).
+    attempt_log: Mapped[list[Any]] = mapped_column(
+        JSONB, default=list, server_default=text("'[]'::jsonb")
+    )
+    last_attempt_at: Mapped[datetime | None]
+    # The last attempt's answer: an HTTP status (webhook), or `confirmed`, `returned`,
+    # `nacked` (queue); null when none came.
+    last_status: Mapped[str | None] = mapped_column(String(16))
+    # Why it was given up, as a code (`not_authorized`, `retention`, ...); `last_error`
+    # says it in words.
+    given_up_reason: Mapped[str | None] = mapped_column(String(32))
 
 
 class AccessEpoch(Base):

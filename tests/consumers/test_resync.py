@@ -67,7 +67,8 @@ async def test_a_global_consumer_gets_every_active_grant(
 
     started = await resync(client, everything["rmq_username"], SERVICE)
     assert started.status_code == 202, started.text
-    assert started.json() == {"object_types": ["user_role"]}
+    # Two snapshots queued: alice's project role and bob's customer role (not his expired one).
+    assert started.json() == {"object_types": ["user_role"], "copies": 2}
     bodies = await received(admin, everything, 2)
     by_role = {uuid.UUID(hex=body["scope_uuid"]): body for body in bodies}
     assert set(by_role) == {place.project, place.customer}

@@ -93,12 +93,31 @@ async def test_settling_renewing_releasing_parking_and_judging_by_id_never_read_
     ids = await _some_ids(after_a_burst)
     now = datetime.now(UTC)
     cases = {
-        "FINISH": (statements.FINISH, ids, "published", now, None),
+        "FINISH": (statements.FINISH, ids, "published", now, None, "confirmed", [3] * len(ids)),
+        "PUBLISHED_AT": (statements.PUBLISHED_AT, ids, [now] * len(ids), [3] * len(ids)),
         "RENEW": (statements.RENEW, ids, "relay-1", now),
         "RELEASE": (statements.RELEASE, ids, "relay-1", now),
         "PARK": (statements.PARK, ids, "relay-1", now, "away"),
-        "GIVE_UP": (statements.GIVE_UP, ids, ["gone"] * len(ids), now),
-        "RESCHEDULE": (statements.RESCHEDULE, ids, [now] * len(ids), ["x"] * len(ids), "r"),
+        "GIVE_UP": (
+            statements.GIVE_UP,
+            ids,
+            ["gone"] * len(ids),
+            now,
+            ["queue_gone"] * len(ids),
+            [None] * len(ids),
+            [None] * len(ids),
+            [None] * len(ids),
+        ),
+        "RESCHEDULE": (
+            statements.RESCHEDULE,
+            ids,
+            [now] * len(ids),
+            ["x"] * len(ids),
+            "r",
+            [now] * len(ids),
+            [3] * len(ids),
+            ["nacked"] * len(ids),
+        ),
         "JUDGE_HELD": (statements.JUDGE_HELD, ids, "relay-1", now),
     }
     for name, (sql, *arguments) in cases.items():

@@ -54,6 +54,26 @@ def set_page_headers(request: Request, response: Response, page: Page, total: in
         response.headers["Link"] = ", ".join(links)
 
 
+def set_bounded_page_headers(
+    request: Request, response: Response, page: Page, total: int, *, capped: bool, more: bool
+) -> None:
+    """`set_page_headers` for a list counted only up to a bound (`total` is then the bound
+    and `capped` true, said by `X-Result-Count-Capped`): `next` follows whether a row
+    follows this page (`more`), not the count."""
+    set_page_headers(request, response, page, total)
+    if capped:
+        response.headers["X-Result-Count-Capped"] = "true"
+    links = []
+    if more:
+        links.append(f'<{request.url.include_query_params(page=page.page + 1)}>; rel="next"')
+    if page.page > 1:
+        links.append(f'<{request.url.include_query_params(page=page.page - 1)}>; rel="prev"')
+    if links:
+        response.headers["Link"] = ", ".join(links)
+    elif "Link" in response.headers:
+        del response.headers["Link"]
+
+
 async def fetch_page(
     session: AsyncSession, query: Select[T], *order_by: Any, offset: int, limit: int
 ) -> tuple[int, list[T]]:

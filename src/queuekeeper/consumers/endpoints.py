@@ -9,6 +9,7 @@ not retry; 1.0.8's watchdog retries (a 4xx every 15 minutes, after one retry wit
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from fastapi import Body, Depends, Query, Request, Response, status
@@ -17,7 +18,12 @@ from queuekeeper.auth.dependencies import AgentOrService, CallerToken, CurrentUs
 from queuekeeper.common.access import Caller, service_too
 from queuekeeper.common.access import router as caller_router
 from queuekeeper.common.openapi import QueueConflictBody, error_responses
-from queuekeeper.common.pagination import Page, page_params, set_page_headers
+from queuekeeper.common.pagination import (
+    Page,
+    page_params,
+    set_bounded_page_headers,
+    set_page_headers,
+)
 from queuekeeper.consumers import service
 from queuekeeper.consumers.schemas import (
     ConsumerFilters,
@@ -25,9 +31,15 @@ from queuekeeper.consumers.schemas import (
     ConsumerRegistration,
     ConsumerRegistrationOut,
     Delivery,
+    DeliveryDetailOut,
+    DeliveryFilters,
+    DeliveryOut,
+    DeliveryState,
     QueueRegistration,
     RegistrationOut,
     ResyncOut,
+    RotatedSecretOut,
+    RotateSecret,
     WebhookConsumerOut,
     WebhookRegistration,
     WebhookUpdate,
@@ -357,5 +369,128 @@ async def resync_event_consumer(
     engine: EngineDep,
     settings: SettingsDep,
 ) -> ResyncOut:
-    types = await service.resync(session, engine, settings, caller, consumer_uuid)
-    return ResyncOut(object_types=types)
+    types, copies = await service.resync(session, engine, settings, caller, consumer_uuid)
+    return ResyncOut(object_types=types, copies=copies)
+
+
+@router.post(
+    "/api/event-consumers/{consumer_uuid}/rotate_secret/",
+    summary="Rotate a webhook consumer's signing secret (staff and support, or the service token)",
+    description="A new signing secret, shown in this answer only. The previous one stays valid "
+    "for `previous_valid_seconds` (default 86400, at most 604800; 0: not at all): until then "
+    "every delivery's `webhook-signature` carries both signatures, the new one first "
+    "(`v1,<new> v1,<previous>`), so a receiver verifying against either secret accepts it "
+    "while it switches over.",
+    responses=error_responses(
+        400,
+        401,
+        403,
+        404,
+        descriptions={
+            400: "A queue (`rmq`) consumer, `previous_valid_seconds` out of range, or an "
+            "unknown field (named).",
+            403: _STAFF_403,
+            404: "No such consumer, or another user's (a service token sees every one).",
+        },
+    ),
+)
+@service_too
+async def rotate_secret(
+    consumer_uuid: str,
+    caller: AgentOrService,
+    session: SessionDep,
+    # No body at all: the default window.
+    body: Annotated[RotateSecret, Body(default_factory=RotateSecret)],
+) -> RotatedSecretOut:
+    secret, until = await service.rotate_secret(session, caller, consumer_uuid, body)
+    return RotatedSecretOut(webhook_secret=secret, previous_valid_until=until)
+
+
+def delivery_filters(
+    state: Annotated[
+        DeliveryState | None,
+        Query(description="`pending`, `delivered`, `parked` or `given_up`."),
+    ] = None,
+    event_id: Annotated[
+        str | None, Query(max_length=255, description="Only the copies of this event.")
+    ] = None,
+    object_type: Annotated[
+        str | None, Query(max_length=64, description="Only the copies of this object type.")
+    ] = None,
+    accepted_after: Annotated[
+        datetime | None,
+        Query(description="Only events accepted after this time (ISO 8601; no offset: UTC)."),
+    ] = None,
+    accepted_before: Annotated[
+        datetime | None,
+        Query(description="Only events accepted before this time (ISO 8601; no offset: UTC)."),
+    ] = None,
+) -> DeliveryFilters:
+    return DeliveryFilters(
+        state=state,
+        event_id=event_id,
+        object_type=object_type,
+        accepted_after=_utc(accepted_after),
+        accepted_before=_utc(accepted_before),
+    )
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """A time without an offset is UTC (contract §14)."""
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
+_DELIVERIES = (
+    "The consumer's copies of events, newest first, from what the outbox keeps (as long as "
+    "retention keeps the event): whether each is pending, delivered, parked or given up, how "
+    "many attempts it took, the last one's answer and error, and why it was given up."
+)
+
+
+@router.get(
+    "/api/event-consumers/{consumer_uuid}/deliveries/",
+    summary="List what became of a consumer's copies (the owner, or the service token)",
+    description=_DELIVERIES + " A bare JSON array; `X-Result-Count` and `Link` headers paginate.",
+    responses=error_responses(
+        400,
+        401,
+        404,
+        descriptions={404: "No such consumer, or another user's (a service token sees every one)."},
+    ),
+)
+@service_too
+async def list_deliveries(
+    consumer_uuid: str,
+    request: Request,
+    response: Response,
+    caller: AgentOrService,
+    session: SessionDep,
+    page: Annotated[Page, Depends(page_params)],
+    filters: Annotated[DeliveryFilters, Depends(delivery_filters)],
+) -> list[DeliveryOut]:
+    found, rows = await service.deliveries(session, caller, consumer_uuid, filters, page)
+    set_bounded_page_headers(
+        request, response, page, found.total, capped=found.capped, more=found.more
+    )
+    return rows
+
+
+@router.get(
+    "/api/event-consumers/{consumer_uuid}/deliveries/{event_id}/",
+    summary="What became of a consumer's copy of one event, attempt by attempt",
+    description="The consumer's copy of the event (its newest, when it was replayed) as the "
+    "list shows it, with `attempt_log`: the last 20 attempts, oldest first, each `{at, "
+    "duration_ms, status, error}`.",
+    responses=error_responses(
+        401,
+        404,
+        descriptions={404: "No such consumer, another user's, or no copy of that event for it."},
+    ),
+)
+@service_too
+async def get_delivery(
+    consumer_uuid: str, event_id: str, caller: AgentOrService, session: SessionDep
+) -> DeliveryDetailOut:
+    return await service.delivery(session, caller, consumer_uuid, event_id)

@@ -7,15 +7,20 @@ import uuid
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
+    ColumnElement,
+    RowMapping,
     Select,
     String,
+    TextClause,
     Uuid,
     and_,
     bindparam,
     delete,
     func,
+    literal_column,
     or_,
     select,
     text,
@@ -27,10 +32,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import topology
 from queuekeeper.common.pagination import Page, Paged, fetch_paged
-from queuekeeper.consumers.schemas import ConsumerFilters
+from queuekeeper.consumers.schemas import ConsumerFilters, DeliveryFilters
 from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.models import (
     CONSUMER_ON_BROKER,
+    GIVEN_UP_STATES,
     AgentIdentity,
     AwareDateTime,
     Customer,
@@ -274,6 +280,7 @@ async def give_up_unsent_copies(
             claimed_by=None,
             claimed_until=None,
             last_error=reason,
+            given_up_reason="not_authorized",
         )
         .execution_options(synchronize_session=False)
     )
@@ -494,13 +501,14 @@ async def fresh(session: AsyncSession, consumer_uuid: uuid.UUID) -> EventConsume
 _WAITING = (DeliveryState.PENDING, DeliveryState.PARKED)
 
 
-def _give_up(now: datetime, reason: str) -> dict[str, object]:
+def _give_up(now: datetime, reason: str, code: str) -> dict[str, object]:
     return {
         "state": DeliveryState.GIVEN_UP,
         "finished": now,
         "claimed_by": None,
         "claimed_until": None,
         "last_error": reason,
+        "given_up_reason": code,
     }
 
 
@@ -516,7 +524,7 @@ async def give_up_waiting(
     result = await session.execute(
         update(Delivery)
         .where(Delivery.consumer_uuid.in_(webhooks), Delivery.state.in_(_WAITING))
-        .values(**_give_up(now, reason))
+        .values(**_give_up(now, reason, "consumer_deleted"))
         .execution_options(synchronize_session=False)
     )
     return int(getattr(result, "rowcount", 0) or 0)
@@ -527,7 +535,7 @@ async def give_up_waiting(
 _UNAUTHORIZED = text(
     """
 UPDATE deliveries d SET state = 'given_up', finished = :now, claimed_by = NULL,
-    claimed_until = NULL, last_error = :reason
+    claimed_until = NULL, last_error = :reason, given_up_reason = 'not_authorized'
 FROM events e
 WHERE d.consumer_uuid = :consumer AND d.state IN ('pending', 'parked')
     AND e.event_id = d.event_id AND NOT """
@@ -585,10 +593,16 @@ class Pending:
 
 
 # `state = 'pending' AND webhook` written out: the predicate of ix_deliveries_webhook_pending,
-# which the planner matches only literally (migration 0015_webhooks).
+# which the planner matches only literally (migration 0015_webhooks). The next attempt is the
+# head's, the oldest pending copy: the one holding the others back (contract §14), whose due
+# times say nothing while it waits.
 _PENDING = text(
     """
-SELECT count(*), min(created), min(next_attempt_at) FROM deliveries
+SELECT count(*), min(created), (
+    SELECT next_attempt_at FROM deliveries
+    WHERE consumer_uuid = :consumer AND state = 'pending' AND webhook
+    ORDER BY id LIMIT 1)
+FROM deliveries
 WHERE consumer_uuid = :consumer AND state = 'pending' AND webhook
 """
 ).bindparams(bindparam("consumer", type_=Uuid()))
@@ -612,3 +626,116 @@ async def active_roles(session: AsyncSession, now: datetime) -> list[tuple[Role,
         .order_by(Role.created, Role.uuid)
     )
     return [(role, username) for role, username in rows]
+
+
+# --- what a consumer can see of its copies (contract §14; docs/decisions/031-delivery-log.md)
+# The API's states, as conditions on the copy states they are made of, written out so the
+# planner matches the partial indexes' predicates: a copy the broker dead-lettered
+# (`rejected`, a full queue) was given up as far as its consumer can tell.
+_LISTED_STATES: dict[str, str] = {
+    "pending": "deliveries.state = 'pending'",
+    "delivered": "deliveries.state = 'published'",
+    "parked": "deliveries.state = 'parked'",
+    "given_up": "deliveries." + GIVEN_UP_STATES,
+}
+# How many copies a list counts at most: a consumer with a million copies is counted to
+# here, not through (docs/decisions/031-delivery-log.md).
+COUNT_LIMIT = 10000
+_LISTED = (
+    Delivery.id,
+    Delivery.event_id,
+    Event.object_type,
+    Event.accepted,
+    Delivery.state,
+    Delivery.replay,
+    Delivery.attempts,
+    Delivery.last_attempt_at,
+    Delivery.next_attempt_at,
+    Delivery.finished,
+    Delivery.last_status,
+    Delivery.last_error,
+    Delivery.given_up_reason,
+    Delivery.webhook,
+)
+
+
+def _copy_filters(
+    consumer_uuid: uuid.UUID, filters: DeliveryFilters
+) -> tuple[list[ColumnElement[bool] | TextClause], bool]:
+    """The conditions of the filters, and whether any reads the event (a count without
+    one need not join it: every copy has its event)."""
+    where: list[ColumnElement[bool] | TextClause] = [Delivery.consumer_uuid == consumer_uuid]
+    if filters.state is not None:
+        where.append(text(_LISTED_STATES[filters.state]))
+    if filters.event_id is not None:
+        where.append(Delivery.event_id == filters.event_id)
+    on_event: list[ColumnElement[bool] | TextClause] = []
+    if filters.object_type is not None:
+        on_event.append(Event.object_type == filters.object_type)
+    if filters.accepted_after is not None:
+        on_event.append(Event.accepted > filters.accepted_after)
+    if filters.accepted_before is not None:
+        on_event.append(Event.accepted < filters.accepted_before)
+    return where + on_event, bool(on_event)
+
+
+@dataclass(frozen=True)
+class CopiesPage:
+    """One page of a consumer's copies: how many match (at most COUNT_LIMIT: `capped` when
+    more do), its rows, and whether a row follows them."""
+
+    total: int
+    capped: bool
+    rows: list[RowMapping]
+    more: bool
+
+
+async def copies_page(
+    session: AsyncSession, consumer_uuid: uuid.UUID, filters: DeliveryFilters, page: Page
+) -> CopiesPage:
+    """One page of the consumer's copies, newest first (by id: the order copies were made,
+    which is acceptance order for every copy but a replay's), and how many match, counted
+    to COUNT_LIMIT. Read through `ix_deliveries_consumer_copies` (the given up ones through
+    `ix_deliveries_consumer_given_up`): the first page of a million copies reads a page of
+    index entries, its count at most COUNT_LIMIT + 1 of them."""
+    where, on_event = _copy_filters(consumer_uuid, filters)
+    matching: Select[tuple[Any]] = select(literal_column("1")).select_from(Delivery)
+    if on_event:
+        matching = matching.join(Event, Event.event_id == Delivery.event_id)
+    counted = matching.where(*where).limit(COUNT_LIMIT + 1).subquery()
+    total = int(await session.scalar(select(func.count()).select_from(counted)) or 0)
+    rows = list(
+        (
+            await session.execute(
+                select(*_LISTED)
+                .join(Event, Event.event_id == Delivery.event_id)
+                .where(*where)
+                .order_by(Delivery.id.desc())
+                .offset(page.offset)
+                .limit(page.page_size + 1)
+            )
+        ).mappings()
+    )
+    return CopiesPage(
+        min(total, COUNT_LIMIT),
+        total > COUNT_LIMIT,
+        rows[: page.page_size],
+        len(rows) > page.page_size,
+    )
+
+
+async def copy_of_event(
+    session: AsyncSession, consumer_uuid: uuid.UUID, event_id: str
+) -> RowMapping | None:
+    """The consumer's newest copy of the event (a replay's, if it was replayed), with its
+    attempt log."""
+    row = (
+        await session.execute(
+            select(*_LISTED, Delivery.attempt_log)
+            .join(Event, Event.event_id == Delivery.event_id)
+            .where(Delivery.consumer_uuid == consumer_uuid, Delivery.event_id == event_id)
+            .order_by(Delivery.id.desc())
+            .limit(1)
+        )
+    ).first()
+    return row._mapping if row is not None else None

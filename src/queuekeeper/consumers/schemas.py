@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -171,10 +172,12 @@ SCOPES_DESCRIPTION = (
 
 
 class WebhookRegistration(BaseModel):
-    """`EventConsumerWebhookRequest` (client 8.1.4): a consumer that receives by HTTP."""
+    """`EventConsumerWebhookRequest` (client 8.1.4): a consumer that receives by HTTP. A
+    field it does not know is a 400 naming it (contract §14): `webhook_secret` above all,
+    which is never chosen by the caller (rotate_secret makes a new one)."""
 
     model_config = ConfigDict(
-        extra="ignore",
+        extra="forbid",
         json_schema_extra={
             "examples": [
                 {
@@ -213,10 +216,11 @@ class WebhookRegistration(BaseModel):
 
 class WebhookUpdate(BaseModel):
     """`EventConsumerWebhookUpdateRequest` (client 8.1.4), and `scopes`: omitted fields
-    are left unchanged."""
+    are left unchanged; a field it does not know (`webhook_secret` among them) is a 400
+    naming it (contract §14)."""
 
     model_config = ConfigDict(
-        extra="ignore",
+        extra="forbid",
         json_schema_extra={"examples": [{"webhook_url": "https://hooks.example.org/v2"}]},
     )
 
@@ -248,6 +252,163 @@ class ResyncOut(BaseModel):
     object_types: list[str] = Field(
         description="The object types whose current state is sent: `user_role`."
     )
+    copies: int = Field(
+        default=0,
+        description="How many snapshots were queued for the consumer (the grants it may "
+        "receive, through its bindings and filters).",
+    )
+
+
+# Rotating a webhook secret (contract §14): how long the previous one stays valid at most.
+MAX_PREVIOUS_VALID_SECONDS = 604800
+
+
+class RotateSecret(BaseModel):
+    """`POST /api/event-consumers/{uuid}/rotate_secret/`."""
+
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"previous_valid_seconds": 3600}]}
+    )
+
+    previous_valid_seconds: int = Field(
+        default=86400,
+        ge=0,
+        le=MAX_PREVIOUS_VALID_SECONDS,
+        description="How long the previous secret still signs every delivery beside the new "
+        "one (0: not at all). Default one day, at most seven.",
+    )
+
+
+class RotatedSecretOut(BaseModel):
+    """The new signing secret, shown in this answer only."""
+
+    webhook_secret: str = Field(
+        description="`whsec_` + base64 of the new signing key: shown in this answer only."
+    )
+    previous_valid_until: UTCDateTime | None = Field(
+        description="Until when deliveries carry the previous secret's signature too (after "
+        "the new one's); null when it ended at once."
+    )
+
+
+DeliveryState = Literal["pending", "delivered", "parked", "given_up"]
+
+
+class DeliveryFilters(BaseModel):
+    """The filters of `GET /api/event-consumers/{uuid}/deliveries/` (contract §14)."""
+
+    state: DeliveryState | None = None
+    event_id: str | None = None
+    object_type: str | None = None
+    accepted_after: datetime | None = None
+    accepted_before: datetime | None = None
+
+
+class AttemptOut(BaseModel):
+    """One attempt of a copy: when it ended, how long it took, the answer, what failed."""
+
+    at: UTCDateTime
+    duration_ms: int | None = Field(description="How long the attempt took; null if unknown.")
+    status: int | str | None = Field(
+        description="A webhook's HTTP status (null when none came); a queue copy's "
+        "`confirmed`, `returned` or `nacked` (null when the broker did not answer)."
+    )
+    error: str | None = Field(description="What went wrong; null when it was delivered.")
+
+
+class DeliveryOut(BaseModel):
+    """One copy of an event for this consumer (contract §14)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "event_id": "order-42",
+                    "object_type": "order",
+                    "accepted_at": "2026-11-23T01:02:03.456789Z",
+                    "state": "pending",
+                    "replay": False,
+                    "attempts": 2,
+                    "last_attempt_at": "2026-11-23T01:02:05.120000Z",
+                    "next_attempt_at": "2026-11-23T01:02:30.000000Z",
+                    "delivered_at": None,
+                    "last_status": 503,
+                    "last_error": "HTTP 503",
+                    "given_up_reason": None,
+                }
+            ]
+        }
+    )
+
+    event_id: str
+    object_type: str
+    accepted_at: UTCDateTime = Field(description="When its event was accepted.")
+    state: DeliveryState
+    replay: bool = Field(description="A replay's copy (its event sent again).")
+    attempts: int
+    last_attempt_at: UTCDateTime | None
+    next_attempt_at: UTCDateTime | None = Field(description="Null unless pending.")
+    delivered_at: UTCDateTime | None = Field(
+        description="A webhook's 2xx; a queue copy's broker confirm. Null until then."
+    )
+    last_status: int | str | None = Field(
+        description="The last HTTP status of a webhook (null when none came); a queue copy's "
+        "`confirmed`, `returned` or `nacked`."
+    )
+    last_error: str = Field(description="What went wrong last; empty when nothing did.")
+    given_up_reason: str | None = Field(
+        description="Null unless given up: `not_authorized`, `retention`, `consumer_deleted`, "
+        "`webhook_gone`, `queue_gone`, `queue_full`, `too_old`."
+    )
+
+    @classmethod
+    def fields_of(cls, row: Mapping[Any, Any]) -> dict[str, Any]:
+        """The answer's fields from a row of `repository.copies_page`."""
+        state = _LISTED_AS[str(row["state"])]
+        status = row["last_status"]
+        return {
+            "event_id": row["event_id"],
+            "object_type": row["object_type"],
+            "accepted_at": row["accepted"],
+            "state": state,
+            "replay": bool(row["replay"]),
+            "attempts": row["attempts"],
+            "last_attempt_at": row["last_attempt_at"],
+            "next_attempt_at": row["next_attempt_at"] if state == "pending" else None,
+            "delivered_at": row["finished"] if state == "delivered" else None,
+            # A webhook's status is its HTTP code.
+            "last_status": int(status) if status is not None and status.isdigit() else status,
+            "last_error": row["last_error"] or "",
+            "given_up_reason": (row["given_up_reason"] or "unknown")
+            if state == "given_up"
+            else None,
+        }
+
+    @classmethod
+    def of(cls, row: Mapping[Any, Any]) -> DeliveryOut:
+        return cls(**cls.fields_of(row))
+
+
+# The copy states as the API names them (contract §14).
+_LISTED_AS: dict[str, DeliveryState] = {
+    "pending": "pending",
+    "published": "delivered",
+    "parked": "parked",
+    "given_up": "given_up",
+    "rejected": "given_up",
+}
+
+
+class DeliveryDetailOut(DeliveryOut):
+    """A copy with its last 20 attempts, oldest first."""
+
+    attempt_log: list[AttemptOut] = Field(
+        description="The last 20 attempts, oldest first: `{at, duration_ms, status, error}`."
+    )
+
+    @classmethod
+    def of_detail(cls, row: Mapping[Any, Any]) -> DeliveryDetailOut:
+        return cls(**cls.fields_of(row), attempt_log=list(row["attempt_log"] or []))
 
 
 def bindings_of(consumer: EventConsumer) -> list[tuple[str, uuid.UUID]]:

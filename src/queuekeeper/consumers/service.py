@@ -40,7 +40,11 @@ from queuekeeper.consumers.schemas import (
     ConsumerFacts,
     ConsumerFilters,
     ConsumerRegistration,
+    DeliveryDetailOut,
+    DeliveryFilters,
+    DeliveryOut,
     QueueRegistration,
+    RotateSecret,
     RowBlockedReason,
     ScopeIn,
     WebhookRegistration,
@@ -897,12 +901,12 @@ async def resync(
     settings: Settings,
     caller: User | None,
     consumer_uuid: str,
-) -> list[str]:
+) -> tuple[list[str], int]:
     """`POST /api/event-consumers/{uuid}/resync/`: every active role grant the consumer may
     receive (within its bindings, through its filters, its owner authorized now) becomes one
     `user_role` event with one copy for this consumer alone, delivered through its own path
     (its queue, or its webhook). Event ids are new per resync, so a receiver tells two
-    resyncs apart."""
+    resyncs apart. Returns the object types and how many copies were queued."""
     _staff_only(caller, "resync a consumer")
     consumer = await get_consumer(session, caller, consumer_uuid)
     now = utcnow()
@@ -924,4 +928,78 @@ async def resync(
         roles=len(snapshots),
         copies=written,
     )
-    return list(RESYNC_TYPES)
+    return list(RESYNC_TYPES), written
+
+
+# --- what a consumer can see of its copies (contract §14; docs/decisions/031-delivery-log.md)
+async def deliveries(
+    session: AsyncSession,
+    caller: User | None,
+    consumer_uuid: str,
+    filters: DeliveryFilters,
+    page: Page,
+) -> tuple[repository.CopiesPage, list[DeliveryOut]]:
+    """`GET /api/event-consumers/{uuid}/deliveries/`: the consumer's copies, newest first
+    (and how many, counted to `repository.COUNT_LIMIT`); NotFound for another user's
+    consumer (any, for a service token)."""
+    consumer = await get_consumer(session, caller, consumer_uuid)
+    found = await repository.copies_page(session, consumer.uuid, filters, page)
+    await session.commit()
+    return found, [DeliveryOut.of(row) for row in found.rows]
+
+
+async def delivery(
+    session: AsyncSession, caller: User | None, consumer_uuid: str, event_id: str
+) -> DeliveryDetailOut:
+    """`GET /api/event-consumers/{uuid}/deliveries/{event_id}/`: the consumer's newest copy
+    of the event with its attempt log; NotFound when it has none."""
+    consumer = await get_consumer(session, caller, consumer_uuid)
+    row = await repository.copy_of_event(session, consumer.uuid, event_id)
+    await session.commit()
+    if row is None:
+        raise NotFound(
+            f"Event consumer {consumer.uuid.hex} has no copy of event {event_id!r}: the event "
+            "was not for it (its bindings, filters or its owner's access), or it is past "
+            "retention."
+        )
+    return DeliveryDetailOut.of_detail(row)
+
+
+async def rotate_secret(
+    session: AsyncSession, caller: User | None, consumer_uuid: str, body: RotateSecret
+) -> tuple[str, datetime | None]:
+    """`POST /api/event-consumers/{uuid}/rotate_secret/` (who may update_webhook): a new
+    signing secret; the previous one signs every delivery beside it for
+    `previous_valid_seconds` (contract §14). Returns the new secret and the window's end."""
+    _staff_only(caller, "rotate a webhook consumer's secret")
+    found = await get_consumer(session, caller, consumer_uuid)
+    if found.delivery != WEBHOOK:
+        raise BadRequest(
+            f"Event consumer {found.uuid.hex} is a queue (`rmq`) consumer: it has no signing "
+            "secret (its agent logs in with its API token).",
+            field="delivery",
+        )
+    key, owner_uuid = found.uuid, found.user_uuid
+    await session.commit()
+    async with owner_locked(session, owner_uuid, vhost_exclusive=False):
+        consumer = await repository.get(session, key)
+        if consumer is None:
+            raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
+        now = utcnow()
+        until = (
+            now + timedelta(seconds=body.previous_valid_seconds)
+            if body.previous_valid_seconds
+            else None
+        )
+        secret = urls.new_secret()
+        consumer.webhook_previous_secret = consumer.webhook_secret if until else None
+        consumer.webhook_previous_until = until
+        consumer.webhook_secret = secret
+        consumer.modified = now
+        await session.commit()
+    log.info(
+        "webhook_secret_rotated",
+        consumer=key.hex,
+        previous_valid_until=until.isoformat() if until else None,
+    )
+    return secret, until

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -114,6 +114,36 @@ class Access:
             and item.judged_epoch == self.epoch
             and (self.expired is None or self.expired <= item.judged_at)
         )
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One attempt, as the copy's attempt log keeps it (contract §14): when it ended, how
+    long it took, and the answer: an HTTP status for a webhook, `confirmed`, `returned` or
+    `nacked` for a queue; None when none came."""
+
+    at: datetime
+    ms: int | None = None
+    status: int | str | None = None
+
+
+class GivenUp(NamedTuple):
+    """A copy to give up: why (`error`, the sentence; `code`, `given_up_reason`), and the
+    failed attempt that made it too old to try again, if one did."""
+
+    id: int
+    error: str
+    code: str
+    tried: Tried | None = None
+
+
+class Retry(NamedTuple):
+    """A failed attempt's copy, due again at `next`."""
+
+    id: int
+    next: datetime
+    error: str
+    tried: Tried | None = None
 
 
 @dataclass(frozen=True)
@@ -252,36 +282,70 @@ class Outbox:
         if ids:
             await self._run(sql.RELEASE, list(ids), relay_id, now)
 
-    async def publish(self, ids: Collection[int], now: datetime) -> None:
-        await self._finish(ids, DeliveryState.PUBLISHED, now, None)
+    async def publish(
+        self, ids: Collection[int], now: datetime, ms: Sequence[int | None] = ()
+    ) -> None:
+        """Settle copies the broker confirmed at `now`, after attempts of `ms` milliseconds
+        (per copy, in `ids`' order; none: unknown)."""
+        await self._finish(ids, DeliveryState.PUBLISHED, now, None, "confirmed", ms)
 
-    async def published_at(self, confirmed: Sequence[tuple[int, datetime]]) -> None:
-        """Settle (id, when the broker confirmed it) as published, in one statement."""
+    async def published_at(self, confirmed: Sequence[tuple[int, datetime, int | None]]) -> None:
+        """Settle (id, when the broker confirmed it, the attempt's milliseconds) as
+        published, in one statement."""
         if confirmed:
-            ids, times = [i for i, _ in confirmed], [at for _, at in confirmed]
-            await self._run(sql.PUBLISHED_AT, ids, times)
+            ids, times, ms = ([row[k] for row in confirmed] for k in range(3))
+            await self._run(sql.PUBLISHED_AT, ids, times, ms)
 
-    async def reject(self, ids: Collection[int], now: datetime, error: str) -> None:
-        await self._finish(ids, DeliveryState.REJECTED, now, error)
+    async def reject(
+        self, ids: Collection[int], now: datetime, error: str, ms: Sequence[int | None] = ()
+    ) -> None:
+        """Settle copies the broker nacked and dead-lettered (a full queue)."""
+        await self._finish(ids, DeliveryState.REJECTED, now, error, "nacked", ms)
 
-    async def give_up(self, reasons: Sequence[tuple[int, str]], now: datetime) -> None:
-        """Settle (id, reason) as given up: never published."""
+    async def give_up(self, reasons: Sequence[GivenUp], now: datetime) -> None:
+        """Settle copies as given up: never published."""
         if reasons:
-            ids, errors = [i for i, _ in reasons], [e for _, e in reasons]
-            await self._run(sql.GIVE_UP, ids, errors, now)
+            tried = [reason.tried for reason in reasons]
+            await self._run(
+                sql.GIVE_UP,
+                [reason.id for reason in reasons],
+                [reason.error for reason in reasons],
+                now,
+                [reason.code for reason in reasons],
+                [t.at if t else None for t in tried],
+                [t.ms if t else None for t in tried],
+                [None if t is None or t.status is None else str(t.status) for t in tried],
+            )
 
-    async def reschedule(self, relay_id: str, retries: Sequence[tuple[int, datetime, str]]) -> None:
-        """Release our claim on (id, next attempt, error), unless another relay took it since."""
+    async def reschedule(self, relay_id: str, retries: Sequence[Retry]) -> None:
+        """Release our claim on each failed attempt's copy, due again at its `next`, unless
+        another relay took it since."""
         if retries:
-            ids, when, errors = ([retry[k] for retry in retries] for k in range(3))
-            await self._run(sql.RESCHEDULE, ids, when, errors, relay_id)
+            now = utcnow()
+            tried = [retry.tried or Tried(now) for retry in retries]
+            await self._run(
+                sql.RESCHEDULE,
+                [retry.id for retry in retries],
+                [retry.next for retry in retries],
+                [retry.error for retry in retries],
+                relay_id,
+                [t.at for t in tried],
+                [t.ms for t in tried],
+                [None if t.status is None else str(t.status) for t in tried],
+            )
 
     async def _finish(
-        self, ids: Collection[int], state: DeliveryState, now: datetime, error: str | None
+        self,
+        ids: Collection[int],
+        state: DeliveryState,
+        now: datetime,
+        error: str | None,
+        status: str,
+        ms: Sequence[int | None],
     ) -> None:
         """A settled copy stays settled: only a pending one is settled."""
         if ids:
-            await self._run(sql.FINISH, list(ids), state.value, now, error)
+            await self._run(sql.FINISH, list(ids), state.value, now, error, status, list(ms))
 
     # --- parking's side (docs/decisions/015-parking.md): parking decides, the outbox writes
     async def park(self, relay_id: str, ids: Collection[int], now: datetime) -> None:
@@ -409,7 +473,11 @@ class Outbox:
                     sql.WEBHOOK_CLAIM[False], *claim, consumers - taken, list(skip)
                 )
             await driver.execute(sql.COMMIT)
-        copies = [WebhookCopy(Claimed(*row[:17]), row[17], row[18]) for row in rows if row[-1]]
+        copies = [
+            WebhookCopy(Claimed(*row[:17]), row[17], tuple((row[18] or "").split()))
+            for row in rows
+            if row[-1]
+        ]
         if len(copies) < len(rows):
             COPIES_REFUSED.inc(len(rows) - len(copies))
         copies.sort(key=lambda copy: copy.claimed.id)
@@ -418,6 +486,7 @@ class Outbox:
     async def settle_webhooks(self, dispatcher_id: str, run: WebhookRun, now: datetime) -> None:
         """Write what one consumer's run of attempts came to (copies and consumer), in one
         statement; only copies `dispatcher_id` still holds are touched."""
+        tried = list(run.tried.items())
         await self._run(
             sql.WEBHOOK_SETTLE,
             run.delivered,
@@ -429,6 +498,10 @@ class Outbox:
             run.released,
             run.consumer_uuid,
             run.gone,
+            [i for i, _ in tried],
+            [t.at for _, t in tried],
+            [t.ms for _, t in tried],
+            [t.status if isinstance(t.status, int) else None for _, t in tried],
         )
 
     async def give_up_stranded_webhooks(
@@ -455,11 +528,12 @@ class Outbox:
 
 @dataclass(frozen=True)
 class WebhookCopy:
-    """A claimed webhook copy and where it goes (its consumer's URL and secret)."""
+    """A claimed webhook copy and where it goes: its consumer's URL, and the secrets it is
+    signed with (the current one, then the previous one while a rotation's window lasts)."""
 
     claimed: Claimed
     url: str | None
-    secret: str | None
+    secrets: tuple[str, ...]
 
 
 @dataclass
@@ -474,6 +548,7 @@ class WebhookRun:
     error: str | None = None
     gone: bool = False
     released: list[int] = field(default_factory=list)
+    tried: dict[int, Tried] = field(default_factory=dict)  # each attempt, by copy
 
 
 @dataclass

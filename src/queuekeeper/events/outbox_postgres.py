@@ -286,6 +286,36 @@ _JUDGED = (
     )
     + " END AS ok"
 )
+# What a copy keeps of its attempts (contract §14; docs/decisions/031-delivery-log.md): the
+# last ATTEMPT_LOG_SIZE, oldest first, each appended by the very statement that settles the
+# attempt (no statement of its own on the delivery path), with the last one's time and
+# status beside them for the list.
+ATTEMPT_LOG_SIZE = 20
+
+
+def attempt_logged(
+    at: str, ms: str, status: str, error: str, *, log: str = "d.attempt_log", when: str = ""
+) -> str:
+    """SET clauses appending one attempt (SQL expressions of the caller's statement) to the
+    copy's log, the oldest dropped past ATTEMPT_LOG_SIZE; with `when`, only where it holds
+    (else the columns keep their values)."""
+    appended = (
+        f"(CASE WHEN jsonb_array_length({log}) >= {ATTEMPT_LOG_SIZE} THEN {log} - 0"
+        f" ELSE {log} END) || jsonb_build_array(jsonb_build_object('at', {at}, 'duration_ms',"
+        f" {ms}, 'status', {status}, 'error', {error}))"
+    )
+    last = log.rsplit(".", 1)[0] + "." if "." in log else ""
+    if not when:
+        return (
+            f"attempt_log = {appended}, last_attempt_at = {at}, last_status = ({status})::varchar"
+        )
+    return (
+        f"attempt_log = CASE WHEN {when} THEN {appended} ELSE {log} END,"
+        f" last_attempt_at = CASE WHEN {when} THEN {at} ELSE {last}last_attempt_at END,"
+        f" last_status = CASE WHEN {when} THEN ({status})::varchar ELSE {last}last_status END"
+    )
+
+
 # What a refused copy records as its reason.
 REFUSED_REASON = (
     "not authorized when published: the owner had lost access to the offering, the "
@@ -306,7 +336,8 @@ SET state = CASE WHEN j.ok THEN 'pending' ELSE 'given_up' END,
     finished = CASE WHEN j.ok THEN NULL ELSE {now}::timestamptz END,
     last_error = CASE WHEN j.ok THEN d.last_error ELSE '"""
     + REFUSED_REASON
-    + """' END
+    + """' END,
+    given_up_reason = CASE WHEN j.ok THEN d.given_up_reason ELSE 'not_authorized' END
 FROM judged j, events e
 WHERE d.id = j.id AND d.event_id = e.event_id AND {guard}
 """
@@ -360,33 +391,65 @@ UPDATE deliveries
 SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = $3, attempts = attempts - 1
 WHERE id = ANY($1::bigint[]) AND (state || '') = 'pending' AND claimed_by = $2
 """
-FINISH = """
-UPDATE deliveries
-SET state = $2, finished = $3, claimed_by = NULL, claimed_until = NULL,
-    last_error = coalesce($4, last_error)
-WHERE id = ANY($1::bigint[]) AND (state || '') = 'pending'
-"""
-# Each copy with its own `finished`: the time the broker confirmed it.
-PUBLISHED_AT = """
+# The broker's answer to each copy ($1), its attempt's duration $6 (per copy; none: null)
+# and status $5 (`confirmed`, or `nacked` for a copy it dead-lettered: rejected, given up
+# as `queue_full`).
+FINISH = (
+    """
 UPDATE deliveries d
-SET state = 'published', finished = r.at, claimed_by = NULL, claimed_until = NULL
-FROM unnest($1::bigint[], $2::timestamptz[]) AS r(id, at)
+SET state = $2, finished = $3, claimed_by = NULL, claimed_until = NULL,
+    last_error = coalesce($4, d.last_error),
+    given_up_reason = CASE WHEN $2::varchar = 'rejected' THEN 'queue_full'
+                           ELSE d.given_up_reason END,
+    """
+    + attempt_logged("$3::timestamptz", "r.ms", "$5::varchar", "$4::text")
+    + """
+FROM unnest($1::bigint[], $6::int[]) AS r(id, ms)
 WHERE d.id = r.id AND (d.state || '') = 'pending'
 """
-GIVE_UP = """
+)
+# Each copy with its own `finished`: the time the broker confirmed it, after its attempt
+# of r.ms milliseconds.
+PUBLISHED_AT = (
+    """
+UPDATE deliveries d
+SET state = 'published', finished = r.at, claimed_by = NULL, claimed_until = NULL,
+    """
+    + attempt_logged("r.at", "r.ms", "'confirmed'::varchar", "NULL::text")
+    + """
+FROM unnest($1::bigint[], $2::timestamptz[], $3::int[]) AS r(id, at, ms)
+WHERE d.id = r.id AND (d.state || '') = 'pending'
+"""
+)
+# Given up (reason r.error, code r.code); a copy whose last attempt failed (r.at set: too
+# old to try again) has that attempt recorded.
+GIVE_UP = (
+    """
 UPDATE deliveries d
 SET state = 'given_up', finished = $3, claimed_by = NULL, claimed_until = NULL,
-    last_error = r.error
-FROM unnest($1::bigint[], $2::text[]) AS r(id, error)
+    last_error = r.error, given_up_reason = r.code,
+    """
+    + attempt_logged("r.at", "r.ms", "r.status", "r.error", when="r.at IS NOT NULL")
+    + """
+FROM unnest($1::bigint[], $2::text[], $4::varchar[], $5::timestamptz[], $6::int[],
+            $7::varchar[]) AS r(id, error, code, at, ms, status)
 WHERE d.id = r.id AND (d.state || '') = 'pending'
 """
-# Unless another relay took the copy since.
-RESCHEDULE = """
+)
+# Unless another relay took the copy since; each a failed attempt (at r.at, r.ms long, the
+# broker's answer r.status: `returned`, `nacked`, or none).
+RESCHEDULE = (
+    """
 UPDATE deliveries d
-SET next_attempt_at = r.next, last_error = r.error, claimed_by = NULL, claimed_until = NULL
-FROM unnest($1::bigint[], $2::timestamptz[], $3::text[]) AS r(id, next, error)
+SET next_attempt_at = r.next, last_error = r.error, claimed_by = NULL, claimed_until = NULL,
+    """
+    + attempt_logged("r.at", "r.ms", "r.status", "r.error")
+    + """
+FROM unnest($1::bigint[], $2::timestamptz[], $3::text[], $5::timestamptz[], $6::int[],
+            $7::varchar[]) AS r(id, next, error, at, ms, status)
 WHERE d.id = r.id AND (d.state || '') = 'pending' AND d.claimed_by = $4
 """
+)
 
 # --- judged as it leaves (docs/decisions/029-judged-as-it-leaves.md) -----------------------
 # The access epoch and the latest expiry passed by $1, in one snapshot: what a holder of
@@ -412,6 +475,7 @@ SET state = CASE WHEN j.ok THEN d.state ELSE 'given_up' END,
     claimed_by = CASE WHEN j.ok THEN d.claimed_by END,
     claimed_until = CASE WHEN j.ok THEN d.claimed_until END,
     finished = CASE WHEN j.ok THEN d.finished ELSE $3::timestamptz END,
+    given_up_reason = CASE WHEN j.ok THEN d.given_up_reason ELSE 'not_authorized' END,
     last_error = CASE WHEN j.ok THEN d.last_error ELSE '"""
     + REFUSED_REASON
     + """' END
@@ -459,7 +523,8 @@ WITH expired AS (
         AND state = 'parked' AND created < $1
     LIMIT $2
 ), given_up AS (
-    UPDATE deliveries d SET state = 'given_up', finished = $3, last_error = $4
+    UPDATE deliveries d SET state = 'given_up', finished = $3, last_error = $4,
+                            given_up_reason = 'retention'
     FROM expired WHERE d.id = expired.id AND d.state = 'parked'
     RETURNING 1
 )
@@ -651,7 +716,10 @@ def _webhook_claim(unchanged_only: bool) -> str:
 ), judged AS (
     SELECT """
         + judged
-        + """, c.webhook_url, c.webhook_secret
+        + """, c.webhook_url,
+        -- Both secrets while a rotation's window lasts, the new one first (contract §14).
+        concat_ws(' ', c.webhook_secret, CASE WHEN c.webhook_previous_until > $1
+                  THEN c.webhook_previous_secret END) AS webhook_secret
     FROM due JOIN deliveries d ON d.id = due.id JOIN events e ON e.event_id = d.event_id
     JOIN event_consumers c ON c.uuid = d.consumer_uuid
     CROSS JOIN access ax
@@ -699,17 +767,33 @@ SELECT count(*) FILTER (WHERE x.unchanged), count(*) FILTER (WHERE NOT x.unchang
 # claimed behind it and not attempted ($7: released, not an attempt), each only while this
 # dispatcher ($3) still holds it; and the consumer's own facts (contract §13): delivered
 # at, failing since the first failure of a run, the last error, gone ($9, a 410).
-WEBHOOK_SETTLE = """
-WITH delivered AS (
-    UPDATE deliveries SET state = 'published', finished = $2, claimed_by = NULL,
-                          claimed_until = NULL
-    WHERE id = ANY($1::bigint[]) AND (state || '') = 'pending' AND claimed_by = $3
-    RETURNING id
+# Each attempt is recorded on its copy (contract §14): its time, duration and HTTP status
+# ($10 ids, $11, $12, $13; a copy missing there is recorded at $2 without them).
+WEBHOOK_SETTLE = (
+    """
+WITH tried AS (
+    SELECT * FROM unnest($10::bigint[], $11::timestamptz[], $12::int[], $13::int[])
+        AS t(id, at, ms, status)
+), delivered AS (
+    UPDATE deliveries d SET state = 'published', finished = t.at, claimed_by = NULL,
+                            claimed_until = NULL,
+        """  # noqa: S608 - the module's constants
+    + attempt_logged("t.at", "t.ms", "t.status", "NULL::text")
+    + """
+    FROM (SELECT x.id, coalesce(t.at, $2) AS at, t.ms, t.status
+          FROM unnest($1::bigint[]) AS x(id) LEFT JOIN tried t ON t.id = x.id) t
+    WHERE d.id = t.id AND (d.state || '') = 'pending' AND d.claimed_by = $3
+    RETURNING d.id
 ), failed AS (
-    UPDATE deliveries SET next_attempt_at = $5, last_error = $6, claimed_by = NULL,
-                          claimed_until = NULL
-    WHERE id = $4 AND (state || '') = 'pending' AND claimed_by = $3
-    RETURNING id
+    UPDATE deliveries d SET next_attempt_at = $5, last_error = $6, claimed_by = NULL,
+                            claimed_until = NULL,
+        """
+    + attempt_logged("t.at", "t.ms", "t.status", "$6::text")
+    + """
+    FROM (SELECT f.id, coalesce(t.at, $2) AS at, t.ms, t.status
+          FROM (SELECT $4::bigint AS id) f LEFT JOIN tried t ON t.id = f.id) t
+    WHERE d.id = t.id AND (d.state || '') = 'pending' AND d.claimed_by = $3
+    RETURNING d.id
 ), released AS (
     UPDATE deliveries SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = $2,
                           attempts = attempts - 1
@@ -733,6 +817,7 @@ WITH delivered AS (
 SELECT (SELECT count(*) FROM delivered), (SELECT count(*) FROM failed),
        (SELECT count(*) FROM released), (SELECT count(*) FROM facts)
 """
+)
 # Webhook copies no claim will take: those of a deleted consumer (its uuid set null), and
 # those past retention ($1) that wait unclaimed (a consumer disabled by a 410), or held by a
 # lease that ran out (a dispatcher that died holding a deleted consumer's copy): up to $2,
@@ -747,7 +832,13 @@ WITH stranded AS (
 ), given_up AS (
     UPDATE deliveries d
     SET state = 'given_up', finished = $3,
-        last_error = CASE WHEN d.consumer_uuid IS NULL THEN $4 ELSE $5 END
+        last_error = CASE WHEN d.consumer_uuid IS NULL THEN $4 ELSE $5 END,
+        given_up_reason = CASE
+            WHEN d.consumer_uuid IS NULL THEN 'consumer_deleted'
+            WHEN EXISTS (SELECT 1 FROM event_consumers g
+                         WHERE g.uuid = d.consumer_uuid AND g.webhook_gone_at IS NOT NULL)
+                THEN 'webhook_gone'
+            ELSE 'retention' END
     FROM stranded s
     WHERE d.id = s.id AND (d.state || '') = 'pending'
         AND (d.claimed_by IS NULL OR d.claimed_until < $3)

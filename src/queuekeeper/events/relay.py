@@ -34,6 +34,7 @@ import os
 import random
 import secrets
 import socket
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -52,13 +53,14 @@ from queuekeeper.broker.verdict import Outcome, Result
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
 from queuekeeper.events import repository
-from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, Outbox
+from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, GivenUp, Outbox, Retry, Tried
 from queuekeeper.events.outbox_postgres import listen
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
     CONSUMERS,
     COPIES,
     DELIVERIES,
+    DELIVERY_ATTEMPTS,
     OUTBOX_OLDEST_AGE,
     OUTBOX_PENDING,
 )
@@ -79,6 +81,9 @@ REPLAY_HEADER = "x-queuekeeper-replay"
 _PUBLISHED = DELIVERIES.labels(outcome="published")
 _PUBLISHED_CONSUMER = COPIES.labels(kind="consumer", stage="published")
 _PUBLISHED_LEGACY = COPIES.labels(kind="legacy", stage="published")
+# A queue attempt has no HTTP status (contract §14's metrics; docs/decisions/031-delivery-log.md).
+_TRIED_DELIVERED = DELIVERY_ATTEMPTS.labels(kind="queue", outcome="delivered", status_class="none")
+_TRIED_FAILED = DELIVERY_ATTEMPTS.labels(kind="queue", outcome="failed", status_class="none")
 
 
 # (relay id, claimed copies) -> the copies to publish now; it parks the others.
@@ -133,6 +138,7 @@ def _count_published(copies: int, to_consumers: int) -> None:
     """Move the published counters; called right after the write commits, with no await
     between, so a `?wait=true` waiter never sees rows not yet counted."""
     _PUBLISHED.inc(copies)
+    _TRIED_DELIVERED.inc(copies)
     _PUBLISHED_CONSUMER.inc(to_consumers)
     _PUBLISHED_LEGACY.inc(copies - to_consumers)
 
@@ -144,8 +150,10 @@ class _Settlement:
     published: list[int] = field(default_factory=list)
     published_to_consumers: int = 0
     rejected: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
-    given_up: list[tuple[int, str]] = field(default_factory=list)
-    retries: list[tuple[int, datetime, str]] = field(default_factory=list)
+    given_up: list[GivenUp] = field(default_factory=list)
+    retries: list[Retry] = field(default_factory=list)
+    # Each published copy's attempt: how long its batch took to be answered, in ms.
+    ms: dict[int, int] = field(default_factory=dict)
 
 
 class Relay:
@@ -186,7 +194,8 @@ class Relay:
         self.hold_back: HoldBack | None = None
         # Copies of the dispatch loop's batches confirmed and not yet written published:
         # written together every `relay_settle_interval` (docs/decisions/019-settle-interval.md).
-        self._confirmed: list[tuple[int, datetime]] = []  # (copy, when confirmed)
+        # (copy, when confirmed, its attempt's milliseconds)
+        self._confirmed: list[tuple[int, datetime, int | None]] = []
         self._confirmed_to_consumers = 0
         self._confirmed_added = Signal()
         self._settle_now = Signal()  # a stop, or a `?wait=true` waiter: cut the interval short
@@ -437,9 +446,11 @@ class Relay:
         by_vhost: dict[str, list[Claimed]] = defaultdict(list)
         for item in claimed:
             if _target(item) is None:
-                settlement.given_up.append((item.id, QUEUE_GONE))
+                settlement.given_up.append(GivenUp(item.id, QUEUE_GONE, "queue_gone"))
             elif now - item.created > self._max_age:
-                settlement.given_up.append((item.id, self._too_old(item.last_error)))
+                settlement.given_up.append(
+                    GivenUp(item.id, self._too_old(item.last_error), "too_old")
+                )
             else:
                 by_vhost[item.vhost].append(item)
         if len(by_vhost) == 1:  # the usual batch: no task per vhost to run it
@@ -449,20 +460,25 @@ class Relay:
             results = await asyncio.gather(
                 *(self._publish_vhost(vhost, items) for vhost, items in by_vhost.items())
             )
-        to_recreate: list[tuple[Claimed, Result]] = []
-        for item, result in (pair for batch in results for pair in batch):
+        to_recreate: list[tuple[Claimed, Result, Tried]] = []
+        answered = utcnow()
+        for item, result, ms in (row for batch in results for row in batch):
+            settlement.ms[item.id] = ms
             if result.outcome is Outcome.CONFIRMED:
                 settlement.published.append(item.id)
                 settlement.published_to_consumers += item.consumer_uuid is not None
             elif result.outcome is Outcome.REFUSED:
                 DELIVERIES.labels(outcome="nacked").inc()
-                self._retry_later(settlement, item, result.error or "nacked by the broker")
+                error = result.error or "nacked by the broker"
+                self._retry_later(settlement, item, error, Tried(answered, ms, "nacked"))
             elif result.outcome is Outcome.REJECTED:
                 settlement.rejected[result.error or "rejected"].append(item.id)
             elif result.outcome in (Outcome.RETURNED, Outcome.VHOST_REFUSED):
-                to_recreate.append((item, result))
+                status = "returned" if result.outcome is Outcome.RETURNED else None
+                to_recreate.append((item, result, Tried(answered, ms, status)))
             else:
-                self._retry_later(settlement, item, result.error or "broker unreachable")
+                error = result.error or "broker unreachable"
+                self._retry_later(settlement, item, error, Tried(answered, ms))
         if to_recreate:
             await self._recreate_queues(settlement, to_recreate)
         if gather and self.settings.relay_settle_interval > 0 and settlement.published:
@@ -473,24 +489,30 @@ class Relay:
 
     async def _publish_vhost(
         self, vhost: str, items: list[Claimed]
-    ) -> list[tuple[Claimed, Result]]:
+    ) -> list[tuple[Claimed, Result, int]]:
+        """Each copy's answer, and how long the vhost's batch took to be answered (ms): each
+        copy's attempt, as its attempt log keeps it."""
         outgoing = [Outgoing(item.queue_name, event_message(item)) for item in items]
+        started = time.perf_counter()
         try:
             results = await self.publisher.publish(vhost, outgoing)
         except Exception as exc:
             # Whatever went wrong, the claimed copies are retried, never left to the lease.
             log.error("relay_publish_failed", vhost=vhost, error=repr(exc)[:500])
             results = [Result(Outcome.UNREACHABLE, f"publish failed: {exc!r}"[:500])] * len(items)
-        return list(zip(items, results, strict=True))
+        ms = round((time.perf_counter() - started) * 1000)
+        return [(item, result, ms) for item, result in zip(items, results, strict=True)]
 
     def _too_old(self, last_error: str | None) -> str:
         reason = f"not confirmed within delivery_max_age ({self.settings.delivery_max_age:g} s)"
         return f"{reason}; last error: {last_error}" if last_error else reason
 
-    def _retry_later(self, settlement: _Settlement, item: Claimed, error: str) -> None:
+    def _retry_later(
+        self, settlement: _Settlement, item: Claimed, error: str, tried: Tried
+    ) -> None:
         now = utcnow()
         if now - item.created > self._max_age:
-            settlement.given_up.append((item.id, self._too_old(error)))
+            settlement.given_up.append(GivenUp(item.id, self._too_old(error), "too_old", tried))
             return
         delay = min(
             self.settings.relay_backoff_max,
@@ -499,19 +521,19 @@ class Relay:
         delay *= random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not security
         # Never schedule past the give-up time, so an old copy is given up on time.
         when = min(now + timedelta(seconds=delay), max(item.created + self._max_age, now))
-        settlement.retries.append((item.id, when, error))
+        settlement.retries.append(Retry(item.id, when, error, tried))
         DELIVERIES.labels(outcome="retried").inc()
 
     async def _recreate_queues(
-        self, settlement: _Settlement, returned: list[tuple[Claimed, Result]]
+        self, settlement: _Settlement, returned: list[tuple[Claimed, Result, Tried]]
     ) -> None:
         """Declare the queues of returned copies again, then retry those copies."""
         async with self.engine.connect() as connection:
             alive = await repository.existing_targets(
-                connection, {target for item, _ in returned if (target := _target(item))}
+                connection, {target for item, _, _ in returned if (target := _target(item))}
             )
         failures: dict[tuple[str, str], str | None] = {}
-        for item, _result in returned:
+        for item, _result, _tried in returned:
             key = (item.vhost, item.queue_name)
             if _target(item) not in alive or key in failures:
                 continue
@@ -534,23 +556,23 @@ class Relay:
                     broker=outcome.value,
                 )
         now = utcnow()
-        for item, result in returned:
+        for item, result, tried in returned:
             DELIVERIES.labels(outcome="returned").inc()
             if _target(item) not in alive:
-                settlement.given_up.append((item.id, QUEUE_GONE))
+                settlement.given_up.append(GivenUp(item.id, QUEUE_GONE, "queue_gone", tried))
                 continue
             failure = failures[(item.vhost, item.queue_name)]
             error = f"{result.error}; " + (failure or "queue declared again, retrying")
             if failure is None and item.attempts <= IMMEDIATE_RETRIES:
-                settlement.retries.append((item.id, now, error))
+                settlement.retries.append(Retry(item.id, now, error, tried))
             else:
-                self._retry_later(settlement, item, error)
+                self._retry_later(settlement, item, error, tried)
 
     def _gather_confirmed(self, settlement: _Settlement) -> None:
         """Leave the settlement's confirmed copies to `_write_confirmed_loop`; at once when a
         `?wait=true` request of this process waits for copies to settle."""
         confirmed = utcnow()
-        self._confirmed.extend((i, confirmed) for i in settlement.published)
+        self._confirmed.extend((i, confirmed, settlement.ms.get(i)) for i in settlement.published)
         self._confirmed_to_consumers += settlement.published_to_consumers
         settlement.published, settlement.published_to_consumers = [], 0
         self._confirmed_added.notify()
@@ -605,21 +627,27 @@ class Relay:
         published = len(settlement.published)
         # Each counter moves right after its statement commits (each stands alone), with
         # no await between, so a `?wait=true` waiter never sees rows not yet counted.
+        ms = settlement.ms
         if published:
-            await self.outbox.publish(settlement.published, now)
+            await self.outbox.publish(
+                settlement.published, now, [ms.get(i) for i in settlement.published]
+            )
             _count_published(published, settlement.published_to_consumers)
         for error, ids in settlement.rejected.items():
-            await self.outbox.reject(ids, now, error)
+            await self.outbox.reject(ids, now, error, [ms.get(i) for i in ids])
             DELIVERIES.labels(outcome="rejected").inc(len(ids))
+            _TRIED_FAILED.inc(len(ids))
         await self.outbox.give_up(settlement.given_up, now)
         DELIVERIES.labels(outcome="given_up").inc(len(settlement.given_up))
+        _TRIED_FAILED.inc(sum(1 for reason in settlement.given_up if reason.tried is not None))
         await self.outbox.reschedule(self.id, settlement.retries)
+        _TRIED_FAILED.inc(len(settlement.retries))
         if rejected or settlement.given_up:
             log.warning(
                 "deliveries_not_published",
                 rejected=rejected,
                 given_up=len(settlement.given_up),
-                reasons=sorted({reason for _, reason in settlement.given_up})[:5],
+                reasons=sorted({reason.error for reason in settlement.given_up})[:5],
             )
         self.signals.settled.notify()
 

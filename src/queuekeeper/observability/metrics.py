@@ -250,3 +250,19 @@ WEBHOOK_LONGEST_FAILING = Gauge(
     "attempt of its run (0: none failing).",
     multiprocess_mode="livemax",
 )
+# --- every copy's attempts (contract §14; docs/decisions/031-delivery-log.md) ----------------
+DELIVERY_ATTEMPTS = Counter(
+    "queuekeeper_delivery_attempts_total",
+    "Attempts to deliver a copy, counted when the attempt is written to the copy, by consumer "
+    "kind (queue: published by the relay; webhook: posted by the webhook dispatcher), outcome "
+    "(delivered: a broker confirm or a 2xx; failed: anything else) and the answer's HTTP status "
+    "class (2xx, 3xx, 4xx, 5xx; none: no HTTP answer, every queue attempt).",
+    ["kind", "outcome", "status_class"],
+)
+
+
+def status_class(status: int | None) -> str:
+    """An HTTP status's class label (`2xx` ... `5xx`), `none` without one: bounded."""
+    if status is None or not 200 <= status < 600:
+        return "none"
+    return f"{status // 100}xx"

@@ -25,6 +25,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from queuekeeper.consumers.repository import authorized_now
+from queuekeeper.consumers.schemas import bindings_of
 from queuekeeper.models import (
     CONSUMER_ON_BROKER,
     Delivery,
@@ -194,6 +196,11 @@ class Registration:
     object_types: list[str]  # a legacy queue's one type; a consumer's filter (empty: all)
     registered_at: datetime  # when its filter was last set (a consumer's `modified`)
     granted: set[UUID] = field(default_factory=set)
+    # A consumer: whether its owner may hold at least one of its bindings now (global
+    # included), by the rule every copy is published by (`binding_allowed_sql`); a legacy
+    # queue's access is `granted`.
+    may_receive: bool = False
+    bindings: list[str] = field(default_factory=list)  # a consumer's, as "type uuid-hex"
 
     @property
     def key(self) -> Key:
@@ -230,11 +237,21 @@ async def registrations(session: AsyncSession, keys: Collection[Key]) -> dict[Ke
                 [queue.object_type],
                 queue.created,
             )
-        consumers = await session.scalars(
-            select(EventConsumer).where(
-                tuple_(EventConsumer.vhost, EventConsumer.queue_name).in_(part),
-                CONSUMER_ON_BROKER,
+        consumers = list(
+            await session.scalars(
+                select(EventConsumer).where(
+                    tuple_(EventConsumer.vhost, EventConsumer.queue_name).in_(part),
+                    CONSUMER_ON_BROKER,
+                )
             )
+        )
+        allowed = await authorized_now(
+            session,
+            [
+                (c.uuid, c.user_uuid, kind, entity)
+                for c in consumers
+                for kind, entity in ([("global", None)] if c.is_global else bindings_of(c))
+            ],
         )
         for consumer in consumers:
             found[(consumer.vhost, consumer.queue_name)] = Registration(
@@ -249,6 +266,10 @@ async def registrations(session: AsyncSession, keys: Collection[Key]) -> dict[Ke
                 [scope.offering_uuid for scope in consumer.scopes],
                 [str(kind) for kind in consumer.object_types or []],
                 consumer.modified,
+                may_receive=consumer.uuid in allowed,
+                bindings=["global"]
+                if consumer.is_global
+                else [f"{kind} {entity.hex}" for kind, entity in bindings_of(consumer)],
             )
     await _add_grants(session, found.values())
     return found

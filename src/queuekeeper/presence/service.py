@@ -279,7 +279,15 @@ def blocked_reason(
             "cannot log in to the broker; push a token for the owner from the marketplace "
             f"(PUT /api/internal/users/{reg.vhost}/ with a token) and restart the agent with it."
         )
-    if not reg.granted:
+    if reg.consumer and not reg.may_receive:
+        bound = ", ".join(reg.bindings) or "none"
+        return BlockedReason.NO_ACCESS, (
+            "The owner may receive nothing through any of the consumer's bindings "
+            f"({bound}): it holds no grant or role on what they name, so no events are sent "
+            "here: ask for the access again, or register the consumer with scopes the owner "
+            "holds."
+        )
+    if not reg.consumer and not reg.granted:
         offerings = ", ".join(offering.hex for offering in reg.offerings) or "none"
         return BlockedReason.NO_ACCESS, (
             f"The owner has no access to the queue's offering ({offerings}), so its events "

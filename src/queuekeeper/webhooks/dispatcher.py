@@ -43,11 +43,19 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
-from queuekeeper.events.outbox import WEBHOOKS_DUE_CHANNEL, Outbox, WebhookCopy, WebhookRun
+from queuekeeper.events.outbox import (
+    WEBHOOKS_DUE_CHANNEL,
+    GivenUp,
+    Outbox,
+    Tried,
+    WebhookCopy,
+    WebhookRun,
+)
 from queuekeeper.events.outbox_postgres import listen
 from queuekeeper.events.relay import message_body, new_relay_id
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
+    DELIVERY_ATTEMPTS,
     OLDEST_PENDING_BY_KIND,
     PENDING_BY_KIND,
     WEBHOOK_ATTEMPT_SECONDS,
@@ -55,6 +63,7 @@ from queuekeeper.observability.metrics import (
     WEBHOOK_DELIVERIES,
     WEBHOOK_LONGEST_FAILING,
     WEBHOOKS_FAILING,
+    status_class,
 )
 from queuekeeper.webhooks import signing
 from queuekeeper.webhooks.addresses import AddressRefused, Resolved, resolve
@@ -92,6 +101,11 @@ _ATTEMPTS = {
 for _kind in ("queue", "webhook"):
     PENDING_BY_KIND.labels(kind=_kind)
     OLDEST_PENDING_BY_KIND.labels(kind=_kind)
+_TRIED = {
+    (outcome, klass): DELIVERY_ATTEMPTS.labels(kind="webhook", outcome=outcome, status_class=klass)
+    for outcome in ("delivered", "failed")
+    for klass in ("2xx", "3xx", "4xx", "5xx", "none")
+}
 
 # The address the current attempt checked (set in the attempt's task, read by the connect).
 _PINNED: contextvars.ContextVar[Resolved | None] = contextvars.ContextVar(
@@ -179,10 +193,13 @@ def target(raw: str) -> Target | str:
 
 @dataclass(frozen=True)
 class Attempt:
-    """What one attempt came to: `result` is a `WEBHOOK_ATTEMPTS` label."""
+    """What one attempt came to: `result` is a `WEBHOOK_ATTEMPTS` label; the answer's HTTP
+    status (None: none came) and how long the attempt took."""
 
     result: str
     error: str = ""
+    status: int | None = None
+    ms: int = 0
 
     @property
     def delivered(self) -> bool:
@@ -391,7 +408,7 @@ class WebhookDispatcher:
         directory stands then (`judged_now`): a post may take seconds, and a revocation
         answered meanwhile stops the rest of the run."""
         run = WebhookRun(consumer_uuid)
-        given_up: list[tuple[int, str]] = []
+        given_up: list[GivenUp] = []
         waiting = list(copies)
         refused: set[int] = set()
         posted = False
@@ -410,10 +427,11 @@ class WebhookDispatcher:
                     reason = RETENTION_REASON
                     if item.last_error:
                         reason += f"; last error: {item.last_error}"
-                    given_up.append((item.id, reason))
+                    given_up.append(GivenUp(item.id, reason, "retention"))
                     continue
                 posted = True
                 outcome = await self.attempt(copy)
+                run.tried[item.id] = Tried(utcnow(), outcome.ms, outcome.status)
                 if outcome.delivered:
                     run.delivered.append(item.id)
                     continue
@@ -424,7 +442,7 @@ class WebhookDispatcher:
         except asyncio.CancelledError:
             # Stopping: what was not posted goes back at once (the copy in flight too: it
             # may have arrived, and is posted again with the same webhook-id).
-            done = set(run.delivered) | {i for i, _ in given_up} | refused
+            done = set(run.delivered) | {reason.id for reason in given_up} | refused
             run.failed, run.error, run.gone = None, None, False
             run.released = [c.claimed.id for c in copies if c.claimed.id not in done]
             await asyncio.shield(self._settle(run, given_up))
@@ -462,13 +480,18 @@ class WebhookDispatcher:
         # Never past the give-up time, so an old copy is given up on time.
         return min(now + timedelta(seconds=delay), max(created + self._retention, now))
 
-    async def _settle(self, run: WebhookRun, given_up: list[tuple[int, str]]) -> None:
+    async def _settle(self, run: WebhookRun, given_up: list[GivenUp]) -> None:
         now = utcnow()
         if given_up:
             await self.outbox.give_up(given_up, now)
             _GIVEN_UP.inc(len(given_up))
         if run.delivered or run.failed is not None or run.released:
             await self.outbox.settle_webhooks(self.id, run, now)
+            for copy_id, tried in run.tried.items():
+                if copy_id in run.delivered or copy_id == run.failed:
+                    outcome = "delivered" if copy_id in run.delivered else "failed"
+                    status = tried.status if isinstance(tried.status, int) else None
+                    _TRIED[(outcome, status_class(status))].inc()
         if run.delivered:
             _DELIVERED.inc(len(run.delivered))
             self.signals.settled.notify()
@@ -485,7 +508,7 @@ class WebhookDispatcher:
     async def attempt(self, copy: WebhookCopy) -> Attempt:
         """Post one copy: resolve and check the host, connect to the address checked, read at
         most `webhook_response_max_bytes` of the answer."""
-        if not copy.url or not copy.secret:
+        if not copy.url or not copy.secrets:
             return Attempt("http_error", "the consumer has no webhook URL or secret")
         parsed = self._targets.get(copy.url)
         if parsed is None:
@@ -527,17 +550,17 @@ class WebhookDispatcher:
                 outcome = Attempt("connection_error", "invalid HTTP answer")
             except aiohttp.ClientError as exc:
                 outcome = Attempt("connection_error", connection_error(exc))
-        WEBHOOK_ATTEMPT_SECONDS.observe(time.perf_counter() - started)
+        took = time.perf_counter() - started
+        WEBHOOK_ATTEMPT_SECONDS.observe(took)
         _ATTEMPTS[outcome.result].inc()
-        return outcome
+        return replace(outcome, ms=round(took * 1000))
 
     async def _post(self, copy: WebhookCopy, to: Target) -> Attempt:
         _scheme, host, port = to.destination
         pinned = await resolve(host, port, self.settings.webhook_allowed_networks)
         item = copy.claimed
         body = message_body(item)
-        assert copy.secret is not None  # checked by `attempt`
-        headers = signing.headers(copy.secret, item.event_id, int(time.time()), body)
+        headers = signing.headers(copy.secrets, item.event_id, int(time.time()), body)
         headers["user-agent"] = USER_AGENT
         if to.authorization is not None:
             headers["authorization"] = to.authorization
@@ -553,11 +576,12 @@ class WebhookDispatcher:
                 await answer.aclose()
         finally:
             _PINNED.reset(token)
-        if 200 <= answer.status_code < 300:
-            return Attempt("delivered")
-        if answer.status_code == 410:
-            return Attempt("gone", "HTTP 410: the receiver is gone; delivery disabled")
-        return Attempt("http_error", f"HTTP {answer.status_code}")
+        code = answer.status_code
+        if 200 <= code < 300:
+            return Attempt("delivered", status=code)
+        if code == 410:
+            return Attempt("gone", "HTTP 410: the receiver is gone; delivery disabled", code)
+        return Attempt("http_error", f"HTTP {code}", code)
 
     # --- housekeeping ---------------------------------------------------------------------
     async def _housekeeping(self) -> None:

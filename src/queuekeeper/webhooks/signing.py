@@ -31,13 +31,20 @@ def signature(secret: str, message_id: str, timestamp: int, body: bytes) -> str:
     return "v1," + base64.b64encode(digest).decode()
 
 
-def headers(secret: str, message_id: str, timestamp: int, body: bytes) -> dict[str, str]:
-    """The Standard Webhooks headers of one attempt."""
+def headers(
+    secrets: str | Sequence[str], message_id: str, timestamp: int, body: bytes
+) -> dict[str, str]:
+    """The Standard Webhooks headers of one attempt: signed with each secret, in order and
+    space-separated (while a rotation's window lasts, the new one and the previous one,
+    contract §14; a receiver accepts the message when any signature matches its secret)."""
+    keys = [secrets] if isinstance(secrets, str) else list(secrets)
     return {
         "content-type": "application/json",
         "webhook-id": message_id,
         "webhook-timestamp": str(timestamp),
-        "webhook-signature": signature(secret, message_id, timestamp, body),
+        "webhook-signature": " ".join(
+            signature(secret, message_id, timestamp, body) for secret in keys
+        ),
     }
 
 
