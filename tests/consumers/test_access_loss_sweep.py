@@ -1,0 +1,307 @@
+"""Copies already in a broker queue leave it when access ends, whichever way it ends
+(contract §14; docs/decisions/030-queued-copies-on-every-access-loss.md): within 15 s of a
+pushed change, 30 s of an expiry that arrives by time. The agent is not reading: its copies
+wait ready in the queue while access goes; the queue is watched with passive declares and
+read afterwards over STOMP as the agent reads it. Copies the owner still may receive
+(through another binding, its own user) stay, in acceptance order."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from queuekeeper.config import Settings
+from queuekeeper.db import create_engine
+from queuekeeper.models import AccessSweep, utcnow
+from tests.consumers.scopes import SERVICE, Tree, put, role, scopes, staff, tree, unrole
+from tests.consumers.test_revoked_role_copies import sent
+from tests.consumers.test_scoped_delivery import consumer_of, identity_event
+from tests.events.support import order_event, queue_depth
+from tests.helpers import Agent, Backend
+from tests.stomp_client import StompConsumer
+
+# The sweep's own row in `access_sweeps` (consumers/repository.EXPIRY_WATERMARK), spelled out
+# so that this file also runs, and fails, against code without the sweep.
+EXPIRY_WATERMARK = "expiry_watermark"
+PUSHED = 15.0  # seconds: a change the backend pushes (contract §14)
+BY_TIME = 30.0  # an expiry nobody pushes
+
+
+async def swept(settings: Settings, *, through: datetime | None = None) -> None:
+    """Until the sweep has handled every access change so far (and, with `through`, the
+    expiries up to then): its rows are deleted only after the queues were read through
+    (consumers/sweep.py), so the queue is final then, not caught between two batches."""
+    engine = create_engine(settings)
+    deadline = time.monotonic() + BY_TIME
+    try:
+        while True:
+            async with engine.connect() as connection:
+                pending = await connection.scalar(
+                    select(func.count())
+                    .select_from(AccessSweep)
+                    .where(AccessSweep.reason != EXPIRY_WATERMARK)
+                )
+                watermark = await connection.scalar(
+                    select(func.max(AccessSweep.at)).where(AccessSweep.reason == EXPIRY_WATERMARK)
+                )
+            if not pending and (through is None or (watermark and watermark >= through)):
+                return
+            assert time.monotonic() < deadline, f"{pending} access changes still unswept"
+            await asyncio.sleep(0.1)
+    finally:
+        await engine.dispose()
+
+
+async def holds(agent: Agent, consumer: dict[str, Any], count: int, within: float) -> float:
+    """Seconds until the consumer's queue holds exactly `count` ready copies; fails after
+    `within`."""
+    began = time.monotonic()
+    while True:
+        depth = await queue_depth(agent.vhost, consumer["queue_name"])
+        if depth == count:
+            return time.monotonic() - began
+        assert time.monotonic() - began < within, f"{depth} copies still queued, not {count}"
+        await asyncio.sleep(0.1)
+
+
+def _read(vhost: str, login: str, token: str, queue: str, count: int) -> list[str]:
+    stomp = StompConsumer(vhost, login, token)
+    stomp.connect()
+    try:
+        stomp.subscribe(f"/amq/queue/{queue}")
+        stomp.wait_for(count, 10.0)
+        stomp.wait_for(count + 1, 0.5)
+        return [m.headers["amqp-message-id"] for m in stomp.listener.messages]
+    finally:
+        stomp.close()
+
+
+async def read_when_let_in(
+    agent: Agent, consumer: dict[str, Any], count: int, token: str | None = None
+) -> list[str]:
+    """The message ids the agent reads once the broker lets it in again (its login is off
+    while its queue is read through)."""
+    deadline = time.monotonic() + PUSHED
+    while True:
+        try:
+            return await asyncio.to_thread(
+                _read,
+                agent.vhost,
+                consumer["rmq_username"],
+                token or agent.token,
+                consumer["queue_name"],
+                count,
+            )
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def push_user(client: httpx.AsyncClient, agent: Agent, **body: Any) -> None:
+    """The backend's PUT of the whole user (a privilege left out is one it no longer has)."""
+    response = await client.put(
+        f"/api/internal/users/{agent.uuid}/",
+        json={"username": f"user-{agent.uuid.hex[:8]}", **body},
+        headers=SERVICE,
+    )
+    assert response.status_code == 200, response.text
+
+
+async def delete(client: httpx.AsyncClient, path: str) -> None:
+    response = await client.delete(f"/api/internal{path}", headers=SERVICE)
+    assert response.status_code == 204, response.text
+
+
+Change = Callable[[], Awaitable[None]]
+
+
+async def set_up(
+    backend: Backend, client: httpx.AsyncClient, how: str, entities: Tree
+) -> tuple[Agent, dict[str, Any], Change, dict[str, Any]]:
+    """An owner, its consumer, the change that ends its access to `entities`' events, and
+    the user fields that let it in again afterwards (nothing for most)."""
+    if how in ("staff_demoted", "support_demoted", "staff_demoted_global"):
+        flag = "is_support" if how == "support_demoted" else "is_staff"
+        owner = await staff(backend, **{flag: True})
+        # Staff may bind what they hold no role on, and bind nothing (global).
+        bindings = [] if how == "staff_demoted_global" else [("project", entities.project)]
+        consumer = await consumer_of(owner, {"scopes": scopes(*bindings)})
+        return owner, consumer, lambda: push_user(client, owner), {}
+    owner = await backend.put_user()
+    if how == "grant_removed":
+        await backend.grant(owner, entities.offering)
+        kept = await backend.put_offering()
+        await backend.grant(owner, kept)
+        entities.extra["kept_offering"] = kept
+        consumer = await consumer_of(
+            owner, {"scopes": scopes(("offering", entities.offering), ("offering", kept))}
+        )
+        return (
+            owner,
+            consumer,
+            lambda: delete(client, f"/offerings/{entities.offering}/users/{owner.uuid}/"),
+            {},
+        )
+    kind, entity = (
+        ("project", entities.project)
+        if how == "project_deleted"
+        else ("customer", entities.customer)
+    )
+    granted = await role(client, owner, kind, entity)
+    consumer = await consumer_of(owner, {"scopes": scopes((kind, entity), ("user", owner.uuid))})
+    other = await tree(client)
+    changes: dict[str, Change] = {
+        "role_deleted": lambda: unrole(client, granted),
+        "role_moved": lambda: role_on(client, granted, owner, "customer", other.customer),
+        "role_expired_by_push": lambda: role_on(
+            client, granted, owner, kind, entity, expires_at=utcnow() - timedelta(seconds=1)
+        ),
+        "deactivated": lambda: push_user(client, owner, is_active=False),
+        "token_removed": lambda: push_user(client, owner, token=None),
+        "offering_deleted": lambda: delete(client, f"/offerings/{entities.offering}/"),
+        "customer_deleted": lambda: delete(client, f"/customers/{entities.customer}/"),
+        "project_deleted": lambda: delete(client, f"/projects/{entities.project}/"),
+    }
+    let_in: dict[str, Any] = {
+        "deactivated": {"is_active": True},
+        "token_removed": {"token": f"token-again-{uuid.uuid4().hex}"},
+    }.get(how, {})
+    return owner, consumer, changes[how], let_in
+
+
+async def role_on(
+    client: httpx.AsyncClient,
+    role_uuid: uuid.UUID,
+    owner: Agent,
+    kind: str,
+    entity: uuid.UUID,
+    **extra: Any,
+) -> None:
+    body = {
+        "user_uuid": owner.uuid.hex,
+        "role_name": f"{kind}.member",
+        "scope": {"type": kind, "uuid": entity.hex},
+        **{key: value.isoformat() for key, value in extra.items()},
+    }
+    await put(client, f"/roles/{role_uuid}/", body)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "role_deleted",
+        "role_moved",
+        "role_expired_by_push",
+        "staff_demoted",
+        "staff_demoted_global",
+        "support_demoted",
+        "deactivated",
+        "token_removed",
+        "grant_removed",
+        "offering_deleted",
+        "customer_deleted",
+        "project_deleted",
+    ],
+)
+async def test_queued_copies_leave_when_access_ends(
+    backend: Backend, client: httpx.AsyncClient, settings: Settings, how: str
+) -> None:
+    entities = await tree(client)
+    owner, consumer, change, let_in = await set_up(backend, client, how, entities)
+    # Orders of the offering, one of them placed in its project too: what the change takes
+    # away. An offering deleted leaves that one: the event's own project still reaches it.
+    in_project = "kept" if how == "offering_deleted" else "lost"
+    events = [
+        ("lost", await sent(client, order_event(entities.offering))),
+        (
+            in_project,
+            await sent(client, order_event(entities.offering, project_uuid=entities.project.hex)),
+        ),
+        ("lost", await sent(client, order_event(entities.offering))),
+    ]
+    if how == "grant_removed":  # the other offering stays granted and bound
+        events.append(("kept", await sent(client, order_event(entities.extra["kept_offering"]))))
+    elif not how.startswith(("staff", "support")) and not let_in:
+        # Its own user stays bound (an inactive owner, or one without a token, may receive
+        # nothing at all).
+        events.append(("kept", await sent(client, identity_event(owner.uuid))))
+    kept = [event_id for kind, event_id in events if kind == "kept"]
+    await holds(owner, consumer, len(events), 10.0)
+
+    await change()
+    took = await holds(owner, consumer, len(kept), PUSHED)
+    await swept(settings)
+    token = let_in.get("token")
+    if let_in:
+        await push_user(client, owner, **let_in)
+    assert await read_when_let_in(owner, consumer, len(kept), token) == kept
+    print(f"{how}: queued copies gone {took:.2f} s after the change")
+
+
+@pytest.mark.parametrize("what", ["role", "token"])
+async def test_queued_copies_leave_when_an_expiry_arrives_by_time(
+    backend: Backend, client: httpx.AsyncClient, settings: Settings, what: str
+) -> None:
+    """Nobody pushes anything: the role's (or the token's) `expires_at` just passes."""
+    entities = await tree(client)
+    owner = await backend.put_user()
+    ends = utcnow() + timedelta(seconds=4)
+    await role(
+        client, owner, "customer", entities.customer, expires_at=ends if what == "role" else None
+    )
+    consumer = await consumer_of(
+        owner, {"scopes": scopes(("customer", entities.customer), ("user", owner.uuid))}
+    )
+    if what == "token":
+        await backend.expire_token_at(owner, ends)
+    lost = [await sent(client, order_event(entities.offering)) for _ in range(3)]
+    kept = [await sent(client, identity_event(owner.uuid))] if what == "role" else []
+    assert utcnow() < ends, "the set-up outlasted the expiry: nothing was queued before it"
+    await holds(owner, consumer, len(lost) + len(kept), 10.0)
+
+    left = (ends - utcnow()).total_seconds()
+    took = await holds(owner, consumer, len(kept), left + BY_TIME)
+    await swept(settings, through=ends)
+    if what == "token":
+        token = f"token-renewed-{uuid.uuid4().hex}"
+        await push_user(client, owner, token=token, token_expires_at=None)
+    else:
+        token = None
+    assert await read_when_let_in(owner, consumer, len(kept), token) == kept
+    print(f"{what} expiry: queued copies gone {took - left:.2f} s after it")
+
+
+async def test_copies_still_authorized_through_another_binding_stay_in_order(
+    backend: Backend, client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """A demoted staff user keeps a role on the project: its copies stay, in order, and
+    those of the project it bound as staff alone go."""
+    kept_tree, lost_tree = await tree(client), await tree(client)
+    owner = await staff(backend)
+    await role(client, owner, "project", kept_tree.project)
+    consumer = await consumer_of(
+        owner,
+        {"scopes": scopes(("project", kept_tree.project), ("project", lost_tree.project))},
+    )
+    events = [
+        ("kept", await sent(client, order_event(kept_tree.offering))),
+        ("lost", await sent(client, order_event(lost_tree.offering))),
+        ("kept", await sent(client, order_event(kept_tree.offering))),
+        ("lost", await sent(client, order_event(lost_tree.offering))),
+        ("kept", await sent(client, order_event(kept_tree.offering))),
+    ]
+    await holds(owner, consumer, len(events), 10.0)
+    await push_user(client, owner)  # no longer staff
+    wanted = [event_id for kind, event_id in events if kind == "kept"]
+    await holds(owner, consumer, len(wanted), PUSHED)
+    await swept(settings)
+    assert await read_when_let_in(owner, consumer, len(wanted)) == wanted
