@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from sqlalchemy import (
     Select,
     String,
+    TextClause,
     Uuid,
     and_,
     bindparam,
@@ -394,42 +395,51 @@ def _copy_authorized(queue: str, consumer: str, offering: str) -> str:
     )
 
 
-# A copy the broker confirmed to the queue since `:since` that its owner may not receive now.
-_REFUSED_COPY = """EXISTS (
-            SELECT 1 FROM deliveries d JOIN events e ON e.event_id = d.event_id
-            WHERE d.{column} = {target} AND d.state = 'published' AND d.finished >= :since
-                AND NOT {authorized})"""
+# The queues holding a copy the broker confirmed since `:since` that their owner may not
+# receive now. The rule is judged once per distinct (queue, offering, project, subject) of
+# those copies, not once per copy: a queue's copies share a few keys.
+def _holding_unauthorized(*copies_of: str) -> TextClause:
+    recent = " UNION ".join(
+        f"""SELECT DISTINCT d.consumer_uuid, d.queue_uuid,
+                COALESCE(d.offering_uuid, e.offering_uuid) AS offering,
+                e.project_uuid AS project, e.subject_user_uuid AS subject
+            FROM deliveries d JOIN events e ON e.event_id = d.event_id
+            WHERE d.state = 'published' AND d.finished >= :since AND {which}"""  # noqa: S608
+        for which in copies_of
+    )
+    return text(
+        f"""
+        WITH recent AS MATERIALIZED ({recent})
+        SELECT DISTINCT 'consumer', oc.uuid, oc.user_uuid
+        FROM recent r JOIN event_consumers oc ON oc.uuid = r.consumer_uuid
+        WHERE oc.delivery = 'rmq' AND NOT {
+            authorized_sql("NULL::uuid", "oc.uuid", "r.offering", ":now", "r.project", "r.subject")
+        }
+        UNION
+        SELECT DISTINCT 'queue', oq.uuid, os.user_uuid
+        FROM recent r JOIN event_subscription_queues oq ON oq.uuid = r.queue_uuid
+        JOIN event_subscriptions os ON os.uuid = oq.subscription_uuid
+        WHERE NOT {
+            authorized_sql("oq.uuid", "NULL::uuid", "r.offering", ":now", "r.project", "r.subject")
+        }
+        """  # noqa: S608 - the module's constants
+    ).bindparams(
+        bindparam("since", type_=AwareDateTime()),
+        bindparam("now", type_=AwareDateTime()),
+    )
 
-_HOLDING_UNAUTHORIZED = text(
-    f"""
-    SELECT 'consumer', oc.uuid, oc.user_uuid FROM event_consumers oc
-    WHERE (:every OR oc.user_uuid = ANY(:owners)) AND oc.delivery = 'rmq' AND {
-        _REFUSED_COPY.format(
-            column="consumer_uuid",
-            target="oc.uuid",
-            authorized=_copy_authorized(
-                "NULL::uuid", "oc.uuid", "COALESCE(d.offering_uuid, e.offering_uuid)"
-            ),
-        )
-    }
-    UNION ALL
-    SELECT 'queue', oq.uuid, os.user_uuid FROM event_subscription_queues oq
-    JOIN event_subscriptions os ON os.uuid = oq.subscription_uuid
-    WHERE (:every OR os.user_uuid = ANY(:owners)) AND {
-        _REFUSED_COPY.format(
-            column="queue_uuid",
-            target="oq.uuid",
-            authorized=_copy_authorized(
-                "oq.uuid", "NULL::uuid", "COALESCE(d.offering_uuid, e.offering_uuid)"
-            ),
-        )
-    }
-    """  # noqa: S608 - the module's constants
-).bindparams(
-    bindparam("owners", type_=ARRAY(Uuid())),
-    bindparam("since", type_=AwareDateTime()),
-    bindparam("now", type_=AwareDateTime()),
-)
+
+_HOLDING_UNAUTHORIZED_ANY = _holding_unauthorized("true")
+_HOLDING_UNAUTHORIZED = _holding_unauthorized(
+    # Each an index scan of the owners' queues' copies (`= ANY(ARRAY(...))`: one array,
+    # computed once).
+    """d.consumer_uuid = ANY(ARRAY(
+        SELECT uuid FROM event_consumers WHERE user_uuid = ANY(:owners)))""",
+    """d.queue_uuid = ANY(ARRAY(
+        SELECT q.uuid FROM event_subscription_queues q
+        JOIN event_subscriptions s ON s.uuid = q.subscription_uuid
+        WHERE s.user_uuid = ANY(:owners)))""",
+).bindparams(bindparam("owners", type_=ARRAY(Uuid())))
 
 
 @dataclass(frozen=True)
@@ -448,17 +458,14 @@ async def holding_unauthorized_copies(
     """The queues of these owners (None: of every owner) that the broker confirmed a copy to
     since `since` which their owner may not receive at `now`: the queues that may hold
     copies to take out (docs/decisions/030-queued-copies-on-every-access-loss.md). One
-    query; a queue stops at its first such copy."""
+    query."""
     if owner_uuids is not None and not owner_uuids:
         return []
-    rows = await session.execute(
-        _HOLDING_UNAUTHORIZED,
-        {
-            "every": owner_uuids is None,
-            "owners": list(owner_uuids or ()),
-            "since": since,
-            "now": now,
-        },
+    times = {"since": since, "now": now}
+    rows = await (
+        session.execute(_HOLDING_UNAUTHORIZED_ANY, times)
+        if owner_uuids is None
+        else session.execute(_HOLDING_UNAUTHORIZED, {**times, "owners": list(owner_uuids)})
     )
     return [Held(kind, key, owner) for kind, key, owner in rows]
 

@@ -540,6 +540,7 @@ async def remove_unauthorized_copies(
         try:
             sieved = await _sieve(session, provisioner, held)
         except Exception as exc:  # the next run tries this owner again
+            await session.rollback()
             log.warning(
                 "unauthorized_copies_not_removed",
                 queue=f"{held.kind}:{held.key.hex}",
