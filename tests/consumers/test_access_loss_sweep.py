@@ -221,3 +221,25 @@ async def test_copies_still_authorized_through_another_binding_stay_in_order(
     await holds(owner, consumer, len(wanted), PUSHED)
     await swept(settings)
     assert await read_when_let_in(owner, consumer, len(wanted)) == wanted
+
+
+async def test_a_deactivated_users_legacy_queue_is_emptied_too(
+    backend: Backend, client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """An agent 1.0.5 subscription queue: its copies were left in the queue while the user
+    was inactive, and read when it came back."""
+    owner, offering = await backend.agent_with_offering()
+    subscription = await owner.create_subscription()
+    made = await owner.create_queue(subscription["uuid"], offering)
+    assert made.status_code == 201, made.text
+    login = uuid.UUID(subscription["uuid"]).hex
+    queue = {"queue_name": made.json()["queue_name"], "rmq_username": login}
+    for _ in range(3):
+        await sent(client, order_event(offering))
+    await holds(owner, queue, 3, 10.0)
+
+    await push_user(client, owner, is_active=False)
+    await holds(owner, queue, 0, PUSHED)
+    await swept(settings)
+    await push_user(client, owner, is_active=True)
+    assert await read_when_let_in(owner, queue, 0) == []
