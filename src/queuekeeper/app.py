@@ -30,6 +30,7 @@ from queuekeeper.common.processes import shared_directory
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings, get_settings
 from queuekeeper.config_reference import unknown_in_environment
+from queuekeeper.consumers import sweep
 from queuekeeper.consumers.endpoints import router as consumers_router
 from queuekeeper.db import create_engine, create_sessionmaker
 from queuekeeper.deadletters import service as deadletters
@@ -172,6 +173,15 @@ JOBS: JobTable = {
         presence.check,
         interval=lambda settings: settings.presence_interval_seconds,
         quiet=True,  # its gauges are set once per run (presence.refresh_gauges)
+    ),
+    # Woken by the access triggers' NOTIFY; the interval finds expiries that come by time
+    # (docs/decisions/030-queued-copies-on-every-access-loss.md).
+    Job.SWEEP_ACCESS: JobSpec(
+        Job.SWEEP_ACCESS,
+        sweep.sweep_access,
+        interval=lambda settings: settings.access_sweep_interval_seconds,
+        quiet=True,
+        wake=sweep.on_access_change,
     ),
 }
 

@@ -340,6 +340,13 @@ class Settings(BaseSettings):
     reconcile_page_size: int = Field(
         default=500, ge=1, le=500, description="Queues per Management API page (broker max 500)."
     )
+    access_sweep_interval_seconds: int = Field(
+        default=5,
+        ge=1,
+        description="Seconds between runs of the job that takes out of broker queues the "
+        "copies their owner may no longer receive (contract §14): it also runs at once on "
+        "every change of access; the interval catches a role or token expiring by time.",
+    )
     token_expiry_interval_seconds: int = Field(
         default=10,
         ge=1,

@@ -73,8 +73,9 @@ async def test_the_delivery_filter(backend: Backend, client: httpx.AsyncClient) 
     assert bad.json()["errors"][0]["field"].endswith("delivery")
 
 
-# No relay: its claims, run beside the request, would be counted with the request's statements.
-@pytest.mark.settings(relay_enabled=False)
+# No relay and no scheduler: their claims and jobs (the access sweep the users' changes wake
+# among them), run beside the request, would be counted with the request's statements.
+@pytest.mark.settings(relay_enabled=False, scheduler_enabled=False)
 async def test_the_blocked_reason_on_each_row_the_database_tells(
     app: FastAPI, backend: Backend, client: httpx.AsyncClient
 ) -> None:

@@ -6,7 +6,9 @@ import httpx
 import pytest
 
 from queuekeeper.broker.management import ManagementClient
+from queuekeeper.config import Settings
 from tests.conftest import SERVICE_TOKEN
+from tests.consumers.sweeps import swept
 from tests.consumers.test_fan_out import group_event
 from tests.consumers.test_register_queue import new_identity, register_queue
 from tests.events.support import drain, event_detail, order_event, post_event, queue_depth
@@ -108,11 +110,12 @@ async def test_a_consumer_keeps_the_vhost_when_the_last_subscription_goes(
 
 
 async def test_a_revoked_offerings_copies_leave_a_consumer_that_keeps_other_scopes(
-    backend: Backend, client: httpx.AsyncClient
+    backend: Backend, client: httpx.AsyncClient, settings: Settings
 ) -> None:
     """A consumer scoped to X and Z keeps Z when the grant of X is revoked, and X's copies
-    already in its queue go (docs/decisions/003-revoked-scope-copies.md); Z's stay, in
-    order, and its login works again afterwards. Before: X's event was still delivered."""
+    already in its queue go (docs/decisions/030-queued-copies-on-every-access-loss.md); Z's
+    stay, in order, and its login works again afterwards. Before: X's event was still
+    delivered."""
     agent, revoked = await backend.agent_with_offering()
     kept = await backend.put_offering()
     await backend.grant(agent, kept)
@@ -133,6 +136,7 @@ async def test_a_revoked_offerings_copies_leave_a_consumer_that_keeps_other_scop
         f"/api/internal/offerings/{revoked}/users/{agent.uuid}/", headers=SERVICE
     )
     assert response.status_code == 204, response.text
+    await swept(settings)
     left = await drain(agent.vhost, queue)
     assert [m.message_id for m in left] == [event for o, event in sent if o == kept]
     assert {(m.headers or {}).get("offering_uuid") for m in left} == {kept.hex}

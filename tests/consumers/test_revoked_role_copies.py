@@ -1,9 +1,10 @@
-"""A revoked role takes its copies out of the queue (contract §11, §12;
-docs/decisions/003-revoked-scope-copies.md): when the backend deletes a role, moves it or
-pushes it expired, the copies already on the broker that its user may no longer receive
-leave that user's consumers' queues; those it still may receive (through another role, the
-event's own project, its own user) stay, in order. A real STOMP consumer holds one unacked
-copy while the role goes, and reads the queue again afterwards."""
+"""A revoked role takes its copies out of the queue (contract §11, §12, §14;
+docs/decisions/030-queued-copies-on-every-access-loss.md): when the backend deletes a role,
+moves it or pushes it expired, the `sweep_access` job takes the copies already on the broker
+that its user may no longer receive out of that user's consumers' queues; those it still
+may receive (through another role, the event's own project, its own user) stay, in order. A
+real STOMP consumer holds one unacked copy while the role goes, and reads the queue again
+afterwards."""
 
 from __future__ import annotations
 
@@ -15,20 +16,14 @@ from typing import Any
 import httpx
 import pytest
 
+from queuekeeper.config import Settings
 from queuekeeper.models import utcnow
 from tests.consumers.scopes import put, role, scopes, tree, unrole
+from tests.consumers.sweeps import read_when_let_in, sent, swept
 from tests.consumers.test_scoped_delivery import consumer_of, identity_event
-from tests.events.support import order_event, post_event
+from tests.events.support import order_event
 from tests.helpers import Agent, Backend
 from tests.stomp_client import StompConsumer
-
-
-async def sent(client: httpx.AsyncClient, event: dict[str, Any]) -> str:
-    answer = await post_event(client, event, wait=True)
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["queued"] >= 1, answer.text
-    event_id: str = answer.json()["event_id"]
-    return event_id
 
 
 def reader(agent: Agent, consumer: dict[str, Any], *, prefetch: int | None = None) -> StompConsumer:
@@ -42,14 +37,8 @@ def reader(agent: Agent, consumer: dict[str, Any], *, prefetch: int | None = Non
 
 async def read_all(agent: Agent, consumer: dict[str, Any], count: int) -> list[str]:
     """The message ids a new STOMP subscriber reads off the queue (waiting a moment for
-    anything beyond `count`)."""
-    stomp = await asyncio.to_thread(reader, agent, consumer)
-    try:
-        await asyncio.to_thread(stomp.wait_for, count, 10.0)
-        await asyncio.to_thread(stomp.wait_for, count + 1, 0.5)
-        return [m.headers["amqp-message-id"] for m in stomp.listener.messages]
-    finally:
-        await asyncio.to_thread(stomp.close)
+    anything beyond `count`), once the sweep let it in again."""
+    return await read_when_let_in(agent, consumer, count)
 
 
 async def expire(
@@ -69,7 +58,7 @@ async def expire(
 
 @pytest.mark.parametrize("how", ["deleted", "expired", "moved"])
 async def test_a_revoked_roles_copies_leave_the_queue_and_the_rest_stay_in_order(
-    backend: Backend, client: httpx.AsyncClient, how: str
+    backend: Backend, client: httpx.AsyncClient, settings: Settings, how: str
 ) -> None:
     lost, kept, elsewhere = await tree(client), await tree(client), await tree(client)
     watcher = await backend.put_user()
@@ -126,11 +115,12 @@ async def test_a_revoked_roles_copies_leave_the_queue_and_the_rest_stay_in_order
         await asyncio.to_thread(agent.close)
         await asyncio.to_thread(bystander.close)
     wanted = [event_id for kind, event_id in events if kind == "kept"]
+    await swept(settings)
     assert await read_all(watcher, mine, len(wanted)) == wanted
 
 
 async def test_a_role_that_still_covers_the_copies_removes_nothing(
-    backend: Backend, client: httpx.AsyncClient
+    backend: Backend, client: httpx.AsyncClient, settings: Settings
 ) -> None:
     """Two roles reach the same offering (its customer and its project): deleting one leaves
     every copy, and the agent's connection, in place."""
@@ -144,6 +134,7 @@ async def test_a_role_that_still_covers_the_copies_removes_nothing(
     try:
         assert len(await asyncio.to_thread(agent.wait_for, 1)) == 1
         await unrole(client, by_customer)
+        await swept(settings)
         assert not await asyncio.to_thread(agent.wait_refused, 1.0)
     finally:
         await asyncio.to_thread(agent.close)

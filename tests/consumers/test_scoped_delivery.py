@@ -15,9 +15,11 @@ import pytest
 from fastapi import FastAPI
 
 from queuekeeper.app import Runtime
+from queuekeeper.config import Settings
 from queuekeeper.events.outbox import Outbox
 from queuekeeper.models import utcnow
 from tests.consumers.scopes import customer, project, role, scopes, staff, tree, unrole
+from tests.consumers.sweeps import swept
 from tests.consumers.test_event_consumers_api import register
 from tests.deadletters.test_redrive import DLQ, publish, wait_for_depth
 from tests.deadletters.test_redrive import event as dead_event
@@ -179,7 +181,7 @@ async def test_payload_filters_narrow_the_copies(
 
 
 async def test_a_revoked_role_stops_delivery_with_the_next_event(
-    backend: Backend, client: httpx.AsyncClient
+    backend: Backend, client: httpx.AsyncClient, settings: Settings
 ) -> None:
     entities = await tree(client)
     watcher = await backend.put_user()
@@ -192,7 +194,8 @@ async def test_a_revoked_role_stops_delivery_with_the_next_event(
     assert (await post_event(client, order_event(entities.offering), wait=True)).json()[
         "queued"
     ] == 0
-    # The copy already in the queue went with the role (test_revoked_role_copies.py).
+    # The copy already in the queue went with the role (test_access_loss_sweep.py).
+    await swept(settings)
     assert await bodies(watcher, mine["queue_name"]) == []
     # A demoted staff user's global consumer stops too.
     admin = await staff(backend)

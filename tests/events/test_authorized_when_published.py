@@ -18,9 +18,11 @@ from fastapi import FastAPI
 from sqlalchemy import delete, select
 
 from queuekeeper.app import Runtime
+from queuekeeper.config import Settings
 from queuekeeper.events.outbox import Outbox
 from queuekeeper.events.outbox_postgres import REFUSED_REASON
 from queuekeeper.models import Delivery, OfferingAccess, utcnow
+from tests.consumers.sweeps import swept
 from tests.consumers.test_register_queue import new_identity, register_queue
 from tests.events.support import SERVICE, drain, event_detail, order_event, post_event
 from tests.helpers import Agent, Backend
@@ -143,7 +145,7 @@ async def test_a_copy_is_judged_when_claimed_whatever_removed_the_access(
 
 
 async def test_a_replay_after_a_revocation_sends_only_what_the_owner_may_receive(
-    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, settings: Settings
 ) -> None:
     """Finding 2: after revoking X, a replay of a window from before sent X's events next
     to Z's (`{"replayed": 8}` for four of each). Now only Z's."""
@@ -159,6 +161,10 @@ async def test_a_replay_after_a_revocation_sends_only_what_the_owner_may_receive
         ids.append(response.json()["event_id"])
     assert [m.message_id for m in await drain(agent.vhost, queue)] == ids
     await _revoke(client, revoked, agent)
+    # The sweep reads the queue through (the agent's login off meanwhile): the revoked
+    # offering's copies were confirmed to it
+    # (docs/decisions/030-queued-copies-on-every-access-loss.md).
+    await swept(settings)
 
     response = await agent.client.post(
         f"/api/event-consumers/{login}/replay/", json=_replay_body(since), headers=agent.headers
@@ -183,7 +189,7 @@ async def test_a_replay_after_a_revocation_sends_only_what_the_owner_may_receive
 
 @pytest.mark.settings(**FAST)
 async def test_an_identity_moved_to_another_offering_takes_none_of_the_old_ones_events(
-    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend, settings: Settings
 ) -> None:
     """Finding 3: identity on X -> consumer C; one X copy waits in the queue and one is
     parked; the identity is PUT to Y and C registered again (scopes [Y]); X revoked.
@@ -214,6 +220,7 @@ async def test_an_identity_moved_to_another_offering_takes_none_of_the_old_ones_
     assert again.json()["queue_name"] == queue
     await wait_for_states(state.sessions, queue, {"published": 1, "given_up": 1})
     await _revoke(client, old, agent)
+    await swept(settings)  # the waiting copy of the old offering is out of the queue
 
     replay = await agent.client.post(
         f"/api/event-consumers/{login}/replay/", json=_replay_body(since), headers=agent.headers

@@ -42,6 +42,7 @@ async def test_scheduler_fires_reconcile_and_records_the_run(
             Job.REVOKE_EXPIRED,
             Job.RETENTION,
             Job.PRESENCE,
+            Job.SWEEP_ACCESS,
         }
         deadline = time.monotonic() + 10
         while True:
@@ -67,11 +68,14 @@ async def test_first_run_waits_one_interval(settings: Settings, clean_state: Non
         state: Runtime = app.state.queuekeeper
         next_runs = {job.name: job.next_run for job in scheduled(state).jobs()}
     assert None not in next_runs.values()
-    # The frequent checks aside (expiry: seconds; presence: a minute), the first run of each
-    # job is hours away.
+    # The frequent checks aside (expiry, access sweep: seconds; presence: a minute), the
+    # first run of each job is hours away.
     expiry_check = next_runs.pop(Job.REVOKE_EXPIRED)
     assert expiry_check is not None
     assert (expiry_check - utcnow()).total_seconds() > 3
+    sweep = next_runs.pop(Job.SWEEP_ACCESS)  # every 5 s, and woken by access changes
+    assert sweep is not None
+    assert (sweep - utcnow()).total_seconds() > 3
     presence_check = next_runs.pop(Job.PRESENCE)
     assert presence_check is not None
     assert (presence_check - utcnow()).total_seconds() > 30

@@ -1,13 +1,13 @@
-"""Taking chosen copies out of a consumer's queue, keeping the rest
-(docs/decisions/003-revoked-scope-copies.md).
+"""Taking chosen copies out of a queue, keeping the rest
+(docs/decisions/003-revoked-scope-copies.md,
+docs/decisions/030-queued-copies-on-every-access-loss.md).
 
 A consumer has one queue for every entity it binds; when its owner loses the right to some
-of them (a revoked offering grant, a revoked role), their copies already queued must not
-reach the agent. AMQP cannot remove chosen messages from a queue, so the queue is read once
-through, a batch at a time: the caller judges each batch (by the copies' event and
-offering), and each message is either dropped or published again to the same queue and
-confirmed, and only then acked. A failure leaves the messages unacked, so the broker puts
-them back: nothing else is lost.
+of them (or to everything), their copies already queued must not reach the agent. AMQP
+cannot remove chosen messages from a queue, so the queue is read once through, a batch at a
+time: the caller judges each batch (by the copies' event and offering), and each message is
+either dropped or published again to the same queue and confirmed, and only then acked. A
+failure leaves the messages unacked, so the broker puts them back: nothing else is lost.
 """
 
 from __future__ import annotations
@@ -74,18 +74,6 @@ class QueuedCopy:
 
 # Given a batch of copies, the positions of those to remove.
 Judge = Callable[[Sequence[QueuedCopy]], Awaitable[Collection[int]]]
-
-
-async def remove_offering_copies(
-    settings: Settings, vhost: str, queue: str, offering_uuids: Collection[uuid.UUID]
-) -> Sieved:
-    """Remove the copies of `offering_uuids` from `queue`, as `remove_copies` does."""
-    offerings = {offering.hex for offering in offering_uuids}
-
-    async def of_offerings(copies: Sequence[QueuedCopy]) -> set[int]:
-        return {i for i, copy in enumerate(copies) if copy.offering_uuid in offerings}
-
-    return await remove_copies(settings, vhost, queue, of_offerings)
 
 
 async def remove_copies(settings: Settings, vhost: str, queue: str, judge: Judge) -> Sieved:

@@ -36,6 +36,7 @@ from queuekeeper.consumers.schemas import ConsumerFilters, DeliveryFilters
 from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.models import (
     CONSUMER_ON_BROKER,
+    AccessSweep,
     GIVEN_UP_STATES,
     AgentIdentity,
     AwareDateTime,
@@ -46,6 +47,8 @@ from queuekeeper.models import (
     EventConsumer,
     EventConsumerBinding,
     EventConsumerScope,
+    EventSubscription,
+    EventSubscriptionQueue,
     Offering,
     Project,
     QueuePresence,
@@ -389,43 +392,88 @@ async def authorized_now(
     return set(rows)
 
 
-# The rule copies are published by, for a copy of event `e` to the consumer `:consumer` for
-# the offering `offering` (a fan-out copy's own, else its event's). The outer aliases are
-# not those authorized_sql uses inside (`c`, `u`, ...).
-def _copy_authorized(consumer: str, offering: str) -> str:
+# The rule copies are published by, for a copy of event `e` to the subscription queue
+# `queue` or the consumer `consumer` for the offering `offering` (a fan-out copy's own, else
+# its event's). The outer aliases are not those authorized_sql uses inside (`c`, `u`, ...).
+def _copy_authorized(queue: str, consumer: str, offering: str) -> str:
     return authorized_sql(
-        "NULL::uuid", consumer, offering, ":now", "e.project_uuid", "e.subject_user_uuid"
+        queue, consumer, offering, ":now", "e.project_uuid", "e.subject_user_uuid"
     )
 
 
-_HOLDING_UNAUTHORIZED = text(
-    f"""
-    SELECT DISTINCT oc.uuid, oc.user_uuid FROM event_consumers oc
-    JOIN deliveries d ON d.consumer_uuid = oc.uuid
-    JOIN events e ON e.event_id = d.event_id
-    WHERE oc.user_uuid = ANY(:owners) AND oc.delivery = 'rmq'
-        AND d.state = 'published' AND d.finished >= :since
-        AND NOT {_copy_authorized("oc.uuid", "COALESCE(d.offering_uuid, e.offering_uuid)")}
-    """  # noqa: S608 - the module's constants
-).bindparams(
-    bindparam("owners", type_=ARRAY(Uuid())),
-    bindparam("since", type_=AwareDateTime()),
-    bindparam("now", type_=AwareDateTime()),
-)
+# The queues holding a copy the broker confirmed since `:since` that their owner may not
+# receive now. The rule is judged once per distinct (queue, offering, project, subject) of
+# those copies, not once per copy: a queue's copies share a few keys.
+def _holding_unauthorized(*copies_of: str) -> TextClause:
+    recent = " UNION ".join(
+        f"""SELECT DISTINCT d.consumer_uuid, d.queue_uuid,
+                COALESCE(d.offering_uuid, e.offering_uuid) AS offering,
+                e.project_uuid AS project, e.subject_user_uuid AS subject
+            FROM deliveries d JOIN events e ON e.event_id = d.event_id
+            WHERE d.state = 'published' AND d.finished >= :since AND {which}"""  # noqa: S608
+        for which in copies_of
+    )
+    return text(
+        f"""
+        WITH recent AS MATERIALIZED ({recent})
+        SELECT DISTINCT 'consumer', oc.uuid, oc.user_uuid
+        FROM recent r JOIN event_consumers oc ON oc.uuid = r.consumer_uuid
+        WHERE oc.delivery = 'rmq' AND NOT {
+            authorized_sql("NULL::uuid", "oc.uuid", "r.offering", ":now", "r.project", "r.subject")
+        }
+        UNION
+        SELECT DISTINCT 'queue', oq.uuid, os.user_uuid
+        FROM recent r JOIN event_subscription_queues oq ON oq.uuid = r.queue_uuid
+        JOIN event_subscriptions os ON os.uuid = oq.subscription_uuid
+        WHERE NOT {
+            authorized_sql("oq.uuid", "NULL::uuid", "r.offering", ":now", "r.project", "r.subject")
+        }
+        """  # noqa: S608 - the module's constants
+    ).bindparams(
+        bindparam("since", type_=AwareDateTime()),
+        bindparam("now", type_=AwareDateTime()),
+    )
+
+
+_HOLDING_UNAUTHORIZED_ANY = _holding_unauthorized("true")
+_HOLDING_UNAUTHORIZED = _holding_unauthorized(
+    # Each an index scan of the owners' queues' copies (`= ANY(ARRAY(...))`: one array,
+    # computed once).
+    """d.consumer_uuid = ANY(ARRAY(
+        SELECT uuid FROM event_consumers WHERE user_uuid = ANY(:owners)))""",
+    """d.queue_uuid = ANY(ARRAY(
+        SELECT q.uuid FROM event_subscription_queues q
+        JOIN event_subscriptions s ON s.uuid = q.subscription_uuid
+        WHERE s.user_uuid = ANY(:owners)))""",
+).bindparams(bindparam("owners", type_=ARRAY(Uuid())))
+
+
+@dataclass(frozen=True)
+class Held:
+    """A queue that may hold copies its owner may no longer receive: a consumer's
+    (`kind` "consumer", `key` its uuid) or a legacy subscription queue's ("queue")."""
+
+    kind: str
+    key: uuid.UUID
+    owner_uuid: uuid.UUID
 
 
 async def holding_unauthorized_copies(
-    session: AsyncSession, owner_uuids: Collection[uuid.UUID], since: datetime, now: datetime
-) -> list[tuple[uuid.UUID, uuid.UUID]]:
-    """(consumer, owner) of these owners' queue consumers that the broker confirmed a copy
-    to since `since` which their owner may not receive at `now`: the queues that may hold
-    copies to take out (docs/decisions/003-revoked-scope-copies.md)."""
-    if not owner_uuids:
+    session: AsyncSession, owner_uuids: Collection[uuid.UUID] | None, since: datetime, now: datetime
+) -> list[Held]:
+    """The queues of these owners (None: of every owner) that the broker confirmed a copy to
+    since `since` which their owner may not receive at `now`: the queues that may hold
+    copies to take out (docs/decisions/030-queued-copies-on-every-access-loss.md). One
+    query."""
+    if owner_uuids is not None and not owner_uuids:
         return []
-    rows = await session.execute(
-        _HOLDING_UNAUTHORIZED, {"owners": list(owner_uuids), "since": since, "now": now}
+    times = {"since": since, "now": now}
+    rows = await (
+        session.execute(_HOLDING_UNAUTHORIZED_ANY, times)
+        if owner_uuids is None
+        else session.execute(_HOLDING_UNAUTHORIZED, {**times, "owners": list(owner_uuids)})
     )
-    return [(consumer, owner) for consumer, owner in rows]
+    return [Held(kind, key, owner) for kind, key, owner in rows]
 
 
 _UNAUTHORIZED_COPIES = text(
@@ -433,11 +481,12 @@ _UNAUTHORIZED_COPIES = text(
     SELECT m.position FROM unnest(:events, :offerings) WITH ORDINALITY
         AS m(event_id, offering, position)
     JOIN events e ON e.event_id = m.event_id
-    WHERE NOT {_copy_authorized(":consumer", "COALESCE(m.offering, e.offering_uuid)")}
+    WHERE NOT {_copy_authorized(":queue", ":consumer", "COALESCE(m.offering, e.offering_uuid)")}
     """  # noqa: S608 - the module's constants
 ).bindparams(
     bindparam("events", type_=ARRAY(String())),
     bindparam("offerings", type_=ARRAY(Uuid())),
+    bindparam("queue", type_=Uuid()),
     bindparam("consumer", type_=Uuid()),
     bindparam("now", type_=AwareDateTime()),
 )
@@ -445,11 +494,11 @@ _UNAUTHORIZED_COPIES = text(
 
 async def unauthorized_copies(
     session: AsyncSession,
-    consumer_uuid: uuid.UUID,
+    held: Held,
     copies: Sequence[tuple[str | None, str | None]],
     now: datetime,
 ) -> set[int]:
-    """Of copies in the consumer's queue, as (event id, offering hex), the positions of those
+    """Of copies in the queue `held`, as (event id, offering hex), the positions of those
     its owner may not receive at `now` (one query for a batch). A copy of an event no longer
     stored (past retention), or without an event id, is kept: nothing says it is not."""
     offerings = [_uuid_or_none(offering) for _, offering in copies]
@@ -458,11 +507,106 @@ async def unauthorized_copies(
         {
             "events": [event or "" for event, _ in copies],
             "offerings": offerings,
-            "consumer": consumer_uuid,
+            "queue": held.key if held.kind == "queue" else None,
+            "consumer": held.key if held.kind == "consumer" else None,
             "now": now,
         },
     )
     return {int(position) - 1 for position in rows}
+
+
+async def subscription_queue(
+    session: AsyncSession, queue_uuid: uuid.UUID
+) -> EventSubscriptionQueue | None:
+    """A legacy subscription queue (agent 1.0.5), read afresh."""
+    found: EventSubscriptionQueue | None = await session.scalar(
+        select(EventSubscriptionQueue)
+        .where(EventSubscriptionQueue.uuid == queue_uuid)
+        .execution_options(populate_existing=True)
+    )
+    return found
+
+
+async def set_subscription_password_hash(
+    session: AsyncSession, subscription_uuid: uuid.UUID, password_hash: str | None
+) -> None:
+    """Record the password last given to a subscription's broker user."""
+    await session.execute(
+        update(EventSubscription)
+        .where(EventSubscription.uuid == subscription_uuid)
+        .values(broker_password_hash=password_hash)
+    )
+
+
+# --- the owners whose queued copies are judged again (contract §14) ----------------------
+# Rows of `access_sweeps` are written by the triggers of migration 0016_access_changes; one
+# more row, of its own reason and the nil owner, keeps in `at` the time up to which role
+# and token expiries have been swept (docs/decisions/030-queued-copies-on-every-access-loss.md).
+EXPIRY_WATERMARK = "expiry_watermark"
+_WATERMARK_OWNER = uuid.UUID(int=0)
+
+
+@dataclass(frozen=True)
+class Sweeps:
+    """The access changes waiting to be swept: their rows, their owners, and whether one
+    was about every owner (an offering, customer or project changed)."""
+
+    ids: list[int]
+    owners: set[uuid.UUID]
+    every: bool
+
+
+async def pending_sweeps(session: AsyncSession) -> Sweeps:
+    rows = (
+        await session.execute(
+            select(AccessSweep.id, AccessSweep.owner_uuid).where(
+                AccessSweep.reason != EXPIRY_WATERMARK
+            )
+        )
+    ).all()
+    return Sweeps(
+        [row_id for row_id, _ in rows],
+        {owner for _, owner in rows if owner is not None},
+        any(owner is None for _, owner in rows),
+    )
+
+
+async def expiry_watermark(session: AsyncSession) -> datetime | None:
+    found: datetime | None = await session.scalar(
+        select(func.max(AccessSweep.at)).where(AccessSweep.reason == EXPIRY_WATERMARK)
+    )
+    return _utc(found) if found is not None else None
+
+
+async def expired_between(
+    session: AsyncSession, after: datetime, until: datetime
+) -> set[uuid.UUID]:
+    """The users with a role or a token whose expiry fell in (after, until] (two index range
+    reads: ix_roles_expires_at, ix_users_token_expires_at)."""
+    roles = select(Role.user_uuid).where(Role.expires_at > after, Role.expires_at <= until)
+    tokens = select(User.uuid).where(User.token_expires_at > after, User.token_expires_at <= until)
+    return set(await session.scalars(roles.union(tokens)))
+
+
+async def sweeps_done(
+    session: AsyncSession,
+    ids: Collection[int],
+    watermark: datetime,
+    failed_owners: Collection[uuid.UUID],
+) -> None:
+    """Forget the swept rows `ids` (by id: a row committed meanwhile with a lower id than
+    these is not among them and stays), move the expiry watermark to `watermark`, and
+    leave a row for each owner whose sweep failed, for the next run."""
+    if ids:
+        await session.execute(delete(AccessSweep).where(AccessSweep.id.in_(list(ids))))
+    moved = await session.execute(
+        update(AccessSweep).where(AccessSweep.reason == EXPIRY_WATERMARK).values(at=watermark)
+    )
+    if not getattr(moved, "rowcount", 0):
+        session.add(AccessSweep(owner_uuid=_WATERMARK_OWNER, reason=EXPIRY_WATERMARK, at=watermark))
+    session.add_all(
+        AccessSweep(owner_uuid=owner, reason="sweep_failed") for owner in sorted(failed_owners)
+    )
 
 
 def _uuid_or_none(value: str | None) -> uuid.UUID | None:

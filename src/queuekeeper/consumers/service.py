@@ -228,7 +228,7 @@ async def _register(
     wanted: _Wanted,
 ) -> tuple[EventConsumer, bool]:
     try:
-        consumer, created, dropped = await _make_real(session, provisioner, settings, wanted)
+        consumer, created, _dropped = await _make_real(session, provisioner, settings, wanted)
     except QueueConflict:
         CONSUMER_REGISTRATIONS.labels(route=route, outcome="conflict").inc()
         raise
@@ -236,12 +236,9 @@ async def _register(
         CONSUMER_REGISTRATIONS.labels(route=route, outcome="broker_unavailable").inc()
         raise
     CONSUMER_REGISTRATIONS.labels(route=route, outcome="created" if created else "reused").inc()
-    if dropped:
-        # The identity moved to another offering: what its queue holds of the old one goes,
-        # as after a revocation (docs/decisions/021-authorized-when-published.md).
-        consumer_uuid = consumer.uuid
-        await remove_revoked_copies(session, provisioner, wanted.owner_uuid, consumer_uuid, dropped)
-        consumer = await repository.get(session, consumer_uuid) or consumer
+    # An identity moved to another offering (`_dropped`): what its queue holds of the old one
+    # goes with the `sweep_access` job, which the scopes' trigger wakes
+    # (docs/decisions/030-queued-copies-on-every-access-loss.md).
     log.info(
         "consumer_created" if created else "consumer_reused",
         consumer=consumer.uuid.hex,
@@ -514,62 +511,61 @@ async def delete_consumer(
     log.info("consumers_deleted", consumers=[key.hex])
 
 
-async def remove_revoked_copies(
-    session: AsyncSession,
-    provisioner: Provisioner,
-    owner_uuid: uuid.UUID,
-    consumer_uuid: uuid.UUID,
-    offering_uuids: Collection[uuid.UUID],
-) -> None:
-    """A consumer that lost `offering_uuids` as scopes (its owner's grant was revoked, or its
-    identity moved to another offering) and kept others: take those offerings' copies out of
-    its queue, keeping the others (docs/decisions/003-revoked-scope-copies.md,
-    docs/decisions/021-authorized-when-published.md)."""
-    await _sieve(
-        session,
-        provisioner,
-        owner_uuid,
-        consumer_uuid,
-        lambda vhost, queue: sieve.remove_offering_copies(
-            provisioner.settings, vhost, queue, offering_uuids
-        ),
-        offerings=sorted(offering.hex for offering in offering_uuids),
-    )
+@dataclass(frozen=True)
+class Swept:
+    """What one sweep did: the queues read through, and the owners of those that failed."""
+
+    queues: int
+    removed: int
+    failed_owners: frozenset[uuid.UUID]
 
 
 async def remove_unauthorized_copies(
-    session: AsyncSession, provisioner: Provisioner, owner_uuids: Collection[uuid.UUID]
-) -> None:
-    """After these owners lost a role (deleted, expired, moved): take out of each of their
-    consumers' queues the copies they may no longer receive, by the rule copies are
-    published by, keeping the others (docs/decisions/003-revoked-scope-copies.md). Only a
-    queue that was sent such a copy within its messages' time to live is read through."""
+    session: AsyncSession,
+    provisioner: Provisioner,
+    owner_uuids: Collection[uuid.UUID] | None,
+    *,
+    on_failure: Callable[[str, str], None] | None = None,
+) -> Swept:
+    """After these owners (None: every owner) may have lost access, in whatever way: take
+    out of their queues the copies they may no longer receive, by the rule copies are
+    published by (`authorized_sql`), keeping the others in order
+    (docs/decisions/030-queued-copies-on-every-access-loss.md). Only a queue that was sent
+    such a copy within its messages' time to live is read through. Called by the
+    `sweep_access` job alone (consumers/sweep.py); a queue that cannot be read through is
+    logged, told to `on_failure(queue, reason)` and its owner returned, the others go on."""
     now = utcnow()
     since = now - timedelta(milliseconds=provisioner.settings.queue_message_ttl_ms)
     holding = await repository.holding_unauthorized_copies(session, owner_uuids, since, now)
     await session.commit()
-    for consumer_uuid, owner_uuid in holding:
-        await _sieve(
-            session,
-            provisioner,
-            owner_uuid,
-            consumer_uuid,
-            _unauthorized_reader(session, provisioner.settings, consumer_uuid),
-            reason="role_revoked",
-        )
+    failed: set[uuid.UUID] = set()
+    removed = 0
+    for held in holding:
+        try:
+            sieved = await _sieve(session, provisioner, held)
+        except Exception as exc:  # the next run tries this owner again
+            await session.rollback()
+            log.warning(
+                "unauthorized_copies_not_removed",
+                queue=f"{held.kind}:{held.key.hex}",
+                error=repr(exc),
+            )
+            if on_failure is not None:
+                on_failure(f"{held.kind}:{held.key.hex}", repr(exc)[:500])
+            failed.add(held.owner_uuid)
+            continue
+        removed += sieved.removed
+    return Swept(len(holding), removed, frozenset(failed))
 
 
 def _unauthorized_reader(
-    session: AsyncSession, settings: Settings, consumer_uuid: uuid.UUID
+    session: AsyncSession, settings: Settings, held: repository.Held
 ) -> Callable[[str, str], Awaitable[sieve.Sieved]]:
-    """Reads a queue through, removing the copies the consumer's owner may no longer receive."""
+    """Reads a queue through, removing the copies its owner may no longer receive."""
 
     async def unauthorized(copies: Sequence[sieve.QueuedCopy]) -> set[int]:
         return await repository.unauthorized_copies(
-            session,
-            consumer_uuid,
-            [(copy.event_id, copy.offering_uuid) for copy in copies],
-            utcnow(),
+            session, held, [(copy.event_id, copy.offering_uuid) for copy in copies], utcnow()
         )
 
     async def read_through(vhost: str, queue: str) -> sieve.Sieved:
@@ -579,60 +575,56 @@ def _unauthorized_reader(
 
 
 async def _sieve(
-    session: AsyncSession,
-    provisioner: Provisioner,
-    owner_uuid: uuid.UUID,
-    consumer_uuid: uuid.UUID,
-    read_through: Callable[[str, str], Awaitable[sieve.Sieved]],
-    **context: Any,
-) -> None:
-    """Read the consumer's queue through with `read_through(vhost, queue)`.
+    session: AsyncSession, provisioner: Provisioner, held: repository.Held
+) -> sieve.Sieved:
+    """Read the queue `held` through, removing what its owner may no longer receive.
 
-    Under the owner lock, its broker login is switched off and its connections closed
-    (what the agent held unacked goes back to the queue) while the queue is read through,
-    then given the owner's current password again. A failure is logged: the revocation
-    has committed, the copies stay."""
-    name = topology.consumer_user_name(consumer_uuid)
-    async with owner_locked(session, owner_uuid, vhost_exclusive=False):
-        consumer = await repository.get(session, consumer_uuid)
-        # A webhook consumer has no queue to read through nor broker login: what it had not
-        # received was given up with the revocation.
-        if consumer is None or consumer.delivery == WEBHOOK:
+    Under the owner lock, its broker login (the consumer's, or the legacy queue's
+    subscription's) is switched off and its connections closed (what the agent held
+    unacked goes back to the queue) while the queue is read through, then given the
+    owner's current password again. A queue gone meanwhile, or a webhook consumer's (it
+    has no queue: what it had not received is judged as it is posted), holds nothing."""
+    async with owner_locked(session, held.owner_uuid, vhost_exclusive=False):
+        row = await (
+            repository.get(session, held.key)
+            if held.kind == "consumer"
+            else repository.subscription_queue(session, held.key)
+        )
+        if row is None or (isinstance(row, EventConsumer) and row.delivery == WEBHOOK):
             await session.commit()
-            return
-        vhost, queue = consumer.vhost, consumer.queue_name
-        sieved: sieve.Sieved | None = None
+            return sieve.Sieved(0, 0)
+        set_password: Callable[[uuid.UUID, str | None], Awaitable[None]]
+        if isinstance(row, EventConsumer):
+            login = row.uuid
+            set_password = provisioner.set_consumer_password
+        else:
+            login = row.subscription_uuid
+            set_password = provisioner.set_subscription_password
+        vhost, queue = row.vhost, row.queue_name
         try:
-            await provisioner.set_consumer_password(consumer_uuid, None)
-            await provisioner.close_connections([name])
-            sieved = await read_through(vhost, queue)
-        except Exception as exc:  # never turns the committed revocation into an error
-            log.warning(
-                "revoked_copies_not_removed",
-                consumer=consumer_uuid.hex,
-                error=repr(exc),
-                **context,
-            )
+            await set_password(login, None)
+            await provisioner.close_connections([login.hex])
+            sieved = await _unauthorized_reader(session, provisioner.settings, held)(vhost, queue)
         finally:
             try:
-                password_hash = await login_hash_now(session, owner_uuid)
+                password_hash = await login_hash_now(session, held.owner_uuid)
             except UserGone:
                 password_hash = None
-            await best_effort(
-                "set_password",
-                provisioner.set_consumer_password(consumer_uuid, password_hash),
-                consumer=consumer_uuid.hex,
-            )
-            consumer.broker_password_hash = password_hash
+            await best_effort("set_password", set_password(login, password_hash), login=login.hex)
+            if isinstance(row, EventConsumer):
+                row.broker_password_hash = password_hash
+            else:
+                await repository.set_subscription_password_hash(
+                    session, row.subscription_uuid, password_hash
+                )
             await session.commit()
-    if sieved is not None:
-        log.info(
-            "revoked_copies_removed",
-            consumer=consumer_uuid.hex,
-            removed=sieved.removed,
-            kept=sieved.kept,
-            **context,
-        )
+    log.info(
+        "unauthorized_copies_removed",
+        queue=f"{held.kind}:{held.key.hex}",
+        removed=sieved.removed,
+        kept=sieved.kept,
+    )
+    return sieved
 
 
 # --- webhook consumers (contract §13; docs/decisions/027-webhook-registration.md) -----------

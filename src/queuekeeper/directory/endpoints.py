@@ -171,11 +171,8 @@ async def put_role(
     body: RolePut,
     response: Response,
     session: SessionDep,
-    provisioner: ProvisionerDep,
 ) -> RoleOut:
-    role, created = await service.put_role(
-        session, provisioner, _uuid(role_uuid, "role_uuid"), body
-    )
+    role, created = await service.put_role(session, _uuid(role_uuid, "role_uuid"), body)
     response.status_code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
     return RoleOut.from_row(role)
 
@@ -188,8 +185,8 @@ async def put_role(
     "no longer receive are taken out of its consumers' queues. 204 also when gone.",
     responses=SERVICE_ERRORS,
 )
-async def delete_role(role_uuid: str, session: SessionDep, provisioner: ProvisionerDep) -> Response:
-    await service.delete_role(session, provisioner, _uuid(role_uuid, "role_uuid"))
+async def delete_role(role_uuid: str, session: SessionDep) -> Response:
+    await service.delete_role(session, _uuid(role_uuid, "role_uuid"))
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

@@ -428,20 +428,17 @@ _ROLE_SCOPES: dict[str, type[Customer | Project | Offering]] = {
 }
 
 
-async def put_role(
-    session: AsyncSession, provisioner: Provisioner, role_uuid: uuid.UUID, body: RolePut
-) -> tuple[Role, bool]:
+async def put_role(session: AsyncSession, role_uuid: uuid.UUID, body: RolePut) -> tuple[Role, bool]:
     """A user's role on a customer, project or offering; True when created. The user and
     the scope must have been pushed (else a 400 naming which). An update that takes a role
-    away from its user (another user or scope, or an expiry now past) removes the copies
-    that user may no longer receive from its consumers' queues, as `delete_role` does."""
+    away from its user (another user or scope, or an expiry now past) is swept as any loss
+    of access is: the copies that user may no longer receive leave its queues
+    (docs/decisions/030-queued-copies-on-every-access-loss.md)."""
     if await session.get(User, body.user_uuid) is None:
         raise BadRequest(
             f"Unknown user {body.user_uuid.hex}: PUT the user first.", field="user_uuid"
         )
     await _known(session, _ROLE_SCOPES[body.scope.type], body.scope.uuid, "scope.uuid")
-    before = await session.get(Role, role_uuid)
-    held = (before.user_uuid, before.scope_type, before.scope_uuid) if before is not None else None
 
     def apply(role: Role) -> None:
         role.user_uuid = body.user_uuid
@@ -467,26 +464,19 @@ async def put_role(
         scope=f"{body.scope.type}:{body.scope.uuid.hex}",
         created=created,
     )
-    expired = body.expires_at is not None and body.expires_at <= utcnow()
-    if held is not None and (expired or held != (body.user_uuid, body.scope.type, body.scope.uuid)):
-        await consumers_service.remove_unauthorized_copies(session, provisioner, [held[0]])
     return role, created
 
 
-async def delete_role(
-    session: AsyncSession, provisioner: Provisioner, role_uuid: uuid.UUID
-) -> None:
+async def delete_role(session: AsyncSession, role_uuid: uuid.UUID) -> None:
     """The role stops counting for the next event (authorization at delivery, contract
-    §12), and the copies its user may no longer receive leave its consumers' queues
-    (docs/decisions/003-revoked-scope-copies.md). 204 also when gone."""
+    §12), and the copies its user may no longer receive leave its queues with the
+    `sweep_access` job (docs/decisions/030-queued-copies-on-every-access-loss.md). 204
+    also when gone."""
     role = await session.get(Role, role_uuid)
-    user_uuid = role.user_uuid if role is not None else None
     if role is not None:
         await session.delete(role)
     await session.commit()
     log.info("role_deleted", role=role_uuid.hex, existed=role is not None)
-    if user_uuid is not None:
-        await consumers_service.remove_unauthorized_copies(session, provisioner, [user_uuid])
 
 
 async def delete_offering(
@@ -565,8 +555,9 @@ async def revoke_access(
         grant = await repository.get_grant(session, user_uuid, offering_uuid, lock=True)
         queues = await repository.queues_of_user_for_offering(session, user_uuid, offering_uuid)
         # The user's consumers bound to this offering alone are deleted; those bound to
-        # others too only lose this scope (and the offering's copies already in their queue:
-        # docs/decisions/003-revoked-scope-copies.md).
+        # others too only lose this scope, and the offering's copies already in their queue
+        # go with the `sweep_access` job that the grant's deletion wakes
+        # (docs/decisions/030-queued-copies-on-every-access-loss.md).
         consumers = await consumers_repository.scoped_only_to(session, offering_uuid, user_uuid)
         gone = {consumer.uuid for consumer in consumers}
         scopes = await consumers_repository.scopes_of_owner_for(session, user_uuid, offering_uuid)
@@ -598,10 +589,6 @@ async def revoke_access(
         consumers=len(consumers),
         narrowed_consumers=len(narrowed),
     )
-    for consumer_uuid in narrowed:
-        await consumers_service.remove_revoked_copies(
-            session, provisioner, user_uuid, consumer_uuid, [offering_uuid]
-        )
     # A consumer of a deleted queue is cancelled by the broker; closing the logins that
     # read the offering's queues also ends anything else they held open for it.
     await provisioner.close_connections(

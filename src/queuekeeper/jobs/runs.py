@@ -60,6 +60,7 @@ class Job(enum.StrEnum):
     REVOKE_EXPIRED = "revoke_expired"
     RETENTION = "retention"
     PRESENCE = "presence"
+    SWEEP_ACCESS = "sweep_access"
 
 
 class Trigger(enum.StrEnum):
@@ -69,6 +70,8 @@ class Trigger(enum.StrEnum):
     # A returning agent's release redrives its queue's dead letters first (contract §11):
     # never "not due", whatever the scheduled redrive did this interval.
     RELEASE = "release"
+    # The job's wake source announced a change (`JobSpec.wake`): never "not due" either.
+    WAKE = "wake"
 
 
 class RunStatus(enum.StrEnum):
@@ -217,6 +220,9 @@ class JobContext:
 
 
 JobBody = Callable[[JobContext, Run], Awaitable[None]]
+# Calls its second argument whenever the job should run now, until its third is set;
+# returns when it can no longer tell (a lost connection), and the scheduler starts it again.
+WakeSource = Callable[[JobContext, Callable[[], None], asyncio.Event], Awaitable[None]]
 
 
 def _never(settings: Settings) -> int:
@@ -237,6 +243,8 @@ class JobSpec:
     # With no record of its last run it is never "not due": each replica runs it every
     # interval, one at a time under the lock (it must be cheap when there is nothing to do).
     quiet: bool = False
+    # Besides every interval, the scheduler runs the job as soon as this says (a NOTIFY).
+    wake: WakeSource | None = None
 
 
 JobTable = Mapping[Job, JobSpec]

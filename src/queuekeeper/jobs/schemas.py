@@ -55,11 +55,11 @@ class RunOut(Schema):
     uuid: HexUUID
     job: Job = Field(
         description="`reconcile`, `cleanup_stale`, `redrive_dead_letters`, `revoke_expired`, "
-        "`retention` or `presence`."
+        "`retention`, `presence` or `sweep_access`."
     )
     trigger: Trigger = Field(
-        description="`schedule`, `api`, `cli` or `release` (the redrive a returning agent's "
-        "release runs first)."
+        description="`schedule`, `api`, `cli`, `release` (the redrive a returning agent's "
+        "release runs first) or `wake` (a change the job listens for)."
     )
     dry_run: bool
     started: UTCDateTime
