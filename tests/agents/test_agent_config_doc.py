@@ -5,9 +5,15 @@ nothing missing (the agent only logs what that schema refuses, then fails later)
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+from pathlib import Path
+
+import pytest
 
 from tests.agents.releases import RELEASES
+from tests.agents.site_agent_venv import BUILD, ensure_venv
 from tests.conftest import ROOT
 
 NEWEST = RELEASES[-1].version
@@ -50,3 +56,26 @@ def test_the_install_line_pins_the_release_the_suite_runs() -> None:
     (line,) = [line for line in install.splitlines() if "pip install" in line]
     pinned = dict(re.findall(r"'?([a-z-]+)==([^' ]+)'?", line))
     assert pinned == dict.fromkeys(PACKAGES, NEWEST), line
+
+
+@pytest.mark.timeout(900)
+def test_the_documented_configuration_passes_the_slurm_plugins_schema(tmp_path: Path) -> None:
+    python = ensure_venv(
+        BUILD / f"site-agent-slurm-venv-{NEWEST}",
+        f"waldur-site-agent-slurm=={NEWEST}",
+        f"waldur-site-agent=={NEWEST}",
+    )
+    config = tmp_path / "waldur-site-agent-config.yaml"
+    config.write_text(documented("Configuration that works", "yaml"))
+    done = subprocess.run(
+        [str(python), "-c", LOAD, str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.splitlines()[-1])
+    assert "slurm" in loaded["schemas"]  # the plugin's schema was there to check it
+    assert loaded["warnings"] == []
+    assert loaded["backend_settings"][0]["default_account"]
