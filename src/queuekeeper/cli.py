@@ -259,6 +259,23 @@ def healthcheck(
     typer.echo(f"{target}: {response.status_code} {response.text[:500]}")
 
 
+@app.command("waldur-standin")
+def waldur_standin(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(
+        8080, help="Port to listen on: the site proxy's `waldur` upstream (8080 as shipped)."
+    ),
+) -> None:
+    """Answer as an empty Waldur, for trying an agent behind the site proxy without one."""
+    import uvicorn
+
+    from queuekeeper.logging import configure_logging
+    from queuekeeper.waldur_standin import WaldurStandIn
+
+    configure_logging(level="INFO")
+    uvicorn.run(WaldurStandIn(), host=host, port=port, lifespan="off", log_config=None)
+
+
 def masked_settings(settings: Settings) -> dict[str, Any]:
     """Effective settings by environment variable name, secrets masked."""
     from queuekeeper.common.redact import MASK, is_secret_key, redact_url
