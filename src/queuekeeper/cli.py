@@ -259,6 +259,23 @@ def healthcheck(
     typer.echo(f"{target}: {response.status_code} {response.text[:500]}")
 
 
+@app.command("waldur-standin")
+def waldur_standin(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(
+        8080, help="Port to listen on: the site proxy's `waldur` upstream (8080 as shipped)."
+    ),
+) -> None:
+    """Answer as an empty Waldur, for trying an agent behind the site proxy without one."""
+    import uvicorn
+
+    from queuekeeper.logging import configure_logging
+    from queuekeeper.waldur_standin import WaldurStandIn
+
+    configure_logging(level="INFO")
+    uvicorn.run(WaldurStandIn(), host=host, port=port, lifespan="off", log_config=None)
+
+
 def masked_settings(settings: Settings) -> dict[str, Any]:
     """Effective settings by environment variable name, secrets masked."""
     from queuekeeper.common.redact import MASK, is_secret_key, redact_url
@@ -276,14 +293,89 @@ def masked_settings(settings: Settings) -> dict[str, Any]:
     return values
 
 
+def changed_settings(settings: Settings) -> dict[str, str]:
+    """The default, as `queuekeeper settings` shows a value, of each setting that differs
+    from it, by variable name."""
+    from queuekeeper.config_reference import env_names
+
+    changed: dict[str, str] = {}
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if getattr(settings, name) != default and not _derived(settings, name):
+            shown = masked_settings(Settings.model_construct(**{name: default}))
+            changed[env_names(name, field)[0]] = _line_value(shown, name)
+    return changed
+
+
+def _derived(settings: Settings, name: str) -> bool:
+    """The public URL left empty is made from the listen address (`Settings`)."""
+    derived = f"http://{settings.local_host}:{settings.port}{settings.root_path}"
+    return name == "public_url" and settings.public_url == derived
+
+
+def settings_notes(settings: Settings) -> dict[str, str]:
+    """What a line of `queuekeeper settings` says beside its value, by variable name: the
+    default it replaces, or what an empty value means (the embedded database, the process
+    counts `serve` derives from the cores)."""
+    from queuekeeper.supervisor import cores, process_counts
+
+    notes = {
+        env: f"set; default {default!r}" for env, default in changed_settings(settings).items()
+    }
+    if _derived(settings, "public_url"):
+        notes["QUEUEKEEPER_PUBLIC_URL"] = "auto: from QUEUEKEEPER_HOST, _PORT and _ROOT_PATH"
+    if not settings.database_url:
+        data_dir = Path(settings.embedded_data_dir).expanduser().absolute()
+        notes["QUEUEKEEPER_DATABASE_URL"] = f"embedded PostgreSQL in {data_dir}"
+    _, relays = process_counts(settings)
+    if settings.accept_workers is None:
+        notes["QUEUEKEEPER_ACCEPT_WORKERS"] = f"auto: {cores()} cores"
+    if settings.relay_processes is None:
+        notes["QUEUEKEEPER_RELAY_PROCESSES"] = (
+            "auto: QUEUEKEEPER_RELAY_ENABLED=false, no relay"
+            if not settings.relay_enabled
+            else f"auto: {cores()} cores"
+            + ("; 0: the relay runs in the accept process" if relays == 0 else "")
+        )
+    return notes
+
+
+def effective_values(settings: Settings) -> dict[str, Any]:
+    """`masked_settings`, with the process counts `serve` uses when they are left empty."""
+    from queuekeeper.supervisor import process_counts
+
+    values = masked_settings(settings)
+    accept, relays = process_counts(settings)
+    values["QUEUEKEEPER_ACCEPT_WORKERS"] = accept
+    values["QUEUEKEEPER_RELAY_PROCESSES"] = relays
+    return values
+
+
+def _line_value(values: dict[str, Any], name: str) -> str:
+    from queuekeeper.config_reference import env_names
+
+    value = values[env_names(name, Settings.model_fields[name])[0]]
+    shown = ",".join(map(str, value)) if isinstance(value, list) else value
+    if isinstance(shown, bool):
+        shown = str(shown).lower()
+    return "" if shown is None else str(shown)
+
+
 @app.command("settings")
 def show_settings(
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of lines."),
+    changed: bool = typer.Option(
+        False, "--changed", help="Only the settings that differ from their default."
+    ),
 ) -> None:
-    """Print the effective settings (environment and .env applied), secrets masked."""
+    """Print the effective settings (environment and .env applied), secrets masked.
+
+    A line is `NAME=value`, then `# set; default ...` when the value is not the default, or
+    what an empty value stands for (the embedded database, the process counts from the
+    cores). `--json` gives the settings as set (null where `serve` decides)."""
     from pydantic import ValidationError
 
-    from queuekeeper.config_reference import unknown_in_environment
+    from queuekeeper.config_reference import env_names, unknown_in_environment
 
     for unknown in unknown_in_environment():  # what `serve` logs, on stderr
         typer.echo(f"warning: {unknown.detail}", err=True)
@@ -291,15 +383,22 @@ def show_settings(
         settings = Settings()
     except ValidationError as exc:
         raise fail(f"invalid settings:\n{exc}", 2) from exc
-    values = masked_settings(settings)
+    differ = changed_settings(settings)
     if as_json:
+        values = masked_settings(settings)
+        if changed:
+            values = {env: value for env, value in values.items() if env in differ}
         typer.echo(json.dumps(values, indent=2, default=str))
         return
-    for name, value in values.items():
-        shown = ",".join(map(str, value)) if isinstance(value, list) else value
-        if isinstance(shown, bool):
-            shown = str(shown).lower()
-        typer.echo(f"{name}={'' if shown is None else shown}")
+    values = effective_values(settings)
+    notes = settings_notes(settings)
+    for name, field in Settings.model_fields.items():
+        env = env_names(name, field)[0]
+        if changed and env not in differ:
+            continue
+        note = notes.get(env, "")
+        line = f"{env}={_line_value(values, name)}"
+        typer.echo(f"{line:<48} # {note}" if note else line)
 
 
 @app.command("settings-table")

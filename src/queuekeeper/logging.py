@@ -19,9 +19,10 @@ import structlog
 from queuekeeper.common.redact import Redactor, url_password
 from queuekeeper.config import Settings
 
-# Libraries whose INFO lines are one per call (httpx: one per Management API request);
-# they speak at WARNING unless the root level is DEBUG.
-_CHATTY = ("httpx", "httpcore", "aiormq", "asyncio")
+# Libraries whose INFO lines are one per call (httpx: one per Management API request;
+# APScheduler: "Running job" and "executed successfully" for every run, two lines every
+# 10 s when idle); they speak at WARNING unless the root level is DEBUG.
+_CHATTY = ("httpx", "httpcore", "aiormq", "asyncio", "apscheduler")
 _BRIDGED = (
     "uvicorn",
     "uvicorn.error",

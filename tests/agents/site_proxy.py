@@ -1,5 +1,6 @@
 """The shipped nginx site (deploy/nginx/queuekeeper-beside-waldur.conf) run by a test: nginx
-in the foreground with its own prefix, a stand-in for Waldur's other endpoints, and the
+in the foreground with its own prefix, the stand-in for Waldur's other endpoints that
+`queuekeeper waldur-standin` serves (queuekeeper/waldur_standin.py), and the
 certificate of a loopback host name made by a test CA."""
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import trustme
 import uvicorn
 
+from queuekeeper.waldur_standin import WaldurStandIn
 from tests.conftest import ROOT
 from tests.ops.tools import require, unavailable
 
@@ -51,28 +52,8 @@ def free_loopback_address(port: int) -> str:
     raise AssertionError(f"no free loopback address for port {port} in 50 tries")
 
 
-class StandInWaldur:
-    """Answers every path 200 with who served it, and records what it was asked."""
-
-    def __init__(self) -> None:
-        self.paths: list[str] = []
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        self.paths.append(scope["path"])
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/json")],
-            }
-        )
-        await send({"type": "http.response.body", "body": b'{"served_by": "waldur"}'})
-
-
 @asynccontextmanager
-async def serving(app: StandInWaldur, port: int) -> AsyncIterator[None]:
+async def serving(app: WaldurStandIn, port: int) -> AsyncIterator[None]:
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning")
     )

@@ -34,13 +34,13 @@ import websockets
 import yaml
 from websockets.exceptions import InvalidStatus
 
+from queuekeeper.waldur_standin import WaldurStandIn
 from tests.agents.harness import Server, agent_config, start_agent
 from tests.agents.releases import RELEASES, Release
 from tests.agents.site_agent_venv import ensure_site_agent_venv
 from tests.agents.site_proxy import (
     SHIPPED,
     Certificate,
-    StandInWaldur,
     certificate_for,
     free_loopback_address,
     free_port,
@@ -103,7 +103,7 @@ async def deployed(server: Server, tmp_path: Path) -> AsyncIterator[Deployed]:
     """The shipped site over TLS, in front of `server`, RabbitMQ and a stand-in for Waldur."""
     certificate = certificate_for(NAME, tmp_path / "tls")
     address = free_loopback_address(HTTPS)
-    waldur, waldur_port = StandInWaldur(), free_port()
+    waldur, waldur_port = WaldurStandIn(), free_port()
     site = tls_site(
         certificate,
         address,

@@ -11,6 +11,7 @@ import respx
 
 from queuekeeper.broker import management
 from queuekeeper.broker.management import (
+    BrokerOverview,
     BrokerUnavailable,
     ConnectionInfo,
     ManagementBadRequest,
@@ -198,6 +199,20 @@ async def test_real_broker_round_trip(settings: Settings) -> None:
     finally:
         await client.delete_vhost(vhost)
         await client.aclose()
+
+
+async def test_overview_names_the_running_rabbitmq_version(settings: Settings) -> None:
+    client = ManagementClient(settings)
+    try:
+        overview = await client.overview()
+    finally:
+        await client.aclose()
+    async with httpx.AsyncClient(
+        auth=(settings.management_user, settings.management_password), timeout=5
+    ) as raw:
+        answer = await raw.get(f"{settings.management_urls[0]}/api/overview")
+    assert overview == BrokerOverview(rabbitmq_version=answer.json()["rabbitmq_version"])
+    assert overview.rabbitmq_version.split(".")[0].isdigit()
 
 
 async def test_queues_now_counts_exactly_the_named_queues(

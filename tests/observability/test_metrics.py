@@ -84,6 +84,39 @@ async def test_http_requests_are_counted_by_route_template(
     assert not seen & {"/healthz", "/readyz", "/metrics"}
 
 
+async def test_requests_the_guard_refuses_are_counted_by_their_route(
+    client: httpx.AsyncClient, settings: Settings
+) -> None:
+    """The guard answers a missing token (401) or an oversized body (413) before the router
+    runs; an alert on the backend's refused pushes still needs the route's name."""
+    user = "/api/internal/users/{user_uuid}/"
+    events = "/api/internal/events/"
+    before = await scrape(client)
+    refused = [
+        await client.put(f"/api/internal/users/{uuid.uuid4().hex}/", json={"username": "x"}),
+        await client.post(events, json={}, headers={"Authorization": "Bearer wrong"}),
+        await client.post(
+            events,
+            content=b"x" * (settings.event_payload_max_bytes + 4097),
+            headers={"Authorization": f"Bearer {SERVICE_TOKEN}"},
+        ),
+    ]
+    assert [r.status_code for r in refused] == [401, 401, 413]
+    after = await scrape(client)
+    counter = "queuekeeper_http_requests_total"
+    for method, route, status in (
+        ("PUT", user, "401"),
+        ("POST", events, "401"),
+        ("POST", events, "413"),
+    ):
+        labels = {"method": method, "route": route, "status": status}
+        assert value(after, counter, **labels) - value(before, counter, **labels) == 1, labels
+    for status in ("401", "413"):
+        for method in ("PUT", "POST"):
+            unmatched = {"method": method, "route": "unmatched", "status": status}
+            assert value(after, counter, **unmatched) == value(before, counter, **unmatched)
+
+
 async def test_create_queue_outcomes_are_counted(
     client: httpx.AsyncClient, backend: Backend, management: ManagementClient
 ) -> None:

@@ -140,6 +140,14 @@ def _routed(scope: Scope) -> bool:
     return any(route.matches(scope)[0] is Match.FULL for route in routes)
 
 
+def _answered_for(scope: Scope, rule: Policy) -> None:
+    """Name the route of a request the guard answers itself, as the router names those it
+    routes (the route the policy was declared by, found by the route's own path pattern):
+    the HTTP metrics and the access line label it by its template, not `unmatched`."""
+    if rule.route is not None:
+        scope["route"] = rule.route
+
+
 class RequestGuard:
     def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
@@ -177,6 +185,7 @@ class RequestGuard:
                 f"The service is handling {limit} accept requests already (setting "
                 "events_max_in_flight); nothing of this request was read or stored. Retry."
             )
+            _answered_for(scope, rule)
             await domain_error_response(refused, self.settings.retry_after_seconds)(
                 scope, receive, send
             )
@@ -205,11 +214,13 @@ class RequestGuard:
                 # No such route: the router's 404 (or 405) reads no body, and says what to send.
                 await self.app(scope, receive, send)
                 return
+            _answered_for(scope, rule)
             response = domain_error_response(exc, self.settings.retry_after_seconds)
             await response(scope, receive, send)
             return
         except DATABASE_ERRORS as exc:
             # Raised here, outside the app, its exception handlers would not see it.
+            _answered_for(scope, rule)
             failed = database_error_response(Request(scope), exc, self.settings.retry_after_seconds)
             await failed(scope, receive, send)
             return

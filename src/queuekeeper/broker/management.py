@@ -92,6 +92,17 @@ class QueuePage:
 
 
 @dataclass(frozen=True)
+class BrokerOverview:
+    """What `GET /api/overview` is asked for: the cluster's RabbitMQ version ("3.13.7")."""
+
+    rabbitmq_version: str
+
+    @classmethod
+    def parse(cls, body: dict[str, Any]) -> BrokerOverview:
+        return cls(rabbitmq_version=str(body.get("rabbitmq_version") or ""))
+
+
+@dataclass(frozen=True)
 class VhostInfo:
     name: str
     tags: tuple[str, ...] = ()
@@ -467,9 +478,9 @@ class ManagementClient:
         return True
 
     # --- cluster -----------------------------------------------------------------------
-    async def overview(self) -> dict[str, Any]:
+    async def overview(self) -> BrokerOverview:
         body = await self._get_or_none("/overview", "overview", columns="rabbitmq_version")
-        return body or {}
+        return BrokerOverview.parse(body or {})
 
     async def node_overview(self, node_url: str) -> None:
         """Ask that one node, not the cluster: readiness reports each node by itself."""
