@@ -57,8 +57,11 @@ test-image: install services tools
 	$(BIN)/pytest -q -s -m container tests/ops/test_image.py
 
 ## make test: install, make sure PostgreSQL and RabbitMQ are up, lint, type-check, run the suite
-## once, then build and run the container image.
-test: install services tools lint typecheck test-postgres test-image
+## once and, beside it, build and run the container image (scripts/beside.sh prints the image
+## test's output after the suite's and fails if either failed).
+test: install services tools lint typecheck
+	@bash scripts/beside.sh "$(MAKE) --no-print-directory test-image" \
+	  $(MAKE) --no-print-directory test-postgres
 
 ## make test-cluster: not part of `make test`. Builds a 3-node RabbitMQ cluster on loopback
 ## beside the main broker (ports 57xx/157xx; needs root and the rabbitmq-server package), runs

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# `make test`: runs a command beside another and fails if either fails.
+#
+#   beside.sh "<background command>" <foreground command...>
+#
+# The background command (the container image test: buildah copying file systems and pip
+# installing wheels) writes to a file, printed once both have ended; the foreground one (the
+# suite, whose workers mostly wait on the brokers and agent subprocesses) writes as usual.
+# Side by side they take about as long as the suite alone, not the sum of both.
+set -uo pipefail
+
+background=$1
+shift
+output=$(mktemp "${TMPDIR:-/tmp}/queuekeeper-beside.XXXXXX")
+trap 'rm -f "$output"' EXIT
+
+# A process group of its own, so an interrupted `make test` stops it too.
+setsid bash -c "$background" >"$output" 2>&1 </dev/null &
+pid=$!
+trap 'kill -TERM -- "-$pid" 2>/dev/null; exit 130' INT TERM
+"$@"
+foreground_status=$?
+wait "$pid"
+background_status=$?
+
+printf '\n=== %s (ran beside: %s) exited %s ===\n' "$background" "$*" "$background_status"
+cat "$output"
+printf '=== end of %s ===\n' "$background"
+if [ "$foreground_status" != 0 ] || [ "$background_status" != 0 ]; then
+  printf 'beside.sh: %s exited %s, %s exited %s\n' \
+    "$*" "$foreground_status" "$background" "$background_status" >&2
+  exit 1
+fi
