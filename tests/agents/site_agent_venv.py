@@ -9,10 +9,13 @@ test keeps its base image (tests/ops/test_image.py). A marker file records the i
 version; a file lock per release keeps concurrent test runs from building it twice at
 once. A fresh machine needs PyPI (or a configured mirror) once.
 
-A build is the suite's pip installing into a virtualenv made without pip, byte-compiling
-nothing: waldur-api-client is ~5,600 modules of which a client run imports a few dozen
-(compiled on first import), so this costs about a fifth of the CPU of `venv` with pip and
-`pip install`'s default compile.
+A build is the suite's pip installing into a virtualenv made without pip of its own
+(ensurepip cost ~8 s of CPU a virtualenv). An agent's is byte-compiled, as pip does by
+default: the agent imports all of waldur-api-client's ~5,600 modules at start, and
+compiling them then would slow its first start past what the tests wait for on a busy
+machine. A client's alone is not: its scripts import a few dozen modules
+(tests/agents/test_api_clients.py), compiled on first import, so its build costs ~6 s of
+CPU, not ~29.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def _ready(path: Path, requirement: str) -> bool:
 
 
 def ensure_venv(path: Path, requirement: str, *pip_options: str) -> Path:
-    """The python of a virtualenv at `path` holding `requirement`; builds it when missing."""
+    """The python of a virtualenv at `path` holding `requirement`, installed with
+    `pip_options`; builds it when missing."""
     if _ready(path, requirement):
         return _python(path)
     BUILD.mkdir(parents=True, exist_ok=True)
@@ -62,7 +66,7 @@ def ensure_venv(path: Path, requirement: str, *pip_options: str) -> Path:
         if _ready(path, requirement):  # another run built it while we waited for the lock
             return _python(path)
         venv.EnvBuilder(clear=True, with_pip=False).create(path)
-        install = ["install", "--quiet", "--no-compile", *pip_options, requirement]
+        install = ["install", "--quiet", *pip_options, requirement]
         result = subprocess.run(
             [sys.executable, "-m", "pip", "--python", str(_python(path)), *install],
             capture_output=True,
@@ -87,7 +91,8 @@ def ensure_site_agent_venv(version: str = LEGACY_VERSION) -> Path:
 def ensure_api_client_venv(version: str) -> Path:
     """The python of a virtualenv with waldur-api-client `version` alone (a client line no
     published agent pins exactly, e.g. 8.1.3 final beside 1.0.8rc12's 8.1.3rc23)."""
-    return ensure_venv(BUILD / f"api-client-venv-{version}", f"waldur-api-client=={version}")
+    path = BUILD / f"api-client-venv-{version}"
+    return ensure_venv(path, f"waldur-api-client=={version}", "--no-compile")
 
 
 # The newest waldur-api-client build on the package index, pre-releases included, asked once
