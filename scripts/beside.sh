@@ -3,10 +3,10 @@
 #
 #   beside.sh "<background command>" <foreground command...>
 #
-# The background command (the container image test: buildah copying file systems and pip
-# installing wheels) writes to a file, printed once both have ended; the foreground one (the
-# suite, whose workers mostly wait on the brokers and agent subprocesses) writes as usual.
-# Side by side they take about as long as the suite alone, not the sum of both.
+# The background command (mypy, then the container image test: buildah copying file systems
+# and pip installing wheels) writes to a file, printed once both have ended; the foreground
+# one (the suite, whose workers mostly wait on the brokers and agent subprocesses) writes as
+# usual. Side by side they take about as long as the suite alone, not the sum of both.
 set -uo pipefail
 
 background=$1
