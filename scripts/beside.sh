@@ -14,11 +14,14 @@ shift
 output=$(mktemp "${TMPDIR:-/tmp}/queuekeeper-beside.XXXXXX")
 trap 'rm -f "$output"' EXIT
 
-# A process group of its own, so an interrupted `make test` stops it too.
+# Each in a process group of its own, waited for with `wait` (which a signal interrupts),
+# so an interrupted `make test` stops both and everything they started.
 setsid bash -c "$background" >"$output" 2>&1 </dev/null &
 pid=$!
-trap 'kill -TERM -- "-$pid" 2>/dev/null; exit 130' INT TERM
-"$@"
+setsid "$@" &
+foreground=$!
+trap 'kill -TERM -- "-$pid" "-$foreground" 2>/dev/null; exit 130' INT TERM
+wait "$foreground"
 foreground_status=$?
 wait "$pid"
 background_status=$?
