@@ -56,9 +56,12 @@ test-postgres: install services tools
 test-image: install services tools
 	$(BIN)/pytest -q -s -m container tests/ops/test_image.py
 
-## make test: install, make sure PostgreSQL and RabbitMQ are up, lint, type-check, run the suite
-## once, then build and run the container image.
-test: install services tools lint typecheck test-postgres test-image
+## make test: install, make sure PostgreSQL and RabbitMQ are up, lint, run the suite once and,
+## beside it, type-check then build and run the container image (scripts/beside.sh prints
+## their output after the suite's and fails if either side failed).
+test: install services tools lint
+	@bash scripts/beside.sh "$(MAKE) --no-print-directory typecheck test-image" \
+	  $(MAKE) --no-print-directory test-postgres
 
 ## make test-cluster: not part of `make test`. Builds a 3-node RabbitMQ cluster on loopback
 ## beside the main broker (ports 57xx/157xx; needs root and the rabbitmq-server package), runs

@@ -3,8 +3,8 @@ on PyPI, pre-releases included, whatever tests/agents/releases.py lists.
 
 Asks pip which version is newest (`pip index versions --pre`), then runs
 tests/agents/test_agent_matrix.py with `QK_AGENT_VERSION=<it>`: the agent is installed
-into its own cached virtualenv (build/site-agent-venv-<version>) and runs unchanged but
-for its message handlers. Prints the version tried, the waldur-api-client it pins (the
+into its own cached virtualenv (tests/agents/site_agent_venv.py says where) and runs
+unchanged but for its message handlers. Prints the version tried, the waldur-api-client it pins (the
 client that parsed queuekeeper's answers in that run) and the verdict; exits non-zero when
 the agent does not set up, receive every type it subscribes to once, and restart cleanly.
 Run it before every upgrade of queuekeeper and whenever an agent is released
@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.agents.site_agent_venv import venv_path  # noqa: E402 - the checkout, just put on the path
+
 PACKAGE = "waldur-site-agent"
 
 
@@ -39,7 +42,7 @@ def newest_version() -> str:
 
 def pinned_client(version: str) -> str:
     """The waldur-api-client version installed beside the agent in its virtualenv."""
-    python = ROOT / "build" / f"site-agent-venv-{version}" / "bin" / "python"
+    python = venv_path(version) / "bin" / "python"
     if not python.exists():
         return "unknown (the agent's virtualenv was not built)"
     found = subprocess.run(  # noqa: S603 - the agent's own interpreter, fixed arguments

@@ -11,7 +11,7 @@ it cleanly. The base image, the wheelhouse and the build's layers are kept under
 QK_CONTAINERS_DIR (default /var/tmp/queuekeeper-containers), so a repeat run only builds the
 image itself (about 1.5 min here). Skipped, saying why, only where containers cannot run.
 
-`make test` runs this once (`make test-image`); the two suite passes leave it out.
+`make test` runs this once (`make test-image`, beside the suite); the suite's pass leaves it out.
 """
 
 from __future__ import annotations
