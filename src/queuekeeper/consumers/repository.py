@@ -36,8 +36,8 @@ from queuekeeper.consumers.schemas import ConsumerFilters, DeliveryFilters
 from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.models import (
     CONSUMER_ON_BROKER,
-    AccessSweep,
     GIVEN_UP_STATES,
+    AccessSweep,
     AgentIdentity,
     AwareDateTime,
     Customer,
