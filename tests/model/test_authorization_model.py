@@ -1,0 +1,111 @@
+"""The authorization rule, tested against a reference model (contract §11-§14): random
+histories of directory changes, events of every scope, consumers of every binding and both
+deliveries, agents leaving and returning, replays and resyncs, played against the real
+service; every copy a queue reader or a webhook receiver gets is judged by the model at the
+moment it left, and every copy the model says is owed must arrive.
+
+`make test` plays a few histories of fixed seeds and one written out (the copies a slow
+webhook receiver held back behind its head); `make test-model` plays many more
+(`QK_MODEL_STEPS` steps in total, `QK_MODEL_SEED` the first seed) and prints what it ran.
+A failure prints its seed and the shortest history found (`QK_MODEL_SHRINK_SECONDS`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import httpx
+import pytest
+
+from tests.model.history import Run, Step, generate, play, shrink
+from tests.webhooks.support import WEBHOOK_SETTINGS
+
+pytestmark = [
+    pytest.mark.settings(
+        **{
+            **WEBHOOK_SETTINGS,
+            # Slow receivers answer within 1.5 s: no attempt is a timeout.
+            "webhook_timeout_seconds": 5.0,
+            # An agent away for a second is away: its new copies are parked.
+            "park_after_seconds": 1.0,
+        }
+    ),
+    pytest.mark.timeout(0),
+]
+
+STEPS = int(os.environ.get("QK_MODEL_STEPS", "0"))
+FIRST_SEED = int(os.environ.get("QK_MODEL_SEED", "1"))
+HISTORY_STEPS = int(os.environ.get("QK_MODEL_HISTORY_STEPS", "40"))
+SHRINK_SECONDS = float(os.environ.get("QK_MODEL_SHRINK_SECONDS", "60"))
+# `make test`: these seeds' histories, short.
+SUITE_SEEDS = (1, 2, 3)
+SUITE_HISTORY_STEPS = 24
+
+
+def report(seed: int | str, run: Run, steps: list[Step], shortest: Run | None) -> str:
+    lines = [f"seed {seed}: {len(run.violations)} violation(s)"]
+    lines += [f"  {v}" for v in run.violations[:10]]
+    lines.append(f"shortest history found ({len(steps)} steps):")
+    lines += [f"  {line}" for line in (shortest or run).log]
+    if shortest is not None:
+        lines += [f"  -> {v}" for v in shortest.violations[:10]]
+    return "\n".join(lines)
+
+
+async def judged(client: httpx.AsyncClient, seed: int | str, steps: list[Step]) -> str | None:
+    """None when the history shows no violation, else the report of its shortest form."""
+    run = await play(client, steps)
+    if not run.violations:
+        return None
+    shortest, shortest_run = await shrink(client, steps, SHRINK_SECONDS)
+    return report(seed, run, shortest, shortest_run)
+
+
+async def test_a_slow_receivers_held_back_copies_are_judged_when_they_leave(
+    app: object, client: httpx.AsyncClient
+) -> None:
+    """A staff user holds a role on P and a webhook consumer bound to P whose receiver
+    answers after 1.5 s; three events of P are accepted, then the user is demoted and the
+    role deleted: the two copies held behind the head must not be posted after that."""
+    steps = [
+        Step("customer", ("C1",)),
+        Step("project", ("P1", "C1")),
+        Step("offering", ("O1", "C1", "P1")),
+        Step("user", ("u1", "staff")),
+        Step("role", ("r1", "u1", "project", "P1", None)),
+        Step("hook", ("w1", "u1", (("project", "P1"),), 1.5)),
+        Step("burst", ("e", "O1", 3)),
+        Step("flags", ("u1", "demote")),
+        Step("unrole", ("r1",)),
+        Step("wait", (4.0,)),
+    ]
+    run = await play(client, steps)
+    assert not run.violations, report("written", run, steps, None)
+
+
+async def test_random_histories_agree_with_the_model(
+    app: object, client: httpx.AsyncClient
+) -> None:
+    if STEPS:
+        seeds, length = range(FIRST_SEED, FIRST_SEED + 10**6), HISTORY_STEPS
+    else:
+        seeds, length = range(0), SUITE_HISTORY_STEPS
+    played, histories, failures = 0, 0, []
+    started = time.monotonic()
+    for seed in seeds if STEPS else SUITE_SEEDS:
+        steps = generate(seed, length)
+        found = await judged(client, seed, steps)
+        played += len(steps)
+        histories += 1
+        if found is not None:
+            failures.append(found)
+            print(found, flush=True)  # noqa: T201 - make test-model's report
+        if STEPS and played >= STEPS:
+            break
+    summary = (
+        f"model: {histories} histories, {played} steps, {len(failures)} with violations,"
+        f" {time.monotonic() - started:.0f} s"
+    )
+    print(summary, flush=True)  # noqa: T201
+    assert not failures, summary + "\n\n" + "\n\n".join(failures)
