@@ -147,7 +147,11 @@ def generate(seed: int, steps: int) -> list[Step]:
         return Step("role", (r, rnd.choice(list(names.users)), kind, entity, expiry))
 
     def unrole() -> Step | None:
-        return Step("unrole", (rnd.choice(names.roles),)) if names.roles else None
+        if not names.roles:
+            return None
+        r = rnd.choice(names.roles)
+        names.roles.remove(r)
+        return Step("unrole", (r,))
 
     def move() -> Step | None:
         if not names.roles:
@@ -222,6 +226,11 @@ def generate(seed: int, steps: int) -> list[Step]:
             return None
         return Step(rnd.choice(["away", "back"]), (rnd.choice(names.queues),))
 
+    def dead_letter() -> Step | None:
+        if not names.queues:
+            return None
+        return Step(rnd.choice(["reject", "redrive"]), (rnd.choice(names.queues),))
+
     def replay() -> Step | None:
         every = names.queues + names.hooks
         return Step("replay", (rnd.choice(every),)) if every else None
@@ -246,6 +255,7 @@ def generate(seed: int, steps: int) -> list[Step]:
         (1.5, hook),
         (1, away),
         (0.5, replay),
+        (1, dead_letter),
         (0.5, resync),
         (2, wait),
     ]
@@ -281,6 +291,7 @@ class _QueueReader:
     name_copy: Callable[[str, bytes], str]
     connection: AbstractRobustConnection | None = None
     since: float = 0.0  # when it last subscribed
+    reject_next: bool = False  # dead-letter the next copy (read, then rejected)
 
     async def connect(self) -> None:
         if self.connection is not None:
@@ -290,7 +301,7 @@ class _QueueReader:
             channel = await connection.channel()
             queue = await channel.declare_queue(self.queue, passive=True)
             self.since = time.time()
-            await queue.consume(self._take, no_ack=True)
+            await queue.consume(self._take)
         except Exception:
             await connection.close()
             return  # the queue is gone (its consumer deleted): nothing to read
@@ -300,6 +311,11 @@ class _QueueReader:
         replay = (message.headers or {}).get("x-queuekeeper-replay") in ("true", b"true")
         event_id = self.name_copy(message.message_id or "", message.body)
         self.received.append(Copy(event_id, time.time(), replay))
+        if self.reject_next:
+            self.reject_next = False
+            await message.reject(requeue=False)  # to the vhost's dead-letter queue
+        else:
+            await message.ack()
 
     async def close(self) -> None:
         if self.connection is not None:
@@ -328,6 +344,8 @@ class Run:
         self.checked: dict[str, int] = {}
         self.consumer_uuid: dict[str, str] = {}
         self.violations: list[Violation] = []
+        self.judged = 0  # copies judged
+        self.owed_count = 0  # copies the model said must arrive
         self.log: list[str] = []
         self.offset = time.time() - time.monotonic()
 
@@ -576,8 +594,9 @@ class Run:
             self.log.append(f"         refused: {response.status_code} {response.text[:120]}")
             return False
         answer = response.json()
-        self.consumer_uuid[c] = answer["uuid"]
-        self.names[uuid.UUID(answer["uuid"]).hex] = c
+        # A queue's registration answers with its broker user, which is the consumer's uuid.
+        self.consumer_uuid[c] = answer.get("uuid") or answer["rmq_username"]
+        self.names[uuid.UUID(self.consumer_uuid[c]).hex] = c
         state.consumers[c] = consumer
         self.model.commit(state, started, answered)
         self.received[c] = []
@@ -629,6 +648,23 @@ class Run:
         if q not in self.readers:
             return False
         await self.readers[q].connect()
+        return True
+
+    async def _step_reject(self, q: str) -> bool:
+        if q not in self.readers:
+            return False
+        self.readers[q].reject_next = True
+        return True
+
+    async def _step_redrive(self, q: str) -> bool:
+        if q not in self.readers:
+            return False
+        response = await self.client.post(
+            "/api/admin/dead-letters/redrive/",
+            params={"vhost": self.readers[q].vhost},
+            headers=SERVICE,
+        )
+        self.log.append(f"         redrive: {response.status_code} {response.text[:80]}")
         return True
 
     async def _step_replay(self, c: str) -> bool:
@@ -705,6 +741,7 @@ class Run:
             self.checked[c] = len(copies)
 
     def _judge(self, c: str, got: Copy) -> None:
+        self.judged += 1
         found = self.event_of(got.event_id)
         if found is None:
             self.violations.append(Violation("a copy of an unknown event", c, got.event_id, 0))
@@ -747,6 +784,7 @@ class Run:
             await reader.connect()
         end = time.time()
         owed = self.owed(end)
+        self.owed_count = len(owed)
         deadline = time.monotonic() + OWED_WAIT
         while time.monotonic() < deadline:
             if all(self._arrived(c, event_id) for c, event_id in owed):
