@@ -165,8 +165,10 @@ def generate(seed: int, steps: int) -> list[Step]:
 
     def flags() -> Step:
         change = rnd.choice(
-            ["demote", "promote", "support", "deactivate", "activate", "untoken", "retoken"]
-            + ["expire-token", "expire-token-soon"]
+            [
+                *("demote", "promote", "support", "deactivate", "activate"),
+                *("untoken", "retoken", "expire-token", "expire-token-soon"),
+            ]
         )
         return Step("flags", (rnd.choice(list(names.users)), change))
 
@@ -374,7 +376,9 @@ class Run:
     ) -> httpx.Response:
         state = self.model.begin()
         started = time.time()
-        response = await self.client.request(method, f"/api/internal{path}", json=body, headers=SERVICE)
+        response = await self.client.request(
+            method, f"/api/internal{path}", json=body, headers=SERVICE
+        )
         answered = time.time()
         if response.status_code < 300:
             apply(state)
@@ -484,7 +488,7 @@ class Run:
             "DELETE",
             f"/offerings/{self.name_of(o).hex}/users/{self.name_of(u).hex}/",
             None,
-            lambda s: s.grants.discard((u, o)),
+            lambda s: s.revoke(u, o),
         )
         return True
 
@@ -515,7 +519,7 @@ class Run:
         if not self.known(r):
             return False
         await self._change(
-            "DELETE", f"/roles/{self.name_of(r).hex}/", None, lambda s: s.roles.pop(r, None)
+            "DELETE", f"/roles/{self.name_of(r).hex}/", None, lambda s: s.drop_role(r)
         )
         return True
 

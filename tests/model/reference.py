@@ -178,6 +178,23 @@ class State:
 
     # -- the directory's changes, as the backend pushes them -----------------------------
 
+    def drop_role(self, role: str) -> None:
+        self.roles.pop(role, None)
+
+    def revoke(self, user: str, offering: str) -> None:
+        """An offering grant removed: the user's consumers lose the offering as a binding,
+        and those bound to it alone are deleted (§9, Lifecycle), whatever else (a role,
+        staff) would let the user hold it."""
+        self.grants.discard((user, offering))
+        binding = ("offering", offering)
+        for name, consumer in list(self.consumers.items()):
+            if consumer.owner != user or binding not in consumer.bindings:
+                continue
+            if consumer.bindings == {binding}:
+                del self.consumers[name]
+            else:
+                consumer.bindings = consumer.bindings - {binding}
+
     def delete_customer(self, customer: str) -> None:
         self.customers.discard(customer)
         self._forget("customer", customer)

@@ -96,7 +96,8 @@ async def test_random_histories_agree_with_the_model(
 ) -> None:
     seeds = range(FIRST_SEED, FIRST_SEED + 10**6) if STEPS else SUITE_SEEDS
     length = HISTORY_STEPS if STEPS else SUITE_HISTORY_STEPS
-    played, histories, copies, owed, failures = 0, 0, 0, 0, []
+    played, histories, copies, owed = 0, 0, 0, 0
+    failures: list[str] = []
     started = time.monotonic()
     for seed in seeds:
         steps = generate(seed, length)
@@ -107,7 +108,7 @@ async def test_random_histories_agree_with_the_model(
         if found is not None:
             failures.append(found)
             with capsys.disabled():
-                print(found, flush=True)  # noqa: T201 - make test-model's report
+                print(found, flush=True)
         if STEPS and played >= STEPS:
             break
     summary = (
@@ -116,5 +117,5 @@ async def test_random_histories_agree_with_the_model(
         f" {time.monotonic() - started:.0f} s"
     )
     with capsys.disabled():
-        print(summary, flush=True)  # noqa: T201
+        print(summary, flush=True)
     assert not failures, summary + "\n\n" + "\n\n".join(failures)
