@@ -224,9 +224,14 @@ def generate(seed: int, steps: int) -> list[Step]:
         return Step("hook", (w, user, bindings, delay))
 
     def away() -> Step | None:
-        if not names.queues:
+        if rnd.random() < 0.6:
+            if not names.queues:
+                return None
+            return Step(rnd.choice(["away", "back"]), (rnd.choice(names.queues),))
+        if not names.hooks:
             return None
-        return Step(rnd.choice(["away", "back"]), (rnd.choice(names.queues),))
+        # A webhook receiver down (connection refused: retried) and up again.
+        return Step(rnd.choice(["down", "up"]), (rnd.choice(names.hooks),))
 
     def dead_letter() -> Step | None:
         if not names.queues:
@@ -242,7 +247,9 @@ def generate(seed: int, steps: int) -> list[Step]:
         return Step("resync", (rnd.choice(every),)) if every else None
 
     def wait() -> Step:
-        return Step("wait", (rnd.choice([0.3, 0.5, 1.0, 2.0, 3.0]),))
+        # Now and then longer than the sweep's bound (§14): an agent away that long must
+        # not find copies its owner lost access to in the meantime.
+        return Step("wait", (rnd.choice([0.3, 0.5, 1.0, 2.0, 3.0] * 5 + [16.0]),))
 
     choices = [
         (3, role),
@@ -280,6 +287,9 @@ class Copy:
     event_id: str
     at: float  # wall-clock seconds when it reached the reader or the receiver
     replay: bool
+    # A queue copy: when its reader had subscribed (a copy read as it subscribes may have
+    # waited in the queue); None for a webhook copy, which leaves as it is posted.
+    subscribed: float | None = None
 
 
 @dataclass
@@ -312,7 +322,7 @@ class _QueueReader:
     async def _take(self, message: AbstractIncomingMessage) -> None:
         replay = (message.headers or {}).get("x-queuekeeper-replay") in ("true", b"true")
         event_id = self.name_copy(message.message_id or "", message.body)
-        self.received.append(Copy(event_id, time.time(), replay))
+        self.received.append(Copy(event_id, time.time(), replay, self.since))
         if self.reject_next:
             self.reject_next = False
             await message.reject(requeue=False)  # to the vhost's dead-letter queue
@@ -599,8 +609,12 @@ class Run:
             return False
         answer = response.json()
         # A queue's registration answers with its broker user, which is the consumer's uuid.
-        self.consumer_uuid[c] = answer.get("uuid") or answer["rmq_username"]
-        self.names[uuid.UUID(self.consumer_uuid[c]).hex] = c
+        found = uuid.UUID(answer.get("uuid") or answer["rmq_username"]).hex
+        if found in self.names:  # the same owner and bindings: the same consumer (§12)
+            self.log.append(f"         the same consumer as {self.names[found]}")
+            return False
+        self.consumer_uuid[c] = found
+        self.names[found] = c
         state.consumers[c] = consumer
         self.model.commit(state, started, answered)
         self.received[c] = []
@@ -652,6 +666,19 @@ class Run:
         if q not in self.readers:
             return False
         await self.readers[q].connect()
+        return True
+
+    async def _step_down(self, w: str) -> bool:
+        if w not in self.receivers:
+            return False
+        await self.receivers[w].stop()
+        return True
+
+    async def _step_up(self, w: str) -> bool:
+        receiver = self.receivers.get(w)
+        if receiver is None or receiver._runner is not None:
+            return False
+        await receiver.start(receiver.port)
         return True
 
     async def _step_reject(self, q: str) -> bool:
@@ -754,8 +781,7 @@ class Run:
         at = got.at - self.start
         if self.model.allowed_during(got.at - DEPARTURE_SLACK, got.at, c, event):
             return
-        reader = self.readers.get(c)
-        if reader is None or got.at > reader.since + DEPARTURE_SLACK:
+        if got.subscribed is None or got.at > got.subscribed + DEPARTURE_SLACK:
             # A webhook copy, or a queue copy read live: it left just now.
             self.violations.append(
                 Violation("sent after access ended", c, name, at, "(refused at departure)")
@@ -786,6 +812,8 @@ class Run:
             self.delays[c] = 0.0
         for reader in self.readers.values():
             await reader.connect()
+        for c in self.receivers:
+            await self._step_up(c)
         end = time.time()
         owed = self.owed(end)
         self.owed_count = len(owed)
@@ -810,7 +838,8 @@ class Run:
             for c in self.consumer_uuid:
                 if c not in self.model.states_at(started)[0].consumers:
                     continue  # not registered yet when the event came: no copy made
-                if self.model.allowed_throughout(started, end, c, event):
+                # Through the wait for it too: a role may expire by time meanwhile.
+                if self.model.allowed_throughout(started, end + OWED_WAIT, c, event):
                     found.append((c, event_id))
         return found
 
@@ -820,10 +849,10 @@ class Run:
     async def close(self) -> None:
         for reader in self.readers.values():
             await reader.close()
-        for c, consumer in self.consumer_uuid.items():
+        for consumer in self.consumer_uuid.values():
             await self.client.delete(f"/api/event-consumers/{consumer}/", headers=SERVICE)
-            if c in self.receivers:
-                await self.receivers[c].stop()
+        for receiver in self.receivers.values():
+            await receiver.stop()
 
 
 def _iso(moment: float | None) -> str | None:
