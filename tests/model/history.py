@@ -27,7 +27,7 @@ from typing import Any
 
 import aio_pika
 import httpx
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractConnection, AbstractIncomingMessage
 from aiohttp import web
 
 from tests.brokers import BROKER
@@ -301,14 +301,18 @@ class _QueueReader:
     queue: str
     received: list[Copy]
     name_copy: Callable[[str, bytes], str]
-    connection: AbstractRobustConnection | None = None
+    connection: AbstractConnection | None = None
     since: float = 0.0  # when it last subscribed
     reject_next: bool = False  # dead-letter the next copy (read, then rejected)
 
     async def connect(self) -> None:
-        if self.connection is not None:
+        if self.connection is not None and not self.connection.is_closed:
             return
-        connection = await aio_pika.connect_robust(BROKER.amqp_url(self.vhost))
+        try:
+            # Not a robust connection: the service may delete the queue and its vhost.
+            connection = await aio_pika.connect(BROKER.amqp_url(self.vhost))
+        except (aio_pika.exceptions.AMQPError, OSError):
+            return  # its vhost is gone with its owner's last consumer
         try:
             channel = await connection.channel()
             queue = await channel.declare_queue(self.queue, passive=True)
