@@ -21,6 +21,8 @@ import pytest
 from tests.model.history import Run, Step, generate, play, shrink
 from tests.webhooks.support import WEBHOOK_SETTINGS
 
+STEPS = int(os.environ.get("QK_MODEL_STEPS", "0"))
+
 pytestmark = [
     pytest.mark.settings(
         **{
@@ -29,18 +31,18 @@ pytestmark = [
             "webhook_timeout_seconds": 5.0,
             # An agent away for a second is away: its new copies are parked.
             "park_after_seconds": 1.0,
-            "log_level": "WARNING",
         }
     ),
-    pytest.mark.timeout(0),
+    # `make test`: a few histories, each shrunk for a minute at most when it fails.
+    pytest.mark.timeout(0 if STEPS else 400),
 ]
 
-STEPS = int(os.environ.get("QK_MODEL_STEPS", "0"))
 FIRST_SEED = int(os.environ.get("QK_MODEL_SEED", "1"))
 HISTORY_STEPS = int(os.environ.get("QK_MODEL_HISTORY_STEPS", "40"))
 SHRINK_SECONDS = float(os.environ.get("QK_MODEL_SHRINK_SECONDS", "240" if STEPS else "60"))
 SHRINK_FAILURES = int(os.environ.get("QK_MODEL_SHRINK_FAILURES", "3" if STEPS else "1"))
-# `make test`: these seeds' histories, short.
+# `make test`: these seeds' histories (seeds 5, 7 and 30 showed the leak of copies held behind a
+# slow webhook receiver on the code before every copy was judged as it left).
 SUITE_SEEDS: tuple[int, ...] = (5, 7, 30)
 SUITE_HISTORY_STEPS = 40
 
