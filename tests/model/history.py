@@ -725,6 +725,13 @@ class Run:
     async def _step_wait(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
+    async def _step_until(self, c: str, count: int) -> bool:
+        """Until consumer `c` has received `count` copies (10 s at most)."""
+        deadline = time.monotonic() + 10
+        while len(self.copies(c)) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return len(self.copies(c)) >= count
+
     # -- judging --
 
     def copies(self, c: str) -> list[Copy]:

@@ -93,6 +93,31 @@ async def test_a_slow_receivers_held_back_copies_are_judged_when_they_leave(
     assert not run.violations, report("written", run, steps, None)
 
 
+async def test_copies_claimed_together_are_judged_one_by_one_as_they_leave(
+    app: object, client: httpx.AsyncClient
+) -> None:
+    """The receiver answers after 2.5 s: the copies accepted while the first is posted are
+    claimed together (one run of the webhook dispatcher) when it is answered. The role goes
+    as the second arrives: the ones after it must be judged as each leaves, not at the
+    claim."""
+    steps = [
+        Step("customer", ("C1",)),
+        Step("project", ("P1", "C1")),
+        Step("offering", ("O1", "C1", "P1")),
+        Step("user", ("u1", "plain")),
+        Step("role", ("r1", "u1", "project", "P1", None)),
+        Step("flags", ("u1", "promote")),
+        Step("hook", ("w1", "u1", (("project", "P1"),), 2.5)),
+        Step("flags", ("u1", "demote")),
+        Step("burst", ("e", "O1", 4)),
+        Step("until", ("w1", 2)),
+        Step("unrole", ("r1",)),
+        Step("wait", (6.0,)),
+    ]
+    run = await play(client, steps)
+    assert not run.violations, report("written", run, steps, None)
+
+
 async def test_random_histories_agree_with_the_model(
     app: object, client: httpx.AsyncClient, capsys: pytest.CaptureFixture[str]
 ) -> None:
