@@ -360,6 +360,7 @@ class Run:
         self.checked: dict[str, int] = {}
         self.consumer_uuid: dict[str, str] = {}
         self.violations: list[Violation] = []
+        self.skipped: list[Step] = []  # steps whose names a shrink removed, or refused
         self.judged = 0  # copies judged
         self.owed_count = 0  # copies the model said must arrive
         self.log: list[str] = []
@@ -421,6 +422,8 @@ class Run:
         at = time.time() - self.start
         did = await handler(*step.args)
         self.log.append(f"+{at:6.2f}s {step}{'' if did is not False else '  (skipped)'}")
+        if did is False:
+            self.skipped.append(step)
         self.check()
 
     async def _step_customer(self, c: str) -> None:
@@ -883,12 +886,19 @@ async def play(client: httpx.AsyncClient, steps: list[Step]) -> Run:
 
 
 async def shrink(
-    client: httpx.AsyncClient, steps: list[Step], budget: float
+    client: httpx.AsyncClient, steps: list[Step], first: Run, budget: float
 ) -> tuple[list[Step], Run | None]:
     """The shortest history found within `budget` seconds that still shows a violation
     (delta debugging: drop chunks of steps, halving the chunk when none can go)."""
     deadline = time.monotonic() + budget
     best, best_run = list(steps), None
+    # First without the steps that did nothing in `first`, its run (a refused registration,
+    # a name gone).
+    done = [step for step in steps if step not in first.skipped]
+    if len(done) < len(steps):
+        again = await play(client, done)
+        if again.violations:
+            best, best_run = done, again
     chunk = max(1, len(best) // 2)
     while chunk >= 1 and time.monotonic() < deadline:
         removed = False

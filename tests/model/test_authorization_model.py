@@ -67,7 +67,7 @@ async def judged(
         return run, None
     if not shrinking:
         return run, report(seed, run, steps, None)
-    shortest, shortest_run = await shrink(client, steps, SHRINK_SECONDS)
+    shortest, shortest_run = await shrink(client, steps, run, SHRINK_SECONDS)
     return run, report(seed, run, shortest, shortest_run)
 
 
@@ -132,6 +132,13 @@ async def test_random_histories_agree_with_the_model(
         played += len(steps)
         copies, owed = copies + run.judged, owed + run.owed_count
         histories += 1
+        if STEPS:
+            with capsys.disabled():
+                print(  # make test-model's progress
+                    f"seed {seed}: {len(run.violations)} violation(s), {run.judged} copies"
+                    f" judged, {run.owed_count} owed; {played} steps so far",
+                    flush=True,
+                )
         if found is not None:
             failures.append(found)
             with capsys.disabled():
