@@ -68,7 +68,7 @@ test-cluster: install services
 	QK_CLUSTER=1 $(BIN)/pytest -q -s -p no:cacheprovider tests/cluster
 
 ## make test-model: not part of `make test`. Plays random histories against the real service,
-## QK_MODEL_STEPS steps in all (default 10000, about half an hour), from seed QK_MODEL_SEED
+## QK_MODEL_STEPS steps in all (default 10000, up to an hour), from seed QK_MODEL_SEED
 ## (default 1), and judges every copy delivered by the reference model of the authorization
 ## rule (tests/model/); prints steps, histories and violations, each with its seed and the
 ## shortest history found (QK_MODEL_SHRINK_SECONDS each, for the first QK_MODEL_SHRINK_FAILURES).
