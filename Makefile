@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint typecheck services tools test-postgres test-image test-cluster bench docs clean check-newest-agent
+.PHONY: install run test lint typecheck services tools test-postgres test-image test-cluster test-model bench docs clean check-newest-agent
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { \
@@ -69,6 +69,15 @@ test: install services tools lint
 ## are killed; about 10 minutes. Figures: cluster-figures.json.
 test-cluster: install services
 	QK_CLUSTER=1 $(BIN)/pytest -q -s -p no:cacheprovider tests/cluster
+
+## make test-model: not part of `make test`. Plays random histories against the real service,
+## QK_MODEL_STEPS steps in all (default 10000, up to an hour), from seed QK_MODEL_SEED
+## (default 1), and judges every copy delivered by the reference model of the authorization
+## rule (tests/model/); prints steps, histories and violations, each with its seed and the
+## shortest history found (QK_MODEL_SHRINK_SECONDS each, for the first QK_MODEL_SHRINK_FAILURES).
+test-model: install services
+	QK_MODEL_STEPS=$${QK_MODEL_STEPS:-10000} $(BIN)/pytest -q -p no:cacheprovider \
+	  tests/model/test_authorization_model.py -k random_histories
 
 ## make check-newest-agent: not part of `make test`. Installs the newest waldur-site-agent on
 ## PyPI (pre-releases included) into its own virtualenv, runs the end-to-end matrix test
