@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from sqlalchemy import func, select
@@ -138,3 +139,31 @@ def test_every_route_checks_its_input_before_its_endpoint_runs(app: FastAPI) -> 
         and reject_unstorable_input not in [d.call for d in route.dependant.dependencies]
     ]
     assert unchecked == []
+
+
+@pytest.mark.parametrize("depth", [150, 5000])
+async def test_a_body_nested_too_deeply_is_a_400_on_every_path(
+    app: FastAPI, backend: Backend, client: httpx.AsyncClient, depth: int
+) -> None:
+    """Past the parser's recursion (5000) or only past what the rest can take (150): the
+    lean accept path once answered 500 for the first."""
+    agent, offering = await backend.agent_with_offering()
+    deep = b"[" * depth + b"1" + b"]" * depth
+    binding = escaped(scopes(("offering", offering)))
+    register = b'{"scopes": %s, "payload_filters": {"k": [%s]}}' % (binding, deep)
+    answer = await agent.client.post(
+        f"{CONSUMERS}register/", content=register, headers={**agent.headers, **JSON}
+    )
+    assert answer.status_code == 400, answer.text
+    event = b'{"offering_uuid": "%s", "object_type": "order", "payload": {"x": %s}}' % (
+        offering.hex.encode(),
+        deep,
+    )
+    for path in ["/api/internal/events/", "/api/internal/events/?wait=0"]:
+        answer = await client.post(path, content=event, headers={**backend.headers, **JSON})
+        assert answer.status_code == 400, answer.text
+        if depth < 1000:  # parsed: the field is named
+            assert _fields(answer)[0].startswith("payload.x.0.0"), answer.text
+            assert "nested deeper than 100 levels" in answer.json()["detail"]
+    assert await _count(app, EventConsumer) == 0
+    assert await _count(app, Event) == 0
