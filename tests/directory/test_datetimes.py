@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.routing import iter_route_contexts
+from pydantic import TypeAdapter
 from sqlalchemy import func, select
 
+from queuekeeper.common import schemas
 from queuekeeper.models import Role, User, utcnow
 from tests.consumers.scopes import put, role, scopes, tree
 from tests.consumers.test_revoked_role_copies import read_all, sent
@@ -119,3 +122,44 @@ async def test_a_datetime_out_of_range_in_utc_is_a_400_naming_it_and_nothing_is_
         assert [error["field"] for error in answer.json()["errors"]] == [field], answer.text
         assert "out of range" in answer.json()["errors"][0]["message"]
     assert await rows() == before
+
+
+def _unguarded_datetimes(node: Any, parent: Any = None) -> int:
+    """How many datetimes in a pydantic core schema are not InputDateTime's."""
+    found = 0
+    if isinstance(node, dict):
+        if node.get("type") == "datetime":
+            guarded = isinstance(parent, dict) and parent.get("type") == "function-after"
+            function = (parent or {}).get("function", {}).get("function")
+            found += 0 if guarded and function is schemas._storable else 1
+        for value in node.values():
+            found += _unguarded_datetimes(value, node)
+    elif isinstance(node, list):
+        for value in node:
+            found += _unguarded_datetimes(value, parent)
+    return found
+
+
+def test_every_datetime_a_request_takes_is_read_as_utc(app: FastAPI) -> None:
+    """Every body field and query parameter that is a datetime goes through InputDateTime
+    (common/schemas.py), so a new one cannot take a naive value as it is."""
+    unguarded, bodies = [], 0
+    for route in iter_route_contexts(app.routes):
+        dependant = getattr(route, "dependant", None)
+        if dependant is None:
+            continue
+        fields = list(dependant.query_params)
+        if route.body_field is not None:
+            fields.append(route.body_field)
+            bodies += 1
+        for field in fields:
+            info = field.field_info
+            annotation = (
+                Annotated[(info.annotation, *info.metadata)]  # type: ignore[valid-type]
+                if info.metadata
+                else info.annotation
+            )
+            if _unguarded_datetimes(TypeAdapter(annotation).core_schema):
+                unguarded.append(f"{route.path} {field.name}")
+    assert bodies > 15  # every route was seen
+    assert unguarded == []
