@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint typecheck services tools test-postgres test-image test-cluster test-model bench docs clean check-newest-agent
+.PHONY: install run test test-long lint typecheck services tools test-postgres test-image test-cluster test-model bench docs clean check-newest-agent
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -m venv --help >/dev/null 2>&1 || { \
@@ -62,6 +62,13 @@ test-image: install services tools
 test: install services tools lint
 	@bash scripts/beside.sh "$(MAKE) --no-print-directory typecheck test-image" \
 	  $(MAKE) --no-print-directory test-postgres
+
+## make test-long: not part of `make test`. The schemathesis run (tests/ops/test_fuzz.py) alone,
+## with QK_FUZZ_EXAMPLES examples per operation and phase (100; `make test` runs 12) and an
+## hour's timeout; QK_FUZZ_PATHS=<regex> narrows it to some paths.
+QK_FUZZ_EXAMPLES ?= 100
+test-long: install services
+	QK_FUZZ_EXAMPLES=$(QK_FUZZ_EXAMPLES) QK_FUZZ_TIMEOUT=3600 $(BIN)/pytest -q tests/ops/test_fuzz.py
 
 ## make test-cluster: not part of `make test`. Builds a 3-node RabbitMQ cluster on loopback
 ## beside the main broker (ports 57xx/157xx; needs root and the rabbitmq-server package), runs

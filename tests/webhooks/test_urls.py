@@ -49,6 +49,58 @@ def test_allowed_networks_let_their_addresses_through_and_no_others() -> None:
 
 
 @pytest.mark.parametrize(
+    ("address", "carried", "kind"),
+    [
+        ("2002:7f00:1::", "127.0.0.1", "loopback"),  # 6to4
+        ("2002:a00:1::1", "10.0.0.1", "private"),
+        ("2002:a9fe:a9fe::", "169.254.169.254", "link-local"),
+        # Teredo: the client address is the last 32 bits xor 0xffffffff.
+        ("2001:0:4136:e378:8000:63bf:80ff:fffe", "127.0.0.1", "loopback"),
+        ("2001:0:4136:e378:8000:63bf:f5ff:fffe", "10.0.0.1", "private"),
+        ("64:ff9b::7f00:1", "127.0.0.1", "loopback"),  # NAT64, well-known prefix
+        ("64:ff9b::a9fe:a9fe", "169.254.169.254", "link-local"),
+        ("64:ff9b:1::a00:1", "10.0.0.1", "private"),  # local-use, as a /96
+        # Local-use as a /64: 127.0.0.8 in bits 72-103, though a /96 would read 8.8.8.8.
+        ("64:ff9b:1:0:7f:0:808:808", "127.0.0.8", "loopback"),
+    ],
+)
+def test_an_address_carried_by_6to4_teredo_or_nat64_is_judged_as_itself(
+    address: str, carried: str, kind: str
+) -> None:
+    reason = refusal(ip_address(address))
+    assert reason is not None
+    assert carried in reason, reason
+    assert kind in reason, reason
+
+
+def test_an_allowed_network_lets_an_address_it_carries_through() -> None:
+    allowed = [ip_network("10.0.0.0/24")]
+    for address in ["2002:a00:1::1", "64:ff9b::a00:1", "2001:0:4136:e378:8000:63bf:f5ff:fffe"]:
+        assert refusal(ip_address(address), allowed) is None, address
+    assert refusal(ip_address("64:ff9b::a00:101"), allowed) is not None  # 10.0.1.1
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "2002:808:808::1",  # 6to4 of 8.8.8.8
+        "2001:0:4136:e378:8000:63bf:f7f7:f7f7",  # Teredo, client 8.8.8.8
+        "64:ff9b::808:808",  # NAT64 of 8.8.8.8
+        "64:ff9b:1:808:8:808:808:808",  # local-use: 8.8.8.8 at every prefix length
+    ],
+)
+def test_an_address_carrying_a_public_address_passes(address: str) -> None:
+    assert refusal(ip_address(address)) is None
+
+
+@pytest.mark.parametrize("address", ["fec0::1", "feff:ffff::1"])
+def test_site_local_addresses_are_refused_as_private(address: str) -> None:
+    reason = refusal(ip_address(address))
+    assert reason is not None
+    assert "private" in reason, reason
+
+
+@pytest.mark.parametrize(
     ("url", "reason"),
     [
         ("ftp://hooks.example.org/", "must be an http or https URL"),

@@ -78,7 +78,8 @@ def parsed(scope: Scope, body: bytes, model: type[M]) -> M | None:
         return None
     try:
         return model.model_validate(json.loads(body))
-    except (ValueError, ValidationError):  # JSONDecodeError and UnicodeDecodeError too
+    # JSONDecodeError and UnicodeDecodeError too; RecursionError: nested past the parser.
+    except (ValueError, ValidationError, RecursionError):
         return None
 
 

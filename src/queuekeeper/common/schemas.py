@@ -30,10 +30,12 @@ UTCDateTime = Annotated[datetime, PlainSerializer(_drf_datetime, return_type=str
 
 
 def _storable(value: datetime) -> datetime:
-    """Datetimes are stored in UTC: one whose offset takes it outside years 1-9999 there
-    (0001-01-01T00:00:00+14:00) is refused as the field's error, not a 500 at the insert."""
+    """An input datetime in UTC, aware: one without an offset is UTC (contract §14), so
+    every comparison with the clock works on it. One whose offset takes it outside years
+    1-9999 there (0001-01-01T00:00:00+14:00) is refused as the field's error, not a 500 at
+    the insert or at a comparison."""
     if value.tzinfo is None:
-        return value  # taken as UTC as it is
+        return value.replace(tzinfo=UTC)
     try:
         return value.astimezone(UTC)
     except OverflowError:
@@ -42,7 +44,7 @@ def _storable(value: datetime) -> datetime:
         ) from None
 
 
-# An input datetime that can be stored (see _storable).
+# Every datetime a request body or a query parameter takes: aware, in UTC (see _storable).
 InputDateTime = Annotated[datetime, AfterValidator(_storable)]
 
 

@@ -19,7 +19,9 @@ offering's chain (its customer, its project, that project's customer) are consum
 offering; those bound to an event's project (or its customer) or to its subject user, and
 global ones, are keyed by that project or user. An event's consumers are the union, each
 once however many of its bindings match, narrowed by its object types and then by its
-payload filters (`{field: [values]}` over the message body's top-level fields).
+payload filters (`{field: [values]}` over the top-level fields of the body the consumer
+receives, `schema_version` and a fan-out copy's own `offering_uuid` among them), compared
+by JSON type (`_typed`).
 
 A new kind of recipient is one more source of `Copy` in `RecipientIndex`.
 """
@@ -128,20 +130,73 @@ def _lists_type(observable_objects: list[Any], offering_uuid: uuid.UUID, object_
     return False
 
 
+# What relay.message_body adds to every consumer's copy (contract §9): a filter on it is
+# decided once, when the consumer is read, not per event.
+CONSUMER_SCHEMA_VERSION = 1
+_ABSENT = object()
+
+
+def _typed(value: Any) -> Any:
+    """A JSON value as a key that equals another's only when they are the same JSON value:
+    Python's `==` takes `True` for `1` and `1.0` (so `[1]` matched `true`, and `[false]`
+    matched `0`). Numbers keep Python's equality (`1` and `1.0` are one JSON number, as
+    JSON Schema's `enum` has them); `null` is only an explicit null. A scalar's key costs a
+    type check, so a filter is a set lookup per field on the accept path."""
+    kind = type(value)
+    if kind is str:
+        return value
+    if kind is bool:
+        return (bool, value)
+    if kind is int or kind is float:
+        return (float, value)
+    if value is None:
+        return (None,)
+    if isinstance(value, list):
+        return (list, tuple(_typed(item) for item in value))
+    if isinstance(value, dict):
+        return (dict, frozenset((key, _typed(item)) for key, item in value.items()))
+    return (object, value)  # anything else JSON cannot hold: equal only to itself
+
+
+_NEVER: frozenset[Any] = frozenset()
+
+
 @dataclass(frozen=True)
 class _Consumer:
     owner: uuid.UUID
     object_types: frozenset[str]  # empty: every type
     copy: Copy
-    payload_filters: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    # (field, the typed keys of its values); a field no body can satisfy holds _NEVER.
+    payload_filters: tuple[tuple[str, frozenset[Any]], ...] = ()
 
     def takes(self, object_type: str, body: dict[str, Any] | None) -> bool:
         """Its filters hold the type and (given the body) every field it filters on."""
         if self.object_types and object_type not in self.object_types:
             return False
-        if body is None:
+        if body is None or not self.payload_filters:
             return True
-        return all(body.get(name) in values for name, values in self.payload_filters)
+        for name, values in self.payload_filters:
+            value = body.get(name, _ABSENT)
+            if value is _ABSENT or _typed(value) not in values:
+                return False
+        return True
+
+
+def _filters(payload: dict[Any, Any]) -> tuple[tuple[str, frozenset[Any]], ...]:
+    """A consumer's stored payload filters, each field's values as typed keys; the body's
+    `schema_version` (the same in every consumer's copy) is decided here: a filter it holds
+    is dropped, one it does not hold matches nothing."""
+    found: list[tuple[str, frozenset[Any]]] = []
+    for name, values in sorted(payload.items()):
+        if not isinstance(values, list):
+            continue
+        typed = frozenset(_typed(value) for value in values)
+        if name == "schema_version":
+            if _typed(CONSUMER_SCHEMA_VERSION) in typed:
+                continue
+            typed = _NEVER
+        found.append((str(name), typed))
+    return tuple(found)
 
 
 def _consumer(owner: uuid.UUID, filter_: Any, copy: Copy) -> _Consumer:
@@ -149,12 +204,7 @@ def _consumer(owner: uuid.UUID, filter_: Any, copy: Copy) -> _Consumer:
     types, payload = (filter_ or [[], {}]) if isinstance(filter_, list) else ([], {})
     if not isinstance(payload, dict):
         payload = {}
-    return _Consumer(
-        owner,
-        frozenset(str(t) for t in types or []),
-        copy,
-        tuple((str(k), tuple(v)) for k, v in sorted(payload.items()) if isinstance(v, list)),
-    )
+    return _Consumer(owner, frozenset(str(t) for t in types or []), copy, _filters(payload))
 
 
 # An event's keys other than its offering: (kind, uuid) of the recipients statement's rows.
@@ -235,6 +285,11 @@ class RecipientIndex:
             if row.queue_uuid is not None and row.object_type and row.queue_name and row.vhost:
                 key = (row.recipient_uuid, row.offering_uuid, row.object_type)
                 self._queues[key] = Copy(row.queue_uuid, None, row.queue_name, row.vhost)
+
+    @property
+    def filtered(self) -> bool:
+        """Whether a consumer filters on the payload (the answers are then per body)."""
+        return self._filtered
 
     def recipients(
         self,

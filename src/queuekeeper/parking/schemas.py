@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from queuekeeper.common.params import vhost_name
+from queuekeeper.common.schemas import InputDateTime
 from queuekeeper.events.payloads import OBJECT_TYPES, ObjectType
 
 
@@ -19,12 +19,12 @@ class ReplayWindow(BaseModel):
         },
     )
 
-    since: datetime = Field(
+    since: InputDateTime = Field(
         description="ISO 8601; events accepted at or after it are replayed. Not in the future, "
         "not older than `QUEUEKEEPER_EVENT_RETENTION_DAYS` (a 400 names the oldest time "
         "available). Without an offset it is read as UTC."
     )
-    until: datetime | None = Field(
+    until: InputDateTime | None = Field(
         default=None,
         description="ISO 8601; events accepted before it. Defaults to now; not before `since`.",
     )
