@@ -17,8 +17,10 @@ from pydantic import TypeAdapter
 from sqlalchemy import func, select
 
 from queuekeeper.common import schemas
+from queuekeeper.config import Settings
 from queuekeeper.models import Role, User, utcnow
 from tests.consumers.scopes import put, role, scopes, tree
+from tests.consumers.sweeps import swept
 from tests.consumers.test_revoked_role_copies import read_all, sent
 from tests.consumers.test_scoped_delivery import consumer_of
 from tests.events.support import order_event
@@ -40,7 +42,7 @@ def _role_body(agent: Agent, customer: uuid.UUID, expires_at: str) -> dict[str, 
 
 
 async def test_a_role_expired_by_a_naive_datetime_takes_its_copies_out_of_the_queue(
-    backend: Backend, client: httpx.AsyncClient
+    backend: Backend, client: httpx.AsyncClient, settings: Settings
 ) -> None:
     entities = await tree(client)
     watcher = await backend.put_user()
@@ -53,6 +55,7 @@ async def test_a_role_expired_by_a_naive_datetime_takes_its_copies_out_of_the_qu
     assert answer.status_code == 200, answer.text
     stored = datetime.fromisoformat(answer.json()["expires_at"])
     assert stored == datetime.fromisoformat(past).replace(tzinfo=UTC)
+    await swept(settings)
     assert await read_all(watcher, mine, 0) == []
 
 
