@@ -308,7 +308,9 @@ async def test_an_unparked_copy_is_claimed_as_a_claim_takes_it(
     later = now + timedelta(seconds=1)
     released, _, lease = await outbox.unpark("relay-b", "v", "q", 1, later)  # the oldest only
     assert lease == outbox.lease("relay-b", later)
-    assert released == [replace(claimed[0], created=later, last_error=PARKED_REASON)]
+    assert released == [
+        replace(claimed[0], created=later, judged_at=later, last_error=PARKED_REASON)
+    ]
     rest, _, _ = await outbox.unpark("relay-b", "v", "q", 10, later)
     assert [item.id for item in rest] == [ids[1]]
     assert (await outbox.unpark("relay-b", "v", "q", 10, later))[0] == []

@@ -160,7 +160,9 @@ async def test_management_5xx_is_not_ready(settings: Settings) -> None:
 
 
 async def test_management_that_hangs_is_not_ready_within_the_timeout(settings: Settings) -> None:
-    quick = settings.model_copy(update={"readiness_timeout": 0.5})
+    # Long enough that the database and the broker, which are up, answer within it on a
+    # loaded machine; far shorter than the hang.
+    quick = settings.model_copy(update={"readiness_timeout": 2.0})
 
     async def hang(request: httpx.Request) -> httpx.Response:
         await asyncio.sleep(30)
@@ -177,8 +179,8 @@ async def test_management_that_hangs_is_not_ready_within_the_timeout(settings: S
             elapsed = time.perf_counter() - started
     assert response.status_code == 503
     assert _down(response) == {"management"}
-    assert response.json()["checks"]["management"]["error"] == "no answer within 0.5 s"
-    assert elapsed < 3
+    assert response.json()["checks"]["management"]["error"] == "no answer within 2.0 s"
+    assert elapsed < 6
 
 
 async def test_readiness_names_each_node_and_stays_ready_while_one_answers(

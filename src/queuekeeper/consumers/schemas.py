@@ -282,6 +282,17 @@ class RotateSecret(BaseModel):
 class RotatedSecretOut(BaseModel):
     """The new signing secret, shown in this answer only."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "webhook_secret": "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw/M1nJ4fmgqY=",
+                    "previous_valid_until": "2026-12-08T07:00:00Z",
+                }
+            ]
+        }
+    )
+
     webhook_secret: str = Field(
         description="`whsec_` + base64 of the new signing key: shown in this answer only."
     )
