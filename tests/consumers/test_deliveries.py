@@ -113,6 +113,11 @@ async def test_filters_and_pages_newest_first(backend: Backend, client: httpx.As
     refused = await client.get(_path(consumer), params={"state": "lost"}, headers=agent.headers)
     assert refused.status_code == 400
     assert "state" in refused.text
+    # A time outside years 1-9999 in UTC is a 400 naming it (it answered 500 once).
+    early = {"accepted_after": "0001-01-01T00:00:00+14:00"}
+    refused = await client.get(_path(consumer), params=early, headers=agent.headers)
+    assert refused.status_code == 400, refused.text
+    assert "accepted_after" in refused.text
 
 
 async def test_a_consumer_bound_through_a_role_is_not_said_to_have_no_access(

@@ -9,7 +9,6 @@ not retry; 1.0.8's watchdog retries (a 4xx every 15 minutes, after one retry wit
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from fastapi import Body, Depends, Query, Request, Response, status
@@ -24,6 +23,7 @@ from queuekeeper.common.pagination import (
     set_bounded_page_headers,
     set_page_headers,
 )
+from queuekeeper.common.schemas import InputDateTime
 from queuekeeper.consumers import service
 from queuekeeper.consumers.schemas import (
     ConsumerFilters,
@@ -418,11 +418,11 @@ def delivery_filters(
         str | None, Query(max_length=64, description="Only the copies of this object type.")
     ] = None,
     accepted_after: Annotated[
-        datetime | None,
+        InputDateTime | None,
         Query(description="Only events accepted after this time (ISO 8601; no offset: UTC)."),
     ] = None,
     accepted_before: Annotated[
-        datetime | None,
+        InputDateTime | None,
         Query(description="Only events accepted before this time (ISO 8601; no offset: UTC)."),
     ] = None,
 ) -> DeliveryFilters:
@@ -430,16 +430,9 @@ def delivery_filters(
         state=state,
         event_id=event_id,
         object_type=object_type,
-        accepted_after=_utc(accepted_after),
-        accepted_before=_utc(accepted_before),
+        accepted_after=accepted_after,
+        accepted_before=accepted_before,
     )
-
-
-def _utc(value: datetime | None) -> datetime | None:
-    """A time without an offset is UTC (contract §14)."""
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value
 
 
 _DELIVERIES = (
