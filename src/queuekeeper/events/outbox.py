@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 import structlog
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.common.locks import lock_key
 from queuekeeper.config import Settings
@@ -374,6 +374,12 @@ class Outbox:
         rows = await self._run(sql.GIVE_UP_PARKED, before, limit, now, RETENTION_REASON)
         return int(rows[0][0])
 
+    async def prune_events(self, cutoff: datetime, limit: int) -> int:
+        """Delete (retention) up to `limit` events accepted before `cutoff` whose copies all
+        settled before it, their copies with them; returns how many events."""
+        rows = await self._run(sql.PRUNE_EVENTS, cutoff, limit)
+        return int(rows[0][0])
+
     async def add_resync(
         self, to: Copy, webhook: bool, snapshots: Sequence[Snapshot], now: datetime
     ) -> int:
@@ -524,6 +530,59 @@ class Outbox:
             else:
                 gauges.queue_pending, gauges.queue_oldest = int(count), oldest
         return gauges
+
+
+# --- a request's writes of copies, in its unit of work ------------------------------------
+# The service decides which copies and why; the outbox writes them through the caller's
+# session, so they commit or roll back with what decided them (a revocation, a consumer
+# deleted or narrowed): docs/decisions/032-one-owner-of-copy-state.md.
+
+
+async def _in_session(session: AsyncSession, statement: str, *arguments: Any) -> Any:
+    """Run one of `outbox_postgres.py`'s statements in the session's transaction."""
+    connection = await session.connection()
+    return await connection.exec_driver_sql(statement, arguments)
+
+
+async def give_up_waiting(
+    session: AsyncSession,
+    now: datetime,
+    reason: str,
+    code: str,
+    *,
+    consumer_uuids: Collection[uuid.UUID] = (),
+    queue_uuids: Collection[uuid.UUID] = (),
+    offering_uuid: uuid.UUID | None = None,
+    unauthorized_only: bool = False,
+) -> int:
+    """Give up the copies not yet on the broker (pending or parked) of these consumers and
+    subscription queues, with the reason `reason` and the code `code` (`given_up_reason`):
+    of the offering `offering_uuid` alone if given, and with `unauthorized_only` only those
+    the owner may no longer receive (docs/decisions/021-authorized-when-published.md).
+    Returns how many."""
+    if not consumer_uuids and not queue_uuids:
+        return 0
+    result = await _in_session(
+        session,
+        sql.GIVE_UP_WAITING,
+        list(consumer_uuids),
+        list(queue_uuids),
+        now,
+        reason,
+        code,
+        offering_uuid,
+        unauthorized_only,
+    )
+    return int(result.scalar_one())
+
+
+async def webhook_copies_due_now(
+    session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime
+) -> None:
+    """A webhook consumer's pending copies fall due now, except those a dispatcher holds:
+    made due, the next claim would post them beside the run that holds them (two at a time,
+    out of order); that run's end makes the rest due."""
+    await _in_session(session, sql.WEBHOOK_DUE_NOW, consumer_uuid, now)
 
 
 @dataclass(frozen=True)

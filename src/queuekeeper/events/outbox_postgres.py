@@ -1124,3 +1124,78 @@ async def listen(
             driver.remove_termination_listener(on_lost)
             if not lost.is_set() and not driver.is_closed():
                 await driver.remove_listener(channel, on_notify)
+
+
+# --- a request's writes of copies, in its own transaction -----------------------------------
+# A service that decides a copy's fate (a revocation, a consumer deleted or narrowed, a webhook
+# fixed) writes it in the unit of work that decided it: `outbox.py` runs these through the
+# caller's session, so they commit or roll back with the rest of it
+# (docs/decisions/032-one-owner-of-copy-state.md). Not hot: one per request, not per copy.
+
+
+def given_up_sql(finished: str, error: str, code: str) -> str:
+    """The `SET` of a copy given up at `finished` with the reason `error` and the code
+    `code` (contract §14's `given_up_reason`): it leaves any lease, and no claim takes it."""
+    return (
+        f"state = 'given_up', finished = {finished}, claimed_by = NULL, claimed_until = NULL,"
+        f" last_error = {error}, given_up_reason = {code}"
+    )
+
+
+# The copies not yet on the broker (pending or parked) of the consumers $1 and the
+# subscription queues $2, given up at $3 with the reason $4 and the code $5: of the offering
+# $6 alone (a fan-out copy names its own offering, any other is its event's; NULL: of any
+# offering), and with $7 only those whose owner may no longer receive them by the rule of
+# every publish (`authorized_sql`, docs/decisions/021-authorized-when-published.md).
+# Returned: how many.
+GIVE_UP_WAITING = (
+    """
+WITH given_up AS (
+    UPDATE deliveries d SET """  # noqa: S608 - the module's constants
+    + given_up_sql("$3::timestamptz", "$4::text", "$5::varchar")
+    + """
+    FROM events e
+    WHERE (d.consumer_uuid = ANY($1::uuid[]) OR d.queue_uuid = ANY($2::uuid[]))
+        AND d.state IN ('pending', 'parked') AND e.event_id = d.event_id
+        AND ($6::uuid IS NULL OR coalesce(d.offering_uuid, e.offering_uuid) = $6::uuid)
+        AND NOT ($7::boolean AND """
+    + authorized_sql(
+        "d.queue_uuid",
+        "d.consumer_uuid",
+        "coalesce(d.offering_uuid, e.offering_uuid)",
+        "$3::timestamptz",
+        "e.project_uuid",
+        "e.subject_user_uuid",
+    )
+    + """)
+    RETURNING 1
+)
+SELECT count(*) FROM given_up
+"""
+)
+# A webhook consumer's ($1) pending copies fall due at $2. Not those a dispatcher holds:
+# their due time is their lease's end (docs/decisions/026-webhooks-on-the-outbox.md).
+# `state = 'pending' AND webhook` written out: ix_deliveries_webhook_pending's predicate.
+WEBHOOK_DUE_NOW = """
+UPDATE deliveries SET next_attempt_at = $2
+WHERE consumer_uuid = $1 AND state = 'pending' AND webhook AND claimed_by IS NULL
+    AND next_attempt_at > $2
+"""
+# Retention (contract §11), on the outbox's own connection, each page committed as it runs:
+# up to $2 events accepted before $1 whose copies all settled before it, deleted (their copies
+# go with them: the foreign key cascades). A copy settled since, such as one given up for
+# retention just now, keeps its event listed for another period. Returned: how many.
+PRUNE_EVENTS = """
+WITH old AS (
+    SELECT ev.event_id FROM events ev
+    WHERE ev.accepted < $1 AND NOT EXISTS (
+        SELECT 1 FROM deliveries d
+        WHERE d.event_id = ev.event_id
+            AND (d.state IN ('pending', 'parked') OR d.finished >= $1))
+    LIMIT $2
+), pruned AS (
+    DELETE FROM events WHERE event_id IN (SELECT event_id FROM old)
+    RETURNING 1
+)
+SELECT count(*) FROM pruned
+"""
