@@ -421,13 +421,28 @@ FROM unnest($1::bigint[], $2::timestamptz[], $3::int[]) AS r(id, at, ms)
 WHERE d.id = r.id AND (d.state || '') = 'pending'
 """
 )
+
+
+def given_up_sql(finished: str, error: str, code: str) -> str:
+    """The `SET` of a copy given up at `finished` with the reason `error` and the code
+    `code` (contract §14's `given_up_reason`): it leaves any lease, and no claim takes it.
+    Every statement that gives copies up unconditionally writes it so; the claim's and the
+    held copies' judgment give up a refused copy inside their `CASE` (`_SETTLE_TAKEN`,
+    `JUDGE_HELD`)."""
+    return (
+        f"state = 'given_up', finished = {finished}, claimed_by = NULL, claimed_until = NULL,"
+        f" last_error = {error}, given_up_reason = {code}"
+    )
+
+
 # Given up (reason r.error, code r.code); a copy whose last attempt failed (r.at set: too
 # old to try again) has that attempt recorded.
 GIVE_UP = (
     """
 UPDATE deliveries d
-SET state = 'given_up', finished = $3, claimed_by = NULL, claimed_until = NULL,
-    last_error = r.error, given_up_reason = r.code,
+SET """
+    + given_up_sql("$3", "r.error", "r.code")
+    + """,
     """
     + attempt_logged("r.at", "r.ms", "r.status", "r.error", when="r.at IS NOT NULL")
     + """
@@ -516,20 +531,23 @@ UNPARK = (
     + _SETTLE_TAKEN.format(relay="$4", until="$5", now="$6", guard="d.state = 'parked'")
 )
 UNPARK += _CLAIMED.format(now="$6") + ", j.ok\n"
-GIVE_UP_PARKED = """
+GIVE_UP_PARKED = (
+    """
 WITH expired AS (
     SELECT id FROM deliveries
     WHERE parked_at IS NOT NULL AND state IN ('parked', 'pending')
         AND state = 'parked' AND created < $1
     LIMIT $2
 ), given_up AS (
-    UPDATE deliveries d SET state = 'given_up', finished = $3, last_error = $4,
-                            given_up_reason = 'retention'
+    UPDATE deliveries d SET """  # noqa: S608 - the module's constants
+    + given_up_sql("$3", "$4", "'retention'")
+    + """
     FROM expired WHERE d.id = expired.id AND d.state = 'parked'
     RETURNING 1
 )
 SELECT count(*) FROM given_up
 """
+)
 # A replay (docs/decisions/021-authorized-when-published.md): under the replay lock
 # (`REPLAY_LOCK`, in the same transaction), unless a replay of the queue is still in
 # flight (its copies not yet published) and unless the window holds more than $9 copies,
@@ -823,7 +841,8 @@ SELECT (SELECT count(*) FROM delivered), (SELECT count(*) FROM failed),
 # lease that ran out (a dispatcher that died holding a deleted consumer's copy): up to $2,
 # given up at $3 with the reason $4 or $5. A copy a dispatcher holds is left to it (the
 # guard is read again on the row as the claim left it).
-WEBHOOK_GIVE_UP_STRANDED = """
+WEBHOOK_GIVE_UP_STRANDED = (
+    """
 WITH stranded AS (
     SELECT id FROM deliveries
     WHERE state = 'pending' AND webhook AND (claimed_by IS NULL OR claimed_until < $3)
@@ -831,14 +850,18 @@ WITH stranded AS (
     LIMIT $2
 ), given_up AS (
     UPDATE deliveries d
-    SET state = 'given_up', finished = $3,
-        last_error = CASE WHEN d.consumer_uuid IS NULL THEN $4 ELSE $5 END,
-        given_up_reason = CASE
+    SET """  # noqa: S608 - the module's constants
+    + given_up_sql(
+        "$3",
+        "CASE WHEN d.consumer_uuid IS NULL THEN $4 ELSE $5 END",
+        """CASE
             WHEN d.consumer_uuid IS NULL THEN 'consumer_deleted'
             WHEN EXISTS (SELECT 1 FROM event_consumers g
                          WHERE g.uuid = d.consumer_uuid AND g.webhook_gone_at IS NOT NULL)
                 THEN 'webhook_gone'
-            ELSE 'retention' END
+            ELSE 'retention' END""",
+    )
+    + """
     FROM stranded s
     WHERE d.id = s.id AND (d.state || '') = 'pending'
         AND (d.claimed_by IS NULL OR d.claimed_until < $3)
@@ -846,6 +869,7 @@ WITH stranded AS (
 )
 SELECT count(*) FROM given_up
 """
+)
 # The gauges (contract §13): pending copies and the oldest one's acceptance, per kind of
 # consumer (each through its partial index, its predicate written out); the webhook
 # consumers failing now and the longest-failing one's start.
@@ -1131,15 +1155,6 @@ async def listen(
 # fixed) writes it in the unit of work that decided it: `outbox.py` runs these through the
 # caller's session, so they commit or roll back with the rest of it
 # (docs/decisions/032-one-owner-of-copy-state.md). Not hot: one per request, not per copy.
-
-
-def given_up_sql(finished: str, error: str, code: str) -> str:
-    """The `SET` of a copy given up at `finished` with the reason `error` and the code
-    `code` (contract §14's `given_up_reason`): it leaves any lease, and no claim takes it."""
-    return (
-        f"state = 'given_up', finished = {finished}, claimed_by = NULL, claimed_until = NULL,"
-        f" last_error = {error}, given_up_reason = {code}"
-    )
 
 
 # The copies not yet on the broker (pending or parked) of the consumers $1 and the
