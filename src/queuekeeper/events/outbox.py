@@ -1,22 +1,25 @@
-"""The transactional outbox (the `deliveries` table) and its one owner, `Outbox`.
+"""The transactional outbox (the `deliveries` table, and `events`) and its one owner.
 
-Every write of a copy's life goes through here: `store` (accepted events and their copies,
-in the request's transaction), `claim`, `renew`, the settlements (`publish`,
+Every write of a copy's life goes through here: `Outbox`'s `store` (accepted events and
+their copies, in the request's transaction), `claim`, `renew`, the settlements (`publish`,
 `published_at`, `reject`, `give_up`, `reschedule`), `release` and `judge_held` (copies held
-in memory judged again before they go out, docs/decisions/029-judged-as-it-leaves.md); and
+in memory judged again before they go out, docs/decisions/029-judged-as-it-leaves.md);
 parking's (parking/ decides when, the outbox writes): `park`, `unpark` (parked copies back
-to pending, claimed as a claim claims), `give_up_parked` (retention) and `add_replays` (a
-replay's new copies); no other module writes a copy's state. The lease rule lives in `Outbox.lease`
-alone: a copy is held by a relay until its lease ends, and a held copy is simply not due
-(`next_attempt_at` is the lease's end), so a relay that dies leaves its copies due again
-when its leases run out. Only `state = 'pending'` copies that are due are ever claimed;
-any other state (published, rejected, given up, parked) is never taken, except that
-`unpark` takes a queue's parked copies back.
+to pending, claimed as a claim claims), `give_up_parked` and `prune_events` (retention) and
+`add_replays` (a replay's new copies); and, in the caller's session and transaction, what a
+request decides: `give_up_waiting` (a revocation, a consumer deleted or narrowed) and
+`webhook_copies_due_now`. No other module writes a copy's state
+(docs/decisions/032-one-owner-of-copy-state.md; tests/events/test_copy_state_owner.py). The
+lease rule lives in `Outbox.lease` alone: a copy is held by a relay until its lease ends,
+and a held copy is simply not due (`next_attempt_at` is the lease's end), so a relay that
+dies leaves its copies due again when its leases run out. Only `state = 'pending'` copies
+that are due are ever claimed; any other state (published, rejected, given up, parked) is
+never taken, except that `unpark` takes a queue's parked copies back.
 
-The statements themselves are in `outbox_postgres.py` (plain SQL on asyncpg,
-docs/decisions/008-driver-path.md), each written once. Who gets a copy is decided in
-`recipients.py`; how requests share a transaction, in `intake.py`; what the relay does
-with a claimed copy, in `relay.py`.
+The statements themselves are in `outbox_postgres.py` (plain SQL: on asyncpg for `Outbox`,
+docs/decisions/008-driver-path.md; through SQLAlchemy for a session's), each written once.
+Who gets a copy is decided in `recipients.py`; how requests share a transaction, in
+`intake.py`; what the relay does with a claimed copy, in `relay.py`.
 """
 
 from __future__ import annotations

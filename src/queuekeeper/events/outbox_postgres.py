@@ -1,9 +1,11 @@
-"""The outbox's hot statements on PostgreSQL: plain SQL on asyncpg, nothing else.
+"""The outbox's statements on PostgreSQL: plain SQL, every write of `deliveries` and `events`.
 
 The only module that talks to the driver itself (docs/decisions/008-driver-path.md): the
 store of accepted events and the relay's claim, renew, settle and release, each run per
 request or per batch; and parking's writes of a copy (park, unpark, the retention's
-give-up, the replay's insert), which the outbox owns as well. asyncpg prepares each
+give-up and prune, the replay's insert), which the outbox owns as well. The few a request
+decides are run by `outbox.py` through the request's session instead, in its transaction
+(the block at the end; docs/decisions/032-one-owner-of-copy-state.md). asyncpg prepares each
 statement once per connection (its statement cache) and binds lists as arrays, so one
 statement serves one row or thousands. The connection is one of SQLAlchemy's pool,
 checked out through `AsyncEngine.connect()` and reached with
