@@ -16,7 +16,6 @@ from sqlalchemy import (
     String,
     TextClause,
     Uuid,
-    and_,
     bindparam,
     delete,
     func,
@@ -242,52 +241,6 @@ async def needing_password(
         )
     )
     return list(rows)
-
-
-async def give_up_unsent_copies(
-    session: AsyncSession,
-    offering_uuid: uuid.UUID,
-    reason: str,
-    now: datetime,
-    *,
-    consumer_uuids: Collection[uuid.UUID] = (),
-    queue_uuids: Collection[uuid.UUID] = (),
-) -> int:
-    """Give up the copies of this offering's events that have not reached the broker
-    (pending or parked) for these consumers and subscription queues
-    (docs/decisions/021-authorized-when-published.md)."""
-    if not consumer_uuids and not queue_uuids:
-        return 0
-    result = await session.execute(
-        update(Delivery)
-        .where(
-            or_(
-                Delivery.consumer_uuid.in_(list(consumer_uuids)),
-                Delivery.queue_uuid.in_(list(queue_uuids)),
-            ),
-            Delivery.state.in_([DeliveryState.PENDING, DeliveryState.PARKED]),
-            # A fan-out copy names its own offering; any other is its event's.
-            or_(
-                Delivery.offering_uuid == offering_uuid,
-                and_(
-                    Delivery.offering_uuid.is_(None),
-                    Delivery.event_id.in_(
-                        select(Event.event_id).where(Event.offering_uuid == offering_uuid)
-                    ),
-                ),
-            ),
-        )
-        .values(
-            state=DeliveryState.GIVEN_UP,
-            finished=now,
-            claimed_by=None,
-            claimed_until=None,
-            last_error=reason,
-            given_up_reason="not_authorized",
-        )
-        .execution_options(synchronize_session=False)
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
 
 
 async def last_delivered(
@@ -640,91 +593,6 @@ async def fresh(session: AsyncSession, consumer_uuid: uuid.UUID) -> EventConsume
         .execution_options(populate_existing=True)
     )
     return found
-
-
-_WAITING = (DeliveryState.PENDING, DeliveryState.PARKED)
-
-
-def _give_up(now: datetime, reason: str, code: str) -> dict[str, object]:
-    return {
-        "state": DeliveryState.GIVEN_UP,
-        "finished": now,
-        "claimed_by": None,
-        "claimed_until": None,
-        "last_error": reason,
-        "given_up_reason": code,
-    }
-
-
-async def give_up_waiting(
-    session: AsyncSession, consumers: Collection[EventConsumer], now: datetime, reason: str
-) -> int:
-    """Give up every copy not yet delivered (pending or parked) of these consumers that
-    receive by webhook, before their rows go: no relay takes a webhook copy whose consumer
-    is gone (a queue consumer's are given up by the relay, for that reason)."""
-    webhooks = [consumer.uuid for consumer in consumers if consumer.delivery == "webhook"]
-    if not webhooks:
-        return 0
-    result = await session.execute(
-        update(Delivery)
-        .where(Delivery.consumer_uuid.in_(webhooks), Delivery.state.in_(_WAITING))
-        .values(**_give_up(now, reason, "consumer_deleted"))
-        .execution_options(synchronize_session=False)
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
-
-
-# The consumer's copies not yet delivered whose event its owner may no longer receive
-# through its bindings: the rule of every publish (docs/decisions/021-authorized-when-published.md).
-_UNAUTHORIZED = text(
-    """
-UPDATE deliveries d SET state = 'given_up', finished = :now, claimed_by = NULL,
-    claimed_until = NULL, last_error = :reason, given_up_reason = 'not_authorized'
-FROM events e
-WHERE d.consumer_uuid = :consumer AND d.state IN ('pending', 'parked')
-    AND e.event_id = d.event_id AND NOT """
-    + authorized_sql(
-        "NULL::uuid",
-        ":consumer",
-        "coalesce(d.offering_uuid, e.offering_uuid)",
-        ":now",
-        "e.project_uuid",
-        "e.subject_user_uuid",
-    )
-).bindparams(
-    bindparam("consumer", type_=Uuid()),
-    bindparam("now", type_=AwareDateTime()),
-    bindparam("reason", type_=String()),
-)
-
-
-async def give_up_unauthorized(
-    session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime, reason: str
-) -> int:
-    """Give up the consumer's waiting copies its bindings no longer allow (after they
-    narrowed); returns how many."""
-    result = await session.execute(
-        _UNAUTHORIZED, {"consumer": consumer_uuid, "now": now, "reason": reason}
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
-
-
-async def due_now(session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime) -> None:
-    """A webhook consumer's pending copies fall due now (an update: the receiver is fixed,
-    or the consumer points elsewhere). Not those a dispatcher holds: their due time is their
-    lease's end, and made due now the next claim would post them beside the run that holds
-    them (two at a time, out of order); that run's end makes the rest due."""
-    await session.execute(
-        update(Delivery)
-        .where(
-            Delivery.consumer_uuid == consumer_uuid,
-            text("deliveries.state = 'pending' AND deliveries.webhook"),
-            Delivery.claimed_by.is_(None),
-            Delivery.next_attempt_at > now,
-        )
-        .values(next_attempt_at=now)
-        .execution_options(synchronize_session=False)
-    )
 
 
 @dataclass(frozen=True)

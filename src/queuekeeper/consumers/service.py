@@ -52,6 +52,7 @@ from queuekeeper.consumers.schemas import (
     bindings_of,
     token_prefix,
 )
+from queuekeeper.events import outbox
 from queuekeeper.events.outbox import Outbox, Snapshot
 from queuekeeper.events.recipients import Copy
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
@@ -82,6 +83,22 @@ log = structlog.get_logger(__name__)
 WEBHOOK = "webhook"
 # Why a webhook consumer's waiting copies were given up when it went.
 CONSUMER_DELETED = "the consumer was deleted"
+
+
+async def give_up_copies_of_webhooks_deleted(
+    session: AsyncSession,
+    consumers: Collection[EventConsumer],
+    now: datetime,
+    reason: str = CONSUMER_DELETED,
+) -> int:
+    """Before these consumers' rows go (in the same transaction): the copies not yet
+    delivered of those that receive by webhook, given up as `consumer_deleted`. No claim
+    takes a webhook copy whose consumer is gone; a queue consumer's are given up by the
+    relay, which finds its queue gone (docs/decisions/027-webhook-registration.md)."""
+    webhooks = [consumer.uuid for consumer in consumers if consumer.delivery == WEBHOOK]
+    return await outbox.give_up_waiting(
+        session, now, reason, "consumer_deleted", consumer_uuids=webhooks
+    )
 
 
 @dataclass(frozen=True)
@@ -336,12 +353,13 @@ async def _make_real(
                 consumer = existing
                 dropped = _update(consumer, wanted, password_hash)
                 for offering_uuid in dropped:
-                    await repository.give_up_unsent_copies(
+                    await outbox.give_up_waiting(
                         session,
-                        offering_uuid,
-                        "the consumer is no longer scoped to the offering (its identity moved)",
                         utcnow(),
+                        "the consumer is no longer scoped to the offering (its identity moved)",
+                        "not_authorized",
                         consumer_uuids=[consumer_uuid],
+                        offering_uuid=offering_uuid,
                     )
             await session.commit()
     except (IntegrityError, StaleDataError, _Gone) as exc:
@@ -502,7 +520,7 @@ async def delete_consumer(
         consumer = await repository.get(session, key)
         if consumer is None:
             raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
-        await repository.give_up_waiting(session, [consumer], utcnow(), CONSUMER_DELETED)
+        await give_up_copies_of_webhooks_deleted(session, [consumer], utcnow())
         leftovers = BrokerLeftovers().add_consumers([consumer])  # none for a webhook
         await session.delete(consumer)
         await session.flush()
@@ -841,10 +859,15 @@ async def update_webhook(
         consumer.webhook_failing_since = None
         consumer.modified = now
         await session.flush()
-        given_up = await repository.give_up_unauthorized(
-            session, key, now, "the consumer's bindings no longer allow it"
+        given_up = await outbox.give_up_waiting(
+            session,
+            now,
+            "the consumer's bindings no longer allow it",
+            "not_authorized",
+            consumer_uuids=[key],
+            unauthorized_only=True,
         )
-        await repository.due_now(session, key, now)
+        await outbox.webhook_copies_due_now(session, key, now)
         await session.commit()
     consumer = await repository.fresh(session, key)
     await session.commit()

@@ -1,22 +1,25 @@
-"""The transactional outbox (the `deliveries` table) and its one owner, `Outbox`.
+"""The transactional outbox (the `deliveries` table, and `events`) and its one owner.
 
-Every write of a copy's life goes through here: `store` (accepted events and their copies,
-in the request's transaction), `claim`, `renew`, the settlements (`publish`,
+Every write of a copy's life goes through here: `Outbox`'s `store` (accepted events and
+their copies, in the request's transaction), `claim`, `renew`, the settlements (`publish`,
 `published_at`, `reject`, `give_up`, `reschedule`), `release` and `judge_held` (copies held
-in memory judged again before they go out, docs/decisions/029-judged-as-it-leaves.md); and
+in memory judged again before they go out, docs/decisions/029-judged-as-it-leaves.md);
 parking's (parking/ decides when, the outbox writes): `park`, `unpark` (parked copies back
-to pending, claimed as a claim claims), `give_up_parked` (retention) and `add_replays` (a
-replay's new copies); no other module writes a copy's state. The lease rule lives in `Outbox.lease`
-alone: a copy is held by a relay until its lease ends, and a held copy is simply not due
-(`next_attempt_at` is the lease's end), so a relay that dies leaves its copies due again
-when its leases run out. Only `state = 'pending'` copies that are due are ever claimed;
-any other state (published, rejected, given up, parked) is never taken, except that
-`unpark` takes a queue's parked copies back.
+to pending, claimed as a claim claims), `give_up_parked` and `prune_events` (retention) and
+`add_replays` (a replay's new copies); and, in the caller's session and transaction, what a
+request decides: `give_up_waiting` (a revocation, a consumer deleted or narrowed) and
+`webhook_copies_due_now`. No other module writes a copy's state
+(docs/decisions/032-one-owner-of-copy-state.md; tests/events/test_copy_state_owner.py). The
+lease rule lives in `Outbox.lease` alone: a copy is held by a relay until its lease ends,
+and a held copy is simply not due (`next_attempt_at` is the lease's end), so a relay that
+dies leaves its copies due again when its leases run out. Only `state = 'pending'` copies
+that are due are ever claimed; any other state (published, rejected, given up, parked) is
+never taken, except that `unpark` takes a queue's parked copies back.
 
-The statements themselves are in `outbox_postgres.py` (plain SQL on asyncpg,
-docs/decisions/008-driver-path.md), each written once. Who gets a copy is decided in
-`recipients.py`; how requests share a transaction, in `intake.py`; what the relay does
-with a claimed copy, in `relay.py`.
+The statements themselves are in `outbox_postgres.py` (plain SQL: on asyncpg for `Outbox`,
+docs/decisions/008-driver-path.md; through SQLAlchemy for a session's), each written once.
+Who gets a copy is decided in `recipients.py`; how requests share a transaction, in
+`intake.py`; what the relay does with a claimed copy, in `relay.py`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 import structlog
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.common.locks import lock_key
 from queuekeeper.config import Settings
@@ -374,6 +377,12 @@ class Outbox:
         rows = await self._run(sql.GIVE_UP_PARKED, before, limit, now, RETENTION_REASON)
         return int(rows[0][0])
 
+    async def prune_events(self, cutoff: datetime, limit: int) -> int:
+        """Delete (retention) up to `limit` events accepted before `cutoff` whose copies all
+        settled before it, their copies with them; returns how many events."""
+        rows = await self._run(sql.PRUNE_EVENTS, cutoff, limit)
+        return int(rows[0][0])
+
     async def add_resync(
         self, to: Copy, webhook: bool, snapshots: Sequence[Snapshot], now: datetime
     ) -> int:
@@ -524,6 +533,59 @@ class Outbox:
             else:
                 gauges.queue_pending, gauges.queue_oldest = int(count), oldest
         return gauges
+
+
+# --- a request's writes of copies, in its unit of work ------------------------------------
+# The service decides which copies and why; the outbox writes them through the caller's
+# session, so they commit or roll back with what decided them (a revocation, a consumer
+# deleted or narrowed): docs/decisions/032-one-owner-of-copy-state.md.
+
+
+async def _in_session(session: AsyncSession, statement: str, *arguments: Any) -> Any:
+    """Run one of `outbox_postgres.py`'s statements in the session's transaction."""
+    connection = await session.connection()
+    return await connection.exec_driver_sql(statement, arguments)
+
+
+async def give_up_waiting(
+    session: AsyncSession,
+    now: datetime,
+    reason: str,
+    code: str,
+    *,
+    consumer_uuids: Collection[uuid.UUID] = (),
+    queue_uuids: Collection[uuid.UUID] = (),
+    offering_uuid: uuid.UUID | None = None,
+    unauthorized_only: bool = False,
+) -> int:
+    """Give up the copies not yet on the broker (pending or parked) of these consumers and
+    subscription queues, with the reason `reason` and the code `code` (`given_up_reason`):
+    of the offering `offering_uuid` alone if given, and with `unauthorized_only` only those
+    the owner may no longer receive (docs/decisions/021-authorized-when-published.md).
+    Returns how many."""
+    if not consumer_uuids and not queue_uuids:
+        return 0
+    result = await _in_session(
+        session,
+        sql.GIVE_UP_WAITING,
+        list(consumer_uuids),
+        list(queue_uuids),
+        now,
+        reason,
+        code,
+        offering_uuid,
+        unauthorized_only,
+    )
+    return int(result.scalar_one())
+
+
+async def webhook_copies_due_now(
+    session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime
+) -> None:
+    """A webhook consumer's pending copies fall due now, except those a dispatcher holds:
+    made due, the next claim would post them beside the run that holds them (two at a time,
+    out of order); that run's end makes the rest due."""
+    await _in_session(session, sql.WEBHOOK_DUE_NOW, consumer_uuid, now)
 
 
 @dataclass(frozen=True)
