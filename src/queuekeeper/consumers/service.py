@@ -426,7 +426,10 @@ async def facts_of(
     reach it as far as the database tells. A fixed number of queries for a whole page."""
     if not consumers:
         return {}
-    delivered = await repository.last_delivered(session, [c.uuid for c in consumers])
+    # A webhook's deliveries are settled on its row (`ConsumerOut.of` reads it there).
+    delivered = await repository.last_delivered(
+        session, [c.uuid for c in consumers if c.delivery != WEBHOOK]
+    )
     authorized = await repository.authorized_now(
         session,
         [
@@ -947,6 +950,15 @@ async def resync(
 
 
 # --- what a consumer can see of its copies (contract §14; docs/decisions/031-delivery-log.md)
+async def _visible(session: AsyncSession, caller: User | None, consumer_uuid: str) -> uuid.UUID:
+    """As `get_consumer`, for routes that read only the consumer's copies: its uuid."""
+    return await find_by_path_uuid(
+        consumer_uuid,
+        "Event consumer",
+        lambda parsed: repository.visible(session, parsed, caller.uuid if caller else None),
+    )
+
+
 async def deliveries(
     session: AsyncSession,
     caller: User | None,
@@ -957,8 +969,9 @@ async def deliveries(
     """`GET /api/event-consumers/{uuid}/deliveries/`: the consumer's copies, newest first
     (and how many, counted to `repository.COUNT_LIMIT`); NotFound for another user's
     consumer (any, for a service token)."""
-    consumer = await get_consumer(session, caller, consumer_uuid)
-    found = await repository.copies_page(session, consumer.uuid, filters, page)
+    found = await repository.copies_page(
+        session, await _visible(session, caller, consumer_uuid), filters, page
+    )
     await session.commit()
     return found, [DeliveryOut.of(row) for row in found.rows]
 
@@ -968,12 +981,12 @@ async def delivery(
 ) -> DeliveryDetailOut:
     """`GET /api/event-consumers/{uuid}/deliveries/{event_id}/`: the consumer's newest copy
     of the event with its attempt log; NotFound when it has none."""
-    consumer = await get_consumer(session, caller, consumer_uuid)
-    row = await repository.copy_of_event(session, consumer.uuid, event_id)
+    consumer = await _visible(session, caller, consumer_uuid)
+    row = await repository.copy_of_event(session, consumer, event_id)
     await session.commit()
     if row is None:
         raise NotFound(
-            f"Event consumer {consumer.uuid.hex} has no copy of event {event_id!r}: the event "
+            f"Event consumer {consumer.hex} has no copy of event {event_id!r}: the event "
             "was not for it (its bindings, filters or its owner's access), or it is past "
             "retention."
         )
