@@ -130,7 +130,7 @@ def _lists_type(observable_objects: list[Any], offering_uuid: uuid.UUID, object_
     return False
 
 
-# What relay.message_body adds to every consumer's copy (contract §9): a filter on it is
+# What message.message_body adds to every consumer's copy (contract §9): a filter on it is
 # decided once, when the consumer is read, not per event.
 CONSUMER_SCHEMA_VERSION = 1
 _ABSENT = object()

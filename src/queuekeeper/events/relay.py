@@ -29,11 +29,7 @@ rule again (`judged_now`).
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
-import secrets
-import socket
 import time
 import uuid
 from collections import defaultdict
@@ -53,8 +49,10 @@ from queuekeeper.broker.verdict import Outcome, Result
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
 from queuekeeper.events import repository
+from queuekeeper.events.message import message_body, new_relay_id
 from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, GivenUp, Outbox, Retry, Tried
 from queuekeeper.events.outbox_postgres import listen
+from queuekeeper.events.retry import not_past_give_up
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
     CONSUMERS,
@@ -75,7 +73,6 @@ QUEUE_GONE = (
 )
 # A queue re-declared after a return is retried at once this many times, then with backoff.
 IMMEDIATE_RETRIES = 3
-CONSUMER_SCHEMA_VERSION = 1
 REPLAY_HEADER = "x-queuekeeper-replay"
 # Bound once: a child's lookup per batch costs more than its increment.
 _PUBLISHED = DELIVERIES.labels(outcome="published")
@@ -88,23 +85,6 @@ _TRIED_FAILED = DELIVERY_ATTEMPTS.labels(kind="queue", outcome="failed", status_
 
 # (relay id, claimed copies) -> the copies to publish now; it parks the others.
 HoldBack = Callable[[str, list[Claimed]], Awaitable[list[Claimed]]]
-
-
-def new_relay_id() -> str:
-    return f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-def message_body(item: Claimed) -> bytes:
-    """The stored body; a consumer's copy also says `schema_version: 1` (contract §9), and a
-    fan-out's copy the offering of its own queue (contract §10)."""
-    if item.consumer_uuid is None and item.copy_offering_uuid is None:
-        return item.body.encode()
-    body = json.loads(item.body)
-    if item.consumer_uuid is not None:
-        body["schema_version"] = CONSUMER_SCHEMA_VERSION
-    if item.copy_offering_uuid is not None:
-        body["offering_uuid"] = item.copy_offering_uuid.hex
-    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def event_message(item: Claimed) -> aio_pika.Message:
@@ -519,8 +499,7 @@ class Relay:
             self.settings.relay_backoff_base * 2 ** max(item.attempts - 1, 0),
         )
         delay *= random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not security
-        # Never schedule past the give-up time, so an old copy is given up on time.
-        when = min(now + timedelta(seconds=delay), max(item.created + self._max_age, now))
+        when = not_past_give_up(now, delay, item.created, self._max_age)
         settlement.retries.append(Retry(item.id, when, error, tried))
         DELIVERIES.labels(outcome="retried").inc()
 

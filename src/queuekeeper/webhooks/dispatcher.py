@@ -30,7 +30,7 @@ import uuid
 from collections import defaultdict
 from contextlib import suppress
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
 from ipaddress import ip_address
 
@@ -43,6 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
+from queuekeeper.events.message import message_body, new_relay_id
 from queuekeeper.events.outbox import (
     WEBHOOKS_DUE_CHANNEL,
     GivenUp,
@@ -52,7 +53,6 @@ from queuekeeper.events.outbox import (
     WebhookRun,
 )
 from queuekeeper.events.outbox_postgres import listen
-from queuekeeper.events.relay import message_body, new_relay_id
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
     DELIVERY_ATTEMPTS,
@@ -65,7 +65,7 @@ from queuekeeper.observability.metrics import (
     WEBHOOKS_FAILING,
     status_class,
 )
-from queuekeeper.webhooks import signing
+from queuekeeper.webhooks import schedule, signing
 from queuekeeper.webhooks.addresses import AddressRefused, Resolved, resolve
 
 log = structlog.get_logger(__name__)
@@ -471,14 +471,14 @@ class WebhookDispatcher:
         ]
 
     def _retry_at(self, attempts: int, created: datetime) -> datetime:
-        now = utcnow()
-        delay = signing.retry_delay(
+        return schedule.retry_at(
             attempts,
+            created,
+            utcnow(),
             self.settings.webhook_retry_seconds,
+            self._retention,
             random.random(),  # noqa: S311 - jitter, not security
         )
-        # Never past the give-up time, so an old copy is given up on time.
-        return min(now + timedelta(seconds=delay), max(created + self._retention, now))
 
     async def _settle(self, run: WebhookRun, given_up: list[GivenUp]) -> None:
         now = utcnow()

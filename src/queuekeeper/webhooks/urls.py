@@ -17,12 +17,13 @@ import httpx
 
 from queuekeeper.exceptions import BadRequest
 from queuekeeper.webhooks.addresses import AddressRefused, IPNetwork, resolve
+from queuekeeper.webhooks.signing import SECRET_PREFIX
 
 # Longer URLs are refused: browsers and proxies commonly stop near 2,000 characters, and
 # nothing a receiver needs comes close.
 MAX_URL_LENGTH = 2048
-# Standard Webhooks' secrets: `whsec_` + base64 of the key; 24 bytes is its minimum.
-SECRET_PREFIX = "whsec_"
+# Standard Webhooks' secrets (`signing.SECRET_PREFIX` + base64 of the key): 24 bytes is its
+# minimum.
 SECRET_BYTES = 32
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 FIELD = "webhook_url"
