@@ -12,10 +12,24 @@ import json
 import os
 import secrets
 import socket
+import uuid
+from typing import Protocol
 
-from queuekeeper.events.outbox import Claimed
-
+# What every consumer's copy says it is (contract §9); recipients.py decides a payload filter
+# on it once, when the consumer is read.
 CONSUMER_SCHEMA_VERSION = 1
+
+
+class Stored(Protocol):
+    """What the body is made from: a claimed copy (`outbox.Claimed`). A protocol, so the
+    recipients (which outbox.py imports) may take `CONSUMER_SCHEMA_VERSION` from here."""
+
+    @property
+    def body(self) -> str: ...
+    @property
+    def consumer_uuid(self) -> uuid.UUID | None: ...
+    @property
+    def copy_offering_uuid(self) -> uuid.UUID | None: ...
 
 
 def new_relay_id() -> str:
@@ -24,7 +38,7 @@ def new_relay_id() -> str:
     return f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
-def message_body(item: Claimed) -> bytes:
+def message_body(item: Stored) -> bytes:
     """The stored body; a consumer's copy also says `schema_version: 1` (contract §9), and a
     fan-out's copy the offering of its own queue (contract §10)."""
     if item.consumer_uuid is None and item.copy_offering_uuid is None:
