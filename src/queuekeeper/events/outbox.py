@@ -934,7 +934,7 @@ def _fan_out(
             event.user_uuids,
             event.project_uuid,
             event.subject_user_uuid,
-            # Filters see the body as this offering's copy carries it (relay.message_body).
+            # Filters see the body as this offering's copy carries it (message.message_body).
             {**body, "offering_uuid": offering.hex} if index.filtered else body,
         )
         found.candidates += each.candidates

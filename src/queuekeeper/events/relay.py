@@ -29,16 +29,11 @@ rule again (`judged_now`).
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
-import secrets
-import socket
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -53,8 +48,10 @@ from queuekeeper.broker.verdict import Outcome, Result
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
 from queuekeeper.events import repository
-from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, GivenUp, Outbox, Retry, Tried
-from queuekeeper.events.outbox_postgres import listen
+from queuekeeper.events.delivery_loop import HOUSEKEEPING_INTERVAL, DeliveryLoop, Listeners, Loops
+from queuekeeper.events.message import message_body, new_relay_id
+from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, GivenUp, Retry, Tried
+from queuekeeper.events.retry import not_past_give_up
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
     CONSUMERS,
@@ -67,15 +64,12 @@ from queuekeeper.observability.metrics import (
 
 log = structlog.get_logger(__name__)
 
-HOUSEKEEPING_INTERVAL = 5.0  # seconds between outbox gauge refreshes and idle-connection sweeps
-STOP_GRACE = 5.0  # seconds a stopping relay lets a batch in flight finish
 QUEUE_GONE = (
     "its queue is no longer registered (access revoked, or the queue, subscription, "
     "consumer, owner or offering deleted); not published"
 )
 # A queue re-declared after a return is retried at once this many times, then with backoff.
 IMMEDIATE_RETRIES = 3
-CONSUMER_SCHEMA_VERSION = 1
 REPLAY_HEADER = "x-queuekeeper-replay"
 # Bound once: a child's lookup per batch costs more than its increment.
 _PUBLISHED = DELIVERIES.labels(outcome="published")
@@ -88,23 +82,6 @@ _TRIED_FAILED = DELIVERY_ATTEMPTS.labels(kind="queue", outcome="failed", status_
 
 # (relay id, claimed copies) -> the copies to publish now; it parks the others.
 HoldBack = Callable[[str, list[Claimed]], Awaitable[list[Claimed]]]
-
-
-def new_relay_id() -> str:
-    return f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-def message_body(item: Claimed) -> bytes:
-    """The stored body; a consumer's copy also says `schema_version: 1` (contract §9), and a
-    fan-out's copy the offering of its own queue (contract §10)."""
-    if item.consumer_uuid is None and item.copy_offering_uuid is None:
-        return item.body.encode()
-    body = json.loads(item.body)
-    if item.consumer_uuid is not None:
-        body["schema_version"] = CONSUMER_SCHEMA_VERSION
-    if item.copy_offering_uuid is not None:
-        body["offering_uuid"] = item.copy_offering_uuid.hex
-    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def event_message(item: Claimed) -> aio_pika.Message:
@@ -156,7 +133,11 @@ class _Settlement:
     ms: dict[int, int] = field(default_factory=dict)
 
 
-class Relay:
+class Relay(DeliveryLoop):
+    kind = "relay"
+    id_key = "relay"
+    channel = DUE_CHANNEL
+
     def __init__(
         self,
         settings: Settings,
@@ -166,29 +147,20 @@ class Relay:
         signals: OutboxSignals | None = None,
         relay_id: str | None = None,
     ) -> None:
-        self.settings = settings
-        # Claims, renewals and settlements: the outbox's (events/outbox.py).
-        self.outbox = Outbox(engine, settings)
+        self.signals = signals or OutboxSignals()
+        super().__init__(settings, engine, relay_id or new_relay_id(), self.signals.accepted)
         # Housekeeping's reads stand alone too: autocommit connections, no
         # BEGIN/COMMIT round trips and no ORM session to set up per statement.
         self.engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.publisher = publisher
         self.provisioner = provisioner
-        self.signals = signals or OutboxSignals()
-        self.id = relay_id or new_relay_id()
-        self._stopping = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
         self._max_age = timedelta(seconds=settings.delivery_max_age)
         # Copies accepted by this process, committed already claimed for this relay.
         self._handed: list[Claimed] = []
-        # Woken by handed copies and by copies written unclaimed (`signals.accepted`);
-        # only the latter, or the poll interval, make it look in the database.
-        self._wake = Signal()
+        # Woken (`_wake`) by handed copies and by copies written unclaimed
+        # (`signals.accepted`); only the latter, or the poll interval, make it look in the
+        # database. What it holds (`_held`) counts the handed copies too.
         self._claim_wanted = True
-        # The copies this relay holds (claimed or handed, not settled yet) and when their
-        # lease ends: renewed while they wait, so a busy process does not lose its claims
-        # to another relay and publish them twice.
-        self._held: dict[int, datetime] = {}
         # Parks the copies of queues whose agent is away before they are published
         # (parking/gate.py; docs/decisions/015-parking.md); None: nothing parks.
         self.hold_back: HoldBack | None = None
@@ -201,35 +173,24 @@ class Relay:
         self._settle_now = Signal()  # a stop, or a `?wait=true` waiter: cut the interval short
         self._write_now = False
 
-    # --- lifecycle ----------------------------------------------------------------------
+    # --- lifecycle (events/delivery_loop.py) ----------------------------------------------
     def start(self) -> None:
-        self._stopping.clear()
-        self.signals.accepted.listen(self._on_accepted)
-        self._tasks = [
-            asyncio.create_task(self._dispatch(), name="relay-dispatch"),
-            asyncio.create_task(self._housekeeping(), name="relay-housekeeping"),
-            asyncio.create_task(self._write_confirmed_loop(), name="relay-settle"),
-        ]
-        self._tasks.append(asyncio.create_task(self._listen(), name="relay-listen"))
+        super().start()
         log.info("relay_started", relay=self.id, batches=self.settings.relay_concurrency)
 
-    async def stop(self, grace: float = STOP_GRACE) -> None:
-        """Stop claiming; let batches in flight finish for up to `grace` seconds."""
-        self.request_stop()
-        self.signals.accepted.forget(self._on_accepted)
-        pending: set[asyncio.Task[None]] = set()
-        if self._tasks:
-            _done, pending = await asyncio.wait(self._tasks, timeout=grace)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._tasks = []
+    def _loops(self) -> Loops:
+        return [
+            (self._dispatch(), "relay-dispatch"),
+            (self._write_confirmed_loop(), "relay-settle"),
+        ]
+
+    async def _stopped(self, grace: float, cut_short: int) -> None:
         released = await self._release_handed()
         unwritten = await self._write_confirmed()
         log.info(
             "relay_stopped",
             relay=self.id,
-            cut_short=len(pending),
+            cut_short=cut_short,
             released=released,
             confirmed_unwritten=unwritten,
         )
@@ -249,13 +210,8 @@ class Relay:
             self._held.pop(item.id, None)
         return len(handed)
 
-    async def wait_stopped(self) -> None:
-        """Return once `request_stop` was called (by a signal handler, say)."""
-        await self._stopping.wait()
-
     def request_stop(self) -> None:
-        self._stopping.set()
-        self._wake.notify()
+        super().request_stop()
         self._confirmed_added.notify()
         self._settle_now.notify()
 
@@ -263,23 +219,13 @@ class Relay:
         self._claim_wanted = True
         self._wake.notify()
 
-    async def _listen(self) -> None:
-        """Wake on copies committed unclaimed by any process (announced on
-        `outbox.DUE_CHANNEL` by the trigger of migration 0006); while the database is
-        unreachable the poll interval does, and listening starts again."""
-        while not self._stopping.is_set():
-            failed = False
-            try:
-                await listen(self.engine, DUE_CHANNEL, self._on_accepted, self._stopping)
-            except Exception as exc:
-                failed = True
-                log.warning("relay_listen_failed", relay=self.id, error=repr(exc)[:500])
-            if self._stopping.is_set():
-                return
-            self._on_accepted()  # what was announced while nobody listened: claim it now
-            if failed:
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+    def _listeners(self) -> Listeners:
+        """A NOTIFY on `outbox.DUE_CHANNEL` (the trigger of migration 0006): copies
+        committed unclaimed by any process."""
+        return self._on_accepted, None
+
+    def _on_missed(self) -> None:
+        self._on_accepted()
 
     # --- copies handed over by the accept path of this process ---------------------------
     def takes_handoff(self) -> bool:
@@ -519,8 +465,7 @@ class Relay:
             self.settings.relay_backoff_base * 2 ** max(item.attempts - 1, 0),
         )
         delay *= random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not security
-        # Never schedule past the give-up time, so an old copy is given up on time.
-        when = min(now + timedelta(seconds=delay), max(item.created + self._max_age, now))
+        when = not_past_give_up(now, delay, item.created, self._max_age)
         settlement.retries.append(Retry(item.id, when, error, tried))
         DELIVERIES.labels(outcome="retried").inc()
 
@@ -651,23 +596,10 @@ class Relay:
             )
         self.signals.settled.notify()
 
-    # --- housekeeping ---------------------------------------------------------------------
-    async def _housekeeping(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
-                return
-            except TimeoutError:
-                pass
-            try:
-                await self.renew_leases()
-                await self.refresh_gauges()
-                await self.publisher.close_idle()
-            except Exception as exc:  # housekeeping never takes the relay down
-                log.warning("relay_housekeeping_failed", error=repr(exc)[:500])
-
-    async def renew_leases(self) -> int:
-        return await self.outbox.renew_held(self.id, self._held)
+    # --- housekeeping (after the leases are renewed, events/delivery_loop.py) ---------------
+    async def _housekeep(self, rounds: int) -> None:
+        await self.refresh_gauges()
+        await self.publisher.close_idle()
 
     async def refresh_gauges(self) -> None:
         now = utcnow()
