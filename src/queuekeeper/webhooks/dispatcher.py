@@ -47,6 +47,7 @@ from queuekeeper.events.outbox import (
     WEBHOOKS_DUE_CHANNEL,
     GivenUp,
     Outbox,
+    SharedAccess,
     Tried,
     WebhookCopy,
     WebhookRun,
@@ -243,6 +244,9 @@ class WebhookDispatcher:
     ) -> None:
         self.settings = settings
         self.outbox = Outbox(engine, settings)
+        # Each post after a run's first proves the claim's judgment again after the wait
+        # (`judged_now`): one statement for the runs that ask together.
+        self._access = SharedAccess(self.outbox)
         self.engine = engine
         self.signals = signals or OutboxSignals()
         self.id = dispatcher_id or new_relay_id()
@@ -455,13 +459,13 @@ class WebhookDispatcher:
         stands now, in order (docs/decisions/029-judged-as-it-leaves.md): one light
         statement proves the claim's judgment still holds (the epoch unchanged, no expiry
         since); only when it does not are they judged again, by the rule in one statement
-        that gives up the refused."""
-        now = utcnow()
-        access = await self.outbox.access(now)
+        that gives up the refused. The runs of several consumers whose posts end together
+        share that statement (`SharedAccess`)."""
+        access = await self._access.read()
         stale = [c.claimed for c in waiting if not access.unchanged_since(c.claimed)]
         if not stale:
             return waiting
-        kept, _refused = await self.outbox.judge_held(self.id, stale, now)
+        kept, _refused = await self.outbox.judge_held(self.id, stale, utcnow())
         judged = {item.id: item for item in kept}
         stale_ids = {item.id for item in stale}
         return [
