@@ -24,6 +24,7 @@ Who gets a copy is decided in `recipients.py`; how requests share a transaction,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -119,6 +120,30 @@ class Access:
         )
 
 
+class SharedAccess:
+    """`Outbox.access` read once for every holder that asks while the read has not been
+    sent yet: each caller gets the answer of a statement sent after it asked, so read after
+    its copies' wait (docs/decisions/029-judged-as-it-leaves.md), and at most one read is in
+    flight. Holders that finish a wait together (batches, webhook runs of several
+    consumers) share one round trip instead of one each."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self._next: asyncio.Task[Access] | None = None  # not sent yet: joined by askers
+        self._last: asyncio.Task[Access] | None = None
+
+    async def read(self) -> Access:
+        if self._next is None:
+            self._next = self._last = asyncio.create_task(self._read_after(self._last))
+        return await asyncio.shield(self._next)
+
+    async def _read_after(self, previous: asyncio.Task[Access] | None) -> Access:
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])
+        self._next = None  # whoever asks from now on may have waited past this read
+        return await self.outbox.access(utcnow())
+
+
 @dataclass(frozen=True)
 class Tried:
     """One attempt, as the copy's attempt log keeps it (contract §14): when it ended, how
@@ -178,6 +203,11 @@ class Stored:
 
     results: list[Accepted | DomainError] = field(default_factory=list)
     handed: list[Claimed] = field(default_factory=list)
+    # Whether the write that judged the handed copies was the store's last statement: no
+    # statement ran between their judgment and their hand-over (one for repeated events
+    # does), so a relay that takes them at once holds a judgment no later than a claim's
+    # (docs/decisions/029-judged-as-it-leaves.md).
+    handed_straight: bool = False
     deliveries: int = 0
     # Copies for webhook consumers: written unclaimed, for the webhook dispatcher.
     webhooks: int = 0
@@ -698,7 +728,7 @@ class _Store:
         results = [result for result in self.results if result is not None]
         hooks = [copy.consumer_uuid for _, copy in self.copies if copy.webhook]
         consumers = {consumer for consumer in hooks if consumer is not None}
-        return Stored(results, handed, len(self.copies), len(hooks), consumers)
+        return Stored(results, handed, not repeated, len(self.copies), len(hooks), consumers)
 
     async def find_recipients(self) -> RecipientIndex:
         """Who may receive the group's events: one statement for the whole group."""

@@ -21,9 +21,10 @@ What happens to a copy, by the broker's answer:
 
 Every copy is judged against the directory as it stands when it is taken to be published
 (docs/decisions/029-judged-as-it-leaves.md): a claimed or released one by the claim's own
-statement; one handed over by the store of this process, which no claim takes, by a light
-statement before it goes out that proves the store's judgment still holds, or else by the
-rule again (`judged_now`).
+statement; one handed over by the store of this process, which no claim takes, by the
+store's own write when nothing came between that write and its publish (taken at once by
+an idle relay, as a claim's copies are), else by a light statement after its wait that
+proves the store's judgment still holds, or else by the rule again (`judged_now`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from queuekeeper.config import Settings
 from queuekeeper.events import repository
 from queuekeeper.events.delivery_loop import HOUSEKEEPING_INTERVAL, DeliveryLoop, Listeners, Loops
 from queuekeeper.events.message import message_body, new_relay_id
-from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, GivenUp, Retry, Tried
+from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, GivenUp, Retry, SharedAccess, Tried
 from queuekeeper.events.retry import not_past_give_up
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
@@ -106,6 +107,23 @@ def event_message(item: Claimed) -> aio_pika.Message:
     )
 
 
+class _Turn:
+    """Whether the running task has let the event loop run since this was made: a callback
+    scheduled now runs only once the task suspends (on a lock, a statement, anything), and
+    before the task resumes."""
+
+    def __init__(self) -> None:
+        self._passed = False
+        self._handle = asyncio.get_running_loop().call_soon(self._pass)
+
+    def _pass(self) -> None:
+        self._passed = True
+
+    def passed(self) -> bool:
+        self._handle.cancel()
+        return self._passed
+
+
 def _target(item: Claimed) -> uuid.UUID | None:
     """The row a copy goes to: its subscription queue or its consumer (None: deleted)."""
     return item.queue_uuid or item.consumer_uuid
@@ -157,6 +175,14 @@ class Relay(DeliveryLoop):
         self._max_age = timedelta(seconds=settings.delivery_max_age)
         # Copies accepted by this process, committed already claimed for this relay.
         self._handed: list[Claimed] = []
+        # Those of them whose store's write is still their last judgment with nothing
+        # between: handed over while the loop waited for work (`_parked`) with nothing
+        # after the write, and the loop has not waited on anything else since
+        # (docs/decisions/029-judged-as-it-leaves.md).
+        self._straight: set[int] = set()
+        self._parked = False
+        # The light statement of `judged_now`, one for the batches that ask together.
+        self._access = SharedAccess(self.outbox)
         # Woken (`_wake`) by handed copies and by copies written unclaimed
         # (`signals.accepted`); only the latter, or the poll interval, make it look in the
         # database. What it holds (`_held`) counts the handed copies too.
@@ -199,6 +225,7 @@ class Relay(DeliveryLoop):
         """Give back copies handed over but not started, so another relay publishes them
         now rather than when their lease runs out (a restart would delay them by it)."""
         handed, self._handed = self._handed, []
+        self._straight.clear()
         if not handed:
             return 0
         try:
@@ -234,11 +261,14 @@ class Relay(DeliveryLoop):
         unclaimed, for whichever relay is free)."""
         return not self._stopping.is_set() and len(self._handed) < self.settings.relay_batch_size
 
-    def hand_over(self, claimed: list[Claimed]) -> None:
-        """Publish these copies, committed already claimed by this relay."""
+    def hand_over(self, claimed: list[Claimed], *, straight: bool = False) -> None:
+        """Publish these copies, committed already claimed by this relay; `straight`: the
+        write that judged them was the store's last statement (`Stored.handed_straight`)."""
         lease_until = self.outbox.lease(self.id, utcnow()).until
         for item in claimed:
             self._held[item.id] = lease_until
+        if straight and self._parked:  # taken on the loop's next pass, unless it waits
+            self._straight.update(item.id for item in claimed)
         self._handed.extend(claimed)
         self._wake.notify()
 
@@ -273,6 +303,8 @@ class Relay(DeliveryLoop):
         finished: Callable[[asyncio.Task[None]], None],
     ) -> None:
         while not self._stopping.is_set():
+            if slots.locked():  # copies handed over now wait for a batch in flight
+                self._straight.clear()
             await slots.acquire()
             # Read before claiming: an event accepted during the claim then
             # cuts the pause short instead of waiting for the next poll.
@@ -282,6 +314,8 @@ class Relay(DeliveryLoop):
                 self._handed[self.settings.relay_batch_size :],
             )
             handed = bool(batch)
+            straight = handed and all(item.id in self._straight for item in batch)
+            self._straight.difference_update(item.id for item in batch)
             if not batch and self._claim_wanted and not self._stopping.is_set():
                 self._claim_wanted = False
                 try:
@@ -298,7 +332,7 @@ class Relay(DeliveryLoop):
                 slots.release()
                 await self._pause(self.settings.relay_poll_interval, seen)
                 continue
-            task = asyncio.create_task(self._process_logged(batch, handed))
+            task = asyncio.create_task(self._process_logged(batch, handed, straight))
             in_flight.add(task)
             task.add_done_callback(finished)
             if not self._handed and not self._claim_wanted:
@@ -307,13 +341,19 @@ class Relay(DeliveryLoop):
     async def _pause(self, seconds: float, seen: int) -> None:
         if self._stopping.is_set():
             return
-        await self._wake.wait(seconds, since=seen)
+        self._parked = True
+        try:
+            await self._wake.wait(seconds, since=seen)
+        finally:
+            self._parked = False
         if self._wake.generation == seen:  # the poll interval passed: look for due copies
             self._claim_wanted = True
 
-    async def _process_logged(self, claimed: list[Claimed], handed: bool = False) -> None:
+    async def _process_logged(
+        self, claimed: list[Claimed], handed: bool = False, straight: bool = False
+    ) -> None:
         try:
-            await self.process(claimed, gather=True, judge=handed)
+            await self.process(claimed, gather=True, judge=handed, straight=straight)
         except Exception as exc:  # claims not settled are retried when their lease ends
             log.error("relay_batch_failed", relay=self.id, error=repr(exc)[:500])
 
@@ -346,18 +386,23 @@ class Relay(DeliveryLoop):
         park: bool = True,
         gather: bool = False,
         judge: bool = False,
+        straight: bool = False,
     ) -> None:
         """Publish a claimed batch and write back what became of each copy; `park=False`
         for released parked copies, which go out whatever the queue's state. With `gather`
         (the dispatch loop's batches), the confirmed copies are written published with
         those of the next `relay_settle_interval`, not before returning. With `judge` (copies
         handed over by the store, which no claim judged), those not to be published now are
-        given up first (`judged_now`)."""
+        given up first (`judged_now`), unless `straight` (taken at once after the store's
+        write, nothing waited on since) and parking waits on nothing either: the store's
+        write is then their judgment as a claim's is its copies'."""
         try:
             to_publish = claimed
             if park and self.hold_back is not None:
+                turn = _Turn()
                 to_publish = await self.hold_back(self.id, claimed)
-            if judge:
+                straight = straight and not turn.passed()
+            if judge and not straight:
                 to_publish = await self.judged_now(to_publish)
             await self._process(to_publish, gather=gather)
         finally:
@@ -372,12 +417,11 @@ class Relay(DeliveryLoop):
         No window of trust: a handed copy may wait behind busy batches for seconds."""
         if not items:
             return items
-        now = utcnow()
-        access = await self.outbox.access(now)
+        access = await self._access.read()
         stale = [item for item in items if not access.unchanged_since(item)]
         if not stale:
             return items
-        kept, _refused = await self.outbox.judge_held(self.id, stale, now)
+        kept, _refused = await self.outbox.judge_held(self.id, stale, utcnow())
         judged = {item.id: item for item in kept}
         stale_ids = {item.id for item in stale}
         return [

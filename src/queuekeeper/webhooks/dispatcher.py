@@ -47,6 +47,7 @@ from queuekeeper.events.message import message_body, new_relay_id
 from queuekeeper.events.outbox import (
     WEBHOOKS_DUE_CHANNEL,
     GivenUp,
+    SharedAccess,
     Tried,
     WebhookCopy,
     WebhookRun,
@@ -244,6 +245,9 @@ class WebhookDispatcher(DeliveryLoop):
         self.signals = signals or OutboxSignals()
         super().__init__(settings, engine, dispatcher_id or new_relay_id(), self.signals.webhooks)
         self.engine = engine
+        # Each post after a run's first proves the claim's judgment again after the wait
+        # (`judged_now`): one statement for the runs that ask together.
+        self._access = SharedAccess(self.outbox)
         self.transport = new_transport(settings)
         self._timeouts = httpx.Timeout(settings.webhook_timeout_seconds).as_dict()
         self._targets: dict[str, Target | str] = {}  # parsed URLs, by URL
@@ -426,13 +430,13 @@ class WebhookDispatcher(DeliveryLoop):
         stands now, in order (docs/decisions/029-judged-as-it-leaves.md): one light
         statement proves the claim's judgment still holds (the epoch unchanged, no expiry
         since); only when it does not are they judged again, by the rule in one statement
-        that gives up the refused."""
-        now = utcnow()
-        access = await self.outbox.access(now)
+        that gives up the refused. The runs of several consumers whose posts end together
+        share that statement (`SharedAccess`)."""
+        access = await self._access.read()
         stale = [c.claimed for c in waiting if not access.unchanged_since(c.claimed)]
         if not stale:
             return waiting
-        kept, _refused = await self.outbox.judge_held(self.id, stale, now)
+        kept, _refused = await self.outbox.judge_held(self.id, stale, utcnow())
         judged = {item.id: item for item in kept}
         stale_ids = {item.id for item in stale}
         return [
