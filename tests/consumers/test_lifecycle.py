@@ -8,6 +8,7 @@ import pytest
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
 from tests.conftest import SERVICE_TOKEN
+from tests.consumers.scopes import role, scopes, tree
 from tests.consumers.sweeps import swept
 from tests.consumers.test_fan_out import group_event
 from tests.consumers.test_register_queue import new_identity, register_queue
@@ -176,3 +177,30 @@ async def test_a_revoked_offerings_fan_out_copies_are_given_up_by_the_copys_offe
     assert [(d["queue_name"], d["state"]) for d in gone["deliveries"]] == [(queue, "given_up")]
     stays = await event_detail(client, "fan-out-kept")
     assert [(d["queue_name"], d["state"]) for d in stays["deliveries"]] == [(queue, "pending")]
+
+
+async def test_revoking_access_narrows_a_consumer_also_bound_to_a_customer(
+    backend: Backend, client: httpx.AsyncClient
+) -> None:
+    """Scoped only to the offering is what is deleted (contract §9): a consumer bound to the
+    offering and to a customer on which its owner holds a role keeps the customer, and the
+    customer's events still reach it."""
+    agent, offering = await backend.agent_with_offering()
+    entities = await tree(client)
+    await role(client, agent, "customer", entities.customer)
+    both = await agent.client.post(
+        f"{CONSUMERS}register/",
+        json={"scopes": scopes(("offering", offering), ("customer", entities.customer))},
+        headers=agent.headers,
+    )
+    assert both.status_code == 201, both.text
+
+    response = await client.delete(
+        f"/api/internal/offerings/{offering}/users/{agent.uuid}/", headers=backend.headers
+    )
+    assert response.status_code == 204
+    (left,) = await consumers_of(agent)
+    assert left["rmq_username"] == both.json()["rmq_username"]
+    assert left["scopes"] == [{"type": "customer", "uuid": entities.customer.hex}]
+    answer = await post_event(client, order_event(entities.offering))
+    assert answer.json()["queued"] == 1, answer.text

@@ -200,10 +200,11 @@ async def of_identities(
 async def scoped_only_to(
     session: AsyncSession, offering_uuid: uuid.UUID, owner_uuid: uuid.UUID | None = None
 ) -> list[EventConsumer]:
-    """Consumers bound to this offering and no other (of one owner, or anyone's).
+    """Consumers bound to this offering and nothing else (of one owner, or anyone's).
 
-    Those lose their reason to exist with the offering or the owner's access to it;
-    a consumer bound to several offerings only loses this scope.
+    Those lose their reason to exist with the offering or the owner's access to it
+    (contract §9, Lifecycle); a consumer bound to other offerings, or to a customer,
+    project or user as well (contract §12), only loses this binding.
     """
     query = (
         select(EventConsumer)
@@ -216,6 +217,7 @@ async def scoped_only_to(
         consumer
         for consumer in await session.scalars(query)
         if {scope.offering_uuid for scope in consumer.scopes} == {offering_uuid}
+        and not consumer.bindings
     ]
 
 
