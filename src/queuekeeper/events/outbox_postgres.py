@@ -924,8 +924,8 @@ class KeptConnection:
     """One connection of `engine`'s pool kept checked out from one use to the next, for a
     caller that uses it one statement at a time (the intake's stores, one group after the
     other): at a backend's pace each event is its own store, and a checkout and return
-    through SQLAlchemy's pool cost about as much CPU as the store's statement
-    (docs/decisions/017-single-event-cost.md). The same `checked_out` connection as
+    through SQLAlchemy's pool per store cost a third of the store's CPU
+    (docs/decisions/032-intake-keeps-its-connection.md). The same `checked_out` connection as
     everywhere: a failed use, a connection left closed or inside a transaction, one unused
     for `idle_seconds` or held for `held_seconds` goes back to the pool (which recycles it
     as its own rules say) and the next use checks out another."""
