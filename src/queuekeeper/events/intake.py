@@ -87,10 +87,13 @@ class Intake:
         # them instead of a checkout and return each.
         self._connection = KeptConnection(engine)
 
-    async def close(self) -> None:
-        """Wait for the store under way, then give its connection back to the pool."""
+    async def close(self, wait: float = 5.0) -> None:
+        """Wait (up to `wait` seconds) for the store under way, then give its connection
+        back to the pool; a store still running keeps it (the pool's disposal follows)."""
         if self._flusher is not None and not self._flusher.done():
-            await asyncio.gather(self._flusher, return_exceptions=True)
+            _, running = await asyncio.wait({self._flusher}, timeout=wait)
+            if running:
+                return
         await self._connection.release()
 
     async def accept(
