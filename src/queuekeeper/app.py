@@ -351,7 +351,7 @@ def fastapi_telemetry(environment: Mapping[str, str]) -> TelemetryConfig | None:
     environment configures OpenTelemetry (an `OTEL_*` or `FASTAPI_OTEL_*` variable, as
     `opentelemetry-instrument` and FastAPI's auto-configuration read); else off, because
     its per-request check of three global providers costs about 1 % of a single event's
-    CPU to find nothing configured (docs/decisions/032-intake-keeps-its-connection.md).
+    CPU to find nothing configured (docs/decisions/033-intake-keeps-its-connection.md).
     queuekeeper's own metrics and request log do not depend on it (observability/http.py)."""
     if any(name.startswith(("OTEL_", "FASTAPI_OTEL_")) for name in environment):
         return None

@@ -925,7 +925,7 @@ class KeptConnection:
     caller that uses it one statement at a time (the intake's stores, one group after the
     other): at a backend's pace each event is its own store, and a checkout and return
     through SQLAlchemy's pool per store cost a third of the store's CPU
-    (docs/decisions/032-intake-keeps-its-connection.md). The same `checked_out` connection as
+    (docs/decisions/033-intake-keeps-its-connection.md). The same `checked_out` connection as
     everywhere: a failed use, a connection left closed or inside a transaction, one unused
     for `idle_seconds` or held for `held_seconds` goes back to the pool (which recycles it
     as its own rules say) and the next use checks out another."""

@@ -42,7 +42,7 @@ def request_id_from(scope: Scope) -> str:
             break
     # 128 random bits as uuid4().hex reads, without its system call for 16 fresh bytes per
     # request: an id to find a request's lines by, not a secret (the generator is reseeded
-    # in a forked child; docs/decisions/032-intake-keeps-its-connection.md).
+    # in a forked child; docs/decisions/033-intake-keeps-its-connection.md).
     return f"{random.getrandbits(128):032x}"
 
 
