@@ -404,13 +404,15 @@ def service_calls(source: str) -> dict[str, set[str]]:
 
 def test_an_endpoint_calls_one_service_function_and_facts_of_besides() -> None:
     """docs/architecture.md, "The layers": an endpoint calls the one service function that
-    does the work; a consumer route that shows consumers also calls `facts_of`."""
+    does the work; a consumer route that shows consumers (consumers/, webhooks/) also calls
+    `facts_of`."""
     route = "async def f():\n    a = await service.get(x)\n    service.facts_of(a)"
     assert service_calls(route) == {"f": {"get", "facts_of"}}
     more = {}
     for path in sorted(PACKAGE.rglob("endpoints.py")):
         for route, called in service_calls(path.read_text(encoding="utf-8")).items():
-            work = called - {"facts_of"} if path.parent.name == "consumers" else called
+            shows_consumers = path.parent.name in {"consumers", "webhooks"}
+            work = called - {"facts_of"} if shows_consumers else called
             if len(work) > 1:
                 more[f"{path.relative_to(PACKAGE)}:{route}"] = sorted(called)
     assert not more, f"endpoints calling several service functions: {more}"

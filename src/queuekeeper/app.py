@@ -70,6 +70,7 @@ from queuekeeper.reconcile.endpoints import router as admin_router
 from queuekeeper.state import AppState
 from queuekeeper.subscriptions.endpoints import router as subscriptions_router
 from queuekeeper.webhooks.dispatcher import WebhookDispatcher
+from queuekeeper.webhooks.endpoints import router as webhooks_router
 
 log = structlog.get_logger(__name__)
 
@@ -438,6 +439,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         directory_router,
         identities_router,
         consumers_router,
+        webhooks_router,
         presence_router,
         identities_admin_router,
         admin_router,

@@ -463,6 +463,11 @@ PARKED_OR_RELEASING = "parked_at IS NOT NULL AND state IN ('parked', 'pending')"
 GIVEN_UP_STATES = "state IN ('given_up', 'rejected')"
 
 
+# Whose copy it is: a subscription queue's or a consumer's (a copy has one of the two).
+# Written out for the planner to match `ix_deliveries_delivered`'s expression.
+DELIVERY_OWNER = "coalesce(queue_uuid, consumer_uuid)"
+
+
 class Delivery(Base):
     """One copy of an event for one queue: the transactional outbox."""
 
@@ -493,6 +498,15 @@ class Delivery(Base):
             "consumer_uuid",
             "id",
             postgresql_where=text(GIVEN_UP_STATES),
+        ),
+        # The delivered copies by owner (a subscription queue's or a consumer's) and when
+        # each was confirmed: `last_delivered_at` is the last entry of the owner's range,
+        # not a read of every copy (migration 0018_delivered_by_owner).
+        Index(
+            "ix_deliveries_delivered",
+            text(DELIVERY_OWNER),
+            "finished",
+            postgresql_where=text("state = 'published'"),
         ),
         Index(
             "ix_deliveries_parked",

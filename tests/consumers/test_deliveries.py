@@ -97,6 +97,9 @@ async def test_filters_and_pages_newest_first(backend: Backend, client: httpx.As
     assert [row["event_id"] for row in first.json()] == ["other-type", "page-4"]
     last = await _list(agent, consumer, page_size=2, page=3)
     assert [row["event_id"] for row in last.json()] == ["page-1", "page-0"]
+    # Past the end: no row, and still how many match.
+    beyond = await _list(agent, consumer, page_size=2, page=4)
+    assert (beyond.json(), beyond.headers["X-Result-Count"]) == ([], "6")
     orders = await _list(agent, consumer, object_type="order")
     assert orders.headers["X-Result-Count"] == "5"
     assert [row["event_id"] for row in orders.json()] == [f"page-{n}" for n in range(4, -1, -1)]

@@ -18,9 +18,9 @@ from queuekeeper.app import Runtime
 from queuekeeper.models import Delivery, Event, utcnow
 from tests.consumers.scopes import SERVICE, role, scopes, staff, tree
 from tests.consumers.test_event_consumers_api import CONSUMERS, register
-from tests.consumers.test_webhooks import URL, register_webhook
 from tests.helpers import Agent, Backend
 from tests.stomp_client import StompConsumer
+from tests.webhooks.test_registration import URL, register_webhook
 
 
 async def consumer_of(agent: Agent, body: dict[str, Any]) -> dict[str, Any]:

@@ -19,12 +19,12 @@ from sqlalchemy import select, text
 
 from queuekeeper.app import Runtime, start_relay
 from queuekeeper.events.outbox import Claimed, Outbox
-from queuekeeper.events.outbox_postgres import REFUSED_REASON
+from queuekeeper.events.outbox_postgres import ACCESS, REFUSED_REASON
 from queuekeeper.models import Delivery, utcnow
 from tests.consumers.scopes import Tree, role, scopes, tree, unrole
 from tests.consumers.test_event_consumers_api import register
 from tests.events.support import event_detail, order_event, post_event
-from tests.helpers import Agent, Backend
+from tests.helpers import Agent, Backend, database_statements
 from tests.stomp_client import StompConsumer
 
 # How long a role given with an expiry stays valid: long enough to accept an event first.
@@ -76,6 +76,20 @@ async def _refused(app: FastAPI, event_id: str) -> None:
             )
         ).all()
     assert [(str(state), error) for state, error in found] == [("given_up", REFUSED_REASON)]
+
+
+async def _settled(app: FastAPI, event_id: str, timeout: float = 15.0) -> None:
+    """Wait until the copy of `event_id` is no longer pending."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        async with app.state.queuekeeper.sessions() as session:
+            states = (
+                await session.scalars(select(Delivery.state).where(Delivery.event_id == event_id))
+            ).all()
+        if states and all(str(state) != "pending" for state in states):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the copy of {event_id} is still pending")
 
 
 async def _epoch(app: FastAPI) -> int:
@@ -130,6 +144,66 @@ async def test_a_copy_handed_to_the_relay_is_judged_when_it_leaves(
     await _refused(app, lost_id)
     detail = await event_detail(client, lost_id)
     assert [d["state"] for d in detail["deliveries"]] == ["given_up"]
+
+
+@pytest.mark.settings(relay_concurrency=1)
+async def test_a_copy_waiting_for_a_busy_relay_is_judged_when_it_leaves(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """The relay's one batch slot is taken by a batch that does not finish (a slow broker);
+    a copy handed over meanwhile waits for the slot, and the role that let it through is
+    deleted while it waits: it is given up when the relay takes it, though nothing between
+    its store and its hand-over waited. The busy batch's copy, of the kept binding, goes
+    out."""
+    state: Runtime = app.state.queuekeeper
+    relay = state.relay
+    assert relay is not None
+    assert relay.hold_back is not None
+    watcher, lost, kept, revoked, consumer = await _watching(client, backend)
+    taken, go = asyncio.Event(), asyncio.Event()
+    hold_back = relay.hold_back
+
+    async def slow_first(relay_id: str, claimed: list[Claimed]) -> list[Claimed]:
+        if not taken.is_set():
+            taken.set()
+            await go.wait()
+        return await hold_back(relay_id, claimed)
+
+    relay.hold_back = slow_first
+    try:
+        async with _reading(watcher, consumer) as reader:
+            kept_id = await _accepted(client, kept.offering)
+            await asyncio.wait_for(taken.wait(), 10)
+            lost_id = await _accepted(client, lost.offering)
+            await unrole(client, revoked)
+            go.set()
+            await asyncio.to_thread(reader.wait_for_ids, {kept_id}, 15.0)
+            await _settled(app, lost_id)
+            await asyncio.sleep(0.5)  # anything else on its way arrives meanwhile
+            ids = [message.headers.get("amqp-message-id") for message in reader.listener.messages]
+            assert ids == [kept_id]
+    finally:
+        relay.hold_back = hold_back
+    await _refused(app, lost_id)
+
+
+@pytest.mark.settings(relay_poll_interval=60.0)
+async def test_an_idle_relay_publishes_a_handed_copy_on_the_stores_judgment(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    """Taken at once by an idle relay, with nothing between the store's write and the
+    publish, a handed copy goes out on the store's judgment, as a claimed copy goes out on
+    the claim's: no statement of the relay reads the access epoch before it (the light
+    statement is for copies that waited)."""
+    state: Runtime = app.state.queuekeeper
+    watcher, _lost, kept, _revoked, consumer = await _watching(client, backend)
+    async with _reading(watcher, consumer) as reader:
+        with database_statements(state.relay_engine) as sent:
+            event_ids = []
+            for _ in range(3):  # one after another: each a batch of its own
+                event_ids.append(await _accepted(client, kept.offering))
+                await asyncio.to_thread(reader.wait_for_ids, set(event_ids), 15.0)
+    assert ACCESS not in sent
 
 
 @pytest.mark.settings(relay_enabled=False)

@@ -202,6 +202,7 @@ async def test_parked_copies_are_counted_oldest_first(
                     vhost=registration["vhost"],
                     state=DeliveryState.PARKED,
                     created=oldest + timedelta(minutes=minutes),
+                    parked_at=oldest + timedelta(minutes=minutes, seconds=30),
                 )
             )
     answer = await status(client, consumer.hex, agent.headers)

@@ -12,10 +12,10 @@ from aiohttp import web
 from standardwebhooks import Webhook
 
 from tests.consumers.scopes import SERVICE, role, staff, tree
-from tests.consumers.test_webhooks import register_webhook
 from tests.events.support import order_event, post_event
 from tests.helpers import Backend
 from tests.webhooks.support import WEBHOOK_SETTINGS, receiving
+from tests.webhooks.test_registration import register_webhook
 
 pytestmark = pytest.mark.settings(**WEBHOOK_SETTINGS)
 

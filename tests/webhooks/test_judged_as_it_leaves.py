@@ -18,10 +18,10 @@ from aiohttp import web
 from queuekeeper.config import Settings
 from queuekeeper.events.outbox_postgres import REFUSED_REASON
 from tests.consumers.scopes import role, scopes, staff, tree, unrole
-from tests.consumers.test_webhooks import register_webhook
 from tests.events.support import order_event, post_event
 from tests.helpers import Agent, Backend
 from tests.webhooks.support import WEBHOOK_SETTINGS, copies, eventually, receiving
+from tests.webhooks.test_registration import register_webhook
 
 # The receiver takes 1.5 s to answer: well within the attempt's timeout.
 SLOW = 1.5

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import base64
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from standardwebhooks import Webhook, WebhookVerificationError
 
-from queuekeeper.webhooks.signing import headers, retry_delay
+from queuekeeper.webhooks.schedule import retry_at, retry_delay
+from queuekeeper.webhooks.signing import headers
 
 SCHEDULE = [1.0, 5.0, 25.0, 60.0, 300.0, 900.0, 3600.0]
 
@@ -46,3 +48,15 @@ def test_jitter_adds_up_to_a_fifth_never_less() -> None:
     assert retry_delay(2, SCHEDULE, 0.5) == pytest.approx(5.5)
     assert retry_delay(2, SCHEDULE, 0.999999) == pytest.approx(6.0, abs=1e-4)
     assert all(5.0 <= retry_delay(2, SCHEDULE, d / 100) < 6.0 for d in range(100))
+
+
+def test_a_retry_is_never_scheduled_past_the_copy_s_give_up_time() -> None:
+    """An old copy is given up on time, not up to a whole delay after retention ended."""
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    retention = timedelta(days=1)
+    fresh = now - timedelta(hours=1)
+    assert retry_at(7, fresh, now, SCHEDULE, retention, 0.0) == now + timedelta(seconds=3600)
+    nearly_gone = now - retention + timedelta(seconds=30)
+    assert retry_at(7, nearly_gone, now, SCHEDULE, retention, 0.0) == nearly_gone + retention
+    gone = now - retention - timedelta(seconds=30)
+    assert retry_at(7, gone, now, SCHEDULE, retention, 0.5) == now

@@ -8,9 +8,10 @@ from ipaddress import ip_address, ip_network
 
 import pytest
 
+from queuekeeper.common.urls import destination
 from queuekeeper.exceptions import BadRequest
 from queuekeeper.webhooks.addresses import AddressRefused, refusal, resolve
-from queuekeeper.webhooks.urls import MAX_URL_LENGTH, destination, new_secret, parsed
+from queuekeeper.webhooks.urls import MAX_URL_LENGTH, new_secret, parsed
 
 
 @pytest.mark.parametrize(

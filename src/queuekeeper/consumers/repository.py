@@ -16,10 +16,11 @@ from sqlalchemy import (
     String,
     TextClause,
     Uuid,
-    and_,
+    any_,
     bindparam,
     delete,
     func,
+    literal,
     literal_column,
     or_,
     select,
@@ -36,13 +37,13 @@ from queuekeeper.consumers.schemas import ConsumerFilters, DeliveryFilters
 from queuekeeper.events.authorization import authorized_sql, binding_allowed_sql
 from queuekeeper.models import (
     CONSUMER_ON_BROKER,
+    DELIVERY_OWNER,
     GIVEN_UP_STATES,
     AccessSweep,
     AgentIdentity,
     AwareDateTime,
     Customer,
     Delivery,
-    DeliveryState,
     Event,
     EventConsumer,
     EventConsumerBinding,
@@ -72,6 +73,19 @@ async def get(
     found: EventConsumer | None = await session.scalar(
         consumers(owner_uuid).where(EventConsumer.uuid == consumer_uuid)
     )
+    return found
+
+
+async def visible(
+    session: AsyncSession, consumer_uuid: uuid.UUID, owner_uuid: uuid.UUID | None = None
+) -> uuid.UUID | None:
+    """The consumer's uuid when it exists (and is the owner's), for a route that reads only
+    its copies: one round trip, where `get` loads its scopes, bindings and owner in three
+    more (the larger part of a deliveries page's time on a busy machine)."""
+    query = select(EventConsumer.uuid).where(EventConsumer.uuid == consumer_uuid)
+    if owner_uuid is not None:
+        query = query.where(EventConsumer.user_uuid == owner_uuid)
+    found: uuid.UUID | None = await session.scalar(query)
     return found
 
 
@@ -244,67 +258,28 @@ async def needing_password(
     return list(rows)
 
 
-async def give_up_unsent_copies(
-    session: AsyncSession,
-    offering_uuid: uuid.UUID,
-    reason: str,
-    now: datetime,
-    *,
-    consumer_uuids: Collection[uuid.UUID] = (),
-    queue_uuids: Collection[uuid.UUID] = (),
-) -> int:
-    """Give up the copies of this offering's events that have not reached the broker
-    (pending or parked) for these consumers and subscription queues
-    (docs/decisions/021-authorized-when-published.md)."""
-    if not consumer_uuids and not queue_uuids:
-        return 0
-    result = await session.execute(
-        update(Delivery)
-        .where(
-            or_(
-                Delivery.consumer_uuid.in_(list(consumer_uuids)),
-                Delivery.queue_uuid.in_(list(queue_uuids)),
-            ),
-            Delivery.state.in_([DeliveryState.PENDING, DeliveryState.PARKED]),
-            # A fan-out copy names its own offering; any other is its event's.
-            or_(
-                Delivery.offering_uuid == offering_uuid,
-                and_(
-                    Delivery.offering_uuid.is_(None),
-                    Delivery.event_id.in_(
-                        select(Event.event_id).where(Event.offering_uuid == offering_uuid)
-                    ),
-                ),
-            ),
-        )
-        .values(
-            state=DeliveryState.GIVEN_UP,
-            finished=now,
-            claimed_by=None,
-            claimed_until=None,
-            last_error=reason,
-            given_up_reason="not_authorized",
-        )
-        .execution_options(synchronize_session=False)
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
+# Per owner (a consumer, or a subscription queue), the last entry of its range in
+# `ix_deliveries_delivered`: one index entry read however many copies it has (migration
+# 0018_delivered_by_owner). The owner expression and the state are written out for the
+# planner to match the index.
+_LAST_DELIVERED = text(
+    f"""
+SELECT c.uuid, (SELECT max(finished) FROM deliveries
+                WHERE {DELIVERY_OWNER} = c.uuid AND state = 'published')
+FROM unnest(:owners) AS c(uuid)
+"""  # noqa: S608 - the models' constant
+).bindparams(bindparam("owners", type_=ARRAY(Uuid())))
 
 
 async def last_delivered(
-    session: AsyncSession, consumer_uuids: Collection[uuid.UUID]
+    session: AsyncSession, owner_uuids: Collection[uuid.UUID]
 ) -> dict[uuid.UUID, datetime]:
-    """Per consumer: when the broker last confirmed a copy for it (one query for a page)."""
-    if not consumer_uuids:
+    """Per consumer (or subscription queue): when the broker last confirmed a copy for it
+    (one query for a page)."""
+    if not owner_uuids:
         return {}
-    rows = await session.execute(
-        select(Delivery.consumer_uuid, func.max(Delivery.finished))
-        .where(
-            Delivery.consumer_uuid.in_(list(consumer_uuids)),
-            Delivery.state == DeliveryState.PUBLISHED,
-        )
-        .group_by(Delivery.consumer_uuid)
-    )
-    return {consumer: _utc(at) for consumer, at in rows if consumer is not None and at is not None}
+    rows = await session.execute(_LAST_DELIVERED, {"owners": list(owner_uuids)})
+    return {owner: _utc(at) for owner, at in rows if owner is not None and at is not None}
 
 
 async def away_since(
@@ -642,91 +617,6 @@ async def fresh(session: AsyncSession, consumer_uuid: uuid.UUID) -> EventConsume
     return found
 
 
-_WAITING = (DeliveryState.PENDING, DeliveryState.PARKED)
-
-
-def _give_up(now: datetime, reason: str, code: str) -> dict[str, object]:
-    return {
-        "state": DeliveryState.GIVEN_UP,
-        "finished": now,
-        "claimed_by": None,
-        "claimed_until": None,
-        "last_error": reason,
-        "given_up_reason": code,
-    }
-
-
-async def give_up_waiting(
-    session: AsyncSession, consumers: Collection[EventConsumer], now: datetime, reason: str
-) -> int:
-    """Give up every copy not yet delivered (pending or parked) of these consumers that
-    receive by webhook, before their rows go: no relay takes a webhook copy whose consumer
-    is gone (a queue consumer's are given up by the relay, for that reason)."""
-    webhooks = [consumer.uuid for consumer in consumers if consumer.delivery == "webhook"]
-    if not webhooks:
-        return 0
-    result = await session.execute(
-        update(Delivery)
-        .where(Delivery.consumer_uuid.in_(webhooks), Delivery.state.in_(_WAITING))
-        .values(**_give_up(now, reason, "consumer_deleted"))
-        .execution_options(synchronize_session=False)
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
-
-
-# The consumer's copies not yet delivered whose event its owner may no longer receive
-# through its bindings: the rule of every publish (docs/decisions/021-authorized-when-published.md).
-_UNAUTHORIZED = text(
-    """
-UPDATE deliveries d SET state = 'given_up', finished = :now, claimed_by = NULL,
-    claimed_until = NULL, last_error = :reason, given_up_reason = 'not_authorized'
-FROM events e
-WHERE d.consumer_uuid = :consumer AND d.state IN ('pending', 'parked')
-    AND e.event_id = d.event_id AND NOT """
-    + authorized_sql(
-        "NULL::uuid",
-        ":consumer",
-        "coalesce(d.offering_uuid, e.offering_uuid)",
-        ":now",
-        "e.project_uuid",
-        "e.subject_user_uuid",
-    )
-).bindparams(
-    bindparam("consumer", type_=Uuid()),
-    bindparam("now", type_=AwareDateTime()),
-    bindparam("reason", type_=String()),
-)
-
-
-async def give_up_unauthorized(
-    session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime, reason: str
-) -> int:
-    """Give up the consumer's waiting copies its bindings no longer allow (after they
-    narrowed); returns how many."""
-    result = await session.execute(
-        _UNAUTHORIZED, {"consumer": consumer_uuid, "now": now, "reason": reason}
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
-
-
-async def due_now(session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime) -> None:
-    """A webhook consumer's pending copies fall due now (an update: the receiver is fixed,
-    or the consumer points elsewhere). Not those a dispatcher holds: their due time is their
-    lease's end, and made due now the next claim would post them beside the run that holds
-    them (two at a time, out of order); that run's end makes the rest due."""
-    await session.execute(
-        update(Delivery)
-        .where(
-            Delivery.consumer_uuid == consumer_uuid,
-            text("deliveries.state = 'pending' AND deliveries.webhook"),
-            Delivery.claimed_by.is_(None),
-            Delivery.next_attempt_at > now,
-        )
-        .values(next_attempt_at=now)
-        .execution_options(synchronize_session=False)
-    )
-
-
 @dataclass(frozen=True)
 class Pending:
     """A webhook consumer's copies waiting for their receiver (contract §13's status)."""
@@ -808,7 +698,14 @@ def _copy_filters(
 ) -> tuple[list[ColumnElement[bool] | TextClause], bool]:
     """The conditions of the filters, and whether any reads the event (a count without
     one need not join it: every copy has its event)."""
-    where: list[ColumnElement[bool] | TextClause] = [Delivery.consumer_uuid == consumer_uuid]
+    # `= ANY` of a one-element array rather than `=`: the planner then keeps the consumer in
+    # the order `copies_page` asks for, which only `ix_deliveries_consumer_copies` (or the
+    # given-up one) yields. With `=`, it may walk the primary key backwards and filter,
+    # which reads every newer copy of every other consumer first: 460 ms for a page when a
+    # million newer copies were another consumer's (docs/decisions/031-delivery-log.md).
+    where: list[ColumnElement[bool] | TextClause] = [
+        Delivery.consumer_uuid == any_(literal([consumer_uuid], ARRAY(Uuid())))
+    ]
     if filters.state is not None:
         where.append(text(_LISTED_STATES[filters.state]))
     if filters.event_id is not None:
@@ -846,20 +743,24 @@ async def copies_page(
     matching: Select[tuple[Any]] = select(literal_column("1")).select_from(Delivery)
     if on_event:
         matching = matching.join(Event, Event.event_id == Delivery.event_id)
-    counted = matching.where(*where).limit(COUNT_LIMIT + 1).subquery()
-    total = int(await session.scalar(select(func.count()).select_from(counted)) or 0)
+    counted = select(func.count()).select_from(
+        matching.where(*where).limit(COUNT_LIMIT + 1).subquery()
+    )
+    # The count rides on the page's statement (evaluated once, as an InitPlan): a round trip
+    # fewer; it is asked on its own only for a page past the end, which has no row to carry it.
     rows = list(
         (
             await session.execute(
-                select(*_LISTED)
+                select(*_LISTED, counted.scalar_subquery().label("matching"))
                 .join(Event, Event.event_id == Delivery.event_id)
                 .where(*where)
-                .order_by(Delivery.id.desc())
+                .order_by(Delivery.consumer_uuid.desc(), Delivery.id.desc())
                 .offset(page.offset)
                 .limit(page.page_size + 1)
             )
         ).mappings()
     )
+    total = int(rows[0]["matching"] if rows else await session.scalar(counted) or 0)
     return CopiesPage(
         min(total, COUNT_LIMIT),
         total > COUNT_LIMIT,

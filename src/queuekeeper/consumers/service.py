@@ -12,13 +12,17 @@ again unless a row has them (and the vhost unless a row uses it), so nothing hal
 is left. Names are derived from the consumer's uuid, which is stable per identity: a
 restarting agent gets the same queue, and messages queued while it was away are still
 there.
+
+What both kinds of consumer share is here: reading, deleting, resyncing, the delivery log,
+and the rules a webhook consumer's registration builds on (`Wanted`, `check_bindings`,
+`new_consumer`, `staff_only`); what only a webhook consumer has is webhooks/service.py's.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -44,14 +48,11 @@ from queuekeeper.consumers.schemas import (
     DeliveryFilters,
     DeliveryOut,
     QueueRegistration,
-    RotateSecret,
     RowBlockedReason,
-    ScopeIn,
-    WebhookRegistration,
-    WebhookUpdate,
     bindings_of,
     token_prefix,
 )
+from queuekeeper.events import outbox
 from queuekeeper.events.outbox import Outbox, Snapshot
 from queuekeeper.events.recipients import Copy
 from queuekeeper.exceptions import BadRequest, Conflict, Forbidden, NotFound
@@ -74,7 +75,6 @@ from queuekeeper.owners.service import (
     remove_leftovers_held,
     unmake,
 )
-from queuekeeper.webhooks import urls
 
 log = structlog.get_logger(__name__)
 
@@ -84,8 +84,24 @@ WEBHOOK = "webhook"
 CONSUMER_DELETED = "the consumer was deleted"
 
 
+async def give_up_copies_of_webhooks_deleted(
+    session: AsyncSession,
+    consumers: Collection[EventConsumer],
+    now: datetime,
+    reason: str = CONSUMER_DELETED,
+) -> int:
+    """Before these consumers' rows go (in the same transaction): the copies not yet
+    delivered of those that receive by webhook, given up as `consumer_deleted`. No claim
+    takes a webhook copy whose consumer is gone; a queue consumer's are given up by the
+    relay, which finds its queue gone (docs/decisions/027-webhook-registration.md)."""
+    webhooks = [consumer.uuid for consumer in consumers if consumer.delivery == WEBHOOK]
+    return await outbox.give_up_waiting(
+        session, now, reason, "consumer_deleted", consumer_uuids=webhooks
+    )
+
+
 @dataclass(frozen=True)
-class _Wanted:
+class Wanted:
     """What a registration asks for, validated."""
 
     owner: User
@@ -133,7 +149,7 @@ async def register_queue(
             f"Agent identity {identity.uuid.hex} belongs to {whose}; its queue is registered "
             "by its owner only. Register an identity of your own."
         )
-    wanted = _Wanted(
+    wanted = Wanted(
         owner=user,
         offerings=[identity.offering_uuid],
         object_types=body.object_types,
@@ -154,7 +170,7 @@ async def register(
 ) -> tuple[EventConsumer, bool]:
     """`POST /api/event-consumers/register/`: the caller's consumer for this set of bindings
     (contract §12): offerings, projects, customers, users, or none (global)."""
-    wanted = _Wanted(
+    wanted = Wanted(
         owner=user,
         offerings=[scope.uuid for scope in body.scopes if scope.type == "offering"],
         object_types=body.object_types,
@@ -176,7 +192,7 @@ _REFUSED = {
 }
 
 
-async def _check(session: AsyncSession, wanted: _Wanted, *, lock: bool = False) -> None:
+async def check_bindings(session: AsyncSession, wanted: Wanted, *, lock: bool = False) -> None:
     """Refuse what the registration may not hold: an agent identity's offering needs a grant
     (contract §9); /api/event-consumers/register/'s bindings follow contract §12."""
     if wanted.identity_uuid is not None:
@@ -225,7 +241,7 @@ async def _register(
     provisioner: Provisioner,
     settings: Settings,
     route: str,
-    wanted: _Wanted,
+    wanted: Wanted,
 ) -> tuple[EventConsumer, bool]:
     try:
         consumer, created, _dropped = await _make_real(session, provisioner, settings, wanted)
@@ -251,8 +267,8 @@ async def _register(
     return consumer, created
 
 
-def _new_consumer(
-    consumer_uuid: uuid.UUID, owner_uuid: uuid.UUID, wanted: _Wanted, **columns: Any
+def new_consumer(
+    consumer_uuid: uuid.UUID, owner_uuid: uuid.UUID, wanted: Wanted, **columns: Any
 ) -> EventConsumer:
     """A new consumer row with its scopes and bindings: one transaction with the consumer,
     so a global one is never half-written."""
@@ -273,7 +289,7 @@ def _new_consumer(
     )
 
 
-async def _existing(session: AsyncSession, wanted: _Wanted) -> EventConsumer | None:
+async def _existing(session: AsyncSession, wanted: Wanted) -> EventConsumer | None:
     """The consumer this registration is a repeat of: the identity's, or the owner's for the
     same set of offerings. Both are unique keys in the database."""
     if wanted.identity_uuid is not None:
@@ -285,12 +301,12 @@ async def _make_real(
     session: AsyncSession,
     provisioner: Provisioner,
     settings: Settings,
-    wanted: _Wanted,
+    wanted: Wanted,
 ) -> tuple[EventConsumer, bool, set[uuid.UUID]]:
     """The consumer, whether it is new, and the offerings it stopped being scoped to."""
     owner_uuid = wanted.owner_uuid
     # Refused before any lock is taken or the broker touched; checked again, locked, below.
-    await _check(session, wanted)
+    await check_bindings(session, wanted)
     await session.commit()
 
     vhost = topology.vhost_name(owner_uuid)
@@ -319,9 +335,9 @@ async def _make_real(
             await provisioner.ensure_vhost(vhost)
             await provisioner.ensure_consumer_user(vhost, consumer_uuid, password_hash)
             await provisioner.ensure_queue(vhost, queue_name, known=existing is not None)
-            await _check(session, wanted, lock=True)
+            await check_bindings(session, wanted, lock=True)
             if existing is None:
-                consumer = _new_consumer(
+                consumer = new_consumer(
                     consumer_uuid,
                     owner_uuid,
                     wanted,
@@ -336,12 +352,13 @@ async def _make_real(
                 consumer = existing
                 dropped = _update(consumer, wanted, password_hash)
                 for offering_uuid in dropped:
-                    await repository.give_up_unsent_copies(
+                    await outbox.give_up_waiting(
                         session,
-                        offering_uuid,
-                        "the consumer is no longer scoped to the offering (its identity moved)",
                         utcnow(),
+                        "the consumer is no longer scoped to the offering (its identity moved)",
+                        "not_authorized",
                         consumer_uuids=[consumer_uuid],
+                        offering_uuid=offering_uuid,
                     )
             await session.commit()
     except (IntegrityError, StaleDataError, _Gone) as exc:
@@ -368,7 +385,7 @@ class _Gone(Exception):
     """The identity went before its consumer was made."""
 
 
-def _update(consumer: EventConsumer, wanted: _Wanted, password_hash: str | None) -> set[uuid.UUID]:
+def _update(consumer: EventConsumer, wanted: Wanted, password_hash: str | None) -> set[uuid.UUID]:
     """Bring the row to what the registration asks; returns the offerings it loses."""
     if wanted.object_types is not None:
         consumer.object_types = list(wanted.object_types)
@@ -408,7 +425,10 @@ async def facts_of(
     reach it as far as the database tells. A fixed number of queries for a whole page."""
     if not consumers:
         return {}
-    delivered = await repository.last_delivered(session, [c.uuid for c in consumers])
+    # A webhook's deliveries are settled on its row (`ConsumerOut.of` reads it there).
+    delivered = await repository.last_delivered(
+        session, [c.uuid for c in consumers if c.delivery != WEBHOOK]
+    )
     authorized = await repository.authorized_now(
         session,
         [
@@ -459,12 +479,6 @@ def _blocked(
     return None
 
 
-async def webhook_pending(session: AsyncSession, consumer_uuid: uuid.UUID) -> repository.Pending:
-    """A webhook consumer's copies waiting for its receiver: how many, the oldest, the next
-    attempt (contract §13's status)."""
-    return await repository.webhook_pending(session, consumer_uuid)
-
-
 async def list_consumers(
     session: AsyncSession, caller: User | None, filters: ConsumerFilters, page: Page
 ) -> Paged[EventConsumer]:
@@ -502,7 +516,7 @@ async def delete_consumer(
         consumer = await repository.get(session, key)
         if consumer is None:
             raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
-        await repository.give_up_waiting(session, [consumer], utcnow(), CONSUMER_DELETED)
+        await give_up_copies_of_webhooks_deleted(session, [consumer], utcnow())
         leftovers = BrokerLeftovers().add_consumers([consumer])  # none for a webhook
         await session.delete(consumer)
         await session.flush()
@@ -627,237 +641,16 @@ async def _sieve(
     return sieved
 
 
-# --- webhook consumers (contract §13; docs/decisions/027-webhook-registration.md) -----------
-
-
-def _staff_only(caller: User | None, action: str) -> None:
-    """Webhook consumers are for staff and support users and the service token."""
+# --- what staff and support users and the service token alone may do --------------------
+def staff_only(caller: User | None, action: str) -> None:
+    """Webhook consumers (webhooks/service.py) and resyncs are for staff and support users
+    and the service token."""
     if caller is not None and not (caller.is_staff or caller.is_support):
         raise Forbidden(
             f"Only staff and support users (or the service token) may {action}: your user "
             f"{caller.username!r} is neither. Register a queue consumer "
             "(/api/event-consumers/register/) instead."
         )
-
-
-async def _webhook_owner(
-    session: AsyncSession, caller: User | None, named: uuid.UUID | None
-) -> User:
-    """Who owns a new webhook consumer: the calling user, or for a service token the staff or
-    support user it names (every event delivered is checked against the owner's access)."""
-    if caller is not None:
-        if named is not None and named != caller.uuid:
-            raise BadRequest(
-                "`user_uuid` names another owner, which only the service token may do: omit "
-                "it to register for yourself.",
-                field="user_uuid",
-            )
-        return caller
-    if named is None:
-        raise BadRequest(
-            "A service token registers a webhook consumer for a user: name its owner (a staff "
-            "or support user) in `user_uuid`.",
-            field="user_uuid",
-        )
-    owner = await session.get(User, named)
-    if owner is None:
-        raise BadRequest(
-            f"Unknown user {named.hex}: the backend has not pushed it.", field="user_uuid"
-        )
-    if not (owner.is_staff or owner.is_support):
-        raise Forbidden(
-            f"User {owner.username!r} is neither a staff nor a support user: a webhook "
-            "consumer is owned by one.",
-            field="user_uuid",
-        )
-    return owner
-
-
-def _wanted_webhook(
-    owner: User,
-    token: str | None,
-    scopes: Sequence[tuple[str, uuid.UUID]],
-    object_types: list[str] | None,
-    payload_filters: dict[str, list[Any]] | None,
-) -> _Wanted:
-    return _Wanted(
-        owner=owner,
-        offerings=[entity for kind, entity in scopes if kind == "offering"],
-        object_types=object_types,
-        identity_uuid=None,
-        owner_uuid=owner.uuid,
-        # Never a piece of the service token.
-        token_prefix=token_prefix(token) if token is not None else "",
-        bindings=tuple((kind, entity) for kind, entity in scopes if kind != "offering"),
-        is_global=not scopes,
-        payload_filters=payload_filters,
-    )
-
-
-def _rebind(consumer: EventConsumer, wanted: _Wanted) -> None:
-    """Bring the consumer's bindings to `wanted`'s, keeping the rows of those it holds still
-    (a binding deleted and inserted again in one flush would meet its own unique key)."""
-    offerings = set(wanted.offerings)
-    kept_scopes = [s for s in consumer.scopes if s.offering_uuid in offerings]
-    held = {s.offering_uuid for s in kept_scopes}
-    consumer.scopes = kept_scopes + [
-        EventConsumerScope(offering_uuid=o) for o in wanted.offerings if o not in held
-    ]
-    others = set(wanted.bindings)
-    kept = [b for b in consumer.bindings if (b.scope_type, b.scope_uuid) in others]
-    present = {(b.scope_type, b.scope_uuid) for b in kept}
-    consumer.bindings = kept + [
-        EventConsumerBinding(scope_type=kind, scope_uuid=entity)
-        for kind, entity in wanted.bindings
-        if (kind, entity) not in present
-    ]
-    consumer.is_global = wanted.is_global
-
-
-def _pairs(scopes: Sequence[ScopeIn]) -> list[tuple[str, uuid.UUID]]:
-    return [(scope.type, scope.uuid) for scope in scopes]
-
-
-async def register_webhook(
-    session: AsyncSession,
-    settings: Settings,
-    caller: User | None,
-    token: str | None,
-    body: WebhookRegistration,
-) -> EventConsumer:
-    """`POST /api/event-consumers/register_webhook/`: a new consumer that receives by HTTP.
-
-    The bindings are checked as /api/event-consumers/register/ checks them (`_check`), the
-    URL by the address rule; no broker object is made. Not idempotent: every call makes a
-    consumer with a secret of its own (docs/decisions/027-webhook-registration.md)."""
-    _staff_only(caller, "register a webhook consumer")
-    owner = await _webhook_owner(session, caller, body.user_uuid)
-    wanted = _wanted_webhook(
-        owner, token, _pairs(body.scopes), body.object_types, body.payload_filters
-    )
-    await _check(session, wanted)
-    await session.commit()
-    url = await urls.checked(body.webhook_url, settings.webhook_allowed_networks)
-    owner_uuid = wanted.owner_uuid
-    consumer_uuid = uuid.uuid4()
-    # The owner lock, as every registration: parallel calls cannot pass the quota together
-    # (docs/decisions/002-owner-lock.md).
-    async with owner_locked(session, owner_uuid, vhost_exclusive=False):
-        held = await repository.count_of_owner(session, owner_uuid)
-        check_quota(settings, "max_consumers_per_user", held, "event consumers")
-        await _check(session, wanted, lock=True)
-        session.add(
-            _new_consumer(
-                consumer_uuid,
-                owner_uuid,
-                wanted,
-                agent_identity_uuid=None,
-                # No key: a repeat makes another consumer (decision 027).
-                scope_key=None,
-                queue_name=topology.webhook_queue_name(consumer_uuid),
-                vhost=topology.vhost_name(owner_uuid),
-                broker_password_hash=None,
-                delivery=WEBHOOK,
-                webhook_url=url,
-                webhook_secret=urls.new_secret(),
-            )
-        )
-        await session.commit()
-    CONSUMER_REGISTRATIONS.labels(route="register_webhook", outcome="created").inc()
-    consumer = await repository.fresh(session, consumer_uuid)
-    await session.commit()
-    if consumer is None:
-        raise NotFound("The consumer was deleted while it was being registered.")
-    # The destination only: the URL may hold a credential.
-    log.info(
-        "webhook_consumer_created",
-        consumer=consumer_uuid.hex,
-        destination=urls.destination(url),
-        owner=owner_uuid.hex,
-        is_global=consumer.is_global,
-        object_types=consumer.object_types or "all",
-    )
-    return consumer
-
-
-async def update_webhook(
-    session: AsyncSession,
-    settings: Settings,
-    caller: User | None,
-    consumer_uuid: str,
-    body: WebhookUpdate,
-) -> EventConsumer:
-    """`POST /api/event-consumers/{uuid}/update_webhook/`: what the body names changes; the
-    bindings are checked again (all of them, as the owner holds them now), and a consumer
-    stopped by a 410 resumes. Copies not yet delivered that the new bindings no longer
-    allow are given up, as a revocation gives them up
-    (docs/decisions/021-authorized-when-published.md)."""
-    _staff_only(caller, "update a webhook consumer")
-    found = await get_consumer(session, caller, consumer_uuid)
-    if found.delivery != WEBHOOK:
-        raise BadRequest(
-            f"Event consumer {found.uuid.hex} is a queue (`rmq`) consumer: register it again "
-            "with /api/event-consumers/register/ to change it, or delete it and register a "
-            "webhook consumer.",
-            field="delivery",
-        )
-    key, owner_uuid = found.uuid, found.user_uuid
-    owner = found.owner
-    scopes = body.scopes
-    wanted = _wanted_webhook(
-        owner,
-        None,
-        _pairs(scopes) if scopes is not None else bindings_of(found),
-        body.object_types,
-        body.payload_filters,
-    )
-    if scopes is None:
-        wanted = replace(wanted, is_global=found.is_global)
-    await _check(session, wanted)
-    await session.commit()
-    url = (
-        await urls.checked(body.webhook_url, settings.webhook_allowed_networks)
-        if body.webhook_url is not None
-        else None
-    )
-    async with owner_locked(session, owner_uuid, vhost_exclusive=False):
-        consumer = await repository.get(session, key)
-        if consumer is None:
-            raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
-        await _check(session, wanted, lock=True)
-        now = utcnow()
-        if wanted.object_types is not None:
-            consumer.object_types = list(wanted.object_types)
-        if wanted.payload_filters is not None:
-            consumer.payload_filters = dict(wanted.payload_filters)
-        if scopes is not None:
-            _rebind(consumer, wanted)
-        if url is not None:
-            consumer.webhook_url = url
-        # An update is the operator's answer to a 410 or a run of failures: delivery
-        # resumes, the copies waiting fall due now, and the next attempt says whether it
-        # still fails (`last_error` keeps what happened).
-        consumer.webhook_gone_at = None
-        consumer.webhook_failing_since = None
-        consumer.modified = now
-        await session.flush()
-        given_up = await repository.give_up_unauthorized(
-            session, key, now, "the consumer's bindings no longer allow it"
-        )
-        await repository.due_now(session, key, now)
-        await session.commit()
-    consumer = await repository.fresh(session, key)
-    await session.commit()
-    if consumer is None:
-        raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
-    log.info(
-        "webhook_consumer_updated",
-        consumer=key.hex,
-        destination=urls.destination(consumer.webhook_url or ""),
-        url_changed=url is not None,
-        given_up=given_up,
-    )
-    return consumer
 
 
 # What a resync sends (contract §13): the current state of these object types.
@@ -899,7 +692,7 @@ async def resync(
     `user_role` event with one copy for this consumer alone, delivered through its own path
     (its queue, or its webhook). Event ids are new per resync, so a receiver tells two
     resyncs apart. Returns the object types and how many copies were queued."""
-    _staff_only(caller, "resync a consumer")
+    staff_only(caller, "resync a consumer")
     consumer = await get_consumer(session, caller, consumer_uuid)
     now = utcnow()
     snapshots: list[Snapshot] = []
@@ -924,6 +717,15 @@ async def resync(
 
 
 # --- what a consumer can see of its copies (contract §14; docs/decisions/031-delivery-log.md)
+async def _visible(session: AsyncSession, caller: User | None, consumer_uuid: str) -> uuid.UUID:
+    """As `get_consumer`, for routes that read only the consumer's copies: its uuid."""
+    return await find_by_path_uuid(
+        consumer_uuid,
+        "Event consumer",
+        lambda parsed: repository.visible(session, parsed, caller.uuid if caller else None),
+    )
+
+
 async def deliveries(
     session: AsyncSession,
     caller: User | None,
@@ -934,8 +736,9 @@ async def deliveries(
     """`GET /api/event-consumers/{uuid}/deliveries/`: the consumer's copies, newest first
     (and how many, counted to `repository.COUNT_LIMIT`); NotFound for another user's
     consumer (any, for a service token)."""
-    consumer = await get_consumer(session, caller, consumer_uuid)
-    found = await repository.copies_page(session, consumer.uuid, filters, page)
+    found = await repository.copies_page(
+        session, await _visible(session, caller, consumer_uuid), filters, page
+    )
     await session.commit()
     return found, [DeliveryOut.of(row) for row in found.rows]
 
@@ -945,53 +748,13 @@ async def delivery(
 ) -> DeliveryDetailOut:
     """`GET /api/event-consumers/{uuid}/deliveries/{event_id}/`: the consumer's newest copy
     of the event with its attempt log; NotFound when it has none."""
-    consumer = await get_consumer(session, caller, consumer_uuid)
-    row = await repository.copy_of_event(session, consumer.uuid, event_id)
+    consumer = await _visible(session, caller, consumer_uuid)
+    row = await repository.copy_of_event(session, consumer, event_id)
     await session.commit()
     if row is None:
         raise NotFound(
-            f"Event consumer {consumer.uuid.hex} has no copy of event {event_id!r}: the event "
+            f"Event consumer {consumer.hex} has no copy of event {event_id!r}: the event "
             "was not for it (its bindings, filters or its owner's access), or it is past "
             "retention."
         )
     return DeliveryDetailOut.of_detail(row)
-
-
-async def rotate_secret(
-    session: AsyncSession, caller: User | None, consumer_uuid: str, body: RotateSecret
-) -> tuple[str, datetime | None]:
-    """`POST /api/event-consumers/{uuid}/rotate_secret/` (who may update_webhook): a new
-    signing secret; the previous one signs every delivery beside it for
-    `previous_valid_seconds` (contract §14). Returns the new secret and the window's end."""
-    _staff_only(caller, "rotate a webhook consumer's secret")
-    found = await get_consumer(session, caller, consumer_uuid)
-    if found.delivery != WEBHOOK:
-        raise BadRequest(
-            f"Event consumer {found.uuid.hex} is a queue (`rmq`) consumer: it has no signing "
-            "secret (its agent logs in with its API token).",
-            field="delivery",
-        )
-    key, owner_uuid = found.uuid, found.user_uuid
-    await session.commit()
-    async with owner_locked(session, owner_uuid, vhost_exclusive=False):
-        consumer = await repository.get(session, key)
-        if consumer is None:
-            raise NotFound(f"Event consumer {consumer_uuid!r} not found.")
-        now = utcnow()
-        until = (
-            now + timedelta(seconds=body.previous_valid_seconds)
-            if body.previous_valid_seconds
-            else None
-        )
-        secret = urls.new_secret()
-        consumer.webhook_previous_secret = consumer.webhook_secret if until else None
-        consumer.webhook_previous_until = until
-        consumer.webhook_secret = secret
-        consumer.modified = now
-        await session.commit()
-    log.info(
-        "webhook_secret_rotated",
-        consumer=key.hex,
-        previous_valid_until=until.isoformat() if until else None,
-    )
-    return secret, until

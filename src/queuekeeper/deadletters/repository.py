@@ -12,7 +12,7 @@ from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.common.pagination import fetch_page
-from queuekeeper.events.authorization import access_sql, authorized_sql
+from queuekeeper.events.authorization import access_sql, authorized_sql, event_keys_sql
 from queuekeeper.models import (
     EventConsumer,
     EventSubscriptionQueue,
@@ -39,10 +39,11 @@ async def is_registered(session: AsyncSession, vhost: str, queue_name: str) -> b
 
 
 # The offerings the queue `(:vhost, :queue)` may receive copies of now: a subscription
-# queue's own offering; a consumer's offering scopes and the offerings whose chain (their
-# customer, their project, that project's customer) holds one of its bindings (contract
-# §12); each passing the rule copies are published by. A global consumer's owner who may
-# receive everything is one row with no offering (NULL).
+# queue's own offering; a consumer's offering scopes and the offerings whose scope keys
+# (`event_keys_sql`, the chain the rule itself reads: their customer, their project, that
+# project's customer) hold one of its bindings (contract §12); each passing the rule copies
+# are published by. A global consumer's owner who may receive everything is one row with no
+# offering (NULL).
 _RECEIVABLE = text(
     """
     SELECT t.offering FROM (
@@ -56,16 +57,15 @@ _RECEIVABLE = text(
         SELECT NULL::uuid, c.uuid, o.uuid
         FROM event_consumers c
         JOIN event_consumer_bindings b ON b.consumer_uuid = c.uuid
-        JOIN offerings o ON (b.scope_type = 'customer' AND o.customer_uuid = b.scope_uuid)
-            OR (b.scope_type = 'project' AND o.project_uuid = b.scope_uuid)
-            OR (b.scope_type = 'customer' AND o.project_uuid IN (
-                SELECT p.uuid FROM projects p WHERE p.customer_uuid = b.scope_uuid))
+        JOIN offerings o ON (b.scope_type, b.scope_uuid) IN ("""  # noqa: S608 - the module's constants
+    + event_keys_sql("o.uuid", "NULL::uuid", "NULL::uuid")
+    + """)
         WHERE c.vhost = :vhost AND c.queue_name = :queue
         UNION ALL
         SELECT NULL::uuid, c.uuid, NULL::uuid
         FROM event_consumers c WHERE c.vhost = :vhost AND c.queue_name = :queue AND c.is_global
     ) t
-    WHERE """  # noqa: S608 - the module's constants
+    WHERE """
     + authorized_sql("t.queue", "t.consumer", "t.offering", "CAST(:now AS timestamptz)")
 )
 

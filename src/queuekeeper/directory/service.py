@@ -32,6 +32,7 @@ from queuekeeper.directory.schemas import (
     RolePut,
     UserPut,
 )
+from queuekeeper.events import outbox
 from queuekeeper.exceptions import BadRequest, NotFound, Unavailable
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import (
@@ -264,9 +265,7 @@ async def delete_user(
         )
         # Its consumers go by cascade; their queues and broker users are removed below.
         owned = await consumers_repository.of_owner(session, user_uuid)
-        await consumers_repository.give_up_waiting(
-            session, owned, utcnow(), consumers_service.CONSUMER_DELETED
-        )
+        await consumers_service.give_up_copies_of_webhooks_deleted(session, owned, utcnow())
         leftovers.add_consumers(owned)
         leftovers.owner_uuids.add(user_uuid)
         await consumers_repository.delete_bindings_on(session, [("user", user_uuid)])
@@ -498,9 +497,7 @@ async def delete_offering(
     queues = await repository.queues_of_offering(session, offering_uuid)
     # Consumers bound to it alone go with it; others only lose it as a scope (cascade).
     consumers = await consumers_repository.scoped_only_to(session, offering_uuid)
-    await consumers_repository.give_up_waiting(
-        session, consumers, utcnow(), consumers_service.CONSUMER_DELETED
-    )
+    await consumers_service.give_up_copies_of_webhooks_deleted(session, consumers, utcnow())
     for consumer in consumers:
         await session.delete(consumer)
     # Before the offering: its deletion cascades to identities and so to these consumers.
@@ -565,13 +562,14 @@ async def revoke_access(
         # Every copy of the offering's events not yet on the broker, for the queues and
         # consumers that lose it, is given up before the rows go (a deleted queue's copies
         # would lose their link to it): docs/decisions/021-authorized-when-published.md.
-        await consumers_repository.give_up_unsent_copies(
+        await outbox.give_up_waiting(
             session,
-            offering_uuid,
-            "the owner's access to the offering was revoked",
             utcnow(),
+            "the owner's access to the offering was revoked",
+            "not_authorized",
             consumer_uuids=[*narrowed, *gone],
             queue_uuids=[queue.uuid for queue in queues],
+            offering_uuid=offering_uuid,
         )
         if grant is not None:
             await session.delete(grant)

@@ -4,8 +4,9 @@
 
 Written once, as SQL text, for every statement that publishes or re-creates a copy: the
 outbox's recipients, claim, unpark and replay (`outbox_postgres.py`, on asyncpg) and the
-redrive's check of dead letters (`deadletters/repository.py`, on SQLAlchemy); and who may
-hold a binding (`binding_allowed_sql`), which registration checks as well
+redrive's check of dead letters (`deadletters/repository.py`, on SQLAlchemy, which reaches a
+binding's offerings through `event_keys_sql` as well); and who may hold a binding
+(`binding_allowed_sql`), which registration checks as well
 (docs/decisions/025-bindings-authorized-at-delivery.md).
 """
 

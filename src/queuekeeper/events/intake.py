@@ -57,7 +57,7 @@ class Receiver(Protocol):
 
     def takes_handoff(self) -> bool: ...
 
-    def hand_over(self, claimed: list[Claimed]) -> None: ...
+    def hand_over(self, claimed: list[Claimed], *, straight: bool = False) -> None: ...
 
 
 @dataclass
@@ -170,7 +170,7 @@ class Intake:
                 continue
             # Committed: only now may anyone hear of it.
             if stored.handed and relay is not None:
-                relay.hand_over(stored.handed)
+                relay.hand_over(stored.handed, straight=stored.handed_straight)
             elif stored.deliveries > stored.webhooks:
                 self.signals.accepted.notify()
             if stored.webhooks and relay is not None:  # the dispatcher runs beside it

@@ -1,26 +1,30 @@
-"""The transactional outbox (the `deliveries` table) and its one owner, `Outbox`.
+"""The transactional outbox (the `deliveries` table, and `events`) and its one owner.
 
-Every write of a copy's life goes through here: `store` (accepted events and their copies,
-in the request's transaction), `claim`, `renew`, the settlements (`publish`,
+Every write of a copy's life goes through here: `Outbox`'s `store` (accepted events and
+their copies, in the request's transaction), `claim`, `renew`, the settlements (`publish`,
 `published_at`, `reject`, `give_up`, `reschedule`), `release` and `judge_held` (copies held
-in memory judged again before they go out, docs/decisions/029-judged-as-it-leaves.md); and
+in memory judged again before they go out, docs/decisions/029-judged-as-it-leaves.md);
 parking's (parking/ decides when, the outbox writes): `park`, `unpark` (parked copies back
-to pending, claimed as a claim claims), `give_up_parked` (retention) and `add_replays` (a
-replay's new copies); no other module writes a copy's state. The lease rule lives in `Outbox.lease`
-alone: a copy is held by a relay until its lease ends, and a held copy is simply not due
-(`next_attempt_at` is the lease's end), so a relay that dies leaves its copies due again
-when its leases run out. Only `state = 'pending'` copies that are due are ever claimed;
-any other state (published, rejected, given up, parked) is never taken, except that
-`unpark` takes a queue's parked copies back.
+to pending, claimed as a claim claims), `give_up_parked` and `prune_events` (retention) and
+`add_replays` (a replay's new copies); and, in the caller's session and transaction, what a
+request decides: `give_up_waiting` (a revocation, a consumer deleted or narrowed) and
+`webhook_copies_due_now`. No other module writes a copy's state
+(docs/decisions/032-one-owner-of-copy-state.md; tests/events/test_copy_state_owner.py). The
+lease rule lives in `Outbox.lease` alone: a copy is held by a relay until its lease ends,
+and a held copy is simply not due (`next_attempt_at` is the lease's end), so a relay that
+dies leaves its copies due again when its leases run out. Only `state = 'pending'` copies
+that are due are ever claimed; any other state (published, rejected, given up, parked) is
+never taken, except that `unpark` takes a queue's parked copies back.
 
-The statements themselves are in `outbox_postgres.py` (plain SQL on asyncpg,
-docs/decisions/008-driver-path.md), each written once. Who gets a copy is decided in
-`recipients.py`; how requests share a transaction, in `intake.py`; what the relay does
-with a claimed copy, in `relay.py`.
+The statements themselves are in `outbox_postgres.py` (plain SQL: on asyncpg for `Outbox`,
+docs/decisions/008-driver-path.md; through SQLAlchemy for a session's), each written once.
+Who gets a copy is decided in `recipients.py`; how requests share a transaction, in
+`intake.py`; what the relay does with a claimed copy, in `relay.py`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -31,7 +35,7 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 import structlog
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 
 from queuekeeper.common.locks import lock_key
 from queuekeeper.config import Settings
@@ -121,6 +125,30 @@ class Access:
         )
 
 
+class SharedAccess:
+    """`Outbox.access` read once for every holder that asks while the read has not been
+    sent yet: each caller gets the answer of a statement sent after it asked, so read after
+    its copies' wait (docs/decisions/029-judged-as-it-leaves.md), and at most one read is in
+    flight. Holders that finish a wait together (batches, webhook runs of several
+    consumers) share one round trip instead of one each."""
+
+    def __init__(self, outbox: Outbox) -> None:
+        self.outbox = outbox
+        self._next: asyncio.Task[Access] | None = None  # not sent yet: joined by askers
+        self._last: asyncio.Task[Access] | None = None
+
+    async def read(self) -> Access:
+        if self._next is None:
+            self._next = self._last = asyncio.create_task(self._read_after(self._last))
+        return await asyncio.shield(self._next)
+
+    async def _read_after(self, previous: asyncio.Task[Access] | None) -> Access:
+        if previous is not None and not previous.done():
+            await asyncio.wait([previous])
+        self._next = None  # whoever asks from now on may have waited past this read
+        return await self.outbox.access(utcnow())
+
+
 @dataclass(frozen=True)
 class Tried:
     """One attempt, as the copy's attempt log keeps it (contract §14): when it ended, how
@@ -180,6 +208,11 @@ class Stored:
 
     results: list[Accepted | DomainError] = field(default_factory=list)
     handed: list[Claimed] = field(default_factory=list)
+    # Whether the write that judged the handed copies was the store's last statement: no
+    # statement ran between their judgment and their hand-over (one for repeated events
+    # does), so a relay that takes them at once holds a judgment no later than a claim's
+    # (docs/decisions/029-judged-as-it-leaves.md).
+    handed_straight: bool = False
     deliveries: int = 0
     # Copies for webhook consumers: written unclaimed, for the webhook dispatcher.
     webhooks: int = 0
@@ -387,6 +420,12 @@ class Outbox:
         rows = await self._run(sql.GIVE_UP_PARKED, before, limit, now, RETENTION_REASON)
         return int(rows[0][0])
 
+    async def prune_events(self, cutoff: datetime, limit: int) -> int:
+        """Delete (retention) up to `limit` events accepted before `cutoff` whose copies all
+        settled before it, their copies with them; returns how many events."""
+        rows = await self._run(sql.PRUNE_EVENTS, cutoff, limit)
+        return int(rows[0][0])
+
     async def add_resync(
         self, to: Copy, webhook: bool, snapshots: Sequence[Snapshot], now: datetime
     ) -> int:
@@ -539,6 +578,59 @@ class Outbox:
         return gauges
 
 
+# --- a request's writes of copies, in its unit of work ------------------------------------
+# The service decides which copies and why; the outbox writes them through the caller's
+# session, so they commit or roll back with what decided them (a revocation, a consumer
+# deleted or narrowed): docs/decisions/032-one-owner-of-copy-state.md.
+
+
+async def _in_session(session: AsyncSession, statement: str, *arguments: Any) -> Any:
+    """Run one of `outbox_postgres.py`'s statements in the session's transaction."""
+    connection = await session.connection()
+    return await connection.exec_driver_sql(statement, arguments)
+
+
+async def give_up_waiting(
+    session: AsyncSession,
+    now: datetime,
+    reason: str,
+    code: str,
+    *,
+    consumer_uuids: Collection[uuid.UUID] = (),
+    queue_uuids: Collection[uuid.UUID] = (),
+    offering_uuid: uuid.UUID | None = None,
+    unauthorized_only: bool = False,
+) -> int:
+    """Give up the copies not yet on the broker (pending or parked) of these consumers and
+    subscription queues, with the reason `reason` and the code `code` (`given_up_reason`):
+    of the offering `offering_uuid` alone if given, and with `unauthorized_only` only those
+    the owner may no longer receive (docs/decisions/021-authorized-when-published.md).
+    Returns how many."""
+    if not consumer_uuids and not queue_uuids:
+        return 0
+    result = await _in_session(
+        session,
+        sql.GIVE_UP_WAITING,
+        list(consumer_uuids),
+        list(queue_uuids),
+        now,
+        reason,
+        code,
+        offering_uuid,
+        unauthorized_only,
+    )
+    return int(result.scalar_one())
+
+
+async def webhook_copies_due_now(
+    session: AsyncSession, consumer_uuid: uuid.UUID, now: datetime
+) -> None:
+    """A webhook consumer's pending copies fall due now, except those a dispatcher holds:
+    made due, the next claim would post them beside the run that holds them (two at a time,
+    out of order); that run's end makes the rest due."""
+    await _in_session(session, sql.WEBHOOK_DUE_NOW, consumer_uuid, now)
+
+
 @dataclass(frozen=True)
 class WebhookCopy:
     """A claimed webhook copy and where it goes: its consumer's URL, and the secrets it is
@@ -649,7 +741,7 @@ class _Store:
         results = [result for result in self.results if result is not None]
         hooks = [copy.consumer_uuid for _, copy in self.copies if copy.webhook]
         consumers = {consumer for consumer in hooks if consumer is not None}
-        return Stored(results, handed, len(self.copies), len(hooks), consumers)
+        return Stored(results, handed, not repeated, len(self.copies), len(hooks), consumers)
 
     async def find_recipients(self) -> RecipientIndex:
         """Who may receive the group's events: one statement for the whole group."""
@@ -885,7 +977,7 @@ def _fan_out(
             event.user_uuids,
             event.project_uuid,
             event.subject_user_uuid,
-            # Filters see the body as this offering's copy carries it (relay.message_body).
+            # Filters see the body as this offering's copy carries it (message.message_body).
             {**body, "offering_uuid": offering.hex} if index.filtered else body,
         )
         found.candidates += each.candidates

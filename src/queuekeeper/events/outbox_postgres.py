@@ -1,9 +1,11 @@
-"""The outbox's hot statements on PostgreSQL: plain SQL on asyncpg, nothing else.
+"""The outbox's statements on PostgreSQL: plain SQL, every write of `deliveries` and `events`.
 
 The only module that talks to the driver itself (docs/decisions/008-driver-path.md): the
 store of accepted events and the relay's claim, renew, settle and release, each run per
 request or per batch; and parking's writes of a copy (park, unpark, the retention's
-give-up, the replay's insert), which the outbox owns as well. asyncpg prepares each
+give-up and prune, the replay's insert), which the outbox owns as well. The few a request
+decides are run by `outbox.py` through the request's session instead, in its transaction
+(the block at the end; docs/decisions/032-one-owner-of-copy-state.md). asyncpg prepares each
 statement once per connection (its statement cache) and binds lists as arrays, so one
 statement serves one row or thousands. The connection is one of SQLAlchemy's pool,
 checked out through `AsyncEngine.connect()` and reached with
@@ -422,13 +424,28 @@ FROM unnest($1::bigint[], $2::timestamptz[], $3::int[]) AS r(id, at, ms)
 WHERE d.id = r.id AND (d.state || '') = 'pending'
 """
 )
+
+
+def given_up_sql(finished: str, error: str, code: str) -> str:
+    """The `SET` of a copy given up at `finished` with the reason `error` and the code
+    `code` (contract §14's `given_up_reason`): it leaves any lease, and no claim takes it.
+    Every statement that gives copies up unconditionally writes it so; the claim's and the
+    held copies' judgment give up a refused copy inside their `CASE` (`_SETTLE_TAKEN`,
+    `JUDGE_HELD`)."""
+    return (
+        f"state = 'given_up', finished = {finished}, claimed_by = NULL, claimed_until = NULL,"
+        f" last_error = {error}, given_up_reason = {code}"
+    )
+
+
 # Given up (reason r.error, code r.code); a copy whose last attempt failed (r.at set: too
 # old to try again) has that attempt recorded.
 GIVE_UP = (
     """
 UPDATE deliveries d
-SET state = 'given_up', finished = $3, claimed_by = NULL, claimed_until = NULL,
-    last_error = r.error, given_up_reason = r.code,
+SET """
+    + given_up_sql("$3", "r.error", "r.code")
+    + """,
     """
     + attempt_logged("r.at", "r.ms", "r.status", "r.error", when="r.at IS NOT NULL")
     + """
@@ -517,20 +534,23 @@ UNPARK = (
     + _SETTLE_TAKEN.format(relay="$4", until="$5", now="$6", guard="d.state = 'parked'")
 )
 UNPARK += _CLAIMED.format(now="$6") + ", j.ok\n"
-GIVE_UP_PARKED = """
+GIVE_UP_PARKED = (
+    """
 WITH expired AS (
     SELECT id FROM deliveries
     WHERE parked_at IS NOT NULL AND state IN ('parked', 'pending')
         AND state = 'parked' AND created < $1
     LIMIT $2
 ), given_up AS (
-    UPDATE deliveries d SET state = 'given_up', finished = $3, last_error = $4,
-                            given_up_reason = 'retention'
+    UPDATE deliveries d SET """  # noqa: S608 - the module's constants
+    + given_up_sql("$3", "$4", "'retention'")
+    + """
     FROM expired WHERE d.id = expired.id AND d.state = 'parked'
     RETURNING 1
 )
 SELECT count(*) FROM given_up
 """
+)
 # A replay (docs/decisions/021-authorized-when-published.md): under the replay lock
 # (`REPLAY_LOCK`, in the same transaction), unless a replay of the queue is still in
 # flight (its copies not yet published) and unless the window holds more than $9 copies,
@@ -824,7 +844,8 @@ SELECT (SELECT count(*) FROM delivered), (SELECT count(*) FROM failed),
 # lease that ran out (a dispatcher that died holding a deleted consumer's copy): up to $2,
 # given up at $3 with the reason $4 or $5. A copy a dispatcher holds is left to it (the
 # guard is read again on the row as the claim left it).
-WEBHOOK_GIVE_UP_STRANDED = """
+WEBHOOK_GIVE_UP_STRANDED = (
+    """
 WITH stranded AS (
     SELECT id FROM deliveries
     WHERE state = 'pending' AND webhook AND (claimed_by IS NULL OR claimed_until < $3)
@@ -832,14 +853,18 @@ WITH stranded AS (
     LIMIT $2
 ), given_up AS (
     UPDATE deliveries d
-    SET state = 'given_up', finished = $3,
-        last_error = CASE WHEN d.consumer_uuid IS NULL THEN $4 ELSE $5 END,
-        given_up_reason = CASE
+    SET """  # noqa: S608 - the module's constants
+    + given_up_sql(
+        "$3",
+        "CASE WHEN d.consumer_uuid IS NULL THEN $4 ELSE $5 END",
+        """CASE
             WHEN d.consumer_uuid IS NULL THEN 'consumer_deleted'
             WHEN EXISTS (SELECT 1 FROM event_consumers g
                          WHERE g.uuid = d.consumer_uuid AND g.webhook_gone_at IS NOT NULL)
                 THEN 'webhook_gone'
-            ELSE 'retention' END
+            ELSE 'retention' END""",
+    )
+    + """
     FROM stranded s
     WHERE d.id = s.id AND (d.state || '') = 'pending'
         AND (d.claimed_by IS NULL OR d.claimed_until < $3)
@@ -847,6 +872,7 @@ WITH stranded AS (
 )
 SELECT count(*) FROM given_up
 """
+)
 # The gauges (contract §13): pending copies and the oldest one's acceptance, per kind of
 # consumer (each through its partial index, its predicate written out); the webhook
 # consumers failing now and the longest-failing one's start.
@@ -1175,3 +1201,69 @@ async def listen(
             driver.remove_termination_listener(on_lost)
             if not lost.is_set() and not driver.is_closed():
                 await driver.remove_listener(channel, on_notify)
+
+
+# --- a request's writes of copies, in its own transaction -----------------------------------
+# A service that decides a copy's fate (a revocation, a consumer deleted or narrowed, a webhook
+# fixed) writes it in the unit of work that decided it: `outbox.py` runs these through the
+# caller's session, so they commit or roll back with the rest of it
+# (docs/decisions/032-one-owner-of-copy-state.md). Not hot: one per request, not per copy.
+
+
+# The copies not yet on the broker (pending or parked) of the consumers $1 and the
+# subscription queues $2, given up at $3 with the reason $4 and the code $5: of the offering
+# $6 alone (a fan-out copy names its own offering, any other is its event's; NULL: of any
+# offering), and with $7 only those whose owner may no longer receive them by the rule of
+# every publish (`authorized_sql`, docs/decisions/021-authorized-when-published.md).
+# Returned: how many.
+GIVE_UP_WAITING = (
+    """
+WITH given_up AS (
+    UPDATE deliveries d SET """  # noqa: S608 - the module's constants
+    + given_up_sql("$3::timestamptz", "$4::text", "$5::varchar")
+    + """
+    FROM events e
+    WHERE (d.consumer_uuid = ANY($1::uuid[]) OR d.queue_uuid = ANY($2::uuid[]))
+        AND d.state IN ('pending', 'parked') AND e.event_id = d.event_id
+        AND ($6::uuid IS NULL OR coalesce(d.offering_uuid, e.offering_uuid) = $6::uuid)
+        AND NOT ($7::boolean AND """
+    + authorized_sql(
+        "d.queue_uuid",
+        "d.consumer_uuid",
+        "coalesce(d.offering_uuid, e.offering_uuid)",
+        "$3::timestamptz",
+        "e.project_uuid",
+        "e.subject_user_uuid",
+    )
+    + """)
+    RETURNING 1
+)
+SELECT count(*) FROM given_up
+"""
+)
+# A webhook consumer's ($1) pending copies fall due at $2. Not those a dispatcher holds:
+# their due time is their lease's end (docs/decisions/026-webhooks-on-the-outbox.md).
+# `state = 'pending' AND webhook` written out: ix_deliveries_webhook_pending's predicate.
+WEBHOOK_DUE_NOW = """
+UPDATE deliveries SET next_attempt_at = $2
+WHERE consumer_uuid = $1 AND state = 'pending' AND webhook AND claimed_by IS NULL
+    AND next_attempt_at > $2
+"""
+# Retention (contract §11), on the outbox's own connection, each page committed as it runs:
+# up to $2 events accepted before $1 whose copies all settled before it, deleted (their copies
+# go with them: the foreign key cascades). A copy settled since, such as one given up for
+# retention just now, keeps its event listed for another period. Returned: how many.
+PRUNE_EVENTS = """
+WITH old AS (
+    SELECT ev.event_id FROM events ev
+    WHERE ev.accepted < $1 AND NOT EXISTS (
+        SELECT 1 FROM deliveries d
+        WHERE d.event_id = ev.event_id
+            AND (d.state IN ('pending', 'parked') OR d.finished >= $1))
+    LIMIT $2
+), pruned AS (
+    DELETE FROM events WHERE event_id IN (SELECT event_id FROM old)
+    RETURNING 1
+)
+SELECT count(*) FROM pruned
+"""

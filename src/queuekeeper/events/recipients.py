@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from queuekeeper.broker.topology import WEBHOOK_QUEUE_PREFIX, webhook_queue_name
 from queuekeeper.common.schemas import as_uuid
+from queuekeeper.events.message import CONSUMER_SCHEMA_VERSION
 
 
 class RecipientsChanged(Exception):
@@ -130,9 +131,6 @@ def _lists_type(observable_objects: list[Any], offering_uuid: uuid.UUID, object_
     return False
 
 
-# What relay.message_body adds to every consumer's copy (contract §9): a filter on it is
-# decided once, when the consumer is read, not per event.
-CONSUMER_SCHEMA_VERSION = 1
 _ABSENT = object()
 
 

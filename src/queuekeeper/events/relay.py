@@ -21,24 +21,20 @@ What happens to a copy, by the broker's answer:
 
 Every copy is judged against the directory as it stands when it is taken to be published
 (docs/decisions/029-judged-as-it-leaves.md): a claimed or released one by the claim's own
-statement; one handed over by the store of this process, which no claim takes, by a light
-statement before it goes out that proves the store's judgment still holds, or else by the
-rule again (`judged_now`).
+statement; one handed over by the store of this process, which no claim takes, by the
+store's own write when nothing came between that write and its publish (taken at once by
+an idle relay, as a claim's copies are), else by a light statement after its wait that
+proves the store's judgment still holds, or else by the rule again (`judged_now`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import random
-import secrets
-import socket
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -53,8 +49,10 @@ from queuekeeper.broker.verdict import Outcome, Result
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
 from queuekeeper.events import repository
-from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, GivenUp, Outbox, Retry, Tried
-from queuekeeper.events.outbox_postgres import listen
+from queuekeeper.events.delivery_loop import HOUSEKEEPING_INTERVAL, DeliveryLoop, Listeners, Loops
+from queuekeeper.events.message import message_body, new_relay_id
+from queuekeeper.events.outbox import DUE_CHANNEL, Claimed, GivenUp, Retry, SharedAccess, Tried
+from queuekeeper.events.retry import not_past_give_up
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
     CONSUMERS,
@@ -67,15 +65,12 @@ from queuekeeper.observability.metrics import (
 
 log = structlog.get_logger(__name__)
 
-HOUSEKEEPING_INTERVAL = 5.0  # seconds between outbox gauge refreshes and idle-connection sweeps
-STOP_GRACE = 5.0  # seconds a stopping relay lets a batch in flight finish
 QUEUE_GONE = (
     "its queue is no longer registered (access revoked, or the queue, subscription, "
     "consumer, owner or offering deleted); not published"
 )
 # A queue re-declared after a return is retried at once this many times, then with backoff.
 IMMEDIATE_RETRIES = 3
-CONSUMER_SCHEMA_VERSION = 1
 REPLAY_HEADER = "x-queuekeeper-replay"
 # Bound once: a child's lookup per batch costs more than its increment.
 _PUBLISHED = DELIVERIES.labels(outcome="published")
@@ -88,23 +83,6 @@ _TRIED_FAILED = DELIVERY_ATTEMPTS.labels(kind="queue", outcome="failed", status_
 
 # (relay id, claimed copies) -> the copies to publish now; it parks the others.
 HoldBack = Callable[[str, list[Claimed]], Awaitable[list[Claimed]]]
-
-
-def new_relay_id() -> str:
-    return f"{socket.gethostname()[:40]}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-def message_body(item: Claimed) -> bytes:
-    """The stored body; a consumer's copy also says `schema_version: 1` (contract §9), and a
-    fan-out's copy the offering of its own queue (contract §10)."""
-    if item.consumer_uuid is None and item.copy_offering_uuid is None:
-        return item.body.encode()
-    body = json.loads(item.body)
-    if item.consumer_uuid is not None:
-        body["schema_version"] = CONSUMER_SCHEMA_VERSION
-    if item.copy_offering_uuid is not None:
-        body["offering_uuid"] = item.copy_offering_uuid.hex
-    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def event_message(item: Claimed) -> aio_pika.Message:
@@ -127,6 +105,23 @@ def event_message(item: Claimed) -> aio_pika.Message:
             **({REPLAY_HEADER: "true"} if item.replay else {}),
         },
     )
+
+
+class _Turn:
+    """Whether the running task has let the event loop run since this was made: a callback
+    scheduled now runs only once the task suspends (on a lock, a statement, anything), and
+    before the task resumes."""
+
+    def __init__(self) -> None:
+        self._passed = False
+        self._handle = asyncio.get_running_loop().call_soon(self._pass)
+
+    def _pass(self) -> None:
+        self._passed = True
+
+    def passed(self) -> bool:
+        self._handle.cancel()
+        return self._passed
 
 
 def _target(item: Claimed) -> uuid.UUID | None:
@@ -156,7 +151,11 @@ class _Settlement:
     ms: dict[int, int] = field(default_factory=dict)
 
 
-class Relay:
+class Relay(DeliveryLoop):
+    kind = "relay"
+    id_key = "relay"
+    channel = DUE_CHANNEL
+
     def __init__(
         self,
         settings: Settings,
@@ -166,29 +165,28 @@ class Relay:
         signals: OutboxSignals | None = None,
         relay_id: str | None = None,
     ) -> None:
-        self.settings = settings
-        # Claims, renewals and settlements: the outbox's (events/outbox.py).
-        self.outbox = Outbox(engine, settings)
+        self.signals = signals or OutboxSignals()
+        super().__init__(settings, engine, relay_id or new_relay_id(), self.signals.accepted)
         # Housekeeping's reads stand alone too: autocommit connections, no
         # BEGIN/COMMIT round trips and no ORM session to set up per statement.
         self.engine = engine.execution_options(isolation_level="AUTOCOMMIT")
         self.publisher = publisher
         self.provisioner = provisioner
-        self.signals = signals or OutboxSignals()
-        self.id = relay_id or new_relay_id()
-        self._stopping = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
         self._max_age = timedelta(seconds=settings.delivery_max_age)
         # Copies accepted by this process, committed already claimed for this relay.
         self._handed: list[Claimed] = []
-        # Woken by handed copies and by copies written unclaimed (`signals.accepted`);
-        # only the latter, or the poll interval, make it look in the database.
-        self._wake = Signal()
+        # Those of them whose store's write is still their last judgment with nothing
+        # between: handed over while the loop waited for work (`_parked`) with nothing
+        # after the write, and the loop has not waited on anything else since
+        # (docs/decisions/029-judged-as-it-leaves.md).
+        self._straight: set[int] = set()
+        self._parked = False
+        # The light statement of `judged_now`, one for the batches that ask together.
+        self._access = SharedAccess(self.outbox)
+        # Woken (`_wake`) by handed copies and by copies written unclaimed
+        # (`signals.accepted`); only the latter, or the poll interval, make it look in the
+        # database. What it holds (`_held`) counts the handed copies too.
         self._claim_wanted = True
-        # The copies this relay holds (claimed or handed, not settled yet) and when their
-        # lease ends: renewed while they wait, so a busy process does not lose its claims
-        # to another relay and publish them twice.
-        self._held: dict[int, datetime] = {}
         # Parks the copies of queues whose agent is away before they are published
         # (parking/gate.py; docs/decisions/015-parking.md); None: nothing parks.
         self.hold_back: HoldBack | None = None
@@ -201,35 +199,24 @@ class Relay:
         self._settle_now = Signal()  # a stop, or a `?wait=true` waiter: cut the interval short
         self._write_now = False
 
-    # --- lifecycle ----------------------------------------------------------------------
+    # --- lifecycle (events/delivery_loop.py) ----------------------------------------------
     def start(self) -> None:
-        self._stopping.clear()
-        self.signals.accepted.listen(self._on_accepted)
-        self._tasks = [
-            asyncio.create_task(self._dispatch(), name="relay-dispatch"),
-            asyncio.create_task(self._housekeeping(), name="relay-housekeeping"),
-            asyncio.create_task(self._write_confirmed_loop(), name="relay-settle"),
-        ]
-        self._tasks.append(asyncio.create_task(self._listen(), name="relay-listen"))
+        super().start()
         log.info("relay_started", relay=self.id, batches=self.settings.relay_concurrency)
 
-    async def stop(self, grace: float = STOP_GRACE) -> None:
-        """Stop claiming; let batches in flight finish for up to `grace` seconds."""
-        self.request_stop()
-        self.signals.accepted.forget(self._on_accepted)
-        pending: set[asyncio.Task[None]] = set()
-        if self._tasks:
-            _done, pending = await asyncio.wait(self._tasks, timeout=grace)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._tasks = []
+    def _loops(self) -> Loops:
+        return [
+            (self._dispatch(), "relay-dispatch"),
+            (self._write_confirmed_loop(), "relay-settle"),
+        ]
+
+    async def _stopped(self, grace: float, cut_short: int) -> None:
         released = await self._release_handed()
         unwritten = await self._write_confirmed()
         log.info(
             "relay_stopped",
             relay=self.id,
-            cut_short=len(pending),
+            cut_short=cut_short,
             released=released,
             confirmed_unwritten=unwritten,
         )
@@ -238,6 +225,7 @@ class Relay:
         """Give back copies handed over but not started, so another relay publishes them
         now rather than when their lease runs out (a restart would delay them by it)."""
         handed, self._handed = self._handed, []
+        self._straight.clear()
         if not handed:
             return 0
         try:
@@ -249,13 +237,8 @@ class Relay:
             self._held.pop(item.id, None)
         return len(handed)
 
-    async def wait_stopped(self) -> None:
-        """Return once `request_stop` was called (by a signal handler, say)."""
-        await self._stopping.wait()
-
     def request_stop(self) -> None:
-        self._stopping.set()
-        self._wake.notify()
+        super().request_stop()
         self._confirmed_added.notify()
         self._settle_now.notify()
 
@@ -263,23 +246,13 @@ class Relay:
         self._claim_wanted = True
         self._wake.notify()
 
-    async def _listen(self) -> None:
-        """Wake on copies committed unclaimed by any process (announced on
-        `outbox.DUE_CHANNEL` by the trigger of migration 0006); while the database is
-        unreachable the poll interval does, and listening starts again."""
-        while not self._stopping.is_set():
-            failed = False
-            try:
-                await listen(self.engine, DUE_CHANNEL, self._on_accepted, self._stopping)
-            except Exception as exc:
-                failed = True
-                log.warning("relay_listen_failed", relay=self.id, error=repr(exc)[:500])
-            if self._stopping.is_set():
-                return
-            self._on_accepted()  # what was announced while nobody listened: claim it now
-            if failed:
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+    def _listeners(self) -> Listeners:
+        """A NOTIFY on `outbox.DUE_CHANNEL` (the trigger of migration 0006): copies
+        committed unclaimed by any process."""
+        return self._on_accepted, None
+
+    def _on_missed(self) -> None:
+        self._on_accepted()
 
     # --- copies handed over by the accept path of this process ---------------------------
     def takes_handoff(self) -> bool:
@@ -288,11 +261,14 @@ class Relay:
         unclaimed, for whichever relay is free)."""
         return not self._stopping.is_set() and len(self._handed) < self.settings.relay_batch_size
 
-    def hand_over(self, claimed: list[Claimed]) -> None:
-        """Publish these copies, committed already claimed by this relay."""
+    def hand_over(self, claimed: list[Claimed], *, straight: bool = False) -> None:
+        """Publish these copies, committed already claimed by this relay; `straight`: the
+        write that judged them was the store's last statement (`Stored.handed_straight`)."""
         lease_until = self.outbox.lease(self.id, utcnow()).until
         for item in claimed:
             self._held[item.id] = lease_until
+        if straight and self._parked:  # taken on the loop's next pass, unless it waits
+            self._straight.update(item.id for item in claimed)
         self._handed.extend(claimed)
         self._wake.notify()
 
@@ -327,6 +303,8 @@ class Relay:
         finished: Callable[[asyncio.Task[None]], None],
     ) -> None:
         while not self._stopping.is_set():
+            if slots.locked():  # copies handed over now wait for a batch in flight
+                self._straight.clear()
             await slots.acquire()
             # Read before claiming: an event accepted during the claim then
             # cuts the pause short instead of waiting for the next poll.
@@ -336,6 +314,8 @@ class Relay:
                 self._handed[self.settings.relay_batch_size :],
             )
             handed = bool(batch)
+            straight = handed and all(item.id in self._straight for item in batch)
+            self._straight.difference_update(item.id for item in batch)
             if not batch and self._claim_wanted and not self._stopping.is_set():
                 self._claim_wanted = False
                 try:
@@ -352,7 +332,7 @@ class Relay:
                 slots.release()
                 await self._pause(self.settings.relay_poll_interval, seen)
                 continue
-            task = asyncio.create_task(self._process_logged(batch, handed))
+            task = asyncio.create_task(self._process_logged(batch, handed, straight))
             in_flight.add(task)
             task.add_done_callback(finished)
             if not self._handed and not self._claim_wanted:
@@ -361,13 +341,19 @@ class Relay:
     async def _pause(self, seconds: float, seen: int) -> None:
         if self._stopping.is_set():
             return
-        await self._wake.wait(seconds, since=seen)
+        self._parked = True
+        try:
+            await self._wake.wait(seconds, since=seen)
+        finally:
+            self._parked = False
         if self._wake.generation == seen:  # the poll interval passed: look for due copies
             self._claim_wanted = True
 
-    async def _process_logged(self, claimed: list[Claimed], handed: bool = False) -> None:
+    async def _process_logged(
+        self, claimed: list[Claimed], handed: bool = False, straight: bool = False
+    ) -> None:
         try:
-            await self.process(claimed, gather=True, judge=handed)
+            await self.process(claimed, gather=True, judge=handed, straight=straight)
         except Exception as exc:  # claims not settled are retried when their lease ends
             log.error("relay_batch_failed", relay=self.id, error=repr(exc)[:500])
 
@@ -400,18 +386,23 @@ class Relay:
         park: bool = True,
         gather: bool = False,
         judge: bool = False,
+        straight: bool = False,
     ) -> None:
         """Publish a claimed batch and write back what became of each copy; `park=False`
         for released parked copies, which go out whatever the queue's state. With `gather`
         (the dispatch loop's batches), the confirmed copies are written published with
         those of the next `relay_settle_interval`, not before returning. With `judge` (copies
         handed over by the store, which no claim judged), those not to be published now are
-        given up first (`judged_now`)."""
+        given up first (`judged_now`), unless `straight` (taken at once after the store's
+        write, nothing waited on since) and parking waits on nothing either: the store's
+        write is then their judgment as a claim's is its copies'."""
         try:
             to_publish = claimed
             if park and self.hold_back is not None:
+                turn = _Turn()
                 to_publish = await self.hold_back(self.id, claimed)
-            if judge:
+                straight = straight and not turn.passed()
+            if judge and not straight:
                 to_publish = await self.judged_now(to_publish)
             await self._process(to_publish, gather=gather)
         finally:
@@ -426,12 +417,11 @@ class Relay:
         No window of trust: a handed copy may wait behind busy batches for seconds."""
         if not items:
             return items
-        now = utcnow()
-        access = await self.outbox.access(now)
+        access = await self._access.read()
         stale = [item for item in items if not access.unchanged_since(item)]
         if not stale:
             return items
-        kept, _refused = await self.outbox.judge_held(self.id, stale, now)
+        kept, _refused = await self.outbox.judge_held(self.id, stale, utcnow())
         judged = {item.id: item for item in kept}
         stale_ids = {item.id for item in stale}
         return [
@@ -519,8 +509,7 @@ class Relay:
             self.settings.relay_backoff_base * 2 ** max(item.attempts - 1, 0),
         )
         delay *= random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not security
-        # Never schedule past the give-up time, so an old copy is given up on time.
-        when = min(now + timedelta(seconds=delay), max(item.created + self._max_age, now))
+        when = not_past_give_up(now, delay, item.created, self._max_age)
         settlement.retries.append(Retry(item.id, when, error, tried))
         DELIVERIES.labels(outcome="retried").inc()
 
@@ -651,23 +640,10 @@ class Relay:
             )
         self.signals.settled.notify()
 
-    # --- housekeeping ---------------------------------------------------------------------
-    async def _housekeeping(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
-                return
-            except TimeoutError:
-                pass
-            try:
-                await self.renew_leases()
-                await self.refresh_gauges()
-                await self.publisher.close_idle()
-            except Exception as exc:  # housekeeping never takes the relay down
-                log.warning("relay_housekeeping_failed", error=repr(exc)[:500])
-
-    async def renew_leases(self) -> int:
-        return await self.outbox.renew_held(self.id, self._held)
+    # --- housekeeping (after the leases are renewed, events/delivery_loop.py) ---------------
+    async def _housekeep(self, rounds: int) -> None:
+        await self.refresh_gauges()
+        await self.publisher.close_idle()
 
     async def refresh_gauges(self) -> None:
         now = utcnow()

@@ -1,7 +1,7 @@
-"""Parking's reads of parked copies and of presence, and retention's prune of events; none
-commits (callers run them on autocommit connections or in their unit of work). Every
-write of a copy's state (park, unpark, the retention's give-up, a replay's copies) is the
-outbox's (`events.outbox.Outbox`).
+"""Parking's reads of parked copies, of presence and of the oldest event; none commits
+(callers run them on autocommit connections or in their unit of work). Every write of a
+copy's state (park, unpark, the retention's give-up and prune, a replay's copies) is the
+outbox's (`events.outbox.Outbox`; docs/decisions/032-one-owner-of-copy-state.md).
 
 A copy's acceptance order is its outbox id: copies are inserted in the order their
 events were accepted, so "in acceptance order" is `ORDER BY id` within a queue, which the
@@ -18,7 +18,6 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     String,
-    delete,
     exists,
     func,
     literal_column,
@@ -175,24 +174,6 @@ async def parked_summary(session: Executor) -> ParkedSummary:
 
 
 # --- retention ----------------------------------------------------------------------------
-async def prune_events(session: Executor, cutoff: datetime, limit: int) -> int:
-    """Delete up to `limit` events accepted before `cutoff` whose copies all settled before
-    it (their copies go with them: the foreign key cascades). A copy settled since, such as
-    one given up for retention just now, keeps its event listed for another period."""
-    unsettled = exists().where(
-        DELIVERIES.c.event_id == EVENTS.c.event_id,
-        or_(
-            DELIVERIES.c.state.in_([DeliveryState.PENDING, DeliveryState.PARKED]),
-            DELIVERIES.c.finished >= cutoff,
-        ),
-    )
-    old = select(EVENTS.c.event_id).where(EVENTS.c.accepted < cutoff, ~unsettled).limit(limit)
-    result = await session.execute(
-        delete(EVENTS).where(EVENTS.c.event_id.in_(old.scalar_subquery()))
-    )
-    return int(getattr(result, "rowcount", 0) or 0)
-
-
 async def oldest_event(session: Executor) -> datetime | None:
     oldest = await session.scalar(select(func.min(EVENTS.c.accepted)))
     if isinstance(oldest, datetime) and oldest.tzinfo is None:

@@ -12,7 +12,6 @@ from queuekeeper.events.outbox import Outbox
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import COPIES_GIVEN_UP_RETENTION
-from queuekeeper.parking import repository
 
 PAGE = 1000
 
@@ -25,7 +24,6 @@ def count_change(counter: str) -> None:
 async def apply_retention(context: JobContext, run: Run) -> None:
     now = utcnow()
     cutoff = now - context.settings.event_retention
-    engine = context.engine.execution_options(isolation_level="AUTOCOMMIT")
     outbox = Outbox(context.engine, context.settings)
     given_up = pruned = 0
     while True:
@@ -35,8 +33,7 @@ async def apply_retention(context: JobContext, run: Run) -> None:
         if page < PAGE:
             break
     while True:
-        async with engine.connect() as connection:
-            page = await repository.prune_events(connection, cutoff, PAGE)
+        page = await outbox.prune_events(cutoff, PAGE)
         pruned += page
         if page < PAGE:
             break

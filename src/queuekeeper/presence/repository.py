@@ -19,16 +19,18 @@ from sqlalchemy import (
     func,
     or_,
     select,
+    text,
     tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from queuekeeper.consumers.repository import authorized_now
+from queuekeeper.consumers.repository import authorized_now, last_delivered
 from queuekeeper.consumers.schemas import bindings_of
 from queuekeeper.models import (
     CONSUMER_ON_BROKER,
+    PARKED_OR_RELEASING,
     Delivery,
     DeliveryState,
     Event,
@@ -312,25 +314,29 @@ class Outbox:
 
 async def outbox_of(session: AsyncSession, regs: Collection[Registration]) -> dict[UUID, Outbox]:
     """Per registration uuid: its parked copies (how many, the oldest's acceptance) and when
-    a copy for it was last confirmed by the broker."""
+    a copy for it was last confirmed by the broker. Neither reads the copies delivered: the
+    parked ones through `ix_deliveries_parked` (its predicate and the queues written out for
+    the planner to match), the last confirmed one at the end of the owner's range in
+    `ix_deliveries_delivered` (`last_delivered`)."""
     if not regs:
         return {}
     owner = func.coalesce(Delivery.queue_uuid, Delivery.consumer_uuid)
-    parked = Delivery.state == DeliveryState.PARKED
-    published = Delivery.state == DeliveryState.PUBLISHED
     rows = await session.execute(
-        select(
-            owner,
-            func.count().filter(parked),
-            func.min(case((parked, Delivery.created))),
-            func.max(case((published, Delivery.finished))),
+        select(owner, func.count(), func.min(Delivery.created))
+        .where(
+            text(PARKED_OR_RELEASING),
+            text("deliveries.state = 'parked'"),
+            tuple_(Delivery.vhost, Delivery.queue_name).in_([reg.key for reg in regs]),
+            _copies_of(regs),
         )
-        .where(_copies_of(regs), or_(parked, published))
         .group_by(owner)
     )
+    parked = {key: (int(count or 0), _aware(oldest)) for key, count, oldest in rows}
+    delivered = await last_delivered(session, [reg.uuid for reg in regs])
     found: dict[UUID, Outbox] = {}
-    for key, count, oldest, last in rows:
-        found[key] = Outbox(int(count or 0), _aware(oldest), _aware(last))
+    for key in parked.keys() | delivered.keys():
+        count, oldest = parked.get(key, (0, None))
+        found[key] = Outbox(count, oldest, delivered.get(key))
     return found
 
 

@@ -53,6 +53,7 @@ from queuekeeper.presence.schemas import (
     QueueStatusFields,
     QueueStatusOut,
 )
+from queuekeeper.webhooks import service as webhooks
 
 log = structlog.get_logger(__name__)
 
@@ -527,7 +528,7 @@ async def _webhook_status(
     """A webhook consumer's status (contract §13): no broker is asked; what waits for its
     receiver and why it does not arrive, from the database."""
     facts = (await consumers.facts_of(session, settings, [consumer]))[consumer.uuid]
-    waiting = await consumers.webhook_pending(session, consumer.uuid)
+    waiting = await webhooks.webhook_pending(session, consumer.uuid)
     await session.commit()
     reason = BlockedReason(facts.delivery_blocked_reason) if facts.delivery_blocked_reason else None
     detail = None

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from queuekeeper.broker import topology
 from queuekeeper.common.locks import guard, user_key
 from queuekeeper.consumers import repository as consumers_repository
+from queuekeeper.consumers import service as consumers_service
 from queuekeeper.jobs.runs import JobContext, Run
 from queuekeeper.models import utcnow
 from queuekeeper.reconcile import guard as deletion_guard
@@ -101,7 +102,7 @@ async def _remove_subscriptions_of(
                 "delete_vhost", vhost, f"{reason}; with its {len(queues) + len(on_broker)} queues"
             )
             return
-        await consumers_repository.give_up_waiting(
+        await consumers_service.give_up_copies_of_webhooks_deleted(
             session, consumers, utcnow(), f"the consumer was removed: {reason}"
         )
         for row in [*subscriptions, *consumers]:

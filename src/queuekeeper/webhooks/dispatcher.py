@@ -28,9 +28,8 @@ import socket
 import time
 import uuid
 from collections import defaultdict
-from contextlib import suppress
 from dataclasses import dataclass, replace
-from datetime import datetime, timedelta
+from datetime import datetime
 from functools import partial
 from ipaddress import ip_address
 
@@ -41,18 +40,18 @@ import structlog
 from httpx_aiohttp import AiohttpTransport
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from queuekeeper.common.signals import OutboxSignals, Signal
+from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
+from queuekeeper.events.delivery_loop import DeliveryLoop, Listeners, Loops, finish
+from queuekeeper.events.message import message_body, new_relay_id
 from queuekeeper.events.outbox import (
     WEBHOOKS_DUE_CHANNEL,
     GivenUp,
-    Outbox,
+    SharedAccess,
     Tried,
     WebhookCopy,
     WebhookRun,
 )
-from queuekeeper.events.outbox_postgres import listen
-from queuekeeper.events.relay import message_body, new_relay_id
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
     DELIVERY_ATTEMPTS,
@@ -65,13 +64,11 @@ from queuekeeper.observability.metrics import (
     WEBHOOKS_FAILING,
     status_class,
 )
-from queuekeeper.webhooks import signing
+from queuekeeper.webhooks import schedule, signing
 from queuekeeper.webhooks.addresses import AddressRefused, Resolved, resolve
 
 log = structlog.get_logger(__name__)
 
-HOUSEKEEPING_INTERVAL = 5.0  # seconds between lease renewals and gauge refreshes
-STOP_GRACE = 5.0  # seconds a stopping dispatcher lets attempts in flight finish
 # Copies of one consumer claimed at once: posted one at a time, in order; the claim is
 # one statement for all of them rather than one per copy.
 RUN_LENGTH = 32
@@ -233,7 +230,11 @@ def connection_error(exc: BaseException) -> str:
     return f"connection failed: {type(exc).__name__}"
 
 
-class WebhookDispatcher:
+class WebhookDispatcher(DeliveryLoop):
+    kind = "webhooks"
+    id_key = "dispatcher"
+    channel = WEBHOOKS_DUE_CHANNEL
+
     def __init__(
         self,
         settings: Settings,
@@ -241,19 +242,16 @@ class WebhookDispatcher:
         signals: OutboxSignals | None = None,
         dispatcher_id: str | None = None,
     ) -> None:
-        self.settings = settings
-        self.outbox = Outbox(engine, settings)
-        self.engine = engine
         self.signals = signals or OutboxSignals()
-        self.id = dispatcher_id or new_relay_id()
+        super().__init__(settings, engine, dispatcher_id or new_relay_id(), self.signals.webhooks)
+        self.engine = engine
+        # Each post after a run's first proves the claim's judgment again after the wait
+        # (`judged_now`): one statement for the runs that ask together.
+        self._access = SharedAccess(self.outbox)
         self.transport = new_transport(settings)
         self._timeouts = httpx.Timeout(settings.webhook_timeout_seconds).as_dict()
         self._targets: dict[str, Target | str] = {}  # parsed URLs, by URL
-        self._stopping = asyncio.Event()
-        self._wake = Signal()
-        self._tasks: list[asyncio.Task[None]] = []
         self._runs: dict[uuid.UUID, asyncio.Task[None]] = {}
-        self._held: dict[int, datetime] = {}  # copies held and when their lease ends
         self._slots = asyncio.Semaphore(settings.webhook_concurrency)
         self._destinations: dict[tuple[str, str, int], asyncio.Semaphore] = defaultdict(
             lambda: asyncio.Semaphore(settings.webhook_concurrency_per_destination)
@@ -264,31 +262,18 @@ class WebhookDispatcher:
         self._wanted: set[uuid.UUID] = set()
         self._wanted_any = True
 
-    # --- lifecycle ----------------------------------------------------------------------
+    # --- lifecycle (events/delivery_loop.py) ----------------------------------------------
     def start(self) -> None:
-        self._stopping.clear()
-        self.signals.webhooks.listen(self._on_accepted)
-        self._tasks = [
-            asyncio.create_task(self._claim_loop(), name="webhooks-claim"),
-            asyncio.create_task(self._housekeeping(), name="webhooks-housekeeping"),
-            asyncio.create_task(self._listen(), name="webhooks-listen"),
-        ]
+        super().start()
         log.info("webhook_dispatcher_started", dispatcher=self.id)
 
-    async def stop(self, grace: float = STOP_GRACE) -> None:
-        """Stop claiming; let attempts in flight finish for up to `grace` seconds, then cut
-        them short (their runs release what they did not post)."""
-        self._stopping.set()
-        self._wake.notify()
-        self.signals.webhooks.forget(self._on_accepted)
-        # The loops end on `_stopping` (a claim under way finishes first), then the runs.
-        for group in (self._tasks, list(self._runs.values())):
-            if group:
-                _done, pending = await asyncio.wait(group, timeout=grace)
-                for task in pending:
-                    task.cancel()
-                await asyncio.gather(*group, return_exceptions=True)
-        self._tasks = []
+    def _loops(self) -> Loops:
+        return [(self._claim_loop(), "webhooks-claim")]
+
+    async def _stopped(self, grace: float, cut_short: int) -> None:
+        """The loops ended (a claim under way finished first); the runs in flight get
+        `grace` seconds too, then are cut short (they release what they did not post)."""
+        await finish(list(self._runs.values()), grace)
         await self.close()
         log.info("webhook_dispatcher_stopped", dispatcher=self.id)
 
@@ -320,23 +305,13 @@ class WebhookDispatcher:
         """Close the connections (`stop` does)."""
         await self.transport.aclose()
 
-    async def _listen(self) -> None:
-        """Wake on webhook copies committed by any process (`WEBHOOKS_DUE_CHANNEL`)."""
-        while not self._stopping.is_set():
-            try:
-                await listen(
-                    self.engine,
-                    WEBHOOKS_DUE_CHANNEL,
-                    self._wake.notify,
-                    self._stopping,
-                    self._on_announced,
-                )
-            except Exception as exc:
-                log.warning("webhooks_listen_failed", dispatcher=self.id, error=repr(exc)[:500])
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
-            self._wanted_any = True  # what was announced while nobody listened
-            self._wake.notify()
+    def _listeners(self) -> Listeners:
+        """A NOTIFY on `WEBHOOKS_DUE_CHANNEL`: webhook copies committed by any process."""
+        return self._wake.notify, self._on_announced
+
+    def _on_missed(self) -> None:
+        self._wanted_any = True
+        self._wake.notify()
 
     # --- claiming -------------------------------------------------------------------------
     def _waiting_on_busy_destinations(self) -> set[uuid.UUID]:
@@ -455,13 +430,13 @@ class WebhookDispatcher:
         stands now, in order (docs/decisions/029-judged-as-it-leaves.md): one light
         statement proves the claim's judgment still holds (the epoch unchanged, no expiry
         since); only when it does not are they judged again, by the rule in one statement
-        that gives up the refused."""
-        now = utcnow()
-        access = await self.outbox.access(now)
+        that gives up the refused. The runs of several consumers whose posts end together
+        share that statement (`SharedAccess`)."""
+        access = await self._access.read()
         stale = [c.claimed for c in waiting if not access.unchanged_since(c.claimed)]
         if not stale:
             return waiting
-        kept, _refused = await self.outbox.judge_held(self.id, stale, now)
+        kept, _refused = await self.outbox.judge_held(self.id, stale, utcnow())
         judged = {item.id: item for item in kept}
         stale_ids = {item.id for item in stale}
         return [
@@ -471,14 +446,14 @@ class WebhookDispatcher:
         ]
 
     def _retry_at(self, attempts: int, created: datetime) -> datetime:
-        now = utcnow()
-        delay = signing.retry_delay(
+        return schedule.retry_at(
             attempts,
+            created,
+            utcnow(),
             self.settings.webhook_retry_seconds,
+            self._retention,
             random.random(),  # noqa: S311 - jitter, not security
         )
-        # Never past the give-up time, so an old copy is given up on time.
-        return min(now + timedelta(seconds=delay), max(created + self._retention, now))
 
     async def _settle(self, run: WebhookRun, given_up: list[GivenUp]) -> None:
         now = utcnow()
@@ -583,24 +558,11 @@ class WebhookDispatcher:
             return Attempt("gone", "HTTP 410: the receiver is gone; delivery disabled", code)
         return Attempt("http_error", f"HTTP {code}", code)
 
-    # --- housekeeping ---------------------------------------------------------------------
-    async def _housekeeping(self) -> None:
-        rounds = 0
-        while not self._stopping.is_set():
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
-                return
-            rounds += 1
-            try:
-                await self.renew_leases()
-                await self.refresh_gauges()
-                if rounds % STRANDED_EVERY == 0:
-                    await self.give_up_stranded()
-            except Exception as exc:  # housekeeping never takes the dispatcher down
-                log.warning("webhooks_housekeeping_failed", error=repr(exc)[:500])
-
-    async def renew_leases(self) -> int:
-        return await self.outbox.renew_held(self.id, self._held)
+    # --- housekeeping (after the leases are renewed, events/delivery_loop.py) ---------------
+    async def _housekeep(self, rounds: int) -> None:
+        await self.refresh_gauges()
+        if rounds % STRANDED_EVERY == 0:
+            await self.give_up_stranded()
 
     async def give_up_stranded(self) -> int:
         """Give up the copies no claim will take (a deleted consumer's; a disabled one's past

@@ -1,4 +1,4 @@
-"""Standard Webhooks signing (contract §13), and the retry schedule of a failed attempt.
+"""Standard Webhooks signing (contract §13); the secret's form (`whsec_` + base64 of the key).
 
 The signature is `v1,` + base64 of HMAC-SHA256 over `"{id}.{timestamp}.{body}"`, keyed with
 the bytes the secret encodes after `whsec_`: three lines of the standard library, so it is
@@ -14,8 +14,8 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 
+# Standard Webhooks' secrets: `whsec_` + base64 of the key.
 SECRET_PREFIX = "whsec_"
-JITTER = 0.2  # a retry waits up to 20 % longer than its delay, so receivers are not hit in step
 
 
 def secret_key(secret: str) -> bytes:
@@ -46,11 +46,3 @@ def headers(
             signature(secret, message_id, timestamp, body) for secret in keys
         ),
     }
-
-
-def retry_delay(attempt: int, schedule: Sequence[float], draw: float) -> float:
-    """Seconds before the next attempt after failed attempt number `attempt` (1 = the first):
-    the schedule's delay for it (the last one repeated), plus up to `JITTER` of it, `draw`
-    being a number in [0, 1)."""
-    base = schedule[min(max(attempt, 1), len(schedule)) - 1]
-    return base * (1.0 + JITTER * draw)

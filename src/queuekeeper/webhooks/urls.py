@@ -2,8 +2,9 @@
 docs/decisions/027-webhook-registration.md).
 
 The URL may carry a credential (in its query or user info), so it is a secret: it is
-stored as given and never returned or logged; answers show `destination` (scheme, host and
-port). A refusal names the field and the reason without repeating the URL.
+stored as given and never returned or logged; answers and logs show its destination (scheme,
+host and port: `common/urls.py`'s `destination`, which every consumer's answer uses). A
+refusal names the field and the reason without repeating the URL.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ from urllib.parse import SplitResult, urlsplit
 
 import httpx
 
+from queuekeeper.common.urls import DEFAULT_PORTS
 from queuekeeper.exceptions import BadRequest
 from queuekeeper.webhooks.addresses import AddressRefused, IPNetwork, resolve
+from queuekeeper.webhooks.signing import SECRET_PREFIX
 
 # Longer URLs are refused: browsers and proxies commonly stop near 2,000 characters, and
 # nothing a receiver needs comes close.
 MAX_URL_LENGTH = 2048
-# Standard Webhooks' secrets: `whsec_` + base64 of the key; 24 bytes is its minimum.
-SECRET_PREFIX = "whsec_"
+# Standard Webhooks' secrets (`signing.SECRET_PREFIX` + base64 of the key): 24 bytes is its
+# minimum.
 SECRET_BYTES = 32
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 FIELD = "webhook_url"
 
 
@@ -44,7 +46,7 @@ def parsed(url: str) -> SplitResult:
         port = split.port
     except ValueError as exc:
         raise _refuse(f"is not a valid URL ({exc})") from None
-    if split.scheme.lower() not in _DEFAULT_PORTS:
+    if split.scheme.lower() not in DEFAULT_PORTS:
         shown = f"{split.scheme!r}" if split.scheme else "none"
         raise _refuse(f"must be an http or https URL (scheme: {shown})")
     if "#" in url:
@@ -60,26 +62,13 @@ def parsed(url: str) -> SplitResult:
     return split
 
 
-def destination(url: str) -> str:
-    """What an answer shows of the URL: its scheme and host, and its port when it is not
-    the scheme's default; never its path, query or credentials."""
-    split = urlsplit(url)
-    scheme = split.scheme.lower()
-    host = split.hostname or ""
-    if ":" in host:  # an IPv6 literal
-        host = f"[{host}]"
-    port = split.port
-    shown = f":{port}" if port is not None and port != _DEFAULT_PORTS.get(scheme) else ""
-    return f"{scheme}://{host}{shown}"
-
-
 async def checked(url: str, allowed: Sequence[IPNetwork]) -> str:
     """`url` if a webhook may point at it now: well formed, and every address its host
     resolves to allowed by the address rule (webhooks/addresses.py); else a BadRequest
     naming `webhook_url` and the reason."""
     split = parsed(url)
     host = split.hostname or ""
-    port = split.port or _DEFAULT_PORTS[split.scheme.lower()]
+    port = split.port or DEFAULT_PORTS[split.scheme.lower()]
     try:
         await resolve(host, port, allowed)
     except AddressRefused as refused:
