@@ -36,6 +36,7 @@ from queuekeeper.events.outbox_postgres import (
     EVENT_COLUMNS,
     INSERT_ACCEPTED,
     RECIPIENTS,
+    KeptConnection,
     column_arrays,
 )
 from queuekeeper.events.schemas import EventIn
@@ -86,13 +87,17 @@ async def _run(url: str) -> None:
     offering = await _seed(engine)
     floor = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
     store = Outbox(engine, Settings(database_url=url))
+    kept_connection = KeptConnection(engine)
 
-    async def service() -> None:
+    async def service(kept: KeptConnection | None = None) -> None:
         event = EventIn(
             event_id=uuid.uuid4().hex, offering_uuid=offering, object_type="order", payload=PAYLOAD
         )
         now = utcnow()
-        await store.store([Request([event], [PAYLOAD], "")], now, store.lease("bench", now))
+        await store.store([Request([event], [PAYLOAD], "")], now, store.lease("bench", now), kept)
+
+    async def kept() -> None:
+        await service(kept_connection)
 
     async def reading() -> None:
         store.recipients._entries.clear()
@@ -142,13 +147,15 @@ async def _run(url: str) -> None:
         )
 
     ways = {
-        "Outbox.store, recipients remembered": service,
+        "Outbox.store, recipients remembered, connection kept (as the intake runs)": kept,
+        "Outbox.store, recipients remembered, a checkout each": service,
         "Outbox.store, recipients read by each store": reading,
         "asyncpg alone, own connection": raw,
     }
     try:
         results = await alternating_blocks(ways, block=BLOCK, blocks=BLOCKS)
     finally:
+        await kept_connection.release()
         await floor.close()
         await engine.dispose()
     print_medians(

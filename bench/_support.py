@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.config import Settings
@@ -31,35 +32,35 @@ def stat_cpu(stat: str) -> tuple[str, float]:
     return head.partition("(")[2], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _times(pid: int) -> tuple[float, float]:
+    """(user + system, system) CPU seconds of `pid` (every thread of it) and of its children
+    that have exited and been waited for; (0, 0) for a process that is gone."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0, 0.0
+    system = times.system + times.children_system
+    return times.user + times.children_user + system, system
+
+
 def process_cpu_seconds(*pids: int) -> float:
-    """User + system CPU these processes have used so far (a process that is gone adds 0)."""
-    used = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            used += stat_cpu(Path(f"/proc/{pid}/stat").read_text())[1]
-    return used
+    """User + system CPU these processes have used so far (psutil), with what their exited
+    children used: give every process of a tree (`process_tree`), so a child counts once,
+    alive or gone."""
+    return sum(_times(pid)[0] for pid in pids)
 
 
 def process_system_seconds(*pids: int) -> float:
     """The kernel's part of `process_cpu_seconds` (system calls, wake-ups, page faults)."""
-    used = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            used += int(fields[12]) / os.sysconf("SC_CLK_TCK")
-    return used
+    return sum(_times(pid)[1] for pid in pids)
 
 
 def process_tree(pid: int) -> list[int]:
-    """`pid` and its descendants now (Linux /proc), parents first."""
-    found, index = [pid], 0
-    while index < len(found):
-        current = found[index]
-        index += 1
-        with contextlib.suppress(OSError):
-            for task in Path(f"/proc/{current}/task").iterdir():
-                found += [int(child) for child in (task / "children").read_text().split()]
-    return found
+    """`pid` and all its descendants now (psutil), parents first."""
+    try:
+        return [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+    except psutil.Error:
+        return [pid]
 
 
 async def _admin(sql: str) -> None:

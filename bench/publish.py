@@ -479,6 +479,9 @@ class Profiler:
                 "--rate",
                 "200",
                 "--subprocesses",  # `serve` supervises: its accept workers and relays
+                # BENCH_PROFILE_NATIVE=1: C frames too (uvloop, asyncpg's protocol, the
+                # parsers), which py-spy otherwise charges to the Python frame calling them.
+                *(["--native"] if os.environ.get("BENCH_PROFILE_NATIVE") == "1" else []),
                 "--output",
                 str(Path(self.directory) / f"{phase}.txt"),
             ],

@@ -15,14 +15,16 @@ BENCH_STEP_SECONDS (8) against
   queuekeeper: `queuekeeper serve` in each process model of BENCH_PROCESS_MODELS
        (`<accept workers>x<relay processes>`, default 1x0,1x1,2x1,1x2,2x2; 1x0 is one
        process with the relay in it), single events POSTed to /api/internal/events/
-       over CONNECTIONS kept-alive connections.
+       over BENCH_CONNECTIONS (32) kept-alive connections.
 
 A real consumer (aio-pika, in this process, which does nothing else during a step) takes
 every message off the queue; accept-to-consume = consumed minus scheduled send. A rate is
 *held* when at least 95 % of the offered events were consumed within the step (plus 1 s)
 and their p99 is at most 20 ms; the capacity is the highest rate held. Service CPU per
-event accepted is read from /proc over each step, summed over serve and every process it
-runs, and by kind of process (accept, relay, serve).
+event accepted: user + system CPU (psutil) of every process of the service's tree (serve,
+or the supervisor, and all its descendants, found again at each reading; with what
+children that exited used), from before the generator starts to after the last event
+arrived, divided by the events accepted; also by kind of process (accept, relay, serve).
 Then the last model runs at half the best capacity for BENCH_RSS_SECONDS (300, the 5
 minutes of goal 6) while the RSS of all its processes is sampled.
 Last, the sliced sweep (`bench/_cpuslice.py`): every model again, at BENCH_SLICED_RATES
@@ -87,7 +89,10 @@ PIPELINES = os.environ.get("BENCH_PIPELINES", "raw,queuekeeper").split(",")
 MODELS = os.environ.get("BENCH_PROCESS_MODELS", "1x0,1x1,2x1,1x2,2x2").split(",")
 P99_GOAL = 0.020
 ACHIEVED_GOAL = 0.95
-CONNECTIONS = 128  # client connections per pipeline: enough for 1500/s at 85 ms each
+# Kept-alive client connections per pipeline, as a backend's pool would hold them (32, the
+# issue's harness): a due event waits for a free one, its latency still counted from its
+# send time.
+CONNECTIONS = int(os.environ.get("BENCH_CONNECTIONS", "32"))
 # Load generator processes (bench/_loadgen.py); each sends every GENERATORS-th event.
 GENERATORS = int(os.environ.get("BENCH_GENERATORS", "1"))
 # The sliced sweep (bench/_cpuslice.py): each process of the service held to CPU_SLICE of a
@@ -707,9 +712,18 @@ def report(
         f"{qk_cap}/s ({best.name}): {'met' if qk_cap >= 800 else 'NOT met'}"
     )
     print(
-        f"GOAL 1 single-event capacity >= 0.5x raw: {qk_cap}/s against raw {raw_text}, "
-        f"ratio {ratio:.2f}: {'met' if raw_cap and ratio >= 0.5 else 'NOT met'}"
+        f"GOAL 1 single-event capacity >= 0.8x raw: {qk_cap}/s against raw {raw_text}, "
+        f"ratio {ratio:.2f}: {'met' if raw_cap and ratio >= 0.8 else 'NOT met'}"
     )
+    raw400 = next((s for s in raw_steps if s.rate == 400), None)
+    qk400 = next((s for s in models[0].steps if s.rate == 400), None)
+    if raw400 is not None and qk400 is not None:
+        p50_ratio = qk400.p50 / raw400.p50 if raw400.p50 else float("inf")
+        print(
+            f"GOAL 1 p50 at 400/s within 2x raw's ({models[0].name}): {qk400.p50 * 1e3:.1f} ms "
+            f"against raw {raw400.p50 * 1e3:.1f} ms, x{p50_ratio:.2f}: "
+            f"{'met' if p50_ratio <= 2 else 'NOT met'}"
+        )
     first, last = models[0], models[-1]
     grows = last.capacity > first.capacity
     print(
@@ -725,7 +739,7 @@ def report(
         f"GOAL 2 service CPU per single event at {at200.rate}/s, over every process of the "
         f"service: {at200.cpu_ms:.2f} ms ({name}; raw pipeline {raw200.cpu_ms:.2f} ms; "
         f"{at200.cpu_ms / penalty:.2f} ms with this machine's pacing penalty x{penalty:.2f} "
-        f"taken out); goal <= 1.5 ms: {'met' if at200.cpu_ms <= 1.5 else 'NOT met'}"
+        f"taken out); goal <= 1.0 ms: {'met' if at200.cpu_ms <= 1.0 else 'NOT met'}"
     )
     if rss is None:
         return

@@ -21,7 +21,7 @@ from queuekeeper import db
 from queuekeeper.config import Settings
 from queuekeeper.errors import DatabaseProblem, classify_database_error
 from queuekeeper.events.outbox import PARKED_REASON, Outbox
-from queuekeeper.events.outbox_postgres import EVENT_COLUMNS
+from queuekeeper.events.outbox_postgres import EVENT_COLUMNS, KeptConnection
 from queuekeeper.events.repository import DELIVERIES, EVENTS
 from queuekeeper.models import User
 from tests.helpers import database_statements
@@ -373,6 +373,40 @@ async def test_after_a_lost_outbox_connection_every_connection_as_old_is_replace
         except DBAPIError:
             outcomes.append("failed")
     assert outcomes == ["failed", "ok", "ok"]
+
+
+async def test_the_intakes_kept_connection_serves_store_after_store_and_recovers(
+    engine: AsyncEngine, settings: Settings
+) -> None:
+    """The intake's stores keep one connection between them (no checkout each); one
+    killed while kept fails the store that meets it, as a dead pooled connection did, the
+    next store runs on a live one, and the connection goes back to the pool when unused."""
+    outbox = _outbox(engine, settings)
+    kept = KeptConnection(engine, idle_seconds=0.5)
+    pids = []
+    for name in ("k1", "k2", "k3"):
+        async with outbox.store_unit(kept) as unit:
+            await unit.insert([_event(name)], [])
+            pids.append(await _pid(unit))
+    assert len(set(pids)) == 1  # one connection for every store
+    checked_out_now = engine.pool.checkedout()  # type: ignore[attr-defined]
+    assert checked_out_now == 1  # held between stores, not returned
+
+    await _terminate(settings, pids[:1])
+    with pytest.raises(DBAPIError) as raised:
+        async with outbox.store_unit(kept) as unit:
+            await unit.insert([_event("lost")], [])
+    assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
+    async with outbox.store_unit(kept) as unit:
+        await unit.insert([_event("k4")], [])
+        assert await _pid(unit) != pids[0]
+    assert set(await _stored(engine)) == {"k1", "k2", "k3", "k4"}
+
+    await asyncio.sleep(0.6)  # unused past idle_seconds: the next store checks out afresh
+    async with outbox.store_unit(kept) as unit:
+        await unit.insert([_event("k5")], [])
+    await kept.release()
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("where", ["in a statement", "between statements"])

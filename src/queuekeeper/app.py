@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 
 import structlog
 from fastapi import Depends, FastAPI
+from fastapi.telemetry import TelemetryConfig
 from prometheus_client import multiprocess
 from sqlalchemy.ext.asyncio import AsyncEngine
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
@@ -292,6 +293,9 @@ async def shutdown(state: Runtime) -> None:
         await state.scheduler.stop()
         state.scheduler = None
     await state.jobs.stop()  # runs started with `Prefer: respond-async`
+    # The store under way hands its copies to the relay still running; then its connection
+    # goes back before the pool is disposed.
+    await state.intake.close()
     if state.releaser is not None:
         await state.releaser.stop()
         state.releaser = None
@@ -341,6 +345,18 @@ async def running(
         yield state
     finally:
         await shutdown(state)
+
+
+def fastapi_telemetry(environment: Mapping[str, str]) -> TelemetryConfig | None:
+    """FastAPI's own OpenTelemetry as FastAPI has it (None: its defaults) when the
+    environment configures OpenTelemetry (an `OTEL_*` or `FASTAPI_OTEL_*` variable, as
+    `opentelemetry-instrument` and FastAPI's auto-configuration read); else off, because
+    its per-request check of three global providers costs about 1 % of a single event's
+    CPU to find nothing configured (docs/decisions/033-intake-keeps-its-connection.md).
+    queuekeeper's own metrics and request log do not depend on it (observability/http.py)."""
+    if any(name.startswith(("OTEL_", "FASTAPI_OTEL_")) for name in environment):
+        return None
+    return {"tracing": False, "metrics": False, "logs": False}
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -398,6 +414,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Served from the package (common/docs.py), not from a CDN.
         docs_url=None,
         redoc_url=None,
+        telemetry=fastapi_telemetry(os.environ),
     )
     install_error_handlers(app, settings)
     install_openapi(app, settings, extend=document_payloads)

@@ -486,7 +486,8 @@ class Settings(BaseSettings):
         ge=1,
         description="Processes `serve` starts to accept HTTP requests, all on the one port. "
         "Default, from the cores this process may use (its CPU affinity): 1 on 2 cores or "
-        "fewer, else half of them (docs/scaling.md).",
+        "fewer, else half of them (docs/scaling.md). What each number costs beside the relay "
+        "choice: QUEUEKEEPER_RELAY_PROCESSES.",
     )
     relay_processes: int | None = Field(
         default=None,
@@ -495,7 +496,14 @@ class Settings(BaseSettings):
         "the relay inside each accept process instead. Default, from the cores this process "
         "may use (its CPU affinity): 0 on 2 cores or fewer (one process with the relay "
         "inside costs the least CPU per event there), else a quarter of them, at least 1; "
-        "0 when `relay_enabled` is off.",
+        "0 when `relay_enabled` is off. Measured on a 2-vCPU VM shared past saturation (two "
+        "runs; docs/reference/settings.md, What a process model costs), CPU per single event "
+        "over every process at 200/s and 800/s, then p99 accept-to-consume at 200/s and "
+        "800/s: 1 accept + 0 relay 1.08-1.23 and 0.42-0.45 ms, 142-349 ms and 2.1-3.3 s; "
+        "1 + 1: 1.07-1.19 and 0.44-0.54 ms, 70-163 ms and 0.17-3.3 s; 2 + 1: 1.13-1.17 and "
+        "0.48-0.56 ms, 88-137 ms and 1.2-5.3 s; 1 + 2: 1.11-1.20 and 0.45-0.58 ms, 64-252 ms "
+        "and 2.5-7.2 s; 2 + 2: 1.28-1.32 and 0.58-0.60 ms, 99-259 ms and 5.4-5.8 s (the raw "
+        "pipeline: 0.58-0.60 and 0.33-0.37 ms, 16-52 ms and 0.16-4.5 s).",
     )
     relay_batch_size: int = Field(default=1000, ge=1, description="Deliveries claimed at once.")
     relay_concurrency: int = Field(

@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from queuekeeper.common.signals import OutboxSignals
 from queuekeeper.config import Settings
 from queuekeeper.events.outbox import Accepted, Claimed, Outbox, Request
+from queuekeeper.events.outbox_postgres import KeptConnection
 from queuekeeper.events.recipients import RecipientsChanged
 from queuekeeper.events.schemas import EventIn
 from queuekeeper.exceptions import DomainError, Unavailable
@@ -82,6 +83,18 @@ class Intake:
         self._waiting: list[_Request] = []
         self._waiting_events = 0
         self._flusher: asyncio.Task[None] | None = None
+        # The stores run one at a time (`_flush`), so they keep one connection between
+        # them instead of a checkout and return each.
+        self._connection = KeptConnection(engine)
+
+    async def close(self, wait: float = 5.0) -> None:
+        """Wait (up to `wait` seconds) for the store under way, then give its connection
+        back to the pool; a store still running keeps it (the pool's disposal follows)."""
+        if self._flusher is not None and not self._flusher.done():
+            _, running = await asyncio.wait({self._flusher}, timeout=wait)
+            if running:
+                return
+        await self._connection.release()
 
     async def accept(
         self, events: Sequence[EventIn], bodies: list[dict[str, Any]], field_prefix: str
@@ -141,7 +154,7 @@ class Intake:
             held = relay is not None and relay.takes_handoff()
             lease = self.outbox.lease(relay.id, now) if relay is not None and held else None
             try:
-                stored = await self.outbox.store(group, now, lease)
+                stored = await self.outbox.store(group, now, lease, self._connection)
             except IntegrityError:
                 if attempt + 1 == ATTEMPTS:
                     raise

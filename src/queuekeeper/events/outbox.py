@@ -40,7 +40,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from queuekeeper.common.locks import lock_key
 from queuekeeper.config import Settings
 from queuekeeper.events import outbox_postgres as sql
-from queuekeeper.events.outbox_postgres import RecipientCache, StoreUnit, checked_out
+from queuekeeper.events.outbox_postgres import (
+    KeptConnection,
+    RecipientCache,
+    StoreUnit,
+    checked_out,
+)
 from queuekeeper.events.recipients import Copy, RecipientIndex, Recipients
 from queuekeeper.events.schemas import EventAccepted, EventIn
 from queuekeeper.exceptions import BadRequest, DomainError
@@ -227,19 +232,27 @@ class Outbox:
 
     # --- the intake's side ---------------------------------------------------------------
     @asynccontextmanager
-    async def store_unit(self) -> AsyncIterator[StoreUnit]:
-        """One store's connection: its recipients' read, then its one write."""
-        async with checked_out(self.engine) as driver:
+    async def store_unit(self, kept: KeptConnection | None = None) -> AsyncIterator[StoreUnit]:
+        """One store's connection (`kept`'s, when given): its recipients' read, then its
+        one write."""
+        async with checked_out(self.engine) if kept is None else kept.use() as driver:
             yield StoreUnit(driver, self.recipients)
 
-    async def store(self, group: Sequence[Request], now: datetime, lease: Lease | None) -> Stored:
+    async def store(
+        self,
+        group: Sequence[Request],
+        now: datetime,
+        lease: Lease | None,
+        kept: KeptConnection | None = None,
+    ) -> Stored:
         """Store a group of requests, committed on return. With `lease`, the copies are
         written already claimed by it (the lease is in the insert) and returned as
-        `handed`; without, they are written pending for any relay.
+        `handed`; without, they are written pending for any relay. On `kept`'s connection
+        when given (one store at a time on it), else on one checked out for this store.
 
         What is written is written at once or not at all: by one statement after the
         recipients' read (docs/decisions/017-single-event-cost.md)."""
-        async with self.store_unit() as unit:
+        async with self.store_unit(kept) as unit:
             return await _Store(unit, group, now, lease).run()
 
     # --- the relay's side: each statement stands alone, guarded by the row's state ------

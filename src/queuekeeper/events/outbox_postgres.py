@@ -23,8 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -943,6 +944,56 @@ async def checked_out(engine: AsyncEngine) -> AsyncIterator[Driver]:
             raw = driver.driver
             if not connection.invalidated and (raw.is_closed() or raw.is_in_transaction()):
                 await connection.invalidate()
+
+
+class KeptConnection:
+    """One connection of `engine`'s pool kept checked out from one use to the next, for a
+    caller that uses it one statement at a time (the intake's stores, one group after the
+    other): at a backend's pace each event is its own store, and a checkout and return
+    through SQLAlchemy's pool per store cost a third of the store's CPU
+    (docs/decisions/033-intake-keeps-its-connection.md). The same `checked_out` connection as
+    everywhere: a failed use, a connection left closed or inside a transaction, one unused
+    for `idle_seconds` or held for `held_seconds` goes back to the pool (which recycles it
+    as its own rules say) and the next use checks out another."""
+
+    def __init__(
+        self, engine: AsyncEngine, *, idle_seconds: float = 5.0, held_seconds: float = 300.0
+    ) -> None:
+        self.engine = engine
+        self.idle_seconds = idle_seconds
+        self.held_seconds = held_seconds
+        self._stack: AsyncExitStack | None = None
+        self._driver: Driver | None = None
+        self._since = self._used = 0.0
+
+    @asynccontextmanager
+    async def use(self) -> AsyncIterator[Driver]:
+        now = time.monotonic()
+        if self._driver is not None and (
+            now - self._used > self.idle_seconds or now - self._since > self.held_seconds
+        ):
+            await self.release()
+        if self._driver is None:
+            stack = AsyncExitStack()
+            self._driver = await stack.enter_async_context(checked_out(self.engine))
+            self._stack, self._since = stack, now
+        driver, kept = self._driver, False
+        try:
+            yield driver
+            raw = driver.driver
+            kept = not (driver.connection.invalidated or raw.is_closed() or raw.is_in_transaction())
+        finally:
+            if kept:
+                self._used = time.monotonic()
+            else:
+                await self.release()
+
+    async def release(self) -> None:
+        """Give the connection back to the pool (at once: the process is stopping, or the
+        connection failed)."""
+        stack, self._stack, self._driver = self._stack, None, None
+        if stack is not None:
+            await stack.aclose()
 
 
 EVENT_COLUMNS = (
