@@ -43,10 +43,13 @@ typecheck: install
 REQUIRE_TOOLS := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && echo 1)
 export QK_REQUIRE_TOOLS = $(REQUIRE_TOOLS)
 
-# Two workers, a test file each at a time: the suite waits on brokers, agents and
-# subprocesses more than it computes (one worker kept two cores ~40 % busy).
-PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
+# Four workers on two cores, each taking the next test as it frees (worksteal): the suite
+# waits on brokers, agents and subprocesses more than it computes (two workers kept two
+# cores ~40 % busy), and a file of long tests (the agent and client matrices) no longer
+# holds one worker to itself while the others sit idle. Every worker has a database of
+# its own and every test an instance name of its own, so no two tests share state.
+PYTEST_WORKERS ?= 4
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist worksteal
 
 test-postgres: install services tools
 	$(BIN)/pytest -q -m "not container" $(PYTEST_PARALLEL) --durations=15
@@ -64,7 +67,7 @@ test: install services tools lint
 	  $(MAKE) --no-print-directory test-postgres
 
 ## make test-long: not part of `make test`. The schemathesis run (tests/ops/test_fuzz.py) alone,
-## with QK_FUZZ_EXAMPLES examples per operation and phase (100; `make test` runs 12) and an
+## with QK_FUZZ_EXAMPLES examples per operation and phase (100; `make test` runs 4) and an
 ## hour's timeout; QK_FUZZ_PATHS=<regex> narrows it to some paths.
 QK_FUZZ_EXAMPLES ?= 100
 test-long: install services

@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -157,25 +158,36 @@ async def clear_of_a_window_edge(period: float = 60.0, margin: float = 10.0) -> 
         await asyncio.sleep(left + 0.05)
 
 
+# Set while a `database_statements(..., own_only=True)` block runs: the code it calls, and the
+# tasks that code starts, see it; the app's background tasks, started before, do not.
+_COUNTED: ContextVar[bool] = ContextVar("qk_test_counted_statements", default=False)
+
+
 @contextmanager
-def database_statements(engine: AsyncEngine) -> Iterator[list[str]]:
+def database_statements(engine: AsyncEngine, *, own_only: bool = False) -> Iterator[list[str]]:
     """Every statement sent to the database while inside: those through SQLAlchemy (its
     `before_cursor_execute` event) and those the outbox sends to asyncpg itself
-    (`outbox_postgres.send`)."""
+    (`outbox_postgres.send`). With `own_only`, only those of the code called inside (a
+    request through the ASGI transport), not those a background job of the app sends
+    meanwhile, which a busy machine may schedule at any moment."""
     statements: list[str] = []
     original = outbox_postgres.send
 
     def through_sqlalchemy(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        statements.append(statement)
+        if not own_only or _COUNTED.get():
+            statements.append(statement)
 
     async def to_the_driver(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
-        statements.append(sql)
+        if not own_only or _COUNTED.get():
+            statements.append(sql)
         return await original(driver, sql, arguments)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(outbox_postgres, "send", to_the_driver)
         event.listen(engine.sync_engine, "before_cursor_execute", through_sqlalchemy)
+        counted = _COUNTED.set(True)
         try:
             yield statements
         finally:
+            _COUNTED.reset(counted)
             event.remove(engine.sync_engine, "before_cursor_execute", through_sqlalchemy)

@@ -3,7 +3,8 @@ waldur-api-client versions whose models parse queuekeeper's answers (contract §
 
 Adding the next agent release is one line in RELEASES: its version, what it subscribes
 to with every feature on (in the order it sends them), and how it acknowledges. The
-matrix tests (test_agent_matrix.py, test_api_clients.py) take every row. `make
+matrix tests (test_agent_matrix.py, test_api_clients.py) take every row (1.0.5's and
+1.0.7's end-to-end run in test_site_agent_e2e.py and test_site_agent_107_e2e.py). `make
 check-newest-agent` runs the same end-to-end test against the newest release on PyPI,
 pre-releases included, whatever this table says (`QK_AGENT_VERSION`).
 """

@@ -5,8 +5,8 @@ pre-releases included (8.1.4rc3 and later, contract §12). Each client runs in i
 (tests/agents/site_agent_venv.py); a missing required field fails naming the field.
 
 Two tests: the answers, captured from queuekeeper, fed to each client's `from_dict`; and
-the client's own endpoint functions (register_queue, event consumers) against a live
-queuekeeper, for each client that has them.
+the client's own endpoint functions (register_queue, event consumers, and the webhook
+consumers' from 8.1.4) against a live queuekeeper, for each client that has them.
 """
 
 from __future__ import annotations
@@ -331,7 +331,10 @@ async def test_every_answer_parses_with_the_clients_models(
         assert outcomes[("resync", "EventConsumerResyncResponse")] == "ok"
 
 
-# Runs in the client's virtualenv: its own endpoint functions against queuekeeper.
+# Runs in the client's virtualenv: its own endpoint functions against queuekeeper with an agent's
+# token, then its webhook consumer functions (8.1.4 and later) with a staff user's (`null`
+# from a client without them). One interpreter for both: its start and imports are most of
+# the cost of a run.
 CLIENT_SCRIPT = """
 import json, sys
 from waldur_api_client.client import AuthenticatedClient
@@ -353,7 +356,7 @@ from waldur_api_client.models.event_consumer_scope_input_request import (
     EventConsumerScopeInputRequest,
 )
 
-url, token, offering, identity = sys.argv[1:5]
+url, token, offering, identity, admin_token, webhook_url = sys.argv[1:7]
 client = AuthenticatedClient(base_url=url, token=token, prefix="Token")
 found = identity_retrieve.sync(uuid=identity, client=client)
 compatibility = getattr(found, "compatibility", None)
@@ -382,7 +385,7 @@ else:
         for d in (DeliveryEnum.RMQ, DeliveryEnum.WEBHOOK)
     ]
 event_consumers_destroy.sync_detailed(uuid=listed[0].uuid, client=client)
-print(json.dumps({
+endpoints = {
     "compatibility": compatibility.status.value if compatibility else None,
     "queue": [queue.queue_name, queue.rmq_username, queue.vhost, queue.observable_object_types],
     "registered": registered.queue_name,
@@ -392,16 +395,52 @@ print(json.dumps({
     "username": getattr(listed[0], "user_username", None),
     "by_delivery": by_delivery,
     "after": event_consumers_count.sync(client=client),
-}))
+}
+
+
+def webhook_functions():
+    try:
+        from waldur_api_client.api.event_consumers import (
+            event_consumers_register_webhook as register_webhook,
+            event_consumers_resync as resync,
+            event_consumers_update_webhook as update_webhook,
+        )
+    except ImportError:
+        return None
+    from waldur_api_client.models.event_consumer_webhook_request import (
+        EventConsumerWebhookRequest,
+    )
+    from waldur_api_client.models.event_consumer_webhook_update_request import (
+        EventConsumerWebhookUpdateRequest,
+    )
+
+    admin = AuthenticatedClient(base_url=url, token=admin_token, prefix="Token")
+    made = register_webhook.sync(
+        client=admin, body=EventConsumerWebhookRequest(webhook_url=webhook_url, scopes=[])
+    )
+    changed = update_webhook.sync(
+        uuid=made.uuid, client=admin, body=EventConsumerWebhookUpdateRequest(object_types=[])
+    )
+    started = resync.sync(uuid=made.uuid, client=admin)
+    return {
+        "made": [str(made.delivery), made.webhook_destination, made.is_global,
+                 made.additional_properties.get("webhook_secret", "")[:6]],
+        "changed": [str(changed.uuid) == str(made.uuid), changed.webhook_destination],
+        "resync": started.object_types,
+    }
+
+
+print(json.dumps({"endpoints": endpoints, "webhooks": webhook_functions()}))
 """
 ENDPOINT_CLIENTS = [source for source in CLIENTS if source.agent != "1.0.5"]  # 8.0.9: none
 
 
 @pytest.mark.timeout(300)
+@LOOPBACK_WEBHOOKS
 @pytest.mark.parametrize(
     "source", ENDPOINT_CLIENTS, ids=[source.label for source in ENDPOINT_CLIENTS]
 )
-async def test_the_clients_own_endpoint_functions_work_against_queuekeeper(
+async def test_the_clients_own_endpoint_and_webhook_functions_work_against_queuekeeper(
     server: Server, source: ClientSource
 ) -> None:
     python = await asyncio.to_thread(client_python, source)
@@ -414,14 +453,19 @@ async def test_the_clients_own_endpoint_functions_work_against_queuekeeper(
             headers=agent.headers,
         )
         assert identity.status_code == 201, identity.text
-        seen = await run_in(
+        admin = await backend.put_user(is_staff=True)
+        both = await run_in(
             python,
             CLIENT_SCRIPT,
             server.url,
             agent.token,
             offering.hex,
             identity.json()["uuid"],
+            admin.token,
+            WEBHOOK_URL,
         )
+    # The endpoint functions, with the agent's token.
+    seen = both["endpoints"]
     queue_name, rmq_username, vhost, types = seen["queue"]
     assert queue_name == f"consumer_{rmq_username}"
     assert vhost == agent.vhost
@@ -439,61 +483,12 @@ async def test_the_clients_own_endpoint_functions_work_against_queuekeeper(
         assert seen["username"] == f"user-{agent.uuid.hex[:8]}"
     print(f"\n{source.label} endpoint functions: {seen}", file=sys.stderr)
 
-
-# Runs in the client's virtualenv: its webhook consumer functions (8.1.4 and later) against
-# queuekeeper, with a staff user's token; `null` from a client without them.
-WEBHOOK_SCRIPT = """
-import json, sys
-try:
-    from waldur_api_client.api.event_consumers import (
-        event_consumers_register_webhook as register_webhook,
-        event_consumers_resync as resync,
-        event_consumers_update_webhook as update_webhook,
-    )
-except ImportError:
-    print(json.dumps(None))
-    sys.exit(0)
-from waldur_api_client.client import AuthenticatedClient
-from waldur_api_client.models.event_consumer_webhook_request import EventConsumerWebhookRequest
-from waldur_api_client.models.event_consumer_webhook_update_request import (
-    EventConsumerWebhookUpdateRequest,
-)
-
-url, token, webhook_url = sys.argv[1:4]
-client = AuthenticatedClient(base_url=url, token=token, prefix="Token")
-made = register_webhook.sync(
-    client=client, body=EventConsumerWebhookRequest(webhook_url=webhook_url, scopes=[])
-)
-changed = update_webhook.sync(
-    uuid=made.uuid, client=client, body=EventConsumerWebhookUpdateRequest(object_types=[])
-)
-started = resync.sync(uuid=made.uuid, client=client)
-print(json.dumps({
-    "made": [str(made.delivery), made.webhook_destination, made.is_global,
-             made.additional_properties.get("webhook_secret", "")[:6]],
-    "changed": [str(changed.uuid) == str(made.uuid), changed.webhook_destination],
-    "resync": started.object_types,
-}))
-"""
-
-
-@pytest.mark.timeout(300)
-@LOOPBACK_WEBHOOKS
-@pytest.mark.parametrize(
-    "source", ENDPOINT_CLIENTS, ids=[source.label for source in ENDPOINT_CLIENTS]
-)
-async def test_the_clients_webhook_functions_work_against_queuekeeper(
-    server: Server, source: ClientSource
-) -> None:
-    python = await asyncio.to_thread(client_python, source)
-    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-        admin = await Backend(http, SERVICE_TOKEN).put_user(is_staff=True)
-        seen = await run_in(python, WEBHOOK_SCRIPT, server.url, admin.token, WEBHOOK_URL)
-    if seen is None:  # a client before 8.1.4
+    # The webhook functions (8.1.4 and later), with a staff user's token.
+    if both["webhooks"] is None:  # a client before 8.1.4
         return
-    assert seen == {
+    assert both["webhooks"] == {
         "made": ["webhook", "http://127.0.0.1:9", True, "whsec_"],
         "changed": [True, "http://127.0.0.1:9"],
         "resync": ["user_role"],
     }
-    print(f"\n{source.label} webhook functions: {seen}", file=sys.stderr)
+    print(f"\n{source.label} webhook functions: {both['webhooks']}", file=sys.stderr)

@@ -9,6 +9,7 @@ runs its initial processing too, as `waldur_site_agent -m event_process` does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import uuid
@@ -30,6 +31,8 @@ from tests.agents.harness import (
     start_agent,
     valid_payload,
 )
+from tests.agents.releases import RELEASES
+from tests.agents.test_agent_matrix import assert_ack_mode
 from tests.conftest import SERVICE_TOKEN
 from tests.events.support import queue_depth
 from tests.helpers import Agent, Backend
@@ -38,6 +41,7 @@ IDENTITIES = "/api/marketplace-site-agent-identities/"
 # With only an order backend configured.
 ORDER_TYPES = ["order", "resource_api_key_rotation"]
 INITIAL_PROCESSING = "--initial-processing"
+(RELEASE,) = [release for release in RELEASES if release.version == "1.0.7"]
 
 
 def expected_sequence(first_start: bool, identity: str) -> list[tuple[str, str, int]]:
@@ -132,6 +136,10 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
             sequence = [request[:3] for request in first_requests]
             assert sequence[-6:] == expected_sequence(True, identity), sequence
             assert all(request[1] == "/api/version/" for request in sequence[:-6]), sequence
+            (listed,) = (await http.get(IDENTITIES, headers=agent.headers)).json()
+            assert listed["compatibility"]["status"] == "compatible", listed
+            # Subscribed as the release does (auto-ack, no prefetch asked), as the broker sees it.
+            await assert_ack_mode(agent.vhost, {queue}, RELEASE)
 
             sent = await publish_every_type(http, offering, queue, AGENT_107_TYPES)
             received = await first.wait_received(len(AGENT_107_TYPES))
@@ -166,6 +174,8 @@ async def test_published_site_agent_107_registers_one_queue_receives_and_restart
         finally:
             await second.stop()
         assert second.process.returncode == 0, second.log_tail()
+        await asyncio.sleep(1)  # nothing arrives twice, even late
+        assert len(second.received()) == 1 + len(AGENT_107_TYPES), second.received()
         print(  # the figures quoted in docs/reference/site-agent-1.0.7.md (run with -s to see them)
             f"\nsite-agent 1.0.7 start-up, 10 types: first start "
             f"{first.status['setup_seconds']:.2f} s (queuekeeper {first_rest:.2f} s of it; "

@@ -34,11 +34,14 @@ from tests.agents.harness import (
     start_agent,
     valid_payload,
 )
+from tests.agents.releases import RELEASES
+from tests.agents.test_agent_matrix import assert_ack_mode
 from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Backend
 
 AGENT_TYPES = AGENT_105_TYPES
+(RELEASE,) = [release for release in RELEASES if release.version == "1.0.5"]
 
 
 def expected_sequence(first_start: bool, identity: str, subscriptions: list[str]) -> list[Any]:
@@ -124,10 +127,13 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
             ).json()
             assert len(identities) == 1
             identity = identities[0]["uuid"]
+            assert identities[0]["compatibility"]["status"] == "compatible", identities
             subscriptions = [item["subscription"] for item in consumers]
             assert agent_requests == expected_sequence(True, identity, subscriptions)
 
             queues = queue_names(offering, consumers)
+            # Subscribed as the release does (auto-ack, no prefetch asked), as the broker sees it.
+            await assert_ack_mode(agent.vhost, set(queues.values()), RELEASE)
             publish = publisher_for(http, offering, queues)
             await assert_receives_every_type(first, publish, offering, queues)
             before = await broker_snapshot(management, settings, agent.vhost)
@@ -137,7 +143,11 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
             await first.stop()
         assert first.process.returncode == 0, first.log_tail()
 
-        # --- restart: everything is reused ---------------------------------------------
+        # --- while it is down, an event waits in its queue -------------------------------
+        waiting = valid_payload("order")
+        await publish("order", waiting)
+
+        # --- restart: everything is reused, the waiting event arrives ------------------
         server.log.clear()
         second = await start_agent(site_agent_python, config, tmp_path, "second")
         try:
@@ -147,10 +157,14 @@ async def test_published_site_agent_sets_up_receives_and_restarts_idempotently(
             assert server.log.agent_requests() == expected_sequence(False, identity, subscriptions)
             after = await broker_snapshot(management, settings, agent.vhost)
             assert after == before
-            await assert_receives_every_type(second, publish, offering, queues)
+            (early,) = await second.wait_received(1)
+            assert json.loads(early["body"])["order_uuid"] == waiting["order_uuid"]
+            await assert_receives_every_type(second, publish, offering, queues, already=1)
         finally:
             await second.stop()
         assert second.process.returncode == 0, second.log_tail()
+        await asyncio.sleep(1)  # nothing arrives twice, even late
+        assert len(second.received()) == 1 + len(AGENT_TYPES), second.received()
 
         listed = await http.get("/api/event-subscriptions/", headers=agent.headers)
         assert len(listed.json()) == 9

@@ -264,17 +264,18 @@ async def test_the_recipients_cost_stays_the_same_with_many_bindings(
     state: Runtime = app.state.queuekeeper
     agent, offering = await backend.agent_with_offering()
     await consumer_of(agent, {"scopes": scopes(("offering", offering))})
-    with database_statements(state.engine) as before:
+    # Only the request's own statements: a job of the app running meanwhile is no part of it.
+    with database_statements(state.engine, own_only=True) as before:
         await post_event(client, order_event(offering, event_id=f"a-{uuid.uuid4().hex}"))
     for _ in range(5):
         other = await backend.put_user()
         owned = await customer(client)
         await role(client, other, "customer", owned)
         await consumer_of(other, {"scopes": scopes(("customer", owned), ("user", other.uuid))})
-    with database_statements(state.engine) as after:
+    with database_statements(state.engine, own_only=True) as after:
         await post_event(client, order_event(offering, event_id=f"b-{uuid.uuid4().hex}"))
     # Read fresh, or remembered and checked by the write's digest: never more statements.
-    assert len(after) <= len(before) <= 2, (before, after)
+    assert 1 <= len(after) <= len(before) <= 2, (before, after)
 
 
 @pytest.mark.settings(queue_max_length=1)

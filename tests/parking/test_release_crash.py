@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aio_pika
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -24,7 +25,7 @@ from queuekeeper.models import Delivery, DeliveryState, utcnow
 from queuekeeper.parking.gate import ParkingGate
 from queuekeeper.parking.release import Releaser
 from tests.brokers import BROKER
-from tests.events.support import drain, order_event, post_batch, queue_depth, register
+from tests.events.support import drain, order_event, post_batch, register
 from tests.helpers import Backend
 from tests.parking.support import copy_states, set_presence, wait_for_states
 
@@ -73,17 +74,28 @@ async def test_a_replica_killed_while_releasing_loses_nothing(
         "QUEUEKEEPER_PARK_RELEASE_MAX_IN_FLIGHT": str(2 * COPIES),
     }
     command = [str(Path(sys.executable).parent / "queuekeeper"), "relay"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # The queue's depth is watched on one channel opened before the replica starts (a passive
+    # declare is a round trip of about a millisecond), so the kill follows the first copy
+    # published within a few milliseconds however slowly a loaded machine starts the
+    # process: a new connection per look took long enough to miss the whole release.
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
     depth_at_kill = 0
-    try:
-        for _ in range(3000):
-            depth_at_kill = await queue_depth(vhost, queue)
-            if depth_at_kill:
-                break
-            await asyncio.sleep(0.01)
-    finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=10)
+    async with connection:
+        channel = await connection.channel()
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        try:
+            deadline = asyncio.get_running_loop().time() + 90
+            while asyncio.get_running_loop().time() < deadline and process.poll() is None:
+                declared = await channel.declare_queue(queue, passive=True)
+                depth_at_kill = int(declared.declaration_result.message_count or 0)
+                if depth_at_kill:
+                    break
+                await asyncio.sleep(0.002)
+        finally:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=10)
     assert 0 < depth_at_kill < COPIES, "the kill did not land during the release"
     states = await copy_states(state.sessions, queue)
     assert states["published"] < COPIES, states  # some were never settled by the dead one

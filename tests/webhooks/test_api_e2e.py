@@ -84,13 +84,16 @@ async def test_a_410_blocks_until_update_webhook(
         assert receiver.ids() == ["e2e-gone", "e2e-gone"]
 
 
+# The first attempt is held until the update has been answered and a while after: a timeout
+# well beyond that, so a loaded machine's slow update never turns the attempt into a failure.
+@pytest.mark.settings(**{**WEBHOOK_SETTINGS, "webhook_timeout_seconds": 15.0})
 async def test_update_webhook_during_an_attempt_keeps_one_at_a_time_in_order(
     client: httpx.AsyncClient, backend: Backend
 ) -> None:
     """An update makes waiting copies due now, not those an attempt holds: the next claim
     would post them beside it."""
     in_flight, most = 0, 0
-    first_arrived = asyncio.Event()
+    first_arrived, update_answered = asyncio.Event(), asyncio.Event()
 
     async def slow_first(_request: web.Request, number: int) -> web.StreamResponse:
         nonlocal in_flight, most
@@ -99,7 +102,11 @@ async def test_update_webhook_during_an_attempt_keeps_one_at_a_time_in_order(
         try:
             if number == 0:
                 first_arrived.set()
-                await asyncio.sleep(0.8)  # inside the 1 s timeout of WEBHOOK_SETTINGS
+                # Held while the update is made and for several of the dispatcher's polls
+                # (relay_poll_interval 0.1 s) after it: a second run claimed then would post
+                # beside this one.
+                await asyncio.wait_for(update_answered.wait(), 10)
+                await asyncio.sleep(0.5)
             return web.Response(status=200)
         finally:
             in_flight -= 1
@@ -117,6 +124,7 @@ async def test_update_webhook_during_an_attempt_keeps_one_at_a_time_in_order(
             headers=SERVICE,
         )
         assert updated.status_code == 200, updated.text
+        update_answered.set()
         await receiver.wait_for(3)
         await asyncio.sleep(0.5)  # a second run, if one were claimed, would have posted
         assert receiver.ids() == ["upd-0", "upd-1", "upd-2"]
