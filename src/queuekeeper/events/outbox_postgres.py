@@ -945,6 +945,51 @@ async def checked_out(engine: AsyncEngine) -> AsyncIterator[Driver]:
                 await connection.invalidate()
 
 
+class KeptAccess:
+    """`ACCESS` on one connection of `engine`'s pool kept between reads, as a statement
+    prepared once on it: for a holder that reads the epoch before every post of a run
+    (the webhook dispatcher, docs/decisions/029-judged-as-it-leaves.md), a pool checkout
+    per read cost more than the read. Kept while reads come; `release` gives it back (the
+    dispatcher, when it has no run left). One read at a time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self._lock = asyncio.Lock()
+        self._kept: tuple[Driver, Any] | None = None  # the connection, ACCESS prepared on it
+
+    async def read(self, now: datetime) -> tuple[int, datetime | None]:
+        async with self._lock:
+            if self._kept is None:
+                connection = await self.engine.connect()
+                try:
+                    pooled = await connection.get_raw_connection()
+                    driver = Driver(connection, pooled.driver_connection)
+                    prepared = await driver.call(driver.driver.prepare(ACCESS), ACCESS)
+                except BaseException:
+                    await connection.close()
+                    raise
+                self._kept = driver, prepared
+            driver, prepared = self._kept
+            try:
+                epoch, expired = await driver.call(prepared.fetchrow(now), ACCESS)
+            except BaseException:
+                # Failed or cut off: the connection's state is unknown; the next read takes
+                # another one.
+                self._kept = None
+                with contextlib.suppress(Exception):
+                    await driver.connection.invalidate()
+                    await driver.connection.close()
+                raise
+            return int(epoch), expired
+
+    async def release(self) -> None:
+        async with self._lock:
+            if self._kept is not None:
+                driver, _prepared = self._kept
+                self._kept = None
+                await driver.connection.close()
+
+
 EVENT_COLUMNS = (
     "event_id",
     "offering_uuid",
