@@ -261,6 +261,7 @@ class WebhookDispatcher(DeliveryLoop):
         self._access = SharedAccess(self.outbox, self._read_access)
         self._session: aiohttp.ClientSession | None = None  # made on the first post
         self._targets: dict[str, Target | str] = {}  # parsed URLs, by URL
+        self._literals: dict[tuple[str, int], Resolved] = {}  # address literals checked
         self._runs: dict[uuid.UUID, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(settings.webhook_concurrency)
         self._destinations: dict[tuple[str, str, int], asyncio.Semaphore] = defaultdict(
@@ -449,8 +450,12 @@ class WebhookDispatcher(DeliveryLoop):
         statement proves the claim's judgment still holds (the epoch unchanged, no expiry
         since); only when it does not are they judged again, by the rule in one statement
         that gives up the refused. The runs of several consumers whose posts end together
-        share that statement (`SharedAccess`)."""
-        access = await self._access.read()
+        share that statement (`SharedAccess`); a run alone reads it itself, sparing the
+        sharing's task per read."""
+        if len(self._runs) > 1:
+            access = await self._access.read()
+        else:
+            access = await self._read_access(utcnow())
         stale = [c.claimed for c in waiting if not access.unchanged_since(c.claimed)]
         if not stale:
             return waiting
@@ -539,7 +544,16 @@ class WebhookDispatcher(DeliveryLoop):
 
     async def _post(self, copy: WebhookCopy, to: Target) -> Attempt:
         _scheme, host, port = to.destination
-        pinned = await resolve(host, port, self.settings.webhook_allowed_networks)
+        pinned = self._literals.get((host, port))
+        if pinned is None:
+            pinned = await resolve(host, port, self.settings.webhook_allowed_networks)
+            if pinned.address == host:
+                # An address literal resolves to itself and the allowed networks are fixed:
+                # its check answers the same at every attempt. A name is resolved and
+                # checked at each (a DNS answer may change between attempts).
+                if len(self._literals) > 4 * self.settings.webhook_concurrency:
+                    self._literals.clear()
+                self._literals[(host, port)] = pinned
         item = copy.claimed
         body = message_body(item)
         headers = signing.headers(copy.secrets, item.event_id, int(time.time()), body)
