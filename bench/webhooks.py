@@ -5,9 +5,10 @@ receiver on 127.0.0.1 (aiohttp, in this process) answers 200 at once and records
 `webhook-id` with its arrival time. Webhook consumers are written in the database as
 registration leaves them.
 
-- raw: an httpx client posting the same signed bodies to the same receiver, one request
-  at a time per consumer (as the dispatcher posts one at a time per consumer), for 1 and
-  for BENCH_WEBHOOK_CONSUMERS (10) consumers side by side;
+- raw: an aiohttp client (one `ClientSession`, kept-alive connections) in a process of its
+  own, posting bodies shaped and signed as the dispatcher's to the same receiver, one
+  request at a time per consumer (as the dispatcher posts one at a time per consumer), for
+  1 and for BENCH_WEBHOOK_CONSUMERS (10) consumers side by side; its CPU per post;
 - throughput: BENCH_WEBHOOK_EVENTS (2,000) events per consumer accepted while the consumers
   are disabled (`webhook_gone_at`), then enabled: deliveries/s until the receiver has them
   all, for 1 and for 10 consumers; the service's CPU per delivery (serve and its children);
@@ -15,7 +16,9 @@ registration leaves them.
   (5) to one consumer by `bench single`'s load generator (a process of its own); from each
   event's scheduled send to its arrival at the receiver, p50/p90/p99.
 
-Printed: each figure and its ratio to the raw client's. BENCH_WEBHOOK_DEBUG=1 adds the
+Printed: each figure and its ratio to the raw client's. BENCH_WEBHOOK_LATENCY=0 leaves the
+latency out; BENCH_PROFILE_DIR records the service with py-spy in each throughput phase
+(bench/_profile.py reads the files). BENCH_WEBHOOK_DEBUG=1 adds the
 accept's own answer times and a few events' latencies across the run (a backlog growing
 shows as latencies rising with n).
 
@@ -29,16 +32,18 @@ import base64
 import json
 import os
 import secrets
+import sys
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import asyncpg
-import httpx
 from aiohttp import web
 
 from bench._support import fmt_ms, free_port, on_a_bench_database, percentiles
-from bench.publish import TOKEN, Service
+from bench.publish import TOKEN, Profiler, Service
 from bench.single import generate
 from queuekeeper.broker.topology import webhook_queue_name
 from queuekeeper.config import Settings
@@ -95,21 +100,57 @@ class Receiver:
             await asyncio.sleep(0.005)
 
 
-async def raw(receiver: Receiver, consumers: int, per_consumer: int) -> float:
-    """Posts/s of one httpx client, one request at a time per consumer."""
+def _raw_client(url: str, consumers: int, per_consumer: int) -> None:
+    """The raw client's process: posts, then prints posts/s and its CPU ms per post."""
+
     secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
-    body = httpx.Request("POST", "http://x", json=BODY).content
-    async with httpx.AsyncClient() as client:
 
-        async def one_consumer(n: int) -> None:
-            for i in range(per_consumer):
-                headers = signing.headers(secret, f"raw-{n}-{i}", int(time.time()), body)
-                answer = await client.post(receiver.url(n), content=body, headers=headers)
-                answer.raise_for_status()
+    async def posting() -> float:
+        async with aiohttp.ClientSession() as session:
 
-        started = time.perf_counter()
-        await asyncio.gather(*(one_consumer(n) for n in range(consumers)))
-        return consumers * per_consumer / (time.perf_counter() - started)
+            async def one_consumer(n: int) -> None:
+                for i in range(per_consumer):
+                    event_id = f"raw-{n}-{i}-{uuid.uuid4().hex}"
+                    body = json.dumps(
+                        {**BODY, "event_id": event_id}, separators=(",", ":")
+                    ).encode()
+                    headers = signing.headers(secret, event_id, int(time.time()), body)
+                    async with session.post(f"{url}/{n}", data=body, headers=headers) as answer:
+                        await answer.read()
+                        answer.raise_for_status()
+
+            started = time.perf_counter()
+            await asyncio.gather(*(one_consumer(n) for n in range(consumers)))
+            return time.perf_counter() - started
+
+    cpu = time.process_time()
+    elapsed = asyncio.run(posting())
+    used = time.process_time() - cpu
+    total = consumers * per_consumer
+    print(json.dumps({"rate": total / elapsed, "cpu_ms": used * 1000 / total}))
+
+
+async def raw(receiver: Receiver, consumers: int, per_consumer: int) -> tuple[float, float]:
+    """Posts/s of a raw aiohttp client in a process of its own, one request at a time per
+    consumer, and its CPU ms per post (the process's start and imports not counted)."""
+    # This file run as a script (so a tree checked out for comparison runs this client too),
+    # the bench package found from the working directory.
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--raw",
+        f"http://127.0.0.1:{receiver.port}/hook",
+        str(consumers),
+        str(per_consumer),
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    out, _ = await process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"the raw client failed ({process.returncode})")
+    figures = json.loads(out.decode().strip().splitlines()[-1])
+    return float(figures["rate"]), float(figures["cpu_ms"])
 
 
 async def webhook_consumers(
@@ -236,13 +277,22 @@ async def run(settings: Settings) -> None:
         QUEUEKEEPER_LOG_LEVEL="WARNING",
     )
     await service.start()
+    profiler = Profiler(service)
+    print(f"load average before: {_load()}")
     try:
-        raw_one = await raw(receiver, 1, EVENTS)
-        raw_many = await raw(receiver, CONSUMERS, EVENTS // 2)
-        print(f"raw httpx: 1 consumer {raw_one:,.0f}/s; {CONSUMERS} consumers {raw_many:,.0f}/s")
-        one, cpu_one = await throughput(service, settings.database_url, receiver, 1, "one")
-        many, cpu_many = await throughput(
-            service, settings.database_url, receiver, CONSUMERS, "many"
+        raw_one, raw_cpu_one = await raw(receiver, 1, EVENTS)
+        raw_many, raw_cpu_many = await raw(receiver, CONSUMERS, EVENTS // 2)
+        print(
+            f"raw aiohttp (a process of its own): 1 consumer {raw_one:,.0f}/s,"
+            f" {raw_cpu_one:.2f} ms CPU/post; {CONSUMERS} consumers {raw_many:,.0f}/s,"
+            f" {raw_cpu_many:.2f} ms CPU/post"
+        )
+        one, cpu_one = await profiler.record(
+            "webhooks1", throughput(service, settings.database_url, receiver, 1, "one")
+        )
+        many, cpu_many = await profiler.record(
+            f"webhooks{CONSUMERS}",
+            throughput(service, settings.database_url, receiver, CONSUMERS, "many"),
         )
         print(
             f"webhooks, 1 consumer: {one:,.0f} deliveries/s (x{one / raw_one:.2f} of raw), "
@@ -252,14 +302,20 @@ async def run(settings: Settings) -> None:
             f"webhooks, {CONSUMERS} consumers: {many:,.0f} deliveries/s "
             f"(x{many / raw_many:.2f} of raw), service CPU {cpu_many:.2f} ms/delivery"
         )
-        samples = await latency(service, settings.database_url, receiver)
-        print(
-            f"accept -> receiver at {RATE:g} events/s, 1 consumer: {len(samples)} received, "
-            f"{fmt_ms(percentiles(samples))}"
-        )
+        if os.environ.get("BENCH_WEBHOOK_LATENCY", "1") != "0":
+            samples = await latency(service, settings.database_url, receiver)
+            print(
+                f"accept -> receiver at {RATE:g} events/s, 1 consumer: {len(samples)} "
+                f"received, {fmt_ms(percentiles(samples))}"
+            )
+        print(f"load average after: {_load()}")
     finally:
         await service.stop()
         await receiver.stop()
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
@@ -267,4 +323,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--raw"]:
+        _raw_client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main()

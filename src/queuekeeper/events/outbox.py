@@ -28,7 +28,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -132,8 +132,11 @@ class SharedAccess:
     flight. Holders that finish a wait together (batches, webhook runs of several
     consumers) share one round trip instead of one each."""
 
-    def __init__(self, outbox: Outbox) -> None:
+    def __init__(
+        self, outbox: Outbox, read: Callable[[datetime], Awaitable[Access]] | None = None
+    ) -> None:
         self.outbox = outbox
+        self._read = read or outbox.access  # the dispatcher's reads on a kept connection
         self._next: asyncio.Task[Access] | None = None  # not sent yet: joined by askers
         self._last: asyncio.Task[Access] | None = None
 
@@ -146,7 +149,7 @@ class SharedAccess:
         if previous is not None and not previous.done():
             await asyncio.wait([previous])
         self._next = None  # whoever asks from now on may have waited past this read
-        return await self.outbox.access(utcnow())
+        return await self._read(utcnow())
 
 
 @dataclass(frozen=True)

@@ -996,6 +996,27 @@ class KeptConnection:
             await stack.aclose()
 
 
+class KeptAccess:
+    """`ACCESS` on a `KeptConnection`: for a holder that reads the epoch before every post
+    of a run (the webhook dispatcher, docs/decisions/029-judged-as-it-leaves.md), a pool
+    checkout per read cost more than the read; on a kept connection the statement is
+    prepared once (asyncpg's statement cache). `release` gives it back (the dispatcher,
+    when it has no run left). One read at a time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._connection = KeptConnection(engine)
+        self._lock = asyncio.Lock()
+
+    async def read(self, now: datetime) -> tuple[int, datetime | None]:
+        async with self._lock, self._connection.use() as driver:
+            ((epoch, expired),) = await driver.fetch(ACCESS, now)
+        return int(epoch), expired
+
+    async def release(self) -> None:
+        async with self._lock:
+            await self._connection.release()
+
+
 EVENT_COLUMNS = (
     "event_id",
     "offering_uuid",

@@ -30,14 +30,14 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from datetime import datetime
-from functools import partial
+from functools import cached_property, partial
 from ipaddress import ip_address
 
 import aiohttp
 import aiohttp.abc
 import httpx
 import structlog
-from httpx_aiohttp import AiohttpTransport
+import yarl
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper.common.signals import OutboxSignals
@@ -46,12 +46,14 @@ from queuekeeper.events.delivery_loop import DeliveryLoop, Listeners, Loops, fin
 from queuekeeper.events.message import message_body, new_relay_id
 from queuekeeper.events.outbox import (
     WEBHOOKS_DUE_CHANNEL,
+    Access,
     GivenUp,
     SharedAccess,
     Tried,
     WebhookCopy,
     WebhookRun,
 )
+from queuekeeper.events.outbox_postgres import KeptAccess
 from queuekeeper.models import utcnow
 from queuekeeper.observability.metrics import (
     DELIVERY_ATTEMPTS,
@@ -139,27 +141,29 @@ class _PinnedResolver(aiohttp.abc.AbstractResolver):
         return None
 
 
-def new_transport(settings: Settings) -> AiohttpTransport:
-    """The dispatcher's one connection pool: httpx's requests, answers and errors on
-    aiohttp's connections (as the Management API client,
-    docs/decisions/010-management-api-client.md: a fraction of httpcore's CPU per request),
-    kept alive per host, no proxy or environment settings. Requests go to the transport
-    itself, not through an `httpx.AsyncClient`: a client would keep the receivers' cookies
-    and send them back, follow its auth and redirect logic, and (measured) spend more on
-    that than the request costs."""
-
-    def session() -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
-            resolver=_PinnedResolver(),
-            use_dns_cache=False,
-            ssl=httpx.create_ssl_context(trust_env=False),
-            limit=settings.webhook_concurrency,
-            limit_per_host=settings.webhook_concurrency_per_destination,
-            keepalive_timeout=30.0,
-        )
-        return aiohttp.ClientSession(connector=connector, trust_env=False)
-
-    return AiohttpTransport(client=session, trust_env=False)
+def new_session(settings: Settings) -> aiohttp.ClientSession:
+    """The dispatcher's one connection pool: aiohttp's connections kept alive per host, no
+    proxy or environment settings, no cookies kept (a receiver's would be sent back to
+    it), nothing decompressed. Requests go to aiohttp itself, not through httpx (as the
+    Management API client does, docs/decisions/010-management-api-client.md): httpx's
+    request and answer objects around aiohttp's cost about a fifth of a post's CPU
+    (py-spy, `python -m bench webhooks`). Redirects are never followed (`_post`)."""
+    connector = aiohttp.TCPConnector(
+        resolver=_PinnedResolver(),
+        use_dns_cache=False,
+        ssl=httpx.create_ssl_context(trust_env=False),
+        limit=settings.webhook_concurrency,
+        limit_per_host=settings.webhook_concurrency_per_destination,
+        keepalive_timeout=30.0,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        trust_env=False,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+        # The attempt's own deadline (`asyncio.timeout` in `attempt`) bounds it all.
+        timeout=aiohttp.ClientTimeout(total=None),
+    )
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,11 @@ class Target:
     url: httpx.URL
     destination: tuple[str, str, int]
     authorization: str | None
+
+    @cached_property
+    def address(self) -> yarl.URL:
+        """The URL as aiohttp takes it: already encoded, not quoted again."""
+        return yarl.URL(str(self.url), encoded=True)
 
 
 def target(raw: str) -> Target | str:
@@ -246,11 +255,13 @@ class WebhookDispatcher(DeliveryLoop):
         super().__init__(settings, engine, dispatcher_id or new_relay_id(), self.signals.webhooks)
         self.engine = engine
         # Each post after a run's first proves the claim's judgment again after the wait
-        # (`judged_now`): one statement for the runs that ask together.
-        self._access = SharedAccess(self.outbox)
-        self.transport = new_transport(settings)
-        self._timeouts = httpx.Timeout(settings.webhook_timeout_seconds).as_dict()
+        # (`judged_now`): one statement for the runs that ask together, on a connection
+        # kept while runs are under way (a checkout per read cost more than the read).
+        self._kept = KeptAccess(engine)
+        self._access = SharedAccess(self.outbox, self._read_access)
+        self._session: aiohttp.ClientSession | None = None  # made on the first post
         self._targets: dict[str, Target | str] = {}  # parsed URLs, by URL
+        self._literals: dict[tuple[str, int], Resolved] = {}  # address literals checked
         self._runs: dict[uuid.UUID, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(settings.webhook_concurrency)
         self._destinations: dict[tuple[str, str, int], asyncio.Semaphore] = defaultdict(
@@ -303,7 +314,13 @@ class WebhookDispatcher(DeliveryLoop):
 
     async def close(self) -> None:
         """Close the connections (`stop` does)."""
-        await self.transport.aclose()
+        await self._kept.release()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _read_access(self, now: datetime) -> Access:
+        epoch, expired = await self._kept.read(now)
+        return Access(epoch, expired)
 
     def _listeners(self) -> Listeners:
         """A NOTIFY on `WEBHOOKS_DUE_CHANNEL`: webhook copies committed by any process."""
@@ -339,6 +356,8 @@ class WebhookDispatcher(DeliveryLoop):
                 if claimed >= free and not self._stopping.is_set():
                     self._wanted_any = True  # as many consumers as room: more may be due
                     continue
+            if not self._runs:
+                await self._kept.release()  # idle: the kept connection goes back to the pool
             await self._wake.wait(poll, since=seen)
             if self._wake.generation == seen:  # the poll interval passed: retries fall due
                 self._wanted_any = True
@@ -431,8 +450,12 @@ class WebhookDispatcher(DeliveryLoop):
         statement proves the claim's judgment still holds (the epoch unchanged, no expiry
         since); only when it does not are they judged again, by the rule in one statement
         that gives up the refused. The runs of several consumers whose posts end together
-        share that statement (`SharedAccess`)."""
-        access = await self._access.read()
+        share that statement (`SharedAccess`); a run alone reads it itself, sparing the
+        sharing's task per read."""
+        if len(self._runs) > 1:
+            access = await self._access.read()
+        else:
+            access = await self._read_access(utcnow())
         stale = [c.claimed for c in waiting if not access.unchanged_since(c.claimed)]
         if not stale:
             return waiting
@@ -503,27 +526,16 @@ class WebhookDispatcher(DeliveryLoop):
             try:
                 async with asyncio.timeout(timeout):
                     outcome = await self._post(copy, parsed)
-            except (TimeoutError, httpx.TimeoutException) as exc:
-                # The transport maps every aiohttp connection error to a timeout: its cause
-                # tells a closed connection or a refused one from a timeout.
-                cause = exc.__cause__
-                if isinstance(cause, aiohttp.ServerDisconnectedError):
-                    outcome = Attempt("connection_error", _CLOSED)
-                elif isinstance(cause, aiohttp.ClientConnectorError | aiohttp.ClientOSError):
-                    outcome = Attempt("connection_error", connection_error(cause))
-                else:
-                    outcome = Attempt("timeout", f"timeout after {timeout:g} s")
+            except TimeoutError:
+                outcome = Attempt("timeout", f"timeout after {timeout:g} s")
             except AddressRefused as exc:
                 outcome = Attempt("address_refused", f"address refused: {exc.reason}")
-            except httpx.RemoteProtocolError:
+            except aiohttp.ServerDisconnectedError:
                 outcome = Attempt("connection_error", _CLOSED)
-            except (httpx.TransportError, OSError) as exc:
-                outcome = Attempt("connection_error", connection_error(exc))
             except aiohttp.ClientResponseError:
-                # An answer that is not HTTP (a bad status line, headers too long): passed
-                # through by the transport unmapped.
+                # An answer that is not HTTP (a bad status line, headers too long).
                 outcome = Attempt("connection_error", "invalid HTTP answer")
-            except aiohttp.ClientError as exc:
+            except (aiohttp.ClientError, OSError) as exc:
                 outcome = Attempt("connection_error", connection_error(exc))
         took = time.perf_counter() - started
         WEBHOOK_ATTEMPT_SECONDS.observe(took)
@@ -532,26 +544,33 @@ class WebhookDispatcher(DeliveryLoop):
 
     async def _post(self, copy: WebhookCopy, to: Target) -> Attempt:
         _scheme, host, port = to.destination
-        pinned = await resolve(host, port, self.settings.webhook_allowed_networks)
+        pinned = self._literals.get((host, port))
+        if pinned is None:
+            pinned = await resolve(host, port, self.settings.webhook_allowed_networks)
+            if pinned.address == host:
+                # An address literal resolves to itself and the allowed networks are fixed:
+                # its check answers the same at every attempt. A name is resolved and
+                # checked at each (a DNS answer may change between attempts).
+                if len(self._literals) > 4 * self.settings.webhook_concurrency:
+                    self._literals.clear()
+                self._literals[(host, port)] = pinned
         item = copy.claimed
         body = message_body(item)
         headers = signing.headers(copy.secrets, item.event_id, int(time.time()), body)
         headers["user-agent"] = USER_AGENT
         if to.authorization is not None:
             headers["authorization"] = to.authorization
-        request = httpx.Request(
-            "POST", to.url, headers=headers, content=body, extensions={"timeout": self._timeouts}
-        )
+        if self._session is None:
+            self._session = new_session(self.settings)
         token = _PINNED.set(pinned)
         try:
-            answer = await self.transport.handle_async_request(request)
-            try:
+            async with self._session.post(
+                to.address, data=body, headers=headers, allow_redirects=False, compress=False
+            ) as answer:
                 await _read_capped(answer, self.settings.webhook_response_max_bytes)
-            finally:
-                await answer.aclose()
         finally:
             _PINNED.reset(token)
-        code = answer.status_code
+        code = answer.status
         if 200 <= code < 300:
             return Attempt("delivered", status=code)
         if code == 410:
@@ -595,12 +614,11 @@ class WebhookDispatcher(DeliveryLoop):
         WEBHOOK_LONGEST_FAILING.set((now - since).total_seconds() if since else 0.0)
 
 
-async def _read_capped(answer: httpx.Response, limit: int) -> int:
-    """Read at most `limit` bytes of the answer (as sent: nothing decompressed)."""
+async def _read_capped(answer: aiohttp.ClientResponse, limit: int) -> int:
+    """Read at most `limit` bytes of the answer (as sent: nothing decompressed); what is
+    left unread closes the connection when the answer is released."""
     read = 0
-    stream = answer.stream
-    assert isinstance(stream, httpx.AsyncByteStream)
-    async for chunk in stream:
+    async for chunk in answer.content.iter_any():
         read += len(chunk)
         if read >= limit:
             break
