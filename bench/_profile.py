@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 # (layer, substrings of a frame's file path), first match from the innermost frame wins.
@@ -112,35 +113,37 @@ def stage_of(frames: list[str]) -> str:
     return "other"
 
 
-def stages(path: Path) -> Counter[str]:
-    shares: Counter[str] = Counter()
+def samples(path: Path) -> Iterator[tuple[list[str], int, bool]]:
+    """Each folded stack of a py-spy recording: its frames, its sample count, and whether
+    it was idle (waiting in select)."""
     for line in path.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             continue
         frames = stack.split(";")
-        if "idle" in frames[-1] or "select (selectors" in frames[-1]:
-            continue
-        shares[stage_of(frames)] += int(count)
+        yield frames, int(count), "idle" in frames[-1] or "select (selectors" in frames[-1]
+
+
+def stages(path: Path) -> Counter[str]:
+    shares: Counter[str] = Counter()
+    for frames, count, idle in samples(path):
+        if not idle:
+            shares[stage_of(frames)] += count
     return shares
 
 
 def summarize(path: Path) -> Counter[str]:
     shares: Counter[str] = Counter()
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not count.isdigit():
-            continue
-        frames = stack.split(";")
+    for frames, count, idle in samples(path):
         layer = "other"
         for frame in reversed(frames):
             found = next((name for name, keys in LAYERS if any(k in frame for k in keys)), None)
             if found:
                 layer = found
                 break
-        if "idle" in frames[-1] or "select (selectors" in frames[-1]:
+        if idle:
             layer = "idle (waiting in select)"
-        shares[layer] += int(count)
+        shares[layer] += count
     return shares
 
 
