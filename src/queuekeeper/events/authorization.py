@@ -46,18 +46,58 @@ _ACTIVE = """u.is_active AND u.token_hash IS NOT NULL
             AND (u.token_expires_at IS NULL OR u.token_expires_at > {now})"""
 
 
-def event_keys_sql(offering: str, project: str, subject: str) -> str:
-    """An event's scope keys (contract §12) other than its offering, as rows (type, uuid):
-    the offering's customer, its project and that project's customer; the event's own
-    project and its customer; the user an identity event is about."""
+# An event's scope keys (contract §12), written once for every statement that matches them
+# against bindings: the rule below (`event_keys_sql`), the outbox's recipients statement
+# (`outbox_postgres.py`, which reads them for every offering, project and subject user a
+# store names at once) and the redrive's check of dead letters. Each function gives the keys
+# an entity the event names brings, as rows (`lead`, scope_type, entity), for the entities of
+# its table for which the condition `which` (SQL on the function's alias) holds; `lead` is
+# columns of that alias to carry before them, each followed by a comma (the recipients
+# statement carries the entity the keys came from), or nothing. A key that is NULL (an
+# offering without a customer) is no row. One text for both statements, plain SELECTs that
+# the planner flattens into the statement's own (docs/decisions/018-outbox-plans.md).
+
+
+def offering_keys_sql(which: str, lead: str = "") -> str:
+    """An offering's keys other than itself (alias `ko`): its customer, its project and that
+    project's customer."""
     return f"""
-        SELECT 'customer'::varchar, ko.customer_uuid FROM offerings ko WHERE ko.uuid = {offering}
-        UNION ALL SELECT 'project', ko.project_uuid FROM offerings ko WHERE ko.uuid = {offering}
-        UNION ALL SELECT 'customer', kp.customer_uuid FROM offerings ko
-            JOIN projects kp ON kp.uuid = ko.project_uuid WHERE ko.uuid = {offering}
-        UNION ALL SELECT 'project', {project} WHERE {project} IS NOT NULL
-        UNION ALL SELECT 'customer', kq.customer_uuid FROM projects kq WHERE kq.uuid = {project}
-        UNION ALL SELECT 'user', {subject} WHERE {subject} IS NOT NULL"""  # noqa: S608
+        SELECT {lead}'customer'::varchar AS scope_type, ko.customer_uuid AS entity
+        FROM offerings ko WHERE {which} AND ko.customer_uuid IS NOT NULL
+        UNION ALL
+        SELECT {lead}'project', ko.project_uuid
+        FROM offerings ko WHERE {which} AND ko.project_uuid IS NOT NULL
+        UNION ALL
+        SELECT {lead}'customer', kp.customer_uuid
+        FROM offerings ko JOIN projects kp ON kp.uuid = ko.project_uuid
+        WHERE {which}"""  # noqa: S608 - the module's own expressions
+
+
+def project_keys_sql(which: str, lead: str = "") -> str:
+    """A project's keys (alias `kp`): the project itself and its customer."""
+    return f"""
+        SELECT {lead}'project'::varchar AS scope_type, kp.uuid AS entity
+        FROM projects kp WHERE {which}
+        UNION ALL
+        SELECT {lead}'customer', kp.customer_uuid
+        FROM projects kp WHERE {which}"""  # noqa: S608 - the module's own expressions
+
+
+def subject_keys_sql(which: str, lead: str = "") -> str:
+    """The key of the user an identity event is about (alias `ku`): that user."""
+    return f"""
+        SELECT {lead}'user'::varchar AS scope_type, ku.uuid AS entity
+        FROM users ku WHERE {which}"""  # noqa: S608 - the module's own expressions
+
+
+def event_keys_sql(offering: str, project: str, subject: str) -> str:
+    """An event's scope keys other than its offering, as rows (scope_type, entity): those of
+    its offering, of its own project and of its subject user, as the directory has them (a
+    project or user deleted is no key: deleting it deleted the bindings of it as well,
+    docs/decisions/025-bindings-authorized-at-delivery.md)."""
+    return f"""{offering_keys_sql(f"ko.uuid = {offering}")}
+        UNION ALL {project_keys_sql(f"kp.uuid = {project}")}
+        UNION ALL {subject_keys_sql(f"ku.uuid = {subject}")}"""
 
 
 def authorized_sql(

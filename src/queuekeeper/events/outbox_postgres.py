@@ -38,6 +38,9 @@ from queuekeeper.events.authorization import (
     access_sql,
     authorized_sql,
     binding_allowed_sql,
+    offering_keys_sql,
+    project_keys_sql,
+    subject_keys_sql,
     unchanged_sql,
 )
 from queuekeeper.events.recipients import RecipientsChanged, webhook_copy_sql
@@ -53,17 +56,21 @@ async def send(driver: Any, sql: str, arguments: Sequence[Any]) -> list[Any]:
 
 # Who may receive events of the offerings $1, the projects $4 and the subject users $5, of the
 # object types $2, at $3 (contract §12). Per offering: its subscriptions (with their queue
-# for a requested type) and the consumers bound to it or to one of its chain's keys (its
-# customer, its project, that project's customer), left-joined so an unknown offering
-# yields no row at all. Then, with no offering: a marker per known project and per known
-# user ('known_project', 'known_user': an unknown one is refused), the consumers bound to a
-# project's keys (the project, its customer: kind 'project', the project in `queue_uuid`)
-# or to a subject user (kind 'subject', the user in `queue_uuid`), and the global
-# consumers. Every owner is active, holds a token that has not expired and may still hold
-# the binding matched (`binding_allowed_sql`; the rule `authorized_sql` applies again when a
-# copy is published). A consumer's `filter` is [its object types, its payload filters].
-# Each part reads through an index on what the event names, so consumers bound to entities
-# the request does not name cost nothing (events/recipients.py decides from the rows).
+# for a requested type) and the consumers bound to it or to one of its keys
+# (`offering_keys_sql`), left-joined so an unknown offering yields no row at all. Then, with
+# no offering: a marker per known project and per known user ('known_project',
+# 'known_user': an unknown one is refused), the consumers bound to a project's keys
+# (`project_keys_sql`: kind 'project', the project in `queue_uuid`) or to a subject user's
+# (`subject_keys_sql`: kind 'subject', the user in `queue_uuid`), and the global consumers.
+# The keys are the rule's own (authorization.py's functions, which `event_keys_sql` is made
+# of), read here for every entity the request names at once: a copy the store hands over
+# skips the rule while access is unchanged (docs/decisions/029-judged-as-it-leaves.md), so
+# the two must never disagree. Every owner is active, holds a token that has not expired
+# and may still hold the binding matched (`binding_allowed_sql`; the rule `authorized_sql`
+# applies again when a copy is published). A consumer's `filter` is [its object types, its
+# payload filters]. Each part reads through an index on what the event names, so consumers
+# bound to entities the request does not name cost nothing (events/recipients.py decides
+# from the rows).
 _ACTIVE_OWNER = """u.is_active AND u.token_hash IS NOT NULL
         AND (u.token_expires_at IS NULL OR u.token_expires_at > $3)"""
 _CONSUMER = "c.uuid, c.user_uuid, json_build_array(c.object_types, c.payload_filters)"
@@ -110,22 +117,14 @@ FROM offerings o LEFT JOIN (
     + binding_allowed_sql("c.user_uuid", "'offering'", "sc.offering_uuid", "$3")
     + """
     UNION ALL
-    SELECT 'consumer', k.offering_uuid, """
+    SELECT 'consumer', k.uuid, """
     + _CONSUMER
     + ", "
     + _NO_QUEUE
     + """, c.queue_name, c.vhost
-    FROM (
-        SELECT ko.uuid AS offering_uuid, 'customer'::varchar AS scope_type,
-               ko.customer_uuid AS entity
-        FROM offerings ko WHERE ko.uuid = ANY($1::uuid[]) AND ko.customer_uuid IS NOT NULL
-        UNION ALL
-        SELECT ko.uuid, 'project', ko.project_uuid
-        FROM offerings ko WHERE ko.uuid = ANY($1::uuid[]) AND ko.project_uuid IS NOT NULL
-        UNION ALL
-        SELECT ko.uuid, 'customer', kp.customer_uuid
-        FROM offerings ko JOIN projects kp ON kp.uuid = ko.project_uuid
-        WHERE ko.uuid = ANY($1::uuid[])
+    FROM ("""
+    + offering_keys_sql("ko.uuid = ANY($1::uuid[])", "ko.uuid, ")
+    + """
     ) k"""
     + _BOUND
     + """
@@ -146,21 +145,19 @@ SELECT NULL::uuid, 'known_user', ku.uuid, """
 FROM users ku WHERE ku.uuid = ANY($5::uuid[])
 """
 )
+_PROJECTS = "kp.uuid = ANY(ARRAY(SELECT unnest($4::uuid[])))"
+_SUBJECTS = "ku.uuid = ANY(ARRAY(SELECT unnest($5::uuid[])))"
 _KEYED = (
     """UNION ALL
-SELECT NULL::uuid, k.kind, """  # noqa: S608 - the module's constants
+SELECT NULL::uuid, k.kind, """
     + _CONSUMER
     + """, k.key_uuid, NULL::varchar, c.queue_name, c.vhost
 FROM (
-    SELECT 'project'::varchar AS kind, kp.uuid AS key_uuid, 'project'::varchar AS scope_type,
-           kp.uuid AS entity
-    FROM projects kp WHERE kp.uuid = ANY(ARRAY(SELECT unnest($4::uuid[])))
-    UNION ALL
-    SELECT 'project', kp.uuid, 'customer', kp.customer_uuid
-    FROM projects kp WHERE kp.uuid = ANY(ARRAY(SELECT unnest($4::uuid[])))
-    UNION ALL
-    SELECT 'subject', ku.uuid, 'user', ku.uuid
-    FROM users ku WHERE ku.uuid = ANY(ARRAY(SELECT unnest($5::uuid[])))
+"""
+    + project_keys_sql(_PROJECTS, "'project'::varchar AS kind, kp.uuid AS key_uuid, ")
+    + "\nUNION ALL"
+    + subject_keys_sql(_SUBJECTS, "'subject', ku.uuid, ")
+    + """
 ) k"""
     + _BOUND
     + "\n"
