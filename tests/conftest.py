@@ -29,11 +29,21 @@ from queuekeeper.db import create_engine
 from queuekeeper.logging import QueuekeeperHandler
 from queuekeeper.models import Base
 from tests.brokers import BROKER, BrokerAddresses
+from tests.cpu_profile import DATABASES
 from tests.helpers import Backend, Operator
 from tests.respx_aiohttp import AiohttpTransportMocker
 
 # `respx.mock` intercepts the Management API client's transport (tests/respx_aiohttp.py).
 respx.mocks.DEFAULT_MOCKER = AiohttpTransportMocker.name
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # QK_CPU_PROFILE=<file>: each test's CPU and the brokers' (tests/cpu_profile.py).
+    if os.environ.get("QK_CPU_PROFILE"):
+        from tests.cpu_profile import CpuProfile
+
+        config.pluginmanager.register(CpuProfile(os.environ["QK_CPU_PROFILE"]), "qk-cpu-profile")
+
 
 PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 SERVICE_TOKEN = "service-token-primary-0123456789"
@@ -64,6 +74,7 @@ async def pg_admin(sql: str) -> None:
 @pytest.fixture(scope="session")
 def database_url() -> Iterator[str]:
     name = f"qk_test_{uuid.uuid4().hex[:12]}"
+    DATABASES.add(name)
     asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     base = PG_ADMIN_DSN.rsplit("/", 1)[0]
     url = f"{base.replace('postgresql://', 'postgresql+asyncpg://')}/{name}"
@@ -77,6 +88,7 @@ def empty_database() -> Iterator[str]:
     """A PostgreSQL database of its own with no tables (what `queuekeeper migrate` starts
     from), as a user writes its URL; dropped afterwards."""
     name = f"qk_test_{uuid.uuid4().hex[:12]}"
+    DATABASES.add(name)
     asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     yield f"{PG_ADMIN_DSN.rsplit('/', 1)[0]}/{name}"
     asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
