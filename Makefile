@@ -53,7 +53,8 @@ unexport PYTHONDONTWRITEBYTECODE
 # waits on brokers, agents and subprocesses more than it computes (two workers kept two
 # cores ~40 % busy), and a file of long tests (the agent and client matrices) no longer
 # holds one worker to itself while the others sit idle. Every worker has a database of
-# its own and every test an instance name of its own, so no two tests share state.
+# its own and every test an instance name of its own, so no two tests share state. The long
+# files (the fuzz run, the agents') start first, one worker each (tests/conftest.py).
 PYTEST_WORKERS ?= 4
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist worksteal
 

@@ -37,6 +37,50 @@ from tests.respx_aiohttp import AiohttpTransportMocker
 respx.mocks.DEFAULT_MOCKER = AiohttpTransportMocker.name
 
 
+# Files of long tests and their rough length (seconds of a loaded 4-worker run).
+LONG_FILES = {
+    "tests/ops/test_fuzz.py": 240,
+    "tests/agents/test_site_agent_away.py": 95,
+    "tests/agents/test_agent_matrix.py": 70,
+    "tests/agents/test_tls_deployment.py": 70,
+    "tests/agents/test_api_clients.py": 70,
+    "tests/agents/test_site_agent_107_e2e.py": 60,
+    "tests/agents/test_site_agent_e2e.py": 50,
+}
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With workers, each long file at the head of another worker's share. xdist's worksteal
+    hands each of N workers a contiguous 1/N of the tests and an idle worker steals from the
+    tail of another's, so the long files, all in tests/agents/ and so at the head of the
+    first share, ran one after the other on one worker, and the fuzz run (halfway) started
+    minutes in; the suite waited on that worker at the end. Files stay whole (their module
+    fixtures are made once), and every test still runs once."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    long = {name: [i for i in items if i.nodeid.startswith(name + "::")] for name in LONG_FILES}
+    if workers < 2 or not any(long.values()):
+        return
+    heads: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for name, weight in sorted(LONG_FILES.items(), key=lambda pair: -pair[1]):
+        if long[name]:
+            share = loads.index(min(loads))  # the least loaded so far
+            heads[share].extend(long[name])
+            loads[share] += weight
+    placed = {id(item) for head in heads for item in head}
+    rest = [item for item in items if id(item) not in placed]
+    ordered: list[pytest.Item] = []
+    remaining = len(items)
+    for share, head in enumerate(heads):
+        size = remaining // (workers - share)  # as worksteal's first hand-out counts
+        take = max(0, size - len(head))
+        ordered.extend(head + rest[:take])
+        rest = rest[take:]
+        remaining -= len(head) + take
+    items[:] = ordered + rest
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # QK_CPU_PROFILE=<file>: each test's CPU and the brokers' (tests/cpu_profile.py).
     if os.environ.get("QK_CPU_PROFILE"):
