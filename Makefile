@@ -75,11 +75,13 @@ test: install services tools lint
 	  $(MAKE) --no-print-directory test-postgres
 
 ## make test-long: not part of `make test`. The schemathesis run (tests/ops/test_fuzz.py) alone,
-## with QK_FUZZ_EXAMPLES examples per operation and phase (100; `make test` runs 4) and an
+## with QK_FUZZ_EXAMPLES examples per operation and phase (100; `make test` runs 4), the
+## coverage phase's cases of the event accept calls too (`make test` leaves them out) and an
 ## hour's timeout; QK_FUZZ_PATHS=<regex> narrows it to some paths.
 QK_FUZZ_EXAMPLES ?= 100
 test-long: install services
-	QK_FUZZ_EXAMPLES=$(QK_FUZZ_EXAMPLES) QK_FUZZ_TIMEOUT=3600 $(BIN)/pytest -q tests/ops/test_fuzz.py
+	QK_FUZZ_EXAMPLES=$(QK_FUZZ_EXAMPLES) QK_FUZZ_COVERAGE=all QK_FUZZ_TIMEOUT=3600 \
+	  $(BIN)/pytest -q tests/ops/test_fuzz.py
 
 ## make test-cluster: not part of `make test`. Builds a 3-node RabbitMQ cluster on loopback
 ## beside the main broker (ports 57xx/157xx; needs root and the rabbitmq-server package), runs

@@ -39,7 +39,7 @@ respx.mocks.DEFAULT_MOCKER = AiohttpTransportMocker.name
 
 # Files of long tests and their rough length (seconds of a loaded 4-worker run).
 LONG_FILES = {
-    "tests/ops/test_fuzz.py": 240,
+    "tests/ops/test_fuzz.py": 60,
     "tests/agents/test_site_agent_away.py": 95,
     "tests/agents/test_agent_matrix.py": 70,
     "tests/agents/test_tls_deployment.py": 70,
