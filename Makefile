@@ -43,15 +43,23 @@ typecheck: install
 REQUIRE_TOOLS := $(shell [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && echo 1)
 export QK_REQUIRE_TOOLS = $(REQUIRE_TOOLS)
 
+# Python may keep the bytecode it compiles (in the ignored __pycache__ directories), even where
+# the environment says otherwise (PYTHONDONTWRITEBYTECODE=1, as some CI images set): without
+# it every `queuekeeper`, agent and client process the suite starts, and each pytest worker
+# collecting the tests, compiled its modules again (~4 s of CPU a worker, ~0.15 s a command).
+unexport PYTHONDONTWRITEBYTECODE
+
 # Four workers on two cores, each taking the next test as it frees (worksteal): the suite
 # waits on brokers, agents and subprocesses more than it computes (two workers kept two
 # cores ~40 % busy), and a file of long tests (the agent and client matrices) no longer
 # holds one worker to itself while the others sit idle. Every worker has a database of
-# its own and every test an instance name of its own, so no two tests share state.
+# its own and every test an instance name of its own, so no two tests share state. The long
+# files (the fuzz run, the agents') start first, one worker each (tests/conftest.py).
 PYTEST_WORKERS ?= 4
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist worksteal
 
 test-postgres: install services tools
+	$(BIN)/python -m compileall -q -j 0 src
 	$(BIN)/pytest -q -m "not container" $(PYTEST_PARALLEL) --durations=15
 
 ## make test-image: build the container image with podman/buildah and run it against the
@@ -67,11 +75,13 @@ test: install services tools lint
 	  $(MAKE) --no-print-directory test-postgres
 
 ## make test-long: not part of `make test`. The schemathesis run (tests/ops/test_fuzz.py) alone,
-## with QK_FUZZ_EXAMPLES examples per operation and phase (100; `make test` runs 4) and an
+## with QK_FUZZ_EXAMPLES examples per operation and phase (100; `make test` runs 4), the
+## coverage phase's cases of the event accept calls too (`make test` leaves them out) and an
 ## hour's timeout; QK_FUZZ_PATHS=<regex> narrows it to some paths.
 QK_FUZZ_EXAMPLES ?= 100
 test-long: install services
-	QK_FUZZ_EXAMPLES=$(QK_FUZZ_EXAMPLES) QK_FUZZ_TIMEOUT=3600 $(BIN)/pytest -q tests/ops/test_fuzz.py
+	QK_FUZZ_EXAMPLES=$(QK_FUZZ_EXAMPLES) QK_FUZZ_COVERAGE=all QK_FUZZ_TIMEOUT=3600 \
+	  $(BIN)/pytest -q tests/ops/test_fuzz.py
 
 ## make test-cluster: not part of `make test`. Builds a 3-node RabbitMQ cluster on loopback
 ## beside the main broker (ports 57xx/157xx; needs root and the rabbitmq-server package), runs

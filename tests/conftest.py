@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 import respx.mocks
 from asgi_lifespan import LifespanManager
 from fastapi import FastAPI
@@ -29,11 +30,65 @@ from queuekeeper.db import create_engine
 from queuekeeper.logging import QueuekeeperHandler
 from queuekeeper.models import Base
 from tests.brokers import BROKER, BrokerAddresses
+from tests.cpu_profile import DATABASES
 from tests.helpers import Backend, Operator
 from tests.respx_aiohttp import AiohttpTransportMocker
 
 # `respx.mock` intercepts the Management API client's transport (tests/respx_aiohttp.py).
 respx.mocks.DEFAULT_MOCKER = AiohttpTransportMocker.name
+
+
+# Files of long tests and their rough length (seconds of a loaded 4-worker run).
+LONG_FILES = {
+    "tests/ops/test_fuzz.py": 60,
+    "tests/agents/test_site_agent_away.py": 95,
+    "tests/agents/test_agent_matrix.py": 70,
+    "tests/agents/test_tls_deployment.py": 70,
+    "tests/agents/test_api_clients.py": 70,
+    "tests/agents/test_site_agent_107_e2e.py": 60,
+    "tests/agents/test_site_agent_e2e.py": 50,
+}
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` and `-k` have deselected
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """With workers, each long file at the head of another worker's share. xdist's worksteal
+    hands each of N workers a contiguous 1/N of the tests and an idle worker steals from the
+    tail of another's, so the long files, all in tests/agents/ and so at the head of the
+    first share, ran one after the other on one worker, and the fuzz run (halfway) started
+    minutes in; the suite waited on that worker at the end. Files stay whole (their module
+    fixtures are made once), and every test still runs once."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    long = {name: [i for i in items if i.nodeid.startswith(name + "::")] for name in LONG_FILES}
+    if workers < 2 or not any(long.values()):
+        return
+    heads: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    loads = [0] * workers
+    for name, weight in sorted(LONG_FILES.items(), key=lambda pair: -pair[1]):
+        if long[name]:
+            share = loads.index(min(loads))  # the least loaded so far
+            heads[share].extend(long[name])
+            loads[share] += weight
+    placed = {id(item) for head in heads for item in head}
+    rest = [item for item in items if id(item) not in placed]
+    ordered: list[pytest.Item] = []
+    remaining = len(items)
+    for share, head in enumerate(heads):
+        size = remaining // (workers - share)  # as worksteal's first hand-out counts
+        take = max(0, size - len(head))
+        ordered.extend(head + rest[:take])
+        rest = rest[take:]
+        remaining -= len(head) + take
+    items[:] = ordered + rest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # QK_CPU_PROFILE=<file>: each test's CPU and the brokers' (tests/cpu_profile.py).
+    if os.environ.get("QK_CPU_PROFILE"):
+        from tests.cpu_profile import CpuProfile
+
+        config.pluginmanager.register(CpuProfile(os.environ["QK_CPU_PROFILE"]), "qk-cpu-profile")
+
 
 PG_ADMIN_DSN = os.environ.get("QK_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 SERVICE_TOKEN = "service-token-primary-0123456789"
@@ -64,6 +119,7 @@ async def pg_admin(sql: str) -> None:
 @pytest.fixture(scope="session")
 def database_url() -> Iterator[str]:
     name = f"qk_test_{uuid.uuid4().hex[:12]}"
+    DATABASES.add(name)
     asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     base = PG_ADMIN_DSN.rsplit("/", 1)[0]
     url = f"{base.replace('postgresql://', 'postgresql+asyncpg://')}/{name}"
@@ -77,6 +133,7 @@ def empty_database() -> Iterator[str]:
     """A PostgreSQL database of its own with no tables (what `queuekeeper migrate` starts
     from), as a user writes its URL; dropped afterwards."""
     name = f"qk_test_{uuid.uuid4().hex[:12]}"
+    DATABASES.add(name)
     asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     yield f"{PG_ADMIN_DSN.rsplit('/', 1)[0]}/{name}"
     asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
@@ -102,10 +159,7 @@ def broker() -> BrokerAddresses:
     return BROKER
 
 
-@pytest.fixture
-def settings(database_url: str, request: pytest.FixtureRequest) -> Settings:
-    """A test's settings; `@pytest.mark.settings(relay_enabled=False, ...)` on a test, a
-    class or a module (`pytestmark`) changes fields, in any test package."""
+def _settings(database_url: str, request: pytest.FixtureRequest) -> Settings:
     marker = request.node.get_closest_marker("settings")
     fields: dict[str, Any] = {
         "amqp_url": BROKER.amqp_url(),
@@ -118,6 +172,13 @@ def settings(database_url: str, request: pytest.FixtureRequest) -> Settings:
         "retry_after_seconds": 7,
     }
     return Settings(**{**fields, **(marker.kwargs if marker else {})})
+
+
+@pytest.fixture
+def settings(database_url: str, request: pytest.FixtureRequest) -> Settings:
+    """A test's settings; `@pytest.mark.settings(relay_enabled=False, ...)` on a test, a
+    class or a module (`pytestmark`) changes fields, in any test package."""
+    return _settings(database_url, request)
 
 
 async def _empty_database(settings: Settings) -> None:
@@ -168,6 +229,28 @@ async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=app, client=("10.1.2.3", 40000))
     async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
         yield http
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def module_client(
+    database_url: str, request: pytest.FixtureRequest
+) -> AsyncIterator[httpx.AsyncClient]:
+    """One app, and one instance name, for all the tests of a module that asks for it, for
+    tests that only send requests and read the answers, each with objects of its own (fresh
+    UUIDs), so that no test depends on the database being emptied for it: starting and
+    stopping an app costs ~0.25 s of CPU, most of a short test's. Such a module runs its
+    tests in the module's event loop (`pytest.mark.asyncio(loop_scope="module")`) and
+    overrides `client` with this one."""
+    settings = _settings(database_url, request)
+    await _empty_database(settings)
+    application = create_app(settings)
+    try:
+        async with LifespanManager(application, startup_timeout=30, shutdown_timeout=30):
+            transport = httpx.ASGITransport(app=application, client=("10.1.2.3", 40000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+                yield http
+    finally:
+        await _remove_broker_objects(settings)
 
 
 @pytest.fixture

@@ -383,11 +383,62 @@ def outside_checkout(tmp_path: Path, *args: str, **env: str) -> subprocess.Compl
     )
 
 
-@pytest.mark.parametrize("command", [["reconcile", "--dry-run"], ["queues"], ["serve"], ["relay"]])
+class Ran:
+    """What a command run in this process printed and returned, as a process's would be."""
+
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def in_this_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str, **env: str) -> Ran:
+    """The command as `outside_checkout` runs it (from `tmp_path`, with only `env` of
+    queuekeeper's variables set), through the CLI's own app in this process: a process
+    start costs ~1 s of CPU, importing the app. The entry point itself is run as a process
+    by the tests that call `outside_checkout`."""
+    with monkeypatch.context() as patch:
+        for name in list(os.environ):
+            if name.startswith("QUEUEKEEPER_"):
+                patch.delenv(name)
+        for name, value in env.items():
+            patch.setenv(name, value)
+        patch.setenv("HOME", str(tmp_path))
+        patch.chdir(tmp_path)
+        get_settings.cache_clear()
+        try:
+            result = CliRunner().invoke(app, list(args), catch_exceptions=False)
+        finally:
+            get_settings.cache_clear()
+    return Ran(result.exit_code, result.stdout, result.stderr)
+
+
+def run_as_user(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str, process: bool, **env: str
+) -> Ran | subprocess.CompletedProcess[str]:
+    if process:
+        return outside_checkout(tmp_path, *args, **env)
+    return in_this_process(tmp_path, monkeypatch, *args, **env)
+
+
+# Each command in this process but the first (`reconcile`), which runs as a user runs it.
+EVERY_COMMAND = [
+    (["reconcile", "--dry-run"], True),
+    (["queues"], False),
+    (["serve"], False),
+    (["relay"], False),
+]
+
+
+@pytest.mark.parametrize(("command", "process"), EVERY_COMMAND)
 def test_an_unmigrated_database_is_one_line_for_every_command(
-    tmp_path: Path, empty_database: str, command: list[str]
+    tmp_path: Path,
+    empty_database: str,
+    command: list[str],
+    process: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    result = outside_checkout(tmp_path, *command, QUEUEKEEPER_DATABASE_URL=empty_database)
+    result = run_as_user(
+        tmp_path, monkeypatch, *command, process=process, QUEUEKEEPER_DATABASE_URL=empty_database
+    )
     assert result.returncode == 1, result.stderr
     shown = empty_database.replace("postgresql://", "postgresql+asyncpg://")
     assert result.stderr.splitlines() == [
@@ -396,11 +447,11 @@ def test_an_unmigrated_database_is_one_line_for_every_command(
     ]
 
 
-@pytest.mark.parametrize("command", [["reconcile", "--dry-run"], ["queues"], ["serve"], ["relay"]])
+@pytest.mark.parametrize(("command", "process"), EVERY_COMMAND)
 def test_without_a_database_a_command_says_so_in_one_line_and_creates_none(
-    tmp_path: Path, command: list[str]
+    tmp_path: Path, command: list[str], process: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    result = outside_checkout(tmp_path, *command)
+    result = run_as_user(tmp_path, monkeypatch, *command, process=process)
     assert result.returncode == 1, result.stderr
     assert result.stderr.splitlines() == [
         f"error: no embedded database in {tmp_path.resolve() / '.queuekeeper' / 'pg'} "
@@ -410,9 +461,15 @@ def test_without_a_database_a_command_says_so_in_one_line_and_creates_none(
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("url", ["sqlite:///./queuekeeper.db", "queuekeeper"])
-def test_a_database_url_that_is_not_postgresql_is_one_line(tmp_path: Path, url: str) -> None:
-    result = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=url)
+@pytest.mark.parametrize(
+    ("url", "process"), [("sqlite:///./queuekeeper.db", True), ("queuekeeper", False)]
+)
+def test_a_database_url_that_is_not_postgresql_is_one_line(
+    tmp_path: Path, url: str, process: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = run_as_user(
+        tmp_path, monkeypatch, "reconcile", process=process, QUEUEKEEPER_DATABASE_URL=url
+    )
     assert result.returncode == 2
     assert len(result.stderr.splitlines()) == 1, result.stderr
     assert "QUEUEKEEPER_DATABASE_URL must be a PostgreSQL URL" in result.stderr
@@ -420,7 +477,7 @@ def test_a_database_url_that_is_not_postgresql_is_one_line(tmp_path: Path, url: 
 
 
 def test_a_wrong_or_unmigrated_database_is_one_line(
-    tmp_path: Path, settings: Settings, empty_database: str
+    tmp_path: Path, settings: Settings, empty_database: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = closed_port()
     refused = outside_checkout(
@@ -435,18 +492,25 @@ def test_a_wrong_or_unmigrated_database_is_one_line(
     ), refused.stderr
     assert "secret-pw" not in refused.stderr
 
-    not_a_url = outside_checkout(
-        tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL="postgresql://qk@db:port/queuekeeper"
+    not_a_url = in_this_process(
+        tmp_path,
+        monkeypatch,
+        "reconcile",
+        QUEUEKEEPER_DATABASE_URL="postgresql://qk@db:port/queuekeeper",
     )
     assert not_a_url.returncode == 1
     assert len(not_a_url.stderr.splitlines()) == 1, not_a_url.stderr
     assert "is not a database URL" in not_a_url.stderr
 
-    empty = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=empty_database)
+    empty = in_this_process(
+        tmp_path, monkeypatch, "reconcile", QUEUEKEEPER_DATABASE_URL=empty_database
+    )
     assert "has no queuekeeper tables: run `queuekeeper migrate`" in empty.stderr
 
     # Migrate creates the tables; then the same command runs.
-    migrated = outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=empty_database)
+    migrated = in_this_process(
+        tmp_path, monkeypatch, "migrate", QUEUEKEEPER_DATABASE_URL=empty_database
+    )
     assert migrated.returncode == 0, migrated.stderr
     ran = outside_checkout(
         tmp_path,
@@ -480,11 +544,18 @@ def test_serve_on_a_port_in_use_names_the_setting(tmp_path: Path, database_url: 
     ]
 
 
-def test_downgrade_to_the_previous_release_and_back(tmp_path: Path, empty_database: str) -> None:
+def test_downgrade_to_the_previous_release_and_back(
+    tmp_path: Path, empty_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rolling back a release (docs/howto/upgrade.md, Upgrading and rolling back)."""
     url = empty_database
-    assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0
+
+    def run(*args: str) -> Ran:
+        return in_this_process(tmp_path, monkeypatch, *args, QUEUEKEEPER_DATABASE_URL=url)
+
+    assert run("migrate").returncode == 0
     [(identity,)] = pg_rows(url, "SELECT uuid FROM installation")
+    # The downgrade as a process, as an operator runs it.
     down = outside_checkout(
         tmp_path, "downgrade", "0006_announce_due", QUEUEKEEPER_DATABASE_URL=url
     )
@@ -493,9 +564,9 @@ def test_downgrade_to_the_previous_release_and_back(tmp_path: Path, empty_databa
     # The identity survives the rollback: the broker's objects carry it.
     assert pg_rows(url, "SELECT uuid FROM installation") == [(identity,)]
     # The new release refuses the old schema in one line; migrate brings it back.
-    refused = outside_checkout(tmp_path, "reconcile", QUEUEKEEPER_DATABASE_URL=url)
+    refused = run("reconcile")
     assert refused.returncode == 1
     assert "is at migration 0006_announce_due" in refused.stderr
-    assert outside_checkout(tmp_path, "migrate", QUEUEKEEPER_DATABASE_URL=url).returncode == 0
+    assert run("migrate").returncode == 0
     # The upgrade again finds the same identity, so the broker's objects stay ours.
     assert pg_rows(url, "SELECT uuid FROM installation") == [(identity,)]

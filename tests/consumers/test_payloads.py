@@ -11,7 +11,15 @@ import pytest
 from tests.events.support import post_event
 from tests.helpers import Backend
 
-pytestmark = pytest.mark.settings(relay_enabled=False)
+# Each test posts one event for an offering of its own and reads the answer: one app for the
+# module (tests/conftest.py, module_client).
+pytestmark = [pytest.mark.settings(relay_enabled=False), pytest.mark.asyncio(loop_scope="module")]
+
+
+@pytest.fixture
+def client(module_client: httpx.AsyncClient) -> httpx.AsyncClient:
+    return module_client
+
 
 U = "6f1c2a3b4d5e4f60a1b2c3d4e5f60718"
 ROTATE = {
