@@ -120,11 +120,11 @@ async def test_a_status_call_answers_at_once_and_every_dead_letter_stays_in_orde
     answer = await counted(client, consumer)
     assert answer["dead_letters"] == MANY
 
+    # Later calls answer from that census, not by counting again (what the bench times).
     for _ in range(5):
-        started = time.monotonic()
         again = await status(client, consumer, agent.headers)
-        assert time.monotonic() - started < 0.5  # a regression guard; see the bench figure
         assert again["dead_letters"] == MANY
+        assert again["dead_letters_counted_at"] == answer["dead_letters_counted_at"]
 
     # Given back when the census closed its channel: the same messages, in the same order.
     assert await dead_letter_ids(agent.vhost) == before
