@@ -12,6 +12,7 @@ subclass's round. A stop ends the loops, letting work in flight finish for a gra
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Iterable
 from contextlib import suppress
 from datetime import datetime
@@ -46,9 +47,10 @@ async def finish(tasks: Iterable[asyncio.Task[None]], grace: float) -> int:
     return len(pending)
 
 
-class DeliveryLoop:
+class DeliveryLoop(ABC):
     """The relay's and the dispatcher's start and stop, NOTIFY listener, lease renewal and
-    housekeeping round; the subclass says what it claims and delivers."""
+    housekeeping round; the subclass says what it claims and delivers (the abstract
+    methods: one that misses any cannot be made)."""
 
     kind: ClassVar[str]  # its log events' prefix: `<kind>_listen_failed`, ...
     id_key: ClassVar[str]  # the field naming its id in its log events
@@ -72,31 +74,31 @@ class DeliveryLoop:
         self._held: dict[int, datetime] = {}
 
     # --- what a subclass adds -------------------------------------------------------------
+    @abstractmethod
     def _loops(self) -> Loops:
         """Its own loops (and their task names), started before the listener and
         housekeeping."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _on_accepted(self) -> None:
         """Copies were stored by this process (`announced`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _listeners(self) -> Listeners:
         """What a NOTIFY on `channel` calls, and what reads its payload (None: nothing)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _on_missed(self) -> None:
         """Listening stopped and starts again: what was announced meanwhile is to be
         looked for now."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _housekeep(self, rounds: int) -> None:
         """One housekeeping round after the leases are renewed (`rounds` counts from 1)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def _stopped(self, grace: float, cut_short: int) -> None:
         """After its loops ended on a stop (`cut_short` of them cancelled after `grace`)."""
-        raise NotImplementedError
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
