@@ -42,14 +42,23 @@ class Signal:
     async def wait(self, seconds: float, since: int | None = None) -> None:
         if since is not None and since != self.generation:
             return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # A future of its own and one timer, not `wait_for(shield(...))`: the relay waits
+        # here after every batch, and those wrap it in three more futures and callbacks
+        # (docs/decisions/017-single-event-cost.md).
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
         self._waiters.add(waiter)
+        timer = loop.call_later(seconds, _release, waiter)
         try:
-            await asyncio.wait_for(asyncio.shield(waiter), seconds)
-        except TimeoutError:
-            pass
+            await waiter
         finally:
+            timer.cancel()
             self._waiters.discard(waiter)
+
+
+def _release(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 @dataclass
