@@ -184,9 +184,19 @@ async def test_an_answer_that_is_not_http_is_a_failed_attempt_that_never_shows_t
         row = await consumer_row(settings, hook.uuid)
         assert row["last_error"] == "invalid HTTP answer", row["last_error"]
         assert row["webhook_failing_since"] is not None
+
+        # Between attempts (not claimed: a claim's `next_attempt_at` is its lease's end).
+        # The retries come 0.2 s apart, so a slow machine may read one already due.
+        async def between_attempts() -> bool:
+            (copy,) = await copies(settings, hook.uuid)
+            return copy["claimed_by"] is None
+
+        await eventually(between_attempts, what="the copy between two attempts")
         (copy,) = await copies(settings, hook.uuid)
         assert copy["state"] == "pending"
-        assert copy["next_attempt_at"] > utcnow()  # on the retry schedule, not the lease
+        # On the retry schedule (0.2 s, then 0.4 s, plus up to 20 %), not the lease (30 s).
+        assert copy["next_attempt_at"] < utcnow() + timedelta(seconds=1)
+        assert settings.relay_lease_seconds >= 30
     finally:
         server.close()
         await server.wait_closed()
