@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import httpx
 import pytest
@@ -49,15 +49,18 @@ async def test_a_claim_is_exclusive_until_its_lease_runs_out(
     registered = await register(backend)
     await post_batch(client, [order_event(registered.offering) for _ in range(3)])
     state = app.state.queuekeeper
-    short = Outbox(state.engine, state.settings.model_copy(update={"relay_lease_seconds": 0.4}))
-    longer = Outbox(state.engine, state.settings.model_copy(update={"relay_lease_seconds": 5}))
-    first, _ = await short.claim("relay-a", utcnow(), 10)
+    short = Outbox(state.engine, state.settings.model_copy(update={"relay_lease_seconds": 20}))
+    longer = Outbox(state.engine, state.settings.model_copy(update={"relay_lease_seconds": 60}))
+    claimed_at = utcnow()
+    first, _ = await short.claim("relay-a", claimed_at, 10)
     assert len(first) == 3
     assert {c.attempts for c in first} == {1}
     assert first == sorted(first, key=lambda c: c.id)
     assert (await longer.claim("relay-b", utcnow(), 10))[0] == []
-    await asyncio.sleep(0.45)
-    taken, _ = await longer.claim("relay-b", utcnow(), 10)
+    # The claim's time is the statement's `now`: a claim as of the lease's end, not a
+    # sleep that a stall of a loaded machine could stretch past a short lease.
+    assert (await longer.claim("relay-b", claimed_at + timedelta(seconds=19.9), 10))[0] == []
+    taken, _ = await longer.claim("relay-b", claimed_at + timedelta(seconds=20), 10)
     assert sorted(c.id for c in taken) == sorted(c.id for c in first)
     assert {c.attempts for c in taken} == {2}
     detail = await event_detail(client, first[0].event_id)

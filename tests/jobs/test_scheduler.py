@@ -125,7 +125,8 @@ async def test_run_interrupted_by_shutdown_is_recorded_as_failed(
         state: Runtime = app.state.queuekeeper
         spec = JobSpec(Job.RECONCILE, endless)
         task = asyncio.create_task(run_job(state.jobs.context, spec, Trigger.SCHEDULE))
-        await asyncio.wait_for(started.wait(), 5)
+        # The run's lock and record come first: seconds on a loaded machine.
+        await asyncio.wait_for(started.wait(), 30)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         async with state.sessions() as session:

@@ -376,7 +376,15 @@ async def test_a_deletion_racing_registrations_leaves_no_broker_object(
         allowed = {200, 201, 401, 404} | ({403, 409} if deletion == "user" else set())
         if deletion == "offering":  # or an unknown offering (400)
             allowed |= {400, 403}
-        unexpected = [(a.status_code, a.text) for a in answers if a.status_code not in allowed]
+        # On a machine loaded past what it can serve, a connection the race needs may take
+        # longer than the database's connect timeout (5 s): a 503 for that call, by design.
+        # What this test guards is below: the broker matches the rows whatever answered.
+        unexpected = [
+            (a.status_code, a.text)
+            for a in answers
+            if a.status_code not in allowed
+            and not (a.status_code == 503 and "database is unavailable" in a.text)
+        ]
         assert not unexpected, unexpected
         known = {name} | {a.json()["rmq_username"] for a in answers if a.status_code < 300}
         rows = await assert_broker_matches_rows(settings, management, agent.uuid, known)
