@@ -521,6 +521,16 @@ class Settings(BaseSettings):
         description="Seconds an idle relay waits before looking for due deliveries again "
         "(events accepted by the same process wake it at once).",
     )
+    relay_idle_poll_max: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds an idle relay or webhook dispatcher waits at most between looks "
+        "for due copies while it listens for them (NOTIFY): each look that finds nothing "
+        "doubles the wait from `relay_poll_interval` up to this; a retry it scheduled wakes "
+        "it when due. Copies accepted, released or made due are announced at once; only a "
+        "dead replica's copies (their lease ended) wait for a look "
+        "(docs/decisions/034-idle-polls.md).",
+    )
     relay_settle_interval: float = Field(
         default=0.05,
         ge=0,

@@ -96,7 +96,7 @@ async def test_settling_renewing_releasing_parking_and_judging_by_id_never_read_
         "FINISH": (statements.FINISH, ids, "published", now, None, "confirmed", [3] * len(ids)),
         "PUBLISHED_AT": (statements.PUBLISHED_AT, ids, [now] * len(ids), [3] * len(ids)),
         "RENEW": (statements.RENEW, ids, "relay-1", now),
-        "RELEASE": (statements.RELEASE, ids, "relay-1", now),
+        "RELEASE": (statements.RELEASE, ids, "relay-1", now, "queuekeeper_outbox_due"),
         "PARK": (statements.PARK, ids, "relay-1", now, "away"),
         "GIVE_UP": (
             statements.GIVE_UP,

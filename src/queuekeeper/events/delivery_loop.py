@@ -7,6 +7,11 @@ docs/decisions/007-notify-wakeups.md), and housekeeping, which renews the leases
 copies it holds every `HOUSEKEEPING_INTERVAL` (so a busy process does not lose its claims
 to another and deliver them twice, docs/decisions/006-outbox-leases.md) and then does the
 subclass's round. A stop ends the loops, letting work in flight finish for a grace period.
+
+While it listens, an idle loop looks in the database less and less often (`_poll_wait`):
+whatever makes a copy due now is announced, so its looks are only for what nothing
+announces (a dead replica's copies, due when their lease ends), and a retry it scheduled
+itself wakes it when due (docs/decisions/034-idle-polls.md).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from queuekeeper.common.signals import Signal
 from queuekeeper.config import Settings
 from queuekeeper.events.outbox import Outbox
 from queuekeeper.events.outbox_postgres import listen
+from queuekeeper.models import utcnow
 
 HOUSEKEEPING_INTERVAL = 5.0  # seconds between lease renewals, gauge refreshes and the like
 STOP_GRACE = 5.0  # seconds a stopping loop lets the work in flight finish
@@ -72,6 +78,12 @@ class DeliveryLoop(ABC):
         self._tasks: list[asyncio.Task[None]] = []
         # The copies it holds (claimed, not settled yet) and when their lease ends.
         self._held: dict[int, datetime] = {}
+        # Its looks in the database (`_poll_wait`): whether its NOTIFY listener is up, how
+        # many looks in a row found nothing, and (loop time) when the earliest retry it
+        # scheduled falls due.
+        self._listening = False
+        self._idle_looks = 0
+        self._retry_due_at: float | None = None
 
     # --- what a subclass adds -------------------------------------------------------------
     @abstractmethod
@@ -133,18 +145,57 @@ class DeliveryLoop(ABC):
         while not self._stopping.is_set():
             failed = False
             try:
-                await listen(self.engine, self.channel, notified, self._stopping, payloads)
+                await listen(
+                    self.engine, self.channel, notified, self._stopping, payloads, self._heard
+                )
             except Exception as exc:
                 failed = True
                 self._log.warning(
                     f"{self.kind}_listen_failed", **{self.id_key: self.id}, error=repr(exc)[:500]
                 )
+            finally:
+                self._listening = False
             if self._stopping.is_set():
                 return
             self._on_missed()  # what was announced while nobody listened: look for it now
             if failed:
                 with suppress(TimeoutError):
                     await asyncio.wait_for(self._stopping.wait(), HOUSEKEEPING_INTERVAL)
+
+    def _heard(self) -> None:
+        self._listening = True
+
+    # --- how long an idle loop waits before it looks in the database ----------------------
+    def _poll_wait(self) -> float:
+        """`relay_poll_interval` while not listening; while listening, doubled by each look
+        in a row that found nothing, up to `relay_idle_poll_max`; never past a retry this
+        loop scheduled (docs/decisions/034-idle-polls.md)."""
+        base = self.settings.relay_poll_interval
+        wait = base
+        if self._listening:
+            most = max(base, self.settings.relay_idle_poll_max)
+            wait = min(most, base * 2 ** min(self._idle_looks, 16))
+        if self._retry_due_at is not None:
+            wait = min(wait, max(0.0, self._retry_due_at - asyncio.get_running_loop().time()))
+        return wait
+
+    def _looked(self, found: bool) -> None:
+        """A claim found copies (`found`) or none: the next wait is the shortest again, or
+        doubles. A retry that fell due has been looked for."""
+        self._idle_looks = 0 if found else self._idle_looks + 1
+        due = self._retry_due_at
+        if due is not None and asyncio.get_running_loop().time() >= due:
+            self._retry_due_at = None
+
+    def _retry_scheduled(self, when: datetime) -> None:
+        """This loop made a copy due again at `when`: look for it then, however idle."""
+        # A few milliseconds late rather than early: a look before the copy's due time
+        # would not find it, and the next could be `relay_idle_poll_max` later.
+        delay = max(0.0, (when - utcnow()).total_seconds()) + 0.005
+        due = asyncio.get_running_loop().time() + delay
+        if self._retry_due_at is None or due < self._retry_due_at:
+            self._retry_due_at = due
+            self._wake.notify()  # a wait begun before now may be longer: begin it again
 
     # --- housekeeping ---------------------------------------------------------------------
     async def _housekeeping(self) -> None:

@@ -329,7 +329,7 @@ class Outbox:
     async def release(self, relay_id: str, ids: Collection[int], now: datetime) -> None:
         """Give back `relay_id`'s claim on copies it never published: due again at once."""
         if ids:
-            await self._run(sql.RELEASE, list(ids), relay_id, now)
+            await self._run(sql.RELEASE, list(ids), relay_id, now, DUE_CHANNEL)
 
     async def publish(
         self, ids: Collection[int], now: datetime, ms: Sequence[int | None] = ()
@@ -631,7 +631,7 @@ async def webhook_copies_due_now(
     """A webhook consumer's pending copies fall due now, except those a dispatcher holds:
     made due, the next claim would post them beside the run that holds them (two at a time,
     out of order); that run's end makes the rest due."""
-    await _in_session(session, sql.WEBHOOK_DUE_NOW, consumer_uuid, now)
+    await _in_session(session, sql.WEBHOOK_DUE_NOW, consumer_uuid, now, WEBHOOKS_DUE_CHANNEL)
 
 
 @dataclass(frozen=True)

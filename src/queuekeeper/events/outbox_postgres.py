@@ -385,11 +385,17 @@ UPDATE deliveries SET claimed_until = $3, next_attempt_at = $3
 WHERE id = ANY($1::bigint[]) AND (state || '') = 'pending' AND claimed_by = $2
 RETURNING id
 """
-# Not an attempt: nothing was published.
+# Not an attempt: nothing was published. Due again at once, announced on the channel $4
+# (outbox.DUE_CHANNEL) as the insert's trigger announces new copies: a relay of another
+# process, looking rarely while idle, takes them now (docs/decisions/034-idle-polls.md).
 RELEASE = """
-UPDATE deliveries
-SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = $3, attempts = attempts - 1
-WHERE id = ANY($1::bigint[]) AND (state || '') = 'pending' AND claimed_by = $2
+WITH released AS (
+    UPDATE deliveries
+    SET claimed_by = NULL, claimed_until = NULL, next_attempt_at = $3, attempts = attempts - 1
+    WHERE id = ANY($1::bigint[]) AND (state || '') = 'pending' AND claimed_by = $2
+    RETURNING 1
+)
+SELECT pg_notify($4, '') FROM (SELECT 1 FROM released LIMIT 1) r
 """
 # The broker's answer to each copy ($1), its attempt's duration $6 (per copy; none: null)
 # and status $5 (`confirmed`, or `nacked` for a copy it dead-lettered: rejected, given up
@@ -1188,9 +1194,10 @@ async def listen(
     callback: Callable[[], None],
     until: asyncio.Event,
     payloads: Callable[[str], None] | None = None,
+    ready: Callable[[], None] | None = None,
 ) -> None:
     """Call `callback` (after `payloads` with the payload) on every NOTIFY on `channel`
-    until `until` is set, holding one
+    until `until` is set (`ready` once listening), holding one
     connection of `engine`'s pool. Returns when the connection is lost (the caller listens
     again) or at `until`. asyncpg does the LISTEN; SQLAlchemy has no API for it."""
     lost = asyncio.Event()
@@ -1208,6 +1215,8 @@ async def listen(
 
         await driver.add_listener(channel, on_notify)
         driver.add_termination_listener(on_lost)
+        if ready is not None:
+            ready()
         try:
             stop, gone = asyncio.ensure_future(until.wait()), asyncio.ensure_future(lost.wait())
             try:
@@ -1262,10 +1271,16 @@ SELECT count(*) FROM given_up
 # A webhook consumer's ($1) pending copies fall due at $2. Not those a dispatcher holds:
 # their due time is their lease's end (docs/decisions/026-webhooks-on-the-outbox.md).
 # `state = 'pending' AND webhook` written out: ix_deliveries_webhook_pending's predicate.
+# Announced on the channel $3 (outbox.WEBHOOKS_DUE_CHANNEL) with the consumer, as the
+# insert's trigger announces new copies, at the commit (docs/decisions/034-idle-polls.md).
 WEBHOOK_DUE_NOW = """
-UPDATE deliveries SET next_attempt_at = $2
-WHERE consumer_uuid = $1 AND state = 'pending' AND webhook AND claimed_by IS NULL
-    AND next_attempt_at > $2
+WITH due AS (
+    UPDATE deliveries SET next_attempt_at = $2
+    WHERE consumer_uuid = $1 AND state = 'pending' AND webhook AND claimed_by IS NULL
+        AND next_attempt_at > $2
+    RETURNING 1
+)
+SELECT pg_notify($3, $1::text) FROM (SELECT 1 FROM due LIMIT 1) d
 """
 # Retention (contract §11), on the outbox's own connection, each page committed as it runs:
 # up to $2 events accepted before $1 whose copies all settled before it, deleted (their copies

@@ -320,6 +320,7 @@ class Relay(DeliveryLoop):
                 self._claim_wanted = False
                 try:
                     batch = await self.claim()
+                    self._looked(bool(batch))
                 except Exception as exc:  # the database is down: keep the loop alive
                     slots.release()
                     self._claim_wanted = True
@@ -330,13 +331,13 @@ class Relay(DeliveryLoop):
                 self._claim_wanted = len(batch) >= self.settings.relay_batch_size
             if not batch:
                 slots.release()
-                await self._pause(self.settings.relay_poll_interval, seen)
+                await self._pause(self._poll_wait(), seen)
                 continue
             task = asyncio.create_task(self._process_logged(batch, handed, straight))
             in_flight.add(task)
             task.add_done_callback(finished)
             if not self._handed and not self._claim_wanted:
-                await self._pause(self.settings.relay_poll_interval, seen)
+                await self._pause(self._poll_wait(), seen)
 
     async def _pause(self, seconds: float, seen: int) -> None:
         if self._stopping.is_set():
@@ -511,6 +512,7 @@ class Relay(DeliveryLoop):
         delay *= random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not security
         when = not_past_give_up(now, delay, item.created, self._max_age)
         settlement.retries.append(Retry(item.id, when, error, tried))
+        self._retry_scheduled(when)
         DELIVERIES.labels(outcome="retried").inc()
 
     async def _recreate_queues(

@@ -339,7 +339,6 @@ class WebhookDispatcher(DeliveryLoop):
         return {consumer for consumer, key in self._destination_of.items() if key in busy}
 
     async def _claim_loop(self) -> None:
-        poll = self.settings.relay_poll_interval
         while not self._stopping.is_set():
             seen = self._wake.generation
             free = 2 * self.settings.webhook_concurrency - len(self._runs)
@@ -348,6 +347,7 @@ class WebhookDispatcher(DeliveryLoop):
                 self._wanted.clear()
                 try:
                     claimed = await self.claim(free)
+                    self._looked(claimed > 0)
                 except Exception as exc:  # the database is down: keep the loop alive
                     self._wanted_any = True
                     log.error("webhooks_claim_failed", dispatcher=self.id, error=repr(exc)[:500])
@@ -358,7 +358,7 @@ class WebhookDispatcher(DeliveryLoop):
                     continue
             if not self._runs:
                 await self._kept.release()  # idle: the kept connection goes back to the pool
-            await self._wake.wait(poll, since=seen)
+            await self._wake.wait(self._poll_wait(), since=seen)
             if self._wake.generation == seen:  # the poll interval passed: retries fall due
                 self._wanted_any = True
 
@@ -430,7 +430,11 @@ class WebhookDispatcher(DeliveryLoop):
                     run.delivered.append(item.id)
                     continue
                 run.failed, run.error, run.gone = item.id, outcome.error, outcome.gone
-                run.retry_at = now if outcome.gone else self._retry_at(item.attempts, item.created)
+                if outcome.gone:  # its copies wait for the consumer's update
+                    run.retry_at = now
+                else:
+                    run.retry_at = self._retry_at(item.attempts, item.created)
+                    self._retry_scheduled(run.retry_at)
                 run.released = [later.claimed.id for later in waiting]
                 break
         except asyncio.CancelledError:

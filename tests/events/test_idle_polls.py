@@ -1,0 +1,147 @@
+"""An idle relay looks in the database less and less often while it listens, and is still
+woken at once by whatever makes a copy due: an insert, another relay giving copies back, a
+retry it scheduled itself (docs/decisions/034-idle-polls.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from queuekeeper.app import Runtime
+from queuekeeper.broker.publisher import AmqpPublisher
+from queuekeeper.events.outbox import Outbox
+from queuekeeper.events.relay import Relay
+from queuekeeper.models import utcnow
+from tests.events.support import event_detail, order_event, post_event, register
+from tests.helpers import Backend
+from tests.proxy import TcpProxy
+
+pytestmark = pytest.mark.settings(relay_enabled=False)
+
+
+def _relay(app: FastAPI, **changes: object) -> tuple[Relay, AmqpPublisher]:
+    state: Runtime = app.state.queuekeeper
+    settings = state.settings.model_copy(update=changes)
+    publisher = AmqpPublisher(settings)
+    return Relay(settings, state.engine, publisher, state.provisioner), publisher
+
+
+def _count_claims(relay: Relay) -> list[float]:
+    """The loop time of each claim the relay runs."""
+    looks: list[float] = []
+    claim: Callable[..., Awaitable[Any]] = relay.outbox.claim
+
+    async def counted(*args: Any) -> Any:
+        looks.append(asyncio.get_running_loop().time())
+        return await claim(*args)
+
+    relay.outbox.claim = counted  # type: ignore[method-assign]
+    return looks
+
+
+async def _listening(relay: Relay) -> None:
+    for _ in range(200):
+        if relay._listening:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the relay never listened")
+
+
+async def _state(client: httpx.AsyncClient, event_id: str, wanted: str, within: float) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        copy = (await event_detail(client, event_id))["deliveries"][0]
+        if copy["state"] == wanted:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not {wanted} within {within} s: {copy}")
+        await asyncio.sleep(0.05)
+
+
+async def test_an_idle_relay_looks_less_often_and_an_insert_still_wakes_it_at_once(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    relay, publisher = _relay(app, relay_poll_interval=0.1, relay_idle_poll_max=30.0)
+    looks = _count_claims(relay)
+    relay.start()
+    try:
+        await _listening(relay)
+        await asyncio.sleep(3.0)
+        # Every 0.1 s would be some 30 looks; doubling from 0.1 s: 0.1, 0.2, 0.4, 0.8, 1.6.
+        assert 2 <= len(looks) <= 7, [round(b - a, 2) for a, b in itertools.pairwise(looks)]
+        # The next look is seconds away; the insert's NOTIFY does not wait for it.
+        response = await post_event(client, order_event(registered.offering))
+        await _state(client, response.json()["event_id"], "published", within=5.0)
+    finally:
+        await relay.stop()
+        await publisher.close()
+
+
+async def test_copies_another_relay_gives_back_wake_an_idle_relay(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    response = await post_event(client, order_event(registered.offering))
+    event_id = response.json()["event_id"]
+    state: Runtime = app.state.queuekeeper
+    other = Outbox(state.engine, state.settings)
+    (held,), _ = await other.claim("relay-b", utcnow(), 10)
+    # Its looks 30 s apart: only an announcement brings the copy before then.
+    relay, publisher = _relay(app, relay_poll_interval=30.0, relay_idle_poll_max=30.0)
+    looks = _count_claims(relay)
+    relay.start()
+    try:
+        await _listening(relay)
+        await asyncio.sleep(0.3)
+        assert len(looks) == 1  # its first look, which found the copy held by relay-b
+        await other.release("relay-b", [held.id], utcnow())  # relay-b stops, say
+        await _state(client, event_id, "published", within=10.0)
+        assert len(looks) == 2
+    finally:
+        await relay.stop()
+        await publisher.close()
+
+
+async def test_a_retry_an_idle_relay_scheduled_wakes_it_when_due(
+    app: FastAPI, client: httpx.AsyncClient, backend: Backend
+) -> None:
+    registered = await register(backend)
+    broker = TcpProxy()
+    broker.start()
+    broker.stop()  # the broker unreachable: the first attempt fails
+    relay, publisher = _relay(
+        app,
+        amqp_url=broker.amqp_url(),
+        relay_poll_interval=30.0,
+        relay_idle_poll_max=30.0,
+        relay_backoff_base=1.0,
+        amqp_connect_timeout=2.0,
+    )
+    relay.start()
+    try:
+        await _listening(relay)
+        response = await post_event(client, order_event(registered.offering))
+        event_id = response.json()["event_id"]
+        deadline = asyncio.get_running_loop().time() + 15
+        while True:  # the failed attempt settled: due again on the backoff
+            copy = (await event_detail(client, event_id))["deliveries"][0]
+            if copy["last_error"] and copy["claimed_by"] is None:
+                break
+            assert asyncio.get_running_loop().time() < deadline, f"never failed: {copy}"
+            await asyncio.sleep(0.05)
+        assert copy["state"] == "pending"
+        broker.start()
+        # Due again within a second (the backoff base, halved by jitter at most), long
+        # before the next look of an idle relay (30 s).
+        await _state(client, event_id, "published", within=12.0)
+    finally:
+        await relay.stop()
+        await publisher.close()
+        broker.close()
