@@ -9,6 +9,7 @@ import errno
 import os
 import time
 from datetime import timedelta
+from typing import Any
 
 import httpx
 import pytest
@@ -187,12 +188,14 @@ async def test_an_answer_that_is_not_http_is_a_failed_attempt_that_never_shows_t
 
         # Between attempts (not claimed: a claim's `next_attempt_at` is its lease's end).
         # The retries come 0.2 s apart, so a slow machine may read one already due.
-        async def between_attempts() -> bool:
-            (copy,) = await copies(settings, hook.uuid)
-            return copy["claimed_by"] is None
+        seen: list[dict[str, Any]] = []
+
+        async def between_attempts() -> bool:  # the same read is asserted on below
+            seen[:] = await copies(settings, hook.uuid)
+            return seen[0]["claimed_by"] is None
 
         await eventually(between_attempts, what="the copy between two attempts")
-        (copy,) = await copies(settings, hook.uuid)
+        (copy,) = seen
         assert copy["state"] == "pending"
         # On the retry schedule (0.2 s, then 0.4 s, plus up to 20 %), not the lease (30 s).
         assert copy["next_attempt_at"] < utcnow() + timedelta(seconds=1)
