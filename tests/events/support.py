@@ -12,7 +12,11 @@ from typing import Any
 import aio_pika
 import httpx
 from aio_pika.abc import AbstractIncomingMessage
+from fastapi import FastAPI
 
+from queuekeeper.app import Runtime
+from queuekeeper.broker.publisher import AmqpPublisher
+from queuekeeper.events.relay import Relay
 from tests.brokers import BROKER
 from tests.conftest import SERVICE_TOKEN
 from tests.helpers import Agent, Backend
@@ -153,3 +157,12 @@ async def drain(vhost: str, queue: str) -> list[AbstractIncomingMessage]:
             if message is None:
                 return taken
             taken.append(message)
+
+
+def relay_of(app: FastAPI, **changes: object) -> tuple[Relay, AmqpPublisher]:
+    """A relay of the app's database and broker with `changes` to its settings, and its
+    publisher (the caller closes it), not started."""
+    state: Runtime = app.state.queuekeeper
+    settings = state.settings.model_copy(update=changes)
+    publisher = AmqpPublisher(settings)
+    return Relay(settings, state.engine, publisher, state.provisioner), publisher

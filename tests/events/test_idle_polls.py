@@ -14,22 +14,14 @@ import pytest
 from fastapi import FastAPI
 
 from queuekeeper.app import Runtime
-from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.events.outbox import Outbox
 from queuekeeper.events.relay import Relay
 from queuekeeper.models import utcnow
-from tests.events.support import event_detail, order_event, post_event, register
+from tests.events.support import event_detail, order_event, post_event, register, relay_of
 from tests.helpers import Backend
 from tests.proxy import TcpProxy
 
 pytestmark = pytest.mark.settings(relay_enabled=False)
-
-
-def _relay(app: FastAPI, **changes: object) -> tuple[Relay, AmqpPublisher]:
-    state: Runtime = app.state.queuekeeper
-    settings = state.settings.model_copy(update=changes)
-    publisher = AmqpPublisher(settings)
-    return Relay(settings, state.engine, publisher, state.provisioner), publisher
 
 
 def _count_claims(relay: Relay) -> list[float]:
@@ -68,7 +60,7 @@ async def test_an_idle_relay_looks_less_often_and_an_insert_still_wakes_it_at_on
     app: FastAPI, client: httpx.AsyncClient, backend: Backend
 ) -> None:
     registered = await register(backend)
-    relay, publisher = _relay(app, relay_poll_interval=0.1, relay_idle_poll_max=30.0)
+    relay, publisher = relay_of(app, relay_poll_interval=0.1, relay_idle_poll_max=30.0)
     looks = _count_claims(relay)
     relay.start()
     try:
@@ -94,7 +86,7 @@ async def test_copies_another_relay_gives_back_wake_an_idle_relay(
     other = Outbox(state.engine, state.settings)
     (held,), _ = await other.claim("relay-b", utcnow(), 10)
     # Its looks 30 s apart: only an announcement brings the copy before then.
-    relay, publisher = _relay(app, relay_poll_interval=30.0, relay_idle_poll_max=30.0)
+    relay, publisher = relay_of(app, relay_poll_interval=30.0, relay_idle_poll_max=30.0)
     looks = _count_claims(relay)
     relay.start()
     try:
@@ -116,7 +108,7 @@ async def test_a_retry_an_idle_relay_scheduled_wakes_it_when_due(
     broker = TcpProxy()
     broker.start()
     broker.stop()  # the broker unreachable: the first attempt fails
-    relay, publisher = _relay(
+    relay, publisher = relay_of(
         app,
         amqp_url=broker.amqp_url(),
         relay_poll_interval=30.0,

@@ -12,10 +12,7 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import update
 
-from queuekeeper.app import Runtime
-from queuekeeper.broker.publisher import AmqpPublisher
 from queuekeeper.events.outbox import Outbox
-from queuekeeper.events.relay import Relay
 from queuekeeper.models import Delivery, utcnow
 from queuekeeper.observability.metrics import OUTBOX_OLDEST_AGE, OUTBOX_PENDING
 from tests.events.support import (
@@ -25,18 +22,12 @@ from tests.events.support import (
     post_batch,
     post_event,
     register,
+    relay_of,
 )
 from tests.helpers import Backend
 from tests.proxy import TcpProxy, free_port
 
 pytestmark = pytest.mark.settings(relay_enabled=False)
-
-
-def _relay(app: FastAPI, **changes: object) -> tuple[Relay, AmqpPublisher]:
-    state: Runtime = app.state.queuekeeper
-    settings = state.settings.model_copy(update=changes)
-    publisher = AmqpPublisher(settings)
-    return Relay(settings, state.engine, publisher, state.provisioner), publisher
 
 
 def _parse(value: str) -> datetime:
@@ -73,7 +64,7 @@ async def test_an_unreachable_broker_is_retried_with_capped_exponential_backoff(
     registered = await register(backend)
     response = await post_event(client, order_event(registered.offering))
     event_id = response.json()["event_id"]
-    relay, publisher = _relay(
+    relay, publisher = relay_of(
         app,
         amqp_url=f"amqp://guest:guest@127.0.0.1:{free_port()}/",
         # Seconds, not tenths: "not due yet" must hold through a stall of a loaded machine.
@@ -125,7 +116,7 @@ async def test_outbox_depth_is_readable_and_exported(
     assert (stats["pending"], stats["claimed"]) == (3, 1)
     assert 0.2 <= stats["oldest_pending_age_seconds"] < 10
 
-    relay, publisher = _relay(app)
+    relay, publisher = relay_of(app)
     try:
         await relay.refresh_gauges()
         assert OUTBOX_PENDING._value.get() == 3
@@ -146,7 +137,7 @@ async def test_outbox_depth_is_readable_and_exported(
 
 
 async def test_a_stopping_relay_stops_at_once_when_idle(app: FastAPI) -> None:
-    relay, publisher = _relay(app, relay_poll_interval=30.0)
+    relay, publisher = relay_of(app, relay_poll_interval=30.0)
     relay.start()
     await asyncio.sleep(0.1)
     started = time.perf_counter()
@@ -161,7 +152,7 @@ async def test_a_stopping_relay_cuts_a_hanging_batch_short_and_leaves_it_to_the_
     registered = await register(backend)
     hang = TcpProxy(blackhole=True)  # the broker accepts the connection and never answers
     hang.start()
-    relay, publisher = _relay(app, amqp_url=hang.amqp_url(), amqp_connect_timeout=30.0)
+    relay, publisher = relay_of(app, amqp_url=hang.amqp_url(), amqp_connect_timeout=30.0)
     try:
         relay.start()
         response = await post_event(client, order_event(registered.offering))
