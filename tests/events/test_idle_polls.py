@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -137,3 +138,32 @@ async def test_a_retry_an_idle_relay_scheduled_wakes_it_when_due(
         await relay.stop()
         await publisher.close()
         broker.close()
+
+
+async def test_the_wait_doubles_to_its_cap_and_a_retry_past_due_is_looked_for_once(
+    app: FastAPI,
+) -> None:
+    relay, publisher = relay_of(app, relay_poll_interval=0.5, relay_idle_poll_max=5.0)
+    try:
+        assert relay._poll_wait() == 0.5  # not listening: every poll interval
+        relay._listening = True
+        waits = []
+        for _ in range(6):
+            waits.append(relay._poll_wait())
+            relay._looked(False)
+        assert waits == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+        relay._looked(True)
+        assert relay._poll_wait() == 0.5
+        # A retry already due (its look did not happen: every slot busy, say): the next
+        # wait is zero, once; the one after is the rule's again, never a run of zeros.
+        for _ in range(4):
+            relay._looked(False)
+        relay._retry_scheduled(utcnow() - timedelta(seconds=1))
+        assert relay._poll_wait() <= 0.006  # due now (a few milliseconds late, by design)
+        await asyncio.sleep(0.01)
+        assert relay._poll_wait() == 0.0
+        assert relay._poll_wait() == 5.0
+        relay._retry_scheduled(utcnow() + timedelta(seconds=2))
+        assert 1.5 < relay._poll_wait() <= 2.1
+    finally:
+        await publisher.close()

@@ -176,7 +176,14 @@ class DeliveryLoop(ABC):
             most = max(base, self.settings.relay_idle_poll_max)
             wait = min(most, base * 2 ** min(self._idle_looks, 16))
         if self._retry_due_at is not None:
-            wait = min(wait, max(0.0, self._retry_due_at - asyncio.get_running_loop().time()))
+            left = self._retry_due_at - asyncio.get_running_loop().time()
+            if left <= 0:
+                # Due: this wait's end looks for it, once. A dispatcher whose every run slot
+                # is busy does not claim then; a run's end does (it claims again), and a
+                # retry still past due must not make every later wait zero.
+                self._retry_due_at = None
+                return 0.0
+            wait = min(wait, left)
         return wait
 
     def _looked(self, found: bool) -> None:
