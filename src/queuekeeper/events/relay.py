@@ -556,6 +556,7 @@ class Relay(DeliveryLoop):
             error = f"{result.error}; " + (failure or "queue declared again, retrying")
             if failure is None and item.attempts <= IMMEDIATE_RETRIES:
                 settlement.retries.append(Retry(item.id, now, error, tried))
+                self._retry_scheduled(now)
             else:
                 self._retry_later(settlement, item, error, tried)
 
