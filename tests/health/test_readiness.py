@@ -139,9 +139,14 @@ async def test_database_outage_is_reported(settings: Settings) -> None:
         async with serving(proxied) as (http, _state):
             assert (await http.get("/readyz")).status_code == 200
             database.stop()
-            response = await http.get("/readyz")
-            assert response.status_code == 503
-            assert _down(response) == {"database"}
+            # The database alone is down; a broker probe of a loaded machine may miss once
+            # (its kept connection found closed: the next probe connects again).
+            for _ in range(3):
+                response = await http.get("/readyz")
+                assert response.status_code == 503
+                if _down(response) == {"database"}:
+                    break
+            assert _down(response) == {"database"}, response.json()
             database.start()
             # Ready again once the database is: a pooled connection the outage cut fails
             # its first statement and is dropped (db.create_engine), so a probe may still
