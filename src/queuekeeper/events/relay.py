@@ -512,7 +512,6 @@ class Relay(DeliveryLoop):
         delay *= random.uniform(0.5, 1.0)  # noqa: S311 - jitter, not security
         when = not_past_give_up(now, delay, item.created, self._max_age)
         settlement.retries.append(Retry(item.id, when, error, tried))
-        self._retry_scheduled(when)
         DELIVERIES.labels(outcome="retried").inc()
 
     async def _recreate_queues(
@@ -556,7 +555,6 @@ class Relay(DeliveryLoop):
             error = f"{result.error}; " + (failure or "queue declared again, retrying")
             if failure is None and item.attempts <= IMMEDIATE_RETRIES:
                 settlement.retries.append(Retry(item.id, now, error, tried))
-                self._retry_scheduled(now)
             else:
                 self._retry_later(settlement, item, error, tried)
 
@@ -634,6 +632,8 @@ class Relay(DeliveryLoop):
         _TRIED_FAILED.inc(sum(1 for reason in settlement.given_up if reason.tried is not None))
         await self.outbox.reschedule(self.id, settlement.retries)
         _TRIED_FAILED.inc(len(settlement.retries))
+        if settlement.retries:  # written: an idle loop looks for them when due
+            self._retry_scheduled(min(retry.next for retry in settlement.retries))
         if rejected or settlement.given_up:
             log.warning(
                 "deliveries_not_published",

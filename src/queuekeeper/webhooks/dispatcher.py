@@ -430,11 +430,7 @@ class WebhookDispatcher(DeliveryLoop):
                     run.delivered.append(item.id)
                     continue
                 run.failed, run.error, run.gone = item.id, outcome.error, outcome.gone
-                if outcome.gone:  # its copies wait for the consumer's update
-                    run.retry_at = now
-                else:
-                    run.retry_at = self._retry_at(item.attempts, item.created)
-                    self._retry_scheduled(run.retry_at)
+                run.retry_at = now if outcome.gone else self._retry_at(item.attempts, item.created)
                 run.released = [later.claimed.id for later in waiting]
                 break
         except asyncio.CancelledError:
@@ -489,6 +485,10 @@ class WebhookDispatcher(DeliveryLoop):
             _GIVEN_UP.inc(len(given_up))
         if run.delivered or run.failed is not None or run.released:
             await self.outbox.settle_webhooks(self.id, run, now)
+            # Written: an idle loop looks for the failed copy when due (a gone consumer's
+            # copies wait for its update, which announces them).
+            if run.failed is not None and not run.gone and run.retry_at is not None:
+                self._retry_scheduled(run.retry_at)
             for copy_id, tried in run.tried.items():
                 if copy_id in run.delivered or copy_id == run.failed:
                     outcome = "delivered" if copy_id in run.delivered else "failed"
