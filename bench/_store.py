@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import uuid
 
@@ -112,7 +113,7 @@ async def _run(url: str) -> None:
             "offering_uuid": offering,
             "offering_uuids": None,
             "object_type": "order",
-            "payload": PAYLOAD,
+            "payload": json.dumps(PAYLOAD),  # as the store gives it
             "user_uuids": None,
             "queued": 1,
             "skipped_unregistered": 0,

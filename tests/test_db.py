@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -182,6 +183,9 @@ def _outbox(engine: AsyncEngine, settings: Settings) -> Outbox:
     return Outbox(engine, settings)
 
 
+PAYLOAD = {"order": {"uuid": "x", "items": [1, "two", None]}}
+
+
 def _event(event_id: str, user_uuids: list[str] | None = None) -> dict[str, object]:
     return {
         "event_id": event_id,
@@ -189,7 +193,7 @@ def _event(event_id: str, user_uuids: list[str] | None = None) -> dict[str, obje
         # a JSON list column beside user_uuids: one item per row, whether a list or null
         "offering_uuids": [uuid.uuid4().hex, uuid.uuid4().hex] if user_uuids else None,
         "object_type": "order",
-        "payload": {"order": {"uuid": "x", "items": [1, "two", None]}},
+        "payload": json.dumps(PAYLOAD),  # the store gives the payload as its JSON text
         "user_uuids": user_uuids,
         "queued": 2,
         "skipped_unregistered": 0,
@@ -234,7 +238,7 @@ async def test_rows_inserted_in_one_statement_read_as_through_sqlalchemy(
     assert len(statements) == 1  # three rows, one statement
     # Read back through SQLAlchemy: what the driver wrote is what SQLAlchemy reads.
     stored = await _stored(engine)
-    assert stored == {row["event_id"]: row for row in rows}
+    assert stored == {row["event_id"]: {**row, "payload": PAYLOAD} for row in rows}
     # A JSON value that is itself a list stays one value (not an array dimension).
     assert stored["a"]["user_uuids"] == ["u1", "u2"]
     assert stored["b"]["user_uuids"] is None

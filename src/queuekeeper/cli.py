@@ -190,6 +190,7 @@ def serve(
     import structlog
     import uvicorn
 
+    from queuekeeper.common.http_protocol import OneWriteHttpToolsProtocol
     from queuekeeper.common.processes import shared_directory
     from queuekeeper.logging import configure_logging
     from queuekeeper.supervisor import Supervisor, process_counts
@@ -229,6 +230,7 @@ def serve(
         log_config=None,
         # queuekeeper logs each request itself, with its request id.
         access_log=False,
+        http=OneWriteHttpToolsProtocol,  # an answer in one write (decision 035)
         # The app itself believes X-Forwarded-For only from QUEUEKEEPER_FORWARDED_ALLOW_IPS
         # (uvicorn's own default would trust any loopback peer).
         proxy_headers=False,

@@ -807,8 +807,11 @@ class _Store:
         )
         self.copies = [(event_id, copy) for event_id, copy in planned if event_id in self.inserted]
         to_consumers = sum(1 for _, copy in self.copies if copy.consumer_uuid is not None)
-        _QUEUED_CONSUMER.inc(to_consumers)
-        _QUEUED_LEGACY.inc(len(self.copies) - to_consumers)
+        # An increment takes the metric's lock: none for nothing to count.
+        if to_consumers:
+            _QUEUED_CONSUMER.inc(to_consumers)
+        if len(self.copies) > to_consumers:
+            _QUEUED_LEGACY.inc(len(self.copies) - to_consumers)
         if self.lease is None:
             return []
         ids = {(event_id, queue or consumer): i for i, event_id, queue, consumer in returned}
@@ -856,7 +859,7 @@ class _Store:
             offering_uuid=row["offering_uuid"],
             object_type=row["object_type"],
             accepted=self.now,
-            body=json.dumps(row["payload"]),  # as the JSON column stores it
+            body=row["payload"],  # the JSON text the column is written from
             judged_epoch=self.unit.judged_epoch,
             judged_at=self.now,
         )
@@ -874,7 +877,8 @@ class _Store:
                 else:
                     queued, skipped = earlier.get(event_id, (0, 0))
                 answers.append(
-                    EventAccepted(
+                    # Built from values this store computed, not input: not validated again.
+                    EventAccepted.model_construct(
                         event_id=event_id,
                         queued=queued,
                         skipped_unregistered=skipped,
@@ -887,11 +891,13 @@ class _Store:
                 if new and found.skipped:
                     _log_skipped(request.events[position], event_id, found)
             new_count = sum(1 for answer in answers if not answer.duplicate)
-            EVENTS_ACCEPTED.inc(new_count)
-            EVENTS_DUPLICATE.inc(len(answers) - new_count)
-            SKIPPED_UNREGISTERED.inc(
-                sum(answer.skipped_unregistered for answer in answers if not answer.duplicate)
-            )
+            if new_count:
+                EVENTS_ACCEPTED.inc(new_count)
+            if len(answers) > new_count:
+                EVENTS_DUPLICATE.inc(len(answers) - new_count)
+            skipped = sum(a.skipped_unregistered for a in answers if not a.duplicate)
+            if skipped:
+                SKIPPED_UNREGISTERED.inc(skipped)
             own = sum(
                 len(self.recipients[e].copies)
                 for e in set(self.event_ids[r])
@@ -912,7 +918,8 @@ def _event_row(
         if event.offering_uuids is not None
         else None,
         "object_type": event.object_type,
-        "payload": body,
+        # Encoded once: the column is written from this text and a handed copy sends it.
+        "payload": json.dumps(body),
         "user_uuids": [u.hex for u in event.user_uuids] if event.user_uuids is not None else None,
         "queued": len(found.copies),
         "skipped_unregistered": len(found.skipped),

@@ -1033,7 +1033,8 @@ EVENT_COLUMNS = (
     "project_uuid",
     "subject_user_uuid",
 )
-_JSON_COLUMNS = frozenset({"offering_uuids", "payload", "user_uuids"})
+# Encoded here; `payload` comes encoded already (the store sends the same text on).
+_JSON_COLUMNS = frozenset({"offering_uuids", "user_uuids"})
 DELIVERY_COLUMNS = (
     "event_id",
     "queue_uuid",
@@ -1051,7 +1052,8 @@ DELIVERY_COLUMNS = (
 
 
 def column_arrays(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[list[Any]]:
-    """The rows as one array per column, in the INSERT's order; json columns as text."""
+    """The rows as one array per column, in the INSERT's order; json columns as text
+    (`payload` is given as its JSON text)."""
     return [
         [None if row[name] is None else json.dumps(row[name]) for row in rows]
         if name in _JSON_COLUMNS
