@@ -125,8 +125,12 @@ class CpuShares:
 class Service:
     """`queuekeeper serve` in a subprocess, and an HTTP client for it."""
 
-    def __init__(self, settings: Settings, port: int, **env: str) -> None:
+    def __init__(
+        self, settings: Settings, port: int, executable: Path | None = None, **env: str
+    ) -> None:
         self.settings = settings
+        # Another checkout's `queuekeeper` (bench/_paired.py); this one's by default.
+        self.executable = executable or Path(sys.executable).parent / "queuekeeper"
         self.port = port
         self.env = env  # QUEUEKEEPER_* overrides (the process model)
         self.process: subprocess.Popen[bytes] | None = None
@@ -149,7 +153,7 @@ class Service:
             "QUEUEKEEPER_PUBLIC_URL": f"http://127.0.0.1:{self.port}",
             **self.env,
         }
-        command = [str(Path(sys.executable).parent / "queuekeeper"), "serve"]
+        command = [str(self.executable), "serve"]
         log = open(os.environ.get("BENCH_SERVICE_LOG", os.devnull), "wb")  # noqa: SIM115
         # --workers overrides QUEUEKEEPER_ACCEPT_WORKERS: only when asked for.
         workers = os.environ.get("BENCH_WORKERS")

@@ -76,11 +76,13 @@ class ObservabilityMiddleware:
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
             await send(message)
 
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
-            try:
-                await self.app(scope, receive, send_with_id)
-            finally:
-                self._record(scope, status, time.perf_counter() - started)
+        # Bound and reset by token: `bound_contextvars` reads every bound variable first.
+        tokens = structlog.contextvars.bind_contextvars(request_id=request_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            self._record(scope, status, time.perf_counter() - started)
+            structlog.contextvars.reset_contextvars(**tokens)
 
     def _record(self, scope: Scope, status: int, seconds: float) -> None:
         route = route_template(scope)
