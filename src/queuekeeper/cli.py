@@ -190,7 +190,6 @@ def serve(
     import structlog
     import uvicorn
 
-    from queuekeeper.common.http_protocol import OneWriteHttpToolsProtocol
     from queuekeeper.common.processes import shared_directory
     from queuekeeper.logging import configure_logging
     from queuekeeper.supervisor import Supervisor, process_counts
@@ -230,7 +229,6 @@ def serve(
         log_config=None,
         # queuekeeper logs each request itself, with its request id.
         access_log=False,
-        http=OneWriteHttpToolsProtocol,  # an answer in one write (decision 035)
         # The app itself believes X-Forwarded-For only from QUEUEKEEPER_FORWARDED_ALLOW_IPS
         # (uvicorn's own default would trust any loopback peer).
         proxy_headers=False,

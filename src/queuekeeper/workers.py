@@ -79,8 +79,6 @@ def accept_worker(fd: int, supervisor: int) -> None:
     """An accept worker: uvicorn on the socket the supervisor bound."""
     import uvicorn
 
-    from queuekeeper.common.http_protocol import OneWriteHttpToolsProtocol
-
     configure_logging(get_settings())
     # The supervisor died before prctl took effect. Compared with its pid, not with 1: in
     # a container the supervisor may be pid 1 itself.
@@ -93,7 +91,6 @@ def accept_worker(fd: int, supervisor: int) -> None:
         factory=True,
         log_config=None,
         access_log=False,  # queuekeeper logs each request itself
-        http=OneWriteHttpToolsProtocol,  # an answer in one write (decision 035)
         proxy_headers=False,  # see cli.serve
         timeout_graceful_shutdown=5,
     )
