@@ -19,7 +19,6 @@ route) and migrate their own database (`queuekeeper migrate`).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import statistics
@@ -32,12 +31,13 @@ from pathlib import Path
 import uvloop
 
 from bench._support import _admin, bench_database, free_port, remove_broker_objects
-from bench.publish import TOKEN, Service, _payload, confirm_times
+from bench.publish import TOKEN, Service
 from bench.single import (
     Consumer,
     Pipeline,
     Step,
     _sessions,
+    event_pipeline,
     run_step,
     start_rawpipe,
 )
@@ -63,39 +63,8 @@ def _migrated(checkout: Path, url: str) -> None:
 async def _service(settings: Settings, dsn: str, executable: Path | None, name: str) -> Pipeline:
     service = Service(settings, port=free_port(), executable=executable)
     await service.start()
-    offering, provider = uuid.uuid4(), uuid.uuid4()
-    await service.call("PUT", f"/api/internal/customers/{provider}/", json={"name": name})
-    await service.call(
-        "PUT",
-        f"/api/internal/offerings/{offering}/",
-        json={"name": name, "customer_uuid": provider.hex},
-    )
-    ((vhost, queue),) = await service.queues(offering, 1)
-    consumer = Consumer()
-    await consumer.start(vhost, queue)
-    body = json.dumps(
-        {
-            "event_id": "__ID__",
-            "offering_uuid": offering.hex,
-            "object_type": "order",
-            "payload": _payload(700),
-        }
-    )
     database = dsn.rsplit("/", 1)[1]
-    pipeline = Pipeline(
-        name,
-        service.pids,
-        {
-            "kind": "http",
-            "port": service.port,
-            "path": "/api/internal/events/",
-            "token": TOKEN,
-            "body": body,
-        },
-        consumer,
-        lambda: _sessions(dsn, database),
-        confirm_times=lambda prefix: confirm_times(dsn, prefix),
-    )
+    pipeline = await event_pipeline(service, name, dsn, lambda: _sessions(dsn, database))
     pipeline.service = service  # type: ignore[attr-defined]
     await run_step(pipeline, 100, 2)  # warm-up: connections, prepared statements
     return pipeline

@@ -507,6 +507,51 @@ async def add_bystanders(dsn: str, count: int) -> None:
     )
 
 
+async def event_pipeline(
+    service: Service,
+    name: str,
+    dsn: str,
+    sessions: Callable[[], Awaitable[int]],
+    log_lines: Callable[[], int] = lambda: 0,
+) -> Pipeline:
+    """A customer's offering on the running `service` with one order queue, a consumer
+    reading it, and the single event the load generator sends for it."""
+    offering, provider = uuid.uuid4(), uuid.uuid4()
+    # The offering has a customer, so every event also reads the bindings of its chain.
+    await service.call("PUT", f"/api/internal/customers/{provider}/", json={"name": name})
+    await service.call(
+        "PUT",
+        f"/api/internal/offerings/{offering}/",
+        json={"name": name, "customer_uuid": provider.hex},
+    )
+    ((vhost, queue),) = await service.queues(offering, 1)
+    consumer = Consumer()
+    await consumer.start(vhost, queue)
+    body = json.dumps(
+        {
+            "event_id": "__ID__",
+            "offering_uuid": offering.hex,
+            "object_type": "order",
+            "payload": _payload(700),
+        }
+    )
+    return Pipeline(
+        name,
+        service.pids,
+        {
+            "kind": "http",
+            "port": service.port,
+            "path": "/api/internal/events/",
+            "token": TOKEN,
+            "body": body,
+        },
+        consumer,
+        sessions,
+        log_lines,
+        lambda prefix: confirm_times(dsn, prefix),
+    )
+
+
 async def run_model(
     settings: Settings,
     dsn: str,
@@ -526,46 +571,13 @@ async def run_model(
         QUEUEKEEPER_RELAY_PROCESSES=str(model.relay_processes),
     )
     await service.start()
-    offering, provider = uuid.uuid4(), uuid.uuid4()
-    # The offering has a customer, so every event also reads the bindings of its chain.
-    await service.call("PUT", f"/api/internal/customers/{provider}/", json={"name": "single"})
-    await service.call(
-        "PUT",
-        f"/api/internal/offerings/{offering}/",
-        json={"name": "single", "customer_uuid": provider.hex},
-    )
-    ((vhost, queue),) = await service.queues(offering, 1)
-    consumer = Consumer()
-    await consumer.start(vhost, queue)
-    service.consumer = consumer  # type: ignore[attr-defined]
-    body = json.dumps(
-        {
-            "event_id": "__ID__",
-            "offering_uuid": offering.hex,
-            "object_type": "order",
-            "payload": _payload(700),
-        }
-    )
 
     def log_lines() -> int:
         with service_log.open("rb") as handle:
             return sum(1 for line in handle if b'"level":"info"' in line.replace(b" ", b""))
 
-    qk = Pipeline(
-        "queuekeeper",
-        service.pids,
-        {
-            "kind": "http",
-            "port": service.port,
-            "path": "/api/internal/events/",
-            "token": TOKEN,
-            "body": body,
-        },
-        consumer,
-        sessions,
-        log_lines,
-        lambda prefix: confirm_times(dsn, prefix),
-    )
+    qk = await event_pipeline(service, "queuekeeper", dsn, sessions, log_lines)
+    service.consumer = qk.consumer  # type: ignore[attr-defined]
     service.pipeline = qk  # type: ignore[attr-defined]
     await run_step(qk, 100, 2)  # warm-up: connections, prepared statements
     label = f"single-{model.accept_workers}x{model.relay_processes}"
