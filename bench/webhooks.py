@@ -10,7 +10,8 @@ registration leaves them.
   request at a time per consumer (as the dispatcher posts one at a time per consumer), for
   1 and for BENCH_WEBHOOK_CONSUMERS (10) consumers side by side; its CPU per post;
 - throughput: BENCH_WEBHOOK_EVENTS (2,000) events per consumer accepted while the consumers
-  are disabled (`webhook_gone_at`), then enabled: deliveries/s until the receiver has them
+  are disabled (`webhook_gone_at`), then enabled and announced as `update_webhook` does
+  (decision 034): deliveries/s until the receiver has them
   all, for 1 and for 10 consumers; the service's CPU per delivery (serve and its children);
 - latency: events sent open-loop at BENCH_WEBHOOK_RATE (200/s) for BENCH_WEBHOOK_SECONDS
   (5) to one consumer by `bench single`'s load generator (a process of its own); from each
@@ -47,6 +48,7 @@ from bench.publish import TOKEN, Profiler, Service
 from bench.single import generate
 from queuekeeper.broker.topology import webhook_queue_name
 from queuekeeper.config import Settings
+from queuekeeper.events.outbox import WEBHOOKS_DUE_CHANNEL
 from queuekeeper.webhooks import signing
 
 CONSUMERS = int(os.environ.get("BENCH_WEBHOOK_CONSUMERS", "10"))
@@ -192,14 +194,23 @@ async def webhook_consumers(
 
 
 async def set_enabled(database: str, consumers: list[uuid.UUID], enabled: bool) -> None:
+    """Block or unblock the consumers; an unblocking is announced to the dispatchers as
+    `update_webhook` announces it (an idle dispatcher's own look may be seconds away)."""
     connection = await asyncpg.connect(database.replace("+asyncpg", ""))
     try:
-        await connection.execute(
-            "UPDATE event_consumers SET webhook_gone_at = CASE WHEN $2 THEN NULL ELSE now() END"
-            " WHERE uuid = ANY($1::uuid[])",
-            consumers,
-            enabled,
-        )
+        async with connection.transaction():
+            await connection.execute(
+                "UPDATE event_consumers SET webhook_gone_at = "
+                "CASE WHEN $2 THEN NULL ELSE now() END WHERE uuid = ANY($1::uuid[])",
+                consumers,
+                enabled,
+            )
+            if enabled:
+                await connection.execute(
+                    "SELECT pg_notify($2, c::text) FROM unnest($1::uuid[]) AS c",
+                    consumers,
+                    WEBHOOKS_DUE_CHANNEL,
+                )
     finally:
         await connection.close()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 
+import asyncpg
 import httpx
 import pytest
 from aiohttp import web
@@ -15,7 +16,13 @@ from queuekeeper.config import Settings
 from tests.consumers.scopes import SERVICE, staff
 from tests.events.support import order_event, post_event
 from tests.helpers import Backend
-from tests.webhooks.support import WEBHOOK_SETTINGS, copies, eventually, receiving
+from tests.webhooks.support import (
+    WEBHOOK_SETTINGS,
+    consumer_row,
+    copies,
+    eventually,
+    receiving,
+)
 from tests.webhooks.test_registration import register_webhook
 
 IDLE = {**WEBHOOK_SETTINGS, "relay_poll_interval": 30.0, "relay_idle_poll_max": 30.0}
@@ -67,3 +74,54 @@ async def test_an_update_that_makes_copies_due_is_announced(
         await receiver.wait_for(2, timeout=10.0)
         assert time.monotonic() - started < 10.0
         assert receiver.ids() == ["idle-update", "idle-update"]
+
+
+async def gone_once(_request: web.Request, number: int) -> web.StreamResponse:
+    return web.Response(status=410 if number == 0 else 200)
+
+
+@pytest.mark.settings(**IDLE)
+async def test_copies_waiting_behind_a_gone_webhook_are_posted_once_it_is_updated(
+    client: httpx.AsyncClient, backend: Backend, settings: Settings
+) -> None:
+    """Copies accepted while the receiver was gone (410) are due already but not claimed:
+    the update that ends the block is what makes them deliverable, and it is announced
+    even when it moves no copy's due time."""
+    _agent, offering = await backend.agent_with_offering()
+    admin = await staff(backend)
+    async with receiving(gone_once) as receiver:
+        hook = (await register_webhook(admin, {"webhook_url": receiver.url})).json()
+        key = uuid.UUID(hook["uuid"])
+        await post_event(client, order_event(offering, event_id="gone-first"))
+        await receiver.wait_for(1)
+
+        async def gone() -> bool:
+            return (await consumer_row(settings, key))["webhook_gone_at"] is not None
+
+        await eventually(gone, what="webhook_gone_at set")
+        await post_event(client, order_event(offering, event_id="gone-second"))
+        waiting = await copies(settings, key)
+        assert [c["state"] for c in waiting] == ["pending", "pending"]
+        # Made due by nothing but the update: no copy's due time lies ahead.
+        await _due_now(settings, key)
+        updated = await client.post(
+            f"/api/event-consumers/{hook['uuid']}/update_webhook/", json={}, headers=SERVICE
+        )
+        assert updated.status_code == 200, updated.text
+        started = time.monotonic()
+        await receiver.wait_for(3, timeout=10.0)
+        assert time.monotonic() - started < 10.0  # not the idle dispatcher's 30 s look
+        assert receiver.ids() == ["gone-first", "gone-first", "gone-second"]
+
+
+async def _due_now(settings: Settings, consumer: uuid.UUID) -> None:
+    """The consumer's waiting copies due at once, as copies accepted while it was gone are."""
+    connection = await asyncpg.connect(settings.database_url.replace("+asyncpg", ""))
+    try:
+        await connection.execute(
+            "UPDATE deliveries SET next_attempt_at = now() - interval '1 second' "
+            "WHERE consumer_uuid = $1 AND state = 'pending'",
+            consumer,
+        )
+    finally:
+        await connection.close()

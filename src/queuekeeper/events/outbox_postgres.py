@@ -1274,7 +1274,10 @@ SELECT count(*) FROM given_up
 # their due time is their lease's end (docs/decisions/026-webhooks-on-the-outbox.md).
 # `state = 'pending' AND webhook` written out: ix_deliveries_webhook_pending's predicate.
 # Announced on the channel $3 (outbox.WEBHOOKS_DUE_CHANNEL) with the consumer, as the
-# insert's trigger announces new copies, at the commit (docs/decisions/034-idle-polls.md).
+# insert's trigger announces new copies, at the commit (docs/decisions/034-idle-polls.md),
+# whenever it has such copies: those accepted while it was gone are due already, and it is
+# the update (the block lifted) that makes them deliverable, not a due time moved. The
+# outer query reads the statement's snapshot: the copies `due` moves are among them.
 WEBHOOK_DUE_NOW = """
 WITH due AS (
     UPDATE deliveries SET next_attempt_at = $2
@@ -1282,7 +1285,11 @@ WITH due AS (
         AND next_attempt_at > $2
     RETURNING 1
 )
-SELECT pg_notify($3, $1::text) FROM (SELECT 1 FROM due LIMIT 1) d
+SELECT pg_notify($3, $1::text)
+WHERE EXISTS (
+    SELECT 1 FROM deliveries
+    WHERE consumer_uuid = $1 AND state = 'pending' AND webhook AND claimed_by IS NULL
+)
 """
 # Retention (contract §11), on the outbox's own connection, each page committed as it runs:
 # up to $2 events accepted before $1 whose copies all settled before it, deleted (their copies
