@@ -36,6 +36,11 @@ async def ok(_request: web.Request, _number: int) -> web.StreamResponse:
     return web.Response(status=200, text="ok")
 
 
+async def gone_once(_request: web.Request, number: int) -> web.StreamResponse:
+    """410 to the first post (the consumer is disabled until its update), 200 after."""
+    return web.Response(status=410 if number == 0 else 200)
+
+
 @dataclass
 class Received:
     headers: dict[str, str]

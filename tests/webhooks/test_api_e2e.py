@@ -14,7 +14,7 @@ from standardwebhooks import Webhook
 from tests.consumers.scopes import SERVICE, role, staff, tree
 from tests.events.support import order_event, post_event
 from tests.helpers import Backend
-from tests.webhooks.support import WEBHOOK_SETTINGS, receiving
+from tests.webhooks.support import WEBHOOK_SETTINGS, gone_once, receiving
 from tests.webhooks.test_registration import register_webhook
 
 pytestmark = pytest.mark.settings(**WEBHOOK_SETTINGS)
@@ -59,12 +59,9 @@ async def test_registered_through_the_api_then_delivered_signed_resync_too(
 async def test_a_410_blocks_until_update_webhook(
     client: httpx.AsyncClient, backend: Backend
 ) -> None:
-    async def gone(_request: web.Request, number: int) -> web.StreamResponse:
-        return web.Response(status=410 if number == 0 else 200)
-
     _agent, offering = await backend.agent_with_offering()
     admin = await staff(backend)
-    async with receiving(gone) as receiver:
+    async with receiving(gone_once) as receiver:
         hook = (await register_webhook(admin, {"webhook_url": receiver.url})).json()
         await post_event(client, order_event(offering, event_id="e2e-gone"))
         await receiver.wait_for(1)

@@ -7,12 +7,13 @@ from __future__ import annotations
 import time
 import uuid
 
-import asyncpg
 import httpx
 import pytest
 from aiohttp import web
+from sqlalchemy import text
 
 from queuekeeper.config import Settings
+from queuekeeper.db import create_engine
 from tests.consumers.scopes import SERVICE, staff
 from tests.events.support import order_event, post_event
 from tests.helpers import Backend
@@ -21,6 +22,7 @@ from tests.webhooks.support import (
     consumer_row,
     copies,
     eventually,
+    gone_once,
     receiving,
 )
 from tests.webhooks.test_registration import register_webhook
@@ -76,10 +78,6 @@ async def test_an_update_that_makes_copies_due_is_announced(
         assert receiver.ids() == ["idle-update", "idle-update"]
 
 
-async def gone_once(_request: web.Request, number: int) -> web.StreamResponse:
-    return web.Response(status=410 if number == 0 else 200)
-
-
 @pytest.mark.settings(**IDLE)
 async def test_copies_waiting_behind_a_gone_webhook_are_posted_once_it_is_updated(
     client: httpx.AsyncClient, backend: Backend, settings: Settings
@@ -116,12 +114,15 @@ async def test_copies_waiting_behind_a_gone_webhook_are_posted_once_it_is_update
 
 async def _due_now(settings: Settings, consumer: uuid.UUID) -> None:
     """The consumer's waiting copies due at once, as copies accepted while it was gone are."""
-    connection = await asyncpg.connect(settings.database_url.replace("+asyncpg", ""))
+    engine = create_engine(settings)
     try:
-        await connection.execute(
-            "UPDATE deliveries SET next_attempt_at = now() - interval '1 second' "
-            "WHERE consumer_uuid = $1 AND state = 'pending'",
-            consumer,
-        )
+        async with engine.begin() as connection:
+            await connection.execute(
+                text(
+                    "UPDATE deliveries SET next_attempt_at = now() - interval '1 second'"
+                    " WHERE consumer_uuid = :uuid AND state = 'pending'"
+                ),
+                {"uuid": consumer},
+            )
     finally:
-        await connection.close()
+        await engine.dispose()

@@ -807,11 +807,8 @@ class _Store:
         )
         self.copies = [(event_id, copy) for event_id, copy in planned if event_id in self.inserted]
         to_consumers = sum(1 for _, copy in self.copies if copy.consumer_uuid is not None)
-        # An increment takes the metric's lock: none for nothing to count.
-        if to_consumers:
-            _QUEUED_CONSUMER.inc(to_consumers)
-        if len(self.copies) > to_consumers:
-            _QUEUED_LEGACY.inc(len(self.copies) - to_consumers)
+        _QUEUED_CONSUMER.inc(to_consumers)
+        _QUEUED_LEGACY.inc(len(self.copies) - to_consumers)
         if self.lease is None:
             return []
         ids = {(event_id, queue or consumer): i for i, event_id, queue, consumer in returned}
@@ -891,13 +888,11 @@ class _Store:
                 if new and found.skipped:
                     _log_skipped(request.events[position], event_id, found)
             new_count = sum(1 for answer in answers if not answer.duplicate)
-            if new_count:
-                EVENTS_ACCEPTED.inc(new_count)
-            if len(answers) > new_count:
-                EVENTS_DUPLICATE.inc(len(answers) - new_count)
-            skipped = sum(a.skipped_unregistered for a in answers if not a.duplicate)
-            if skipped:
-                SKIPPED_UNREGISTERED.inc(skipped)
+            EVENTS_ACCEPTED.inc(new_count)
+            EVENTS_DUPLICATE.inc(len(answers) - new_count)
+            SKIPPED_UNREGISTERED.inc(
+                sum(answer.skipped_unregistered for answer in answers if not answer.duplicate)
+            )
             own = sum(
                 len(self.recipients[e].copies)
                 for e in set(self.event_ids[r])
