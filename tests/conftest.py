@@ -169,6 +169,11 @@ def _settings(database_url: str, request: pytest.FixtureRequest) -> Settings:
         "service_tokens": [SERVICE_TOKEN, SERVICE_TOKEN_OLD],
         "public_url": "http://testserver",
         "management_timeout": 5.0,
+        # Every test's app opens its connections anew. Under `make test` (four workers and
+        # an image build on two cores) a new PostgreSQL backend has taken over 5 s to
+        # start, and a test of concurrent registrations got the 503 of a connect timeout;
+        # the tests of an unreachable database refuse connections, which no timeout delays.
+        "database_connect_timeout": 30.0,
         "retry_after_seconds": 7,
     }
     return Settings(**{**fields, **(marker.kwargs if marker else {})})

@@ -65,6 +65,12 @@ class Settings(BaseSettings):
         ge=1,
         description="PostgreSQL connections kept per process (as many again may overflow).",
     )
+    database_connect_timeout: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds to open a PostgreSQL connection; a request that needs one and "
+        "does not get it in time answers 503.",
+    )
     amqp_url: str = Field(
         default="amqp://guest:guest@127.0.0.1:5672/",
         validation_alias=AliasChoices("QUEUEKEEPER_AMQP_URL", "RABBIT_URL", "amqp_url"),

@@ -37,7 +37,7 @@ def create_engine(settings: Settings, *, pool_size: int | None = None) -> AsyncE
         pool_size=size,
         max_overflow=size,
         pool_recycle=1800,  # never keep a connection past typical firewall idle timeouts
-        connect_args={"timeout": 5},
+        connect_args={"timeout": settings.database_connect_timeout},
         # Bound values (token digests, broker password hashes) stay out of SQL logs and
         # out of the text of database exceptions.
         hide_parameters=True,
