@@ -168,11 +168,12 @@ def _settings(database_url: str, request: pytest.FixtureRequest) -> Settings:
         "instance_name": f"qkt-{uuid.uuid4().hex[:10]}",
         "service_tokens": [SERVICE_TOKEN, SERVICE_TOKEN_OLD],
         "public_url": "http://testserver",
-        "management_timeout": 5.0,
-        # Every test's app opens its connections anew. Under `make test` (four workers and
-        # an image build on two cores) a new PostgreSQL backend has taken over 5 s to
-        # start, and a test of concurrent registrations got the 503 of a connect timeout;
-        # the tests of an unreachable database refuse connections, which no timeout delays.
+        # Generous, as the tests assert what happens, not how fast: under `make test` (four
+        # workers and an image build on two cores) a new PostgreSQL backend has taken over
+        # 5 s to start (a test of concurrent registrations got the 503 of a connect
+        # timeout), and a registration's broker calls took 5.5 s. The tests of an
+        # unreachable dependency refuse connections, or set a short timeout of their own.
+        "management_timeout": 15.0,
         "database_connect_timeout": 30.0,
         "retry_after_seconds": 7,
     }
