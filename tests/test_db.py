@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -27,6 +28,7 @@ from queuekeeper.events.repository import DELIVERIES, EVENTS
 from queuekeeper.models import User
 from tests.helpers import database_statements
 from tests.pg_refusing import at_port, refusing_postgres
+from tests.proxy import tcp_proxy
 
 BY_DIGEST = select(*db.columns_of(User), literal("fixed").label("constant")).where(
     User.token_hash == bindparam("digest")
@@ -136,6 +138,30 @@ async def test_a_refused_connection_is_a_dbapi_error_read_as_unreachable(
         finally:
             await engine.dispose()
     assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
+
+
+async def test_a_database_that_accepts_and_never_answers_is_unreachable_after_the_timeout(
+    settings: Settings,
+) -> None:
+    """A server that takes the connection and says nothing (a hung host, a stalled proxy):
+    the read gives up after `database_connect_timeout`, read as unreachable (a 503), rather
+    than waiting as long as the driver's own minute."""
+    with tcp_proxy(blackhole=True) as hang:
+        url = at_port(settings.database_url, hang.port)
+        engine = db.create_engine(
+            settings.model_copy(update={"database_url": url, "database_connect_timeout": 0.5})
+        )
+        started = time.monotonic()
+        try:
+            # asyncpg's TimeoutError, an OSError: the error handlers answer it 503.
+            with pytest.raises(TimeoutError) as raised:
+                await _read(engine, "x")
+        finally:
+            await engine.dispose()
+        waited = time.monotonic() - started
+    assert hang.accepted == 1
+    assert classify_database_error(raised.value) is DatabaseProblem.UNREACHABLE
+    assert 0.4 < waited < 4, waited
 
 
 async def test_every_connection_as_old_as_a_dead_one_is_replaced(
