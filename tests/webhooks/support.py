@@ -128,71 +128,78 @@ async def webhook_consumer(
     consumer = uuid.uuid4()
     secret = new_secret()
     name = webhook_queue_name(consumer)
-    engine = create_engine(settings)
-    try:
-        async with engine.begin() as connection:
-            await connection.execute(
-                text(
-                    "INSERT INTO event_consumers (uuid, user_uuid, object_types, queue_name,"
-                    " vhost, broker_state, auth_token_prefix, is_global, payload_filters,"
-                    " delivery, webhook_url, webhook_secret, last_error, created, modified)"
-                    " VALUES (:uuid, :owner, CAST(:types AS json), :name, :vhost, 'ok', '',"
-                    " false, '{}', 'webhook', :url, :secret, '', now(), now())"
-                ),
-                {
-                    "uuid": consumer,
-                    "owner": owner,
-                    "types": "[]" if not object_types else str(object_types).replace("'", '"'),
-                    "name": name,
-                    "vhost": owner.hex,
-                    "url": url,
-                    "secret": secret,
-                },
-            )
-            await connection.execute(
-                text(
-                    "INSERT INTO event_consumer_scopes (consumer_uuid, offering_uuid)"
-                    " VALUES (:consumer, :offering)"
-                ),
-                {"consumer": consumer, "offering": offering},
-            )
-    finally:
-        await engine.dispose()
+    await on_database(
+        settings,
+        (
+            "INSERT INTO event_consumers (uuid, user_uuid, object_types, queue_name,"
+            " vhost, broker_state, auth_token_prefix, is_global, payload_filters,"
+            " delivery, webhook_url, webhook_secret, last_error, created, modified)"
+            " VALUES (:uuid, :owner, CAST(:types AS json), :name, :vhost, 'ok', '',"
+            " false, '{}', 'webhook', :url, :secret, '', now(), now())",
+            {
+                "uuid": consumer,
+                "owner": owner,
+                "types": "[]" if not object_types else str(object_types).replace("'", '"'),
+                "name": name,
+                "vhost": owner.hex,
+                "url": url,
+                "secret": secret,
+            },
+        ),
+        (
+            "INSERT INTO event_consumer_scopes (consumer_uuid, offering_uuid)"
+            " VALUES (:consumer, :offering)",
+            {"consumer": consumer, "offering": offering},
+        ),
+    )
     return Hook(consumer, secret, name)
 
 
 async def consumer_row(settings: Settings, consumer: uuid.UUID) -> dict[str, Any]:
-    engine = create_engine(settings)
-    try:
-        async with engine.connect() as connection:
-            row = (
-                await connection.execute(
-                    text("SELECT * FROM event_consumers WHERE uuid = :uuid"), {"uuid": consumer}
-                )
-            ).one()
-    finally:
-        await engine.dispose()
-    return dict(row._mapping)
+    (row,) = await on_database(
+        settings, ("SELECT * FROM event_consumers WHERE uuid = :uuid", {"uuid": consumer})
+    )
+    return row
 
 
 async def copies(settings: Settings, consumer: uuid.UUID) -> list[dict[str, Any]]:
     """The consumer's copies in acceptance order."""
+    return await on_database(
+        settings,
+        (
+            "SELECT id, event_id, state, attempts, webhook, claimed_by, last_error,"
+            " next_attempt_at, replay FROM deliveries WHERE consumer_uuid = :uuid ORDER BY id",
+            {"uuid": consumer},
+        ),
+    )
+
+
+async def due_now(settings: Settings, consumer: uuid.UUID) -> None:
+    """The consumer's waiting copies due at once, as copies accepted while it was gone are."""
+    await on_database(
+        settings,
+        (
+            "UPDATE deliveries SET next_attempt_at = now() - interval '1 second'"
+            " WHERE consumer_uuid = :uuid AND state = 'pending'",
+            {"uuid": consumer},
+        ),
+    )
+
+
+async def on_database(
+    settings: Settings, *statements: tuple[str, dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Run `statements` in one transaction on an engine of their own (the test's database,
+    beside the app's); returns the last one's rows (none for a statement without)."""
     engine = create_engine(settings)
     try:
-        async with engine.connect() as connection:
-            rows = (
-                await connection.execute(
-                    text(
-                        "SELECT id, event_id, state, attempts, webhook, claimed_by, last_error,"
-                        " next_attempt_at, replay FROM deliveries WHERE consumer_uuid = :uuid"
-                        " ORDER BY id"
-                    ),
-                    {"uuid": consumer},
-                )
-            ).all()
+        async with engine.begin() as connection:
+            for statement, parameters in statements:
+                result = await connection.execute(text(statement), parameters)
+            rows = result.mappings().all() if result.returns_rows else []
     finally:
         await engine.dispose()
-    return [dict(row._mapping) for row in rows]
+    return [dict(row) for row in rows]
 
 
 async def eventually(

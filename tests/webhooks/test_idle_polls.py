@@ -10,10 +10,8 @@ import uuid
 import httpx
 import pytest
 from aiohttp import web
-from sqlalchemy import text
 
 from queuekeeper.config import Settings
-from queuekeeper.db import create_engine
 from tests.consumers.scopes import SERVICE, staff
 from tests.events.support import order_event, post_event
 from tests.helpers import Backend
@@ -21,6 +19,7 @@ from tests.webhooks.support import (
     WEBHOOK_SETTINGS,
     consumer_row,
     copies,
+    due_now,
     eventually,
     gone_once,
     receiving,
@@ -101,7 +100,7 @@ async def test_copies_waiting_behind_a_gone_webhook_are_posted_once_it_is_update
         waiting = await copies(settings, key)
         assert [c["state"] for c in waiting] == ["pending", "pending"]
         # Made due by nothing but the update: no copy's due time lies ahead.
-        await _due_now(settings, key)
+        await due_now(settings, key)
         updated = await client.post(
             f"/api/event-consumers/{hook['uuid']}/update_webhook/", json={}, headers=SERVICE
         )
@@ -110,19 +109,3 @@ async def test_copies_waiting_behind_a_gone_webhook_are_posted_once_it_is_update
         await receiver.wait_for(3, timeout=10.0)
         assert time.monotonic() - started < 10.0  # not the idle dispatcher's 30 s look
         assert receiver.ids() == ["gone-first", "gone-first", "gone-second"]
-
-
-async def _due_now(settings: Settings, consumer: uuid.UUID) -> None:
-    """The consumer's waiting copies due at once, as copies accepted while it was gone are."""
-    engine = create_engine(settings)
-    try:
-        async with engine.begin() as connection:
-            await connection.execute(
-                text(
-                    "UPDATE deliveries SET next_attempt_at = now() - interval '1 second'"
-                    " WHERE consumer_uuid = :uuid AND state = 'pending'"
-                ),
-                {"uuid": consumer},
-            )
-    finally:
-        await engine.dispose()
