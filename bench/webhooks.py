@@ -36,6 +36,7 @@ import secrets
 import sys
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from bench.single import generate
 from queuekeeper.broker.topology import webhook_queue_name
 from queuekeeper.config import Settings
 from queuekeeper.events.outbox import WEBHOOKS_DUE_CHANNEL
+from queuekeeper.events.outbox_postgres import WEBHOOK_DUE_NOW
 from queuekeeper.webhooks import signing
 
 CONSUMERS = int(os.environ.get("BENCH_WEBHOOK_CONSUMERS", "10"))
@@ -194,8 +196,8 @@ async def webhook_consumers(
 
 
 async def set_enabled(database: str, consumers: list[uuid.UUID], enabled: bool) -> None:
-    """Block or unblock the consumers; an unblocking is announced to the dispatchers as
-    `update_webhook` announces it (an idle dispatcher's own look may be seconds away)."""
+    """Block or unblock the consumers; an unblocking makes their copies due and announces
+    them by `update_webhook`'s own statement (an idle dispatcher's look may be seconds away)."""
     connection = await asyncpg.connect(database.replace("+asyncpg", ""))
     try:
         async with connection.transaction():
@@ -205,11 +207,10 @@ async def set_enabled(database: str, consumers: list[uuid.UUID], enabled: bool) 
                 consumers,
                 enabled,
             )
-            if enabled:
+            for consumer in consumers if enabled else []:
+                # The statement `update_webhook` runs (outbox.webhook_copies_due_now).
                 await connection.execute(
-                    "SELECT pg_notify($2, c::text) FROM unnest($1::uuid[]) AS c",
-                    consumers,
-                    WEBHOOKS_DUE_CHANNEL,
+                    WEBHOOK_DUE_NOW, consumer, datetime.now(UTC), WEBHOOKS_DUE_CHANNEL
                 )
     finally:
         await connection.close()
