@@ -24,7 +24,6 @@ import secrets
 import statistics
 import subprocess
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -153,7 +152,7 @@ def main() -> None:
     name = f"qk_bench_{uuid.uuid4().hex[:10]}"
     asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
     try:
-        with bench_database() as url, tempfile.TemporaryDirectory():
+        with bench_database() as url:
             other_url = f"{url.rsplit('/', 1)[0]}/{name}"
             _migrated(checkout, other_url)
             tag = secrets.token_hex(4)
