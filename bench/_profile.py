@@ -60,7 +60,11 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
             "request_id_from",
         ),
     ),
-    ("HTTP: routing (Starlette, FastAPI, lean path)", ("starlette/", "fastapi/", "lean.py")),
+    # `bare_app`: the raw HTTP pipeline's whole app (bench/_rawpipe.py).
+    (
+        "HTTP: routing (Starlette, FastAPI, lean path)",
+        ("starlette/", "fastapi/", "lean.py", "bare_app"),
+    ),
     (
         "validation (JSON, pydantic, payload rules)",
         ("lean.parsed", "model_validate", "/json/", "validate_payloads", "unstorable_body"),
@@ -68,7 +72,11 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
     ("answer encoding", ("_answer (", "model_dump_json")),
     ("events service (plan, bodies)", ("queuekeeper/events/service.py",)),
     ("intake: batching, futures, task", ("Intake.",)),
-    ("store: recipients + one insert", ("Outbox.store", "StoreUnit", "_Store.")),
+    # `stored_and_published`: the raw pipelines' insert (their publish is aio-pika's, below).
+    (
+        "store: recipients + one insert",
+        ("Outbox.store", "StoreUnit", "_Store.", "stored_and_published"),
+    ),
     ("hand-off to the relay", ("Relay.hand_over",)),
     ("gate: judged as it leaves", ("Relay.judged_now", "Outbox.access", "ParkingGate")),
     ("publish (aio-pika, framing)", ("AmqpPublisher", "Relay._publish_vhost", "aio_pika/")),

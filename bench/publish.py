@@ -38,7 +38,7 @@ import time
 import uuid
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aio_pika
 import asyncpg
@@ -460,11 +460,18 @@ def _pct(values: list[float], pct: float) -> float:
     )
 
 
+class Profiled(Protocol):
+    """What a profiler records: a process (the service's `serve`, or a raw pipeline's)."""
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None: ...
+
+
 class Profiler:
     """With BENCH_PROFILE_DIR set, py-spy records the service during each phase
     (collapsed stacks, one file per phase): how the figures below were explained."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Profiled) -> None:
         self.directory = os.environ.get("BENCH_PROFILE_DIR")
         self.service = service
 

@@ -12,6 +12,9 @@ BENCH_STEP_SECONDS (8) against
   raw: `bench/_rawpipe.py`, a process of its own doing per event an asyncpg
        INSERT + COMMIT, then an aio-pika persistent confirmed mandatory publish,
        then the answer (line protocol, no HTTP);
+  raw HTTP: the same process with `--http`: the same work behind uvicorn (httptools,
+       uvloop) and a bare ASGI app that parses the JSON body, posted to as the service is
+       (what an HTTP service cannot do without; the service's CPU above it is its own);
   queuekeeper: `queuekeeper serve` in each process model of BENCH_PROCESS_MODELS
        (`<accept workers>x<relay processes>`, default 1x0,1x1,2x1,1x2,2x2; 1x0 is one
        process with the relay in it), single events POSTed to /api/internal/events/
@@ -83,7 +86,7 @@ from queuekeeper.config import Settings
 RATES = [int(r) for r in os.environ.get("BENCH_RATES", "200,400,600,800,1000,1500").split(",")]
 STEP_SECONDS = float(os.environ.get("BENCH_STEP_SECONDS", "8"))
 RSS_SECONDS = float(os.environ.get("BENCH_RSS_SECONDS", "300"))
-PIPELINES = os.environ.get("BENCH_PIPELINES", "raw,queuekeeper").split(",")
+PIPELINES = os.environ.get("BENCH_PIPELINES", "raw,rawhttp,queuekeeper").split(",")
 # Process models of the service swept, `<accept workers>x<relay processes>` (0 relay
 # processes: the relay runs inside the one accept process).
 MODELS = os.environ.get("BENCH_PROCESS_MODELS", "1x0,1x1,2x1,1x2,2x2").split(",")
@@ -246,15 +249,23 @@ class Pipeline:
     confirm_times: Callable[[str], Awaitable[list[float]]] | None = None
 
 
+@dataclass
+class _Raw:
+    """A raw pipeline's process, for the profiler (BENCH_PROFILE_DIR)."""
+
+    process: subprocess.Popen[bytes] | None
+
+
 async def start_rawpipe(
-    dsn: str, queues: list[tuple[str, str]]
+    dsn: str, queues: list[tuple[str, str]], http: bool = False
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """`bench/_rawpipe.py` publishing each event to every (vhost, queue), once it is ready;
-    the process and its port."""
+    """`bench/_rawpipe.py` publishing each event to every (vhost, queue), once it is ready
+    (`http`: behind uvicorn); the process and its port."""
     port = free_port()
     targets = [part for vhost, queue in queues for part in (AMQP + vhost, queue)]
+    mode = ["--http"] if http else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench._rawpipe", str(port), dsn, *targets],
+        [sys.executable, "-m", "bench._rawpipe", *mode, str(port), dsn, *targets],
         stdout=subprocess.PIPE,
     )
     assert process.stdout is not None
@@ -601,6 +612,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     os.environ["BENCH_SERVICE_LOG"] = str(service_log)
     os.environ.setdefault("QUEUEKEEPER_LOG_FORMAT", "json")
     raw_process: subprocess.Popen[bytes] | None = None
+    raw_processes: list[subprocess.Popen[bytes]] = []
     consumers: list[Consumer] = []
     services: list[Service] = []
     models = [Model(*map(int, text.split("x"))) for text in MODELS]
@@ -614,6 +626,7 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     sessions = lambda: _sessions(dsn, database)  # noqa: E731
     await add_bystanders(dsn, BYSTANDERS)
     raw_steps: list[Step] = []
+    raw_http_steps: list[Step] = []
     rss: tuple[float, float, float] | None = None
     rss_rate = 0
     sliced: list[Model] = []
@@ -635,8 +648,38 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
                 "raw pipeline (asyncpg INSERT + COMMIT, then a confirmed publish, per event; "
                 f"{GENERATORS} generator process(es)):"
             )
-            raw_steps = await sweep(raw)
+            raw_steps = await Profiler(_Raw(raw_process)).record("single-raw", sweep(raw))
             raw_process.terminate()
+        if "rawhttp" in PIPELINES:
+            http_vhost, http_queue = f"{settings.instance_name}-rawhttp", "subscription_raw_http"
+            await provisioner.ensure_vhost(http_vhost)
+            await provisioner.ensure_queue(http_vhost, http_queue)
+            http_process, http_port = await start_rawpipe(
+                dsn, [(http_vhost, http_queue)], http=True
+            )
+            raw_processes.append(http_process)
+            http_consumer = Consumer()
+            consumers.append(http_consumer)
+            await http_consumer.start(http_vhost, http_queue)
+            http_pids = [http_process.pid]
+            body = {"offering_uuid": uuid.uuid4().hex, "object_type": "order"}
+            body |= {"event_id": "__ID__", "payload": _payload(700)}
+            raw_http = Pipeline(
+                "raw HTTP",
+                lambda: http_pids,
+                {"kind": "http", "port": http_port, "path": "/api/internal/events/"}
+                | {"token": TOKEN, "body": json.dumps(body)},
+                http_consumer,
+                sessions,
+            )
+            print(
+                "raw HTTP pipeline (the same work behind uvicorn and a bare ASGI app that "
+                "parses the JSON body):"
+            )
+            raw_http_steps = await Profiler(_Raw(http_process)).record(
+                "single-rawhttp", sweep(raw_http)
+            )
+            http_process.terminate()
 
         # --- queuekeeper, each process model ---------------------------------------------
         if "queuekeeper" in PIPELINES:
@@ -667,14 +710,15 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     finally:
         for consumer_ in consumers:
             await consumer_.close()
-        if raw_process is not None and raw_process.poll() is None:
-            raw_process.terminate()
+        for process in [raw_process, *raw_processes]:
+            if process is not None and process.poll() is None:
+                process.terminate()
         for service_ in services:
             await service_.stop()
         await remove_broker_objects(settings)
         await management.aclose()
     print(f"uptime after: {os.popen('uptime').read().strip()}")
-    report(raw_steps, models, rss, rss_rate, penalty)
+    report(raw_steps, models, rss, rss_rate, penalty, raw_http_steps)
     report_sliced(sliced)
 
 
@@ -702,6 +746,7 @@ def report(
     rss: tuple[float, float, float] | None,
     rss_rate: int,
     penalty: float,
+    raw_http_steps: list[Step] | None = None,
 ) -> None:
     raw_cap = capacity(raw_steps)
     top = RATES[-1]
@@ -747,9 +792,12 @@ def report(
         key=lambda pair: pair[0].cpu_ms,
     )
     raw200 = next((s for s in raw_steps if s.rate == at200.rate), Step(rate=0))
+    http200 = next((s for s in raw_http_steps or [] if s.rate == at200.rate), None)
+    http_text = "" if http200 is None else f"; raw HTTP pipeline {http200.cpu_ms:.2f} ms"
     print(
         f"GOAL 2 service CPU per single event at {at200.rate}/s, over every process of the "
-        f"service: {at200.cpu_ms:.2f} ms ({name}; raw pipeline {raw200.cpu_ms:.2f} ms; "
+        f"service: {at200.cpu_ms:.2f} ms ({name}; raw pipeline {raw200.cpu_ms:.2f} ms"
+        f"{http_text}; "
         f"{at200.cpu_ms / penalty:.2f} ms with this machine's pacing penalty x{penalty:.2f} "
         f"taken out); goal <= 1.0 ms: {'met' if at200.cpu_ms <= 1.0 else 'NOT met'}"
     )
