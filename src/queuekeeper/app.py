@@ -7,13 +7,14 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
 import structlog
-from fastapi import Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi.telemetry import TelemetryConfig
 from prometheus_client import multiprocess
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.routing import BaseRoute
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from queuekeeper.admin.endpoints import router as runs_router
@@ -427,9 +428,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.root_path:
         # Added last, so outermost: everything inside sees the canonical path.
         app.add_middleware(PathPrefixMiddleware, prefix=settings.root_path)
+    # Built once per process, shared by every app made in it (decision 036).
+    app.router.routes.extend(_routes())
+    return app
+
+
+@cache
+def _routes() -> tuple[BaseRoute, ...]:
+    """The app's routes: each domain's router included, as `FastAPI.include_router` would
+    include it in the app, into a router that stands for the app's (the same operation ids,
+    no prefix or dependencies of its own). FastAPI resolves an included router's routes (the
+    dependencies, every parameter's validator) once per inclusion, at an app's start: made
+    here once, every app of the process shares them (docs/decisions/036-routes-built-once.md)."""
+    root = APIRouter(generate_unique_id_function=operation_id, strict_content_type=True)
     # First: the backend's accept routes are the busiest, and the router tries routes in
     # order. They check their input themselves (events/endpoints.py).
-    app.include_router(accept_router)
+    root.include_router(accept_router)
     # A NUL character or NaN/Infinity is a 400 naming the field, before any endpoint.
     checked = [Depends(reject_unstorable_input)]
     for router in (
@@ -451,8 +465,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         replay_router,
         queue_replay_router,
     ):
-        app.include_router(router, dependencies=checked)
-    return app
+        root.include_router(router, dependencies=checked)
+    return tuple(root.routes)
 
 
 def serve_app() -> FastAPI:
