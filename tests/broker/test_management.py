@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
 
 import httpx
@@ -305,3 +306,21 @@ async def test_real_broker_refusing_our_credentials_is_unavailable(settings: Set
             await client.get_vhost("/")
     finally:
         await client.aclose()
+
+
+def test_plain_http_builds_no_trust_store_and_would_refuse_any_certificate() -> None:
+    """Loading the system's CA store cost ~25 ms of CPU for every client made; over plain
+    HTTP nothing is verified, so none is loaded, and the context given trusts no CA."""
+    plain = Settings(management_url="http://127.0.0.1:15672")
+    context = management._ssl_context(plain)
+    assert isinstance(context, ssl.SSLContext)
+    assert context.verify_mode is ssl.CERT_REQUIRED
+    assert context.check_hostname
+    assert context.cert_store_stats()["x509_ca"] == 0
+    # Over HTTPS the system's store is loaded, and switching checks off is explicit.
+    secure = Settings(management_url="https://127.0.0.1:15671")
+    verified = management._ssl_context(secure)
+    assert isinstance(verified, ssl.SSLContext)
+    assert verified.verify_mode is ssl.CERT_REQUIRED
+    assert verified.cert_store_stats()["x509_ca"] > 0
+    assert management._ssl_context(secure.model_copy(update={"tls_verify": False})) is False
