@@ -45,7 +45,7 @@ class Readiness(BaseModel):
                                 "10.0.0.2:5672": {
                                     "ok": False,
                                     "seconds": 0.001,
-                                    "error": "AMQPConnectionError: [Errno 111] Connect call failed",
+                                    "error": "AMQPConnectionError: [Errno 111] Connection refused",
                                 },
                             },
                         },
