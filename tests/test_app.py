@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
+import uvloop
 from fastapi import FastAPI
 from fastapi.routing import iter_route_contexts
 
@@ -78,3 +80,9 @@ def test_the_shared_routes_are_what_including_each_router_in_the_app_makes(
     assert included.router.generate_unique_id_function is operation_id
     assert shared.openapi() == included.openapi()
     assert _shape(shared) == _shape(included)
+
+
+async def test_the_suite_runs_on_the_loop_serve_runs_on() -> None:
+    """uvicorn runs `serve` on uvloop; the suite's tests and apps run on it too
+    (tests/conftest.py, `pytest_asyncio_loop_factories`)."""
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
