@@ -97,7 +97,7 @@ async def test_the_blocked_reason_on_each_row_the_database_tells(
         state.sessions, fine[0].vhost, fine[1]["queue_name"], consumers=0, away_for=5
     )
 
-    with database_statements(state.engine) as statements:
+    with database_statements(state.engine, own_only=True) as statements:
         listed = await client.get(CONSUMERS, headers=SERVICE)
     assert listed.status_code == 200
     reasons = {row["rmq_username"]: row["delivery_blocked_reason"] for row in listed.json()}
@@ -109,7 +109,7 @@ async def test_the_blocked_reason_on_each_row_the_database_tells(
         fine[1]["rmq_username"]: None,  # away for less than park_after: not yet parking
     }
     # Batched: the same statements for five rows as for one.
-    with database_statements(state.engine) as single:
+    with database_statements(state.engine, own_only=True) as single:
         await client.get(CONSUMERS, params={"user_uuid": fine[0].uuid.hex}, headers=SERVICE)
     assert len(statements) == len(single), (statements, single)
     one = await client.get(f"{CONSUMERS}{away[1]['rmq_username']}/", headers=SERVICE)

@@ -188,7 +188,7 @@ async def test_recipients_stay_three_statements_with_consumers(
     def batch(offering: uuid.UUID) -> list[dict[str, Any]]:
         return [order_event(offering) for _ in range(10)] + [resource_event(offering)]
 
-    with database_statements(app.state.queuekeeper.engine) as statements:
+    with database_statements(app.state.queuekeeper.engine, own_only=True) as statements:
         statements.clear()
         assert (await post_batch(client, batch(small_offering))).status_code == 202
         few = len(statements)

@@ -365,7 +365,7 @@ async def test_recipient_lookup_costs_the_same_queries_for_any_fan_out(
         ]
         return events
 
-    with database_statements(app.state.queuekeeper.engine) as statements:
+    with database_statements(app.state.queuekeeper.engine, own_only=True) as statements:
         statements.clear()
         response = await post_batch(client, batch(small.offering))
         assert response.status_code == 202

@@ -63,7 +63,7 @@ async def test_a_repeat_call_reads_the_database_twice(app: FastAPI, backend: Bac
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
     assert (await agent.create_queue(subscription["uuid"], offering)).status_code == 201
-    with database_statements(app.state.queuekeeper.engine) as statements:
+    with database_statements(app.state.queuekeeper.engine, own_only=True) as statements:
         again = await agent.create_queue(subscription["uuid"], offering)
     assert again.status_code == 200
     assert len(statements) == 2, [s[:120] for s in statements]
@@ -177,7 +177,7 @@ async def test_a_new_queue_is_four_statements(app: FastAPI, backend: Backend) ->
     statements)."""
     agent, offering = await backend.agent_with_offering()
     subscription = await agent.create_subscription()
-    with database_statements(app.state.queuekeeper.engine) as statements:
+    with database_statements(app.state.queuekeeper.engine, own_only=True) as statements:
         created = await agent.create_queue(subscription["uuid"], offering)
     assert created.status_code == 201
     assert len(statements) == 4, [s[:120] for s in statements]
