@@ -111,6 +111,7 @@ async def test_the_blocked_reason_on_each_row_the_database_tells(
     # Batched: the same statements for five rows as for one.
     with database_statements(state.engine, own_only=True) as single:
         await client.get(CONSUMERS, params={"user_uuid": fine[0].uuid.hex}, headers=SERVICE)
+    assert single  # the request's own statements were counted
     assert len(statements) == len(single), (statements, single)
     one = await client.get(f"{CONSUMERS}{away[1]['rmq_username']}/", headers=SERVICE)
     assert one.json()["delivery_blocked_reason"] == "agent_away"
