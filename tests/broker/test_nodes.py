@@ -6,6 +6,7 @@ blackholed (accepts, never answers), and opened again (the node comes back).
 
 from __future__ import annotations
 
+import errno
 import time
 import uuid
 
@@ -13,6 +14,7 @@ import aio_pika
 import pytest
 from pydantic import ValidationError
 
+from queuekeeper.broker.amqp import CONNECT_ERRORS, BrokerUnreachable, connect_vhost
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.nodes import NodeList
 from queuekeeper.broker.provisioner import Provisioner
@@ -175,3 +177,18 @@ async def test_every_node_down_is_unreachable_and_the_publisher_recovers(
         await publisher.close()
         first.close()
         second.close()
+
+
+async def test_no_node_taking_the_connection_names_every_node_tried_and_what_it_said() -> None:
+    """On uvloop (serve's loop) a refused connection says only "Connection refused": the
+    error a caller reports (a copy's reason, a job's failure) names the nodes itself."""
+    ports = [free_port(), free_port()]
+    nodes = NodeList("amqp", [f"amqp://guest:guest@127.0.0.1:{p}/" for p in ports], 60)
+    with pytest.raises(BrokerUnreachable) as caught:
+        await connect_vhost(nodes, "/", connect_timeout=2, ssl_context=None)
+    said = str(caught.value)
+    for port in ports:
+        assert f"127.0.0.1:{port}: " in said
+    assert said.count(f"[Errno {errno.ECONNREFUSED}]") == 2
+    assert isinstance(caught.value, CONNECT_ERRORS)  # every caller's handling still holds
+    assert isinstance(caught.value.__cause__, CONNECT_ERRORS)

@@ -13,7 +13,7 @@ import aio_pika
 import aiormq
 from aio_pika.abc import AbstractConnection
 
-from queuekeeper.broker.nodes import NodeList
+from queuekeeper.broker.nodes import NodeList, node_label
 from queuekeeper.config import Settings
 
 # What a connection attempt raises when the node is down or hangs (aio-pika's "closed"
@@ -57,6 +57,16 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
+class BrokerUnreachable(aiormq.exceptions.AMQPConnectionError):
+    """No node took the connection: names each node tried with what it answered, whatever
+    the error's own words say (asyncio's loop names the address, "Connect call failed
+    ('host', port)"; uvloop, which `serve` runs on, does not: "[Errno 111] Connection
+    refused"). The last node's error is its cause."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 async def connect_vhost(
     nodes: NodeList,
     vhost: str,
@@ -72,6 +82,7 @@ async def connect_vhost(
     last failure is raised when none took it.
     """
     last: BaseException | None = None
+    failures: list[str] = []
     for node in nodes.order():
         try:
             connection = await aio_pika.connect(
@@ -82,9 +93,10 @@ async def connect_vhost(
                 nodes.answered(node)
                 raise
             nodes.failed(node, describe(exc))
+            failures.append(f"{node_label(node)}: {describe(exc)}")
             last = exc
             continue
         nodes.answered(node)
         return connection, node
     assert last is not None  # NodeList is never empty
-    raise last
+    raise BrokerUnreachable("; ".join(failures)) from last
