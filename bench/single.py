@@ -605,14 +605,46 @@ async def run_model(
     return service
 
 
+async def sweep_raw(
+    settings: Settings,
+    provisioner: Provisioner,
+    dsn: str,
+    sessions: Callable[[], Awaitable[int]],
+    consumers: list[Consumer],
+    *,
+    http: bool,
+) -> list[Step]:
+    """Sweep `bench/_rawpipe.py` (`http`: behind uvicorn, posted to as the service is) with a
+    queue and a consumer of its own; py-spy records it with BENCH_PROFILE_DIR."""
+    name = "rawhttp" if http else "raw"
+    vhost, queue = f"{settings.instance_name}-{name}", f"subscription_{name}_single"
+    await provisioner.ensure_vhost(vhost)
+    await provisioner.ensure_queue(vhost, queue)
+    process, port = await start_rawpipe(dsn, [(vhost, queue)], http=http)
+    try:
+        consumer = Consumer()
+        consumers.append(consumer)  # closed by the caller
+        await consumer.start(vhost, queue)
+        target: dict[str, Any] = {"kind": "raw", "port": port}
+        if http:
+            body = {"offering_uuid": uuid.uuid4().hex, "object_type": "order"}
+            body |= {"event_id": "__ID__", "payload": _payload(700)}
+            target = {"kind": "http", "port": port, "path": "/api/internal/events/"}
+            target |= {"token": TOKEN, "body": json.dumps(body)}
+        pipeline = Pipeline(
+            "raw HTTP" if http else "raw", lambda: [process.pid], target, consumer, sessions
+        )
+        return await Profiler(_Raw(process)).record(f"single-{name}", sweep(pipeline))
+    finally:
+        process.terminate()
+
+
 async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     database = dsn.rsplit("/", 1)[1]
     management = ManagementClient(settings)
     provisioner = Provisioner(management, settings, uuid.uuid4())
     os.environ["BENCH_SERVICE_LOG"] = str(service_log)
     os.environ.setdefault("QUEUEKEEPER_LOG_FORMAT", "json")
-    raw_process: subprocess.Popen[bytes] | None = None
-    raw_processes: list[subprocess.Popen[bytes]] = []
     consumers: list[Consumer] = []
     services: list[Service] = []
     models = [Model(*map(int, text.split("x"))) for text in MODELS]
@@ -631,55 +663,21 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     rss_rate = 0
     sliced: list[Model] = []
     try:
-        # --- raw pipeline ------------------------------------------------------------
+        # --- raw pipelines -----------------------------------------------------------
         if "raw" in PIPELINES:
-            raw_vhost, raw_queue = f"{settings.instance_name}-raw", "subscription_raw_single"
-            await provisioner.ensure_vhost(raw_vhost)
-            await provisioner.ensure_queue(raw_vhost, raw_queue)
-            raw_process, raw_port = await start_rawpipe(dsn, [(raw_vhost, raw_queue)])
-            raw_consumer = Consumer()
-            consumers.append(raw_consumer)
-            await raw_consumer.start(raw_vhost, raw_queue)
-            raw_pids = [raw_process.pid]
-            raw = Pipeline(
-                "raw", lambda: raw_pids, {"kind": "raw", "port": raw_port}, raw_consumer, sessions
-            )
             print(
                 "raw pipeline (asyncpg INSERT + COMMIT, then a confirmed publish, per event; "
                 f"{GENERATORS} generator process(es)):"
             )
-            raw_steps = await Profiler(_Raw(raw_process)).record("single-raw", sweep(raw))
-            raw_process.terminate()
+            raw_steps = await sweep_raw(settings, provisioner, dsn, sessions, consumers, http=False)
         if "rawhttp" in PIPELINES:
-            http_vhost, http_queue = f"{settings.instance_name}-rawhttp", "subscription_raw_http"
-            await provisioner.ensure_vhost(http_vhost)
-            await provisioner.ensure_queue(http_vhost, http_queue)
-            http_process, http_port = await start_rawpipe(
-                dsn, [(http_vhost, http_queue)], http=True
-            )
-            raw_processes.append(http_process)
-            http_consumer = Consumer()
-            consumers.append(http_consumer)
-            await http_consumer.start(http_vhost, http_queue)
-            http_pids = [http_process.pid]
-            body = {"offering_uuid": uuid.uuid4().hex, "object_type": "order"}
-            body |= {"event_id": "__ID__", "payload": _payload(700)}
-            raw_http = Pipeline(
-                "raw HTTP",
-                lambda: http_pids,
-                {"kind": "http", "port": http_port, "path": "/api/internal/events/"}
-                | {"token": TOKEN, "body": json.dumps(body)},
-                http_consumer,
-                sessions,
-            )
             print(
                 "raw HTTP pipeline (the same work behind uvicorn and a bare ASGI app that "
                 "parses the JSON body):"
             )
-            raw_http_steps = await Profiler(_Raw(http_process)).record(
-                "single-rawhttp", sweep(raw_http)
+            raw_http_steps = await sweep_raw(
+                settings, provisioner, dsn, sessions, consumers, http=True
             )
-            http_process.terminate()
 
         # --- queuekeeper, each process model ---------------------------------------------
         if "queuekeeper" in PIPELINES:
@@ -710,9 +708,6 @@ async def run(settings: Settings, dsn: str, service_log: Path) -> None:
     finally:
         for consumer_ in consumers:
             await consumer_.close()
-        for process in [raw_process, *raw_processes]:
-            if process is not None and process.poll() is None:
-                process.terminate()
         for service_ in services:
             await service_.stop()
         await remove_broker_objects(settings)
