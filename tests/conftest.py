@@ -85,22 +85,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # structlog's own defaults, but a plain traceback: its default renders an exception with
-    # rich and every frame's locals, and a test of a database outage logged one of 1,200
-    # lines every few seconds (most of a core while the outage lasted). Every level stays,
-    # for a failing test's captured output; `capture_logs` replaces these in a test.
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.StackInfoRenderer(),
-            structlog.dev.set_exc_info,
-            structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
-            structlog.dev.ConsoleRenderer(
-                colors=False, exception_formatter=structlog.dev.plain_traceback
-            ),
-        ]
+    # structlog's own defaults, but a plain traceback: its default renderer draws an
+    # exception with rich and every frame's locals, and a test of a database outage logged
+    # one of 1,200 lines every few seconds (most of a core while the outage lasted). Every
+    # level stays, for a failing test's captured output; `capture_logs` replaces these.
+    *processors, _renderer = structlog.get_config()["processors"]
+    plain = structlog.dev.ConsoleRenderer(
+        colors=False, exception_formatter=structlog.dev.plain_traceback
     )
+    structlog.configure(processors=[*processors, plain])
     # QK_CPU_PROFILE=<file>: each test's CPU and the brokers' (tests/cpu_profile.py).
     if os.environ.get("QK_CPU_PROFILE"):
         from tests.cpu_profile import CpuProfile
