@@ -193,7 +193,7 @@ def serve(
     from queuekeeper.common.processes import shared_directory
     from queuekeeper.logging import configure_logging
     from queuekeeper.supervisor import Supervisor, process_counts
-    from queuekeeper.workers import freeze_startup_objects
+    from queuekeeper.workers import freeze_startup_objects, server_options
 
     settings = _settings()
     configure_logging(settings)
@@ -222,16 +222,7 @@ def serve(
         raise typer.Exit(supervisor.run())
     freeze_startup_objects()
     uvicorn.run(
-        "queuekeeper.app:serve_app",
-        factory=True,
-        host=bind_host,
-        port=bind_port,
-        log_config=None,
-        # queuekeeper logs each request itself, with its request id.
-        access_log=False,
-        # The app itself believes X-Forwarded-For only from QUEUEKEEPER_FORWARDED_ALLOW_IPS
-        # (uvicorn's own default would trust any loopback peer).
-        proxy_headers=False,
+        "queuekeeper.app:serve_app", host=bind_host, port=bind_port, **server_options(settings)
     )
 
 

@@ -131,6 +131,14 @@ class Settings(BaseSettings):
         description="Address `queuekeeper serve` listens on (`0.0.0.0` in a container).",
     )
     port: int = Field(default=8000, description="Port `queuekeeper serve` listens on.")
+    http_keep_alive_seconds: int = Field(
+        default=75,
+        ge=1,
+        description="Seconds `serve` keeps an idle HTTP connection open. Above the idle time "
+        "of every client and proxy in front (httpx, which agents use, keeps one 5 s; nginx's "
+        "upstream 60 s): a connection the server closes as a client reuses it fails that "
+        "request (docs/decisions/037-http-keep-alive.md).",
+    )
     retry_after_seconds: int = Field(
         default=5, ge=1, description="`Retry-After` sent with a 503 when the broker is down."
     )

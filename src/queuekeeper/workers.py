@@ -31,6 +31,21 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def server_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options, the same in `serve`'s one process and in each accept worker."""
+    return {
+        "factory": True,
+        "log_config": None,
+        # queuekeeper logs each request itself, with its request id.
+        "access_log": False,
+        # The app itself believes X-Forwarded-For only from QUEUEKEEPER_FORWARDED_ALLOW_IPS
+        # (uvicorn's own default would trust any loopback peer).
+        "proxy_headers": False,
+        # uvicorn's 5 s is httpx's own idle limit: the two raced (decision 037).
+        "timeout_keep_alive": settings.http_keep_alive_seconds,
+    }
+
+
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
     """Run a long-lived process's loop on uvloop, as uvicorn runs the accept workers' (the
     relay's CPU per event is a third lower than on asyncio's loop), or asyncio's where
@@ -79,7 +94,8 @@ def accept_worker(fd: int, supervisor: int) -> None:
     """An accept worker: uvicorn on the socket the supervisor bound."""
     import uvicorn
 
-    configure_logging(get_settings())
+    settings = get_settings()
+    configure_logging(settings)
     # The supervisor died before prctl took effect. Compared with its pid, not with 1: in
     # a container the supervisor may be pid 1 itself.
     if os.getppid() != supervisor:
@@ -87,12 +103,7 @@ def accept_worker(fd: int, supervisor: int) -> None:
     sock = socket.socket(fileno=fd)
     freeze_startup_objects()
     config = uvicorn.Config(
-        "queuekeeper.app:serve_app",
-        factory=True,
-        log_config=None,
-        access_log=False,  # queuekeeper logs each request itself
-        proxy_headers=False,  # see cli.serve
-        timeout_graceful_shutdown=5,
+        "queuekeeper.app:serve_app", **server_options(settings), timeout_graceful_shutdown=5
     )
     uvicorn.Server(config).run(sockets=[sock])
 

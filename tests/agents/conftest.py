@@ -25,11 +25,13 @@ async def server(settings: Settings, clean_state: None) -> AsyncIterator[Server]
     port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     log = RequestLog(create_app(settings.model_copy(update={"public_url": url})))
-    # A test's client sits idle while an agent starts (5 s and more on a loaded machine):
-    # with uvicorn's 5 s keep-alive the server closed the idle connection just as the client
-    # sent its next request on it ("Server disconnected without sending a response").
+    # The agents meet `serve`'s keep-alive, as in production (decision 037).
     config = uvicorn.Config(
-        log, lifespan="on", log_level="warning", access_log=False, timeout_keep_alive=120
+        log,
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=settings.http_keep_alive_seconds,
     )
     uvicorn_server = uvicorn.Server(config)
     task = asyncio.create_task(uvicorn_server.serve(sockets=[sock]))

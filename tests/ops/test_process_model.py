@@ -122,6 +122,34 @@ async def _ready(served: Served, timeout: float = 60.0) -> dict[str, object]:
     raise AssertionError(f"not ready with 4 processes: {body}\n{served.log.read_text()[-3000:]}")
 
 
+async def _answers_after_idle(base: str, idle: float) -> bool:
+    """Whether a connection that answered once still answers after `idle` seconds unused."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    request = f"GET /healthz HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    try:
+        for attempt in range(2):
+            if attempt:
+                await asyncio.sleep(idle)
+            try:
+                writer.write(request)
+                status = await reader.readline()
+            except ConnectionResetError:  # closed by the server while idle, then reset
+                return False
+            if not status:  # closed by the server while idle
+                return False
+            assert status.startswith(b"HTTP/1.1 200"), status
+            length = 0
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+            await reader.readexactly(length)
+        return True
+    finally:
+        writer.close()
+
+
 def _total(text: str, name: str) -> float:
     return sum(
         sample.value
@@ -274,9 +302,10 @@ async def test_serve_on_two_cores_is_one_process_with_the_relay_inside_by_defaul
     settings: Settings, tmp_path: Path, clean_state: None
 ) -> None:
     """Neither QUEUEKEEPER_ACCEPT_WORKERS nor QUEUEKEEPER_RELAY_PROCESSES set, 2 cores to
-    run on: no supervisor, no child, and the relay starts in the one process."""
+    run on: no supervisor, no child, and the relay starts in the one process. An idle
+    connection is kept for QUEUEKEEPER_HTTP_KEEP_ALIVE_SECONDS, then closed."""
     cpus = set(sorted(os.sched_getaffinity(0))[:2])
-    for served in _serve(settings, tmp_path, cpus):
+    for served in _serve(settings, tmp_path, cpus, QUEUEKEEPER_HTTP_KEEP_ALIVE_SECONDS="2"):
         deadline = time.monotonic() + 60
         async with httpx.AsyncClient(base_url=served.base, timeout=5) as client:
             while True:
@@ -289,6 +318,11 @@ async def test_serve_on_two_cores_is_one_process_with_the_relay_inside_by_defaul
                     pass
                 await asyncio.sleep(0.2)
             body = (await client.get("/readyz")).json()
+        idle_briefly, idle_long = await asyncio.gather(
+            _answers_after_idle(served.base, 1.0), _answers_after_idle(served.base, 3.0)
+        )
+        assert idle_briefly, "closed before QUEUEKEEPER_HTTP_KEEP_ALIVE_SECONDS"
+        assert not idle_long, "kept past QUEUEKEEPER_HTTP_KEEP_ALIVE_SECONDS"
         assert "processes" not in body["checks"]
         children = Path(f"/proc/{served.process.pid}/task/{served.process.pid}/children")
         assert children.read_text().split() == []
