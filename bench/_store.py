@@ -38,7 +38,7 @@ from queuekeeper.events.outbox_postgres import (
     INSERT_ACCEPTED,
     RECIPIENTS,
     KeptConnection,
-    column_arrays,
+    column_values,
 )
 from queuekeeper.events.schemas import EventIn
 from queuekeeper.logging import configure_logging
@@ -136,15 +136,15 @@ async def _run(url: str) -> None:
             "created": now,
         }
         await floor.fetch(
-            INSERT_ACCEPTED[False],
+            INSERT_ACCEPTED[False, True],  # the form for one event with one copy
             [offering],
             ["order"],
             now,
             [],
             [],
             digest,
-            *column_arrays([event], EVENT_COLUMNS),
-            *column_arrays([copy], DELIVERY_COLUMNS),
+            *column_values(event, EVENT_COLUMNS),
+            *column_values(copy, DELIVERY_COLUMNS),
         )
 
     ways = {

@@ -226,9 +226,7 @@ _WRITE = (
     INSERT INTO events (event_id, offering_uuid, offering_uuids, object_type, payload,
                         user_uuids, queued, skipped_unregistered, accepted, project_uuid,
                         subject_user_uuid)
-    SELECT * FROM unnest($7::varchar[], $8::uuid[], $9::json[], $10::varchar[], $11::json[],
-                         $12::json[], $13::int[], $14::int[], $15::timestamptz[],
-                         $16::uuid[], $17::uuid[])
+    {events}
     WHERE (SELECT digest FROM fresh) = $6
     ON CONFLICT DO NOTHING
     RETURNING event_id
@@ -241,12 +239,9 @@ _WRITE = (
            c.next_attempt_at, c.created, (SELECT epoch FROM fresh), """  # noqa: S608 - the module's constants
     + webhook_copy_sql("c.consumer_uuid", "c.queue_name")
     + """
-    FROM unnest($18::varchar[], $19::uuid[], $20::uuid[], $21::varchar[], $22::varchar[],
-                $23::uuid[], $24::varchar[], $25::int[], $26::varchar[],
-                $27::timestamptz[], $28::timestamptz[], $29::timestamptz[])
-         WITH ORDINALITY AS c(event_id, queue_uuid, consumer_uuid, queue_name, vhost,
-                              offering_uuid, state, attempts, claimed_by, claimed_until,
-                              next_attempt_at, created, position)
+    FROM {copies} AS c(event_id, queue_uuid, consumer_uuid, queue_name, vhost,
+                       offering_uuid, state, attempts, claimed_by, claimed_until,
+                       next_attempt_at, created, position)
     WHERE c.event_id IN (SELECT event_id FROM new_events)
     ORDER BY c.position
     RETURNING id, event_id, queue_uuid, consumer_uuid
@@ -260,7 +255,37 @@ UNION ALL
 SELECT 'd', event_id, id, queue_uuid, consumer_uuid FROM copies
 """
 )
-INSERT_ACCEPTED = {keyed: _FRESH.replace("{rows}", rows) + _WRITE for keyed, rows in _FORMS}
+# The SQL types of EVENT_COLUMNS ($7 on) and DELIVERY_COLUMNS (after them), in their order.
+_EVENT_TYPES: tuple[str, ...] = ("varchar", "uuid", "json", "varchar", "json", "json")
+_EVENT_TYPES += ("int", "int", "timestamptz", "uuid", "uuid")
+_COPY_TYPES: tuple[str, ...] = ("varchar", "uuid", "uuid", "varchar", "varchar", "uuid")
+_COPY_TYPES += ("varchar", "int", "varchar", "timestamptz", "timestamptz", "timestamptz")
+
+
+def _parameters(first: int, types: Sequence[str], suffix: str) -> str:
+    return ", ".join(f"${first + k}::{kind}{suffix}" for k, kind in enumerate(types))
+
+
+def _insert_accepted(rows: str, one: bool) -> str:
+    """INSERT_ACCEPTED's text: the events and copies as one array per column, or, for `one`
+    event with one copy, as one value per column. asyncpg encodes a one-element array at
+    several times a value's cost: 0.19 against 0.14 ms of CPU per single event's store
+    (docs/decisions/017-single-event-cost.md)."""
+    first_copy = 7 + len(_EVENT_TYPES)
+    if one:
+        events = "SELECT " + _parameters(7, _EVENT_TYPES, "")
+        copies = "(SELECT " + _parameters(first_copy, _COPY_TYPES, "") + ", 1)"
+    else:
+        events = "SELECT * FROM unnest(" + _parameters(7, _EVENT_TYPES, "[]") + ")"  # noqa: S608 - constants
+        copies = "unnest(" + _parameters(first_copy, _COPY_TYPES, "[]") + ") WITH ORDINALITY"
+    write = _WRITE.replace("{events}", events).replace("{copies}", copies)
+    return _FRESH.replace("{rows}", rows) + write
+
+
+# Keyed by (whether the request names projects or subject users, one event with one copy).
+INSERT_ACCEPTED = {
+    (keyed, one): _insert_accepted(rows, one) for keyed, rows in _FORMS for one in (False, True)
+}
 
 # The access now (`access_sql`): one row, `access ax`, read once per statement.
 _ACCESS = "access AS (SELECT " + access_sql("{now}") + ")"
@@ -1051,15 +1076,21 @@ DELIVERY_COLUMNS = (
 )
 
 
-def column_arrays(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[list[Any]]:
-    """The rows as one array per column, in the INSERT's order; json columns as text
-    (`payload` is given as its JSON text)."""
+def column_values(row: Mapping[str, Any], columns: Sequence[str]) -> list[Any]:
+    """The row's values in the INSERT's order; json columns as text (`payload` is given as
+    its JSON text)."""
     return [
-        [None if row[name] is None else json.dumps(row[name]) for row in rows]
+        (None if row[name] is None else json.dumps(row[name]))
         if name in _JSON_COLUMNS
-        else [row[name] for row in rows]
+        else row[name]
         for name in columns
     ]
+
+
+def column_arrays(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[list[Any]]:
+    """The rows as one array per column, in the INSERT's order (`column_values`' values)."""
+    values = [column_values(row, columns) for row in rows]
+    return [[row[k] for row in values] for k in range(len(columns))]
 
 
 def _decoded(value: Any) -> Any:
@@ -1169,16 +1200,26 @@ class StoreUnit:
             _EPOCH,
             _EMPTY_DIGEST,
         )
+        one = len(events) == 1 and len(copies) == 1
         records = await self.driver.fetch(
-            INSERT_ACCEPTED[bool(in_projects or about)],
+            INSERT_ACCEPTED[bool(in_projects or about), one],
             asked,
             types,
             now,
             in_projects,
             about,
             digest,
-            *column_arrays(events, EVENT_COLUMNS),
-            *column_arrays(copies, DELIVERY_COLUMNS),
+            *(
+                (
+                    *column_values(events[0], EVENT_COLUMNS),
+                    *column_values(copies[0], DELIVERY_COLUMNS),
+                )
+                if one
+                else (
+                    *column_arrays(events, EVENT_COLUMNS),
+                    *column_arrays(copies, DELIVERY_COLUMNS),
+                )
+            ),
         )
         found = next(record for record in records if record[0] == "g")
         if found[1] != digest:
