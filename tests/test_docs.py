@@ -264,3 +264,46 @@ def test_no_tracked_file_points_outside_the_repository() -> None:
     links = [line.split("\t", 1)[1] for line in listing if line.startswith("120000")]
     outside = [link for link in links if not (ROOT / link).resolve().is_relative_to(ROOT.resolve())]
     assert not outside
+
+
+# `docs/benchmarks.md, "What limits the goals"`: a section cited by its title. With `at
+# <commit>` it is a past version's (a decision record's figures), not checked here.
+SECTION = re.compile(r'([A-Za-z0-9_./-]+\.md)( at [0-9a-f]{7,40})?, "([^"]+)"')
+
+
+def cited_sections() -> Iterator[tuple[str, str]]:
+    """(where, citation) for each section the README or a doc (decision records included)
+    cites by title that its file has no heading for."""
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = " ".join(doc.read_text(encoding="utf-8").split())  # titles wrap across lines
+        for match in SECTION.finditer(text):
+            name, past, title = match.groups()
+            if past:
+                continue
+            target = next(
+                (
+                    base / name
+                    for base in (doc.parent, ROOT, ROOT / "docs")
+                    if (base / name).is_file()
+                ),
+                None,
+            )
+            headings = (
+                []
+                if target is None
+                else [
+                    " ".join(line.lstrip("#").split())
+                    for line in target.read_text(encoding="utf-8").splitlines()
+                    if line.startswith("#")
+                ]
+            )
+            if not any(heading.startswith(title) for heading in headings):
+                yield str(doc.relative_to(ROOT)), match.group(0)
+
+
+def test_every_section_cited_by_title_is_a_heading_of_its_file() -> None:
+    """A section moved or renamed leaves its citations pointing nowhere; a decision record
+    that means the figures of its day cites the commit (`docs/benchmarks.md at 5e73739,
+    "Issue 32"`)."""
+    missing = list(cited_sections())
+    assert not missing, "\n".join(f"  {where}: {what}" for where, what in missing)
