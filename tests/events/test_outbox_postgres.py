@@ -29,7 +29,8 @@ from tests.helpers import Backend, database_statements
 def _rows(recipient: Any, now: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     event_id = uuid.uuid4().hex
     later = now + timedelta(days=1)  # held, and not due: no relay of the app takes it
-    event = {
+    # Every column given: a value where the row has one, else None.
+    event = dict.fromkeys(EVENT_COLUMNS) | {
         "event_id": event_id,
         "offering_uuid": recipient["uuid"],
         "offering_uuids": [recipient["uuid"].hex],
@@ -39,13 +40,10 @@ def _rows(recipient: Any, now: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         "queued": 1,
         "skipped_unregistered": 0,
         "accepted": now,
-        "project_uuid": None,
-        "subject_user_uuid": None,
     }
-    copy = {
+    copy = dict.fromkeys(DELIVERY_COLUMNS) | {
         "event_id": event_id,
         "queue_uuid": recipient["queue_uuid"],
-        "consumer_uuid": None,
         "queue_name": recipient["queue_name"],
         "vhost": recipient["vhost"],
         "offering_uuid": recipient["uuid"],
