@@ -10,7 +10,6 @@ import errno
 import time
 import uuid
 
-import aio_pika
 import pytest
 from pydantic import ValidationError
 
@@ -18,7 +17,7 @@ from queuekeeper.broker.amqp import CONNECT_ERRORS, BrokerUnreachable, connect_v
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.nodes import NodeList
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.broker.publisher import AmqpPublisher, Outgoing
+from queuekeeper.broker.publisher import AmqpPublisher, Outgoing, json_message
 from queuekeeper.broker.verdict import Outcome
 from queuekeeper.config import Settings
 from tests.proxy import TcpProxy, free_port
@@ -104,7 +103,7 @@ def _publisher(settings: Settings, *nodes: TcpProxy, **changes: object) -> AmqpP
 
 
 def _one(message_id: str) -> list[Outgoing]:
-    return [Outgoing(QUEUE, aio_pika.Message(b"{}", message_id=message_id, delivery_mode=2))]
+    return [json_message(QUEUE, b"{}", message_id=message_id, headers={})]
 
 
 async def test_publisher_skips_a_closed_node_and_comes_back_to_it(

@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from datetime import UTC, datetime
 
 import aio_pika
+import aiormq
 import pytest
+from aio_pika.abc import HeadersType
+from pamqp.header import ContentHeader
 
 from queuekeeper.broker import publisher as publisher_module
 from queuekeeper.broker.management import ManagementClient
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.broker.publisher import AmqpPublisher, Outgoing
+from queuekeeper.broker.publisher import AmqpPublisher, Outgoing, json_message
 from queuekeeper.broker.verdict import Outcome
 from queuekeeper.config import Settings
 from queuekeeper.observability.metrics import AMQP_POOL_SIZE, AMQP_RECONNECTS
@@ -35,8 +39,34 @@ async def _vhost_with_queue(provisioner: Provisioner, *queues: str) -> str:
     return vhost
 
 
-def _message(message_id: str) -> aio_pika.Message:
-    return aio_pika.Message(b"{}", message_id=message_id, delivery_mode=2)
+def _message(queue: str, message_id: str) -> Outgoing:
+    return json_message(queue, b"{}", message_id=message_id, headers={})
+
+
+def test_a_json_message_carries_on_the_wire_what_aio_pikas_message_carried() -> None:
+    """`json_message` builds the properties without an `aio_pika.Message`: the frame that
+    carries them is byte for byte the one such a message made (consumers see no change)."""
+    accepted = datetime(2026, 12, 7, 12, 30, 15, tzinfo=UTC)
+    headers: HeadersType = {"offering_uuid": uuid.uuid4().hex, "object_type": "order"}
+    ours = json_message(
+        QUEUE, b"{}", message_id="e-1", headers=headers, timestamp=accepted, message_type="order"
+    )
+    theirs = aio_pika.Message(
+        b"{}",
+        content_type="application/json",
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id="e-1",
+        timestamp=accepted,
+        type="order",
+        app_id="queuekeeper",
+        headers=headers,
+    )
+
+    def frame(properties: aiormq.spec.Basic.Properties) -> bytes:
+        return ContentHeader(properties=properties, body_size=2).marshal()
+
+    assert frame(ours.properties) == frame(theirs.properties)
+    assert (ours.routing_key, ours.body, ours.message_id) == (QUEUE, b"{}", "e-1")
 
 
 async def test_outcomes_confirmed_rejected_returned(
@@ -51,9 +81,9 @@ async def test_outcomes_confirmed_rejected_returned(
         results = await publisher.publish(
             vhost,
             [
-                Outgoing(QUEUE, _message("a")),
-                Outgoing(QUEUE, _message("b")),  # the queue holds one: nacked
-                Outgoing("subscription_missing", _message("c")),  # no such queue: returned
+                _message(QUEUE, "a"),
+                _message(QUEUE, "b"),  # the queue holds one: nacked
+                _message("subscription_missing", "c"),  # no such queue: returned
             ],
         )
     finally:
@@ -81,9 +111,9 @@ async def test_a_nack_is_judged_by_the_queue_on_the_broker_and_kept_when_it_cann
             outcomes[name] = await publisher.publish(
                 vhost,
                 [
-                    Outgoing(QUEUE, _message(f"{name}-1")),  # fills the queue, or finds it full
-                    Outgoing(QUEUE, _message(f"{name}-2")),  # nacked: the queue holds one
-                    Outgoing("subscription_missing", _message(f"{name}-3")),
+                    _message(QUEUE, f"{name}-1"),  # fills the queue, or finds it full
+                    _message(QUEUE, f"{name}-2"),  # nacked: the queue holds one
+                    _message("subscription_missing", f"{name}-3"),
                 ],
             )
         finally:
@@ -114,7 +144,7 @@ async def test_copies_of_one_event_in_one_vhost_are_told_apart(
         for missing in range(len(queues) + 1):
             names = [q if n != missing else "subscription_gone" for n, q in enumerate(queues)]
             results = await publisher.publish(
-                vhost, [Outgoing(name, _message("same-event")) for name in names]
+                vhost, [_message(name, "same-event") for name in names]
             )
             expected = [
                 Outcome.RETURNED if n == missing else Outcome.CONFIRMED for n in range(len(names))
@@ -131,14 +161,14 @@ async def test_unreachable_broker_and_refused_vhost(
     down = AmqpPublisher(
         settings.model_copy(update={"amqp_url": f"amqp://guest:guest@127.0.0.1:{free_port()}/"})
     )
-    results = await down.publish("any", [Outgoing(QUEUE, _message("x"))])
+    results = await down.publish("any", [_message(QUEUE, "x")])
     assert results[0].outcome is Outcome.UNREACHABLE
     assert down.open_connections == 0
     await down.close()
 
     publisher = AmqpPublisher(settings)
     try:
-        results = await publisher.publish(uuid.uuid4().hex, [Outgoing(QUEUE, _message("y"))])
+        results = await publisher.publish(uuid.uuid4().hex, [_message(QUEUE, "y")])
     finally:
         await publisher.close()
     assert results[0].outcome is Outcome.VHOST_REFUSED
@@ -151,12 +181,12 @@ async def test_the_pool_is_bounded_and_closes_the_least_recently_used(
     publisher = AmqpPublisher(settings.model_copy(update={"amqp_pool_size": 2}))
     try:
         for vhost in vhosts[:2]:
-            await publisher.publish(vhost, [Outgoing(QUEUE, _message("1"))])
-        await publisher.publish(vhosts[0], [Outgoing(QUEUE, _message("2"))])  # 0 is now fresher
-        await publisher.publish(vhosts[2], [Outgoing(QUEUE, _message("3"))])
+            await publisher.publish(vhost, [_message(QUEUE, "1")])
+        await publisher.publish(vhosts[0], [_message(QUEUE, "2")])  # 0 is now fresher
+        await publisher.publish(vhosts[2], [_message(QUEUE, "3")])
         assert list(publisher._pool) == [vhosts[0], vhosts[2]]
         assert AMQP_POOL_SIZE._value.get() == 2
-        results = await publisher.publish(vhosts[1], [Outgoing(QUEUE, _message("4"))])
+        results = await publisher.publish(vhosts[1], [_message(QUEUE, "4")])
         assert results[0].outcome is Outcome.CONFIRMED
         assert list(publisher._pool) == [vhosts[2], vhosts[1]]
 
@@ -174,15 +204,13 @@ async def test_a_lost_connection_is_reopened(settings: Settings, provisioner: Pr
     proxy.start()
     publisher = AmqpPublisher(settings.model_copy(update={"amqp_url": proxy.amqp_url()}))
     try:
-        first = await publisher.publish(vhost, [Outgoing(QUEUE, _message("before"))])
+        first = await publisher.publish(vhost, [_message(QUEUE, "before")])
         assert first[0].outcome is Outcome.CONFIRMED
         before = AMQP_RECONNECTS._value.get()
         proxy.sever()
         outcomes = []
         for attempt in range(50):
-            results = await publisher.publish(
-                vhost, [Outgoing(QUEUE, _message(f"after-{attempt}"))]
-            )
+            results = await publisher.publish(vhost, [_message(QUEUE, f"after-{attempt}")])
             outcomes.append(results[0].outcome)
             if results[0].outcome is Outcome.CONFIRMED:
                 break
@@ -205,11 +233,9 @@ async def test_confirms_are_awaited_together_not_one_round_trip_each(
     proxy.start()
     publisher = AmqpPublisher(settings.model_copy(update={"amqp_url": proxy.amqp_url()}))
     try:
-        await publisher.publish(vhost, [Outgoing(QUEUE, _message("warm-up"))])
+        await publisher.publish(vhost, [_message(QUEUE, "warm-up")])
         started = time.perf_counter()
-        results = await publisher.publish(
-            vhost, [Outgoing(QUEUE, _message(f"m-{n}")) for n in range(100)]
-        )
+        results = await publisher.publish(vhost, [_message(QUEUE, f"m-{n}") for n in range(100)])
         elapsed = time.perf_counter() - started
     finally:
         await publisher.close()

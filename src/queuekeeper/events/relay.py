@@ -38,13 +38,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-import aio_pika
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
-from queuekeeper.broker.publisher import AmqpPublisher, Outgoing
+from queuekeeper.broker.publisher import AmqpPublisher, Outgoing, json_message
 from queuekeeper.broker.verdict import Outcome, Result
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
@@ -85,17 +84,15 @@ _TRIED_FAILED = DELIVERY_ATTEMPTS.labels(kind="queue", outcome="failed", status_
 HoldBack = Callable[[str, list[Claimed]], Awaitable[list[Claimed]]]
 
 
-def event_message(item: Claimed) -> aio_pika.Message:
+def event_message(item: Claimed) -> Outgoing:
     """contract §6: the stored body, and the properties consumers rely on."""
     offering = item.copy_offering_uuid or item.offering_uuid
-    return aio_pika.Message(
+    return json_message(
+        item.queue_name,
         message_body(item),
-        content_type="application/json",
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         message_id=item.event_id,
         timestamp=item.accepted,
-        type=item.object_type,
-        app_id="queuekeeper",
+        message_type=item.object_type,
         headers={
             # An identity event without an offering has none (contract §12).
             **({"offering_uuid": offering.hex} if offering is not None else {}),
@@ -483,7 +480,7 @@ class Relay(DeliveryLoop):
     ) -> list[tuple[Claimed, Result, int]]:
         """Each copy's answer, and how long the vhost's batch took to be answered (ms): each
         copy's attempt, as its attempt log keeps it."""
-        outgoing = [Outgoing(item.queue_name, event_message(item)) for item in items]
+        outgoing = [event_message(item) for item in items]
         started = time.perf_counter()
         try:
             results = await self.publisher.publish(vhost, outgoing)
