@@ -92,7 +92,7 @@ def json_message(
 ) -> Outgoing:
     """A persistent JSON message from queuekeeper. Its properties are what an
     `aio_pika.Message` with these values sends (priority 0 included), made without one:
-    that object checks each attribute it is given, 10 µs of CPU per message
+    that object checks each attribute it is given, about 10 µs of CPU per message
     (docs/decisions/017-single-event-cost.md)."""
     return Outgoing(
         routing_key,

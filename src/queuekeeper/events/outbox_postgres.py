@@ -268,8 +268,8 @@ def _parameters(first: int, types: Sequence[str], suffix: str) -> str:
 
 def _insert_accepted(rows: str, one: bool) -> str:
     """INSERT_ACCEPTED's text: the events and copies as one array per column, or, for `one`
-    event with one copy, as one value per column. asyncpg encodes a one-element array at
-    several times a value's cost: 0.19 against 0.14 ms of CPU per single event's store
+    event with one copy, as one value per column: asyncpg's encoding of 23 one-element
+    arrays made a single event's write cost 0.19 ms of CPU against 0.14 ms with values
     (docs/decisions/017-single-event-cost.md)."""
     first_copy = 7 + len(_EVENT_TYPES)
     if one:
