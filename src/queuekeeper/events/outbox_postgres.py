@@ -1076,21 +1076,24 @@ DELIVERY_COLUMNS = (
 )
 
 
+def _json_text(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
 def column_values(row: Mapping[str, Any], columns: Sequence[str]) -> list[Any]:
     """The row's values in the INSERT's order; json columns as text (`payload` is given as
     its JSON text)."""
-    return [
-        (None if row[name] is None else json.dumps(row[name]))
-        if name in _JSON_COLUMNS
-        else row[name]
-        for name in columns
-    ]
+    return [_json_text(row[name]) if name in _JSON_COLUMNS else row[name] for name in columns]
 
 
 def column_arrays(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> list[list[Any]]:
-    """The rows as one array per column, in the INSERT's order (`column_values`' values)."""
-    values = [column_values(row, columns) for row in rows]
-    return [[row[k] for row in values] for k in range(len(columns))]
+    """The rows as one array per column, in the INSERT's order; json columns as text."""
+    return [
+        [_json_text(row[name]) for row in rows]
+        if name in _JSON_COLUMNS
+        else [row[name] for row in rows]
+        for name in columns
+    ]
 
 
 def _decoded(value: Any) -> Any:
@@ -1201,6 +1204,11 @@ class StoreUnit:
             _EMPTY_DIGEST,
         )
         one = len(events) == 1 and len(copies) == 1
+        rows = (
+            column_values(events[0], EVENT_COLUMNS) + column_values(copies[0], DELIVERY_COLUMNS)
+            if one
+            else column_arrays(events, EVENT_COLUMNS) + column_arrays(copies, DELIVERY_COLUMNS)
+        )
         records = await self.driver.fetch(
             INSERT_ACCEPTED[bool(in_projects or about), one],
             asked,
@@ -1209,17 +1217,7 @@ class StoreUnit:
             in_projects,
             about,
             digest,
-            *(
-                (
-                    *column_values(events[0], EVENT_COLUMNS),
-                    *column_values(copies[0], DELIVERY_COLUMNS),
-                )
-                if one
-                else (
-                    *column_arrays(events, EVENT_COLUMNS),
-                    *column_arrays(copies, DELIVERY_COLUMNS),
-                )
-            ),
+            *rows,
         )
         found = next(record for record in records if record[0] == "g")
         if found[1] != digest:

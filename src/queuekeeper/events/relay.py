@@ -44,6 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from queuekeeper.broker.management import ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
 from queuekeeper.broker.publisher import AmqpPublisher, Outgoing, json_message
+from queuekeeper.broker.sieve import EVENT_HEADER, OFFERING_HEADER
 from queuekeeper.broker.verdict import Outcome, Result
 from queuekeeper.common.signals import OutboxSignals, Signal
 from queuekeeper.config import Settings
@@ -95,9 +96,9 @@ def event_message(item: Claimed) -> Outgoing:
         message_type=item.object_type,
         headers={
             # An identity event without an offering has none (contract §12).
-            **({"offering_uuid": offering.hex} if offering is not None else {}),
+            **({OFFERING_HEADER: offering.hex} if offering is not None else {}),
             "object_type": item.object_type,
-            "event_id": item.event_id,
+            EVENT_HEADER: item.event_id,
             # A string: RabbitMQ's STOMP adapter drops boolean AMQP headers (contract §11).
             **({REPLAY_HEADER: "true"} if item.replay else {}),
         },
