@@ -226,8 +226,9 @@ class RunningAgent:
     def received(self) -> list[dict[str, Any]]:
         if not self.record.exists():
             return []
-        lines = self.record.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
+        # The agent's process may be writing a line as it is read: only whole lines count.
+        whole, _partial = self.record.read_text().rpartition("\n")[::2]
+        return [json.loads(line) for line in whole.splitlines() if line.strip()]
 
     async def wait_received(self, count: int, timeout: float = 20.0) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
