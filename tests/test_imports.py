@@ -173,3 +173,28 @@ def test_lower_layers_import_nothing_above_them(module: str, below: set[str]) ->
         for target in targets
     }
     assert imports - {package_of(module)} <= below
+
+
+# What speaks to RabbitMQ over AMQP: its client libraries.
+AMQP_LIBRARIES = ("aio_pika", "aiormq", "pamqp")
+
+
+def third_party(path: Path) -> Iterator[str]:
+    """The top-level names of what the module at `path` imports from outside queuekeeper."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            yield node.module.partition(".")[0]
+
+
+def test_only_the_broker_package_speaks_amqp() -> None:
+    """RabbitMQ's names and rules live in `broker/`: no other package imports an AMQP client,
+    so a change of client, or of what the broker answers, is made in one place."""
+    speaking = {
+        name
+        for name, path in module_names().items()
+        if any(library in AMQP_LIBRARIES for library in third_party(path))
+    }
+    assert "queuekeeper.broker.publisher" in speaking  # the check sees such imports
+    assert {name for name in speaking if package_of(name) != "broker"} == set()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from aio_pika.abc import AbstractIncomingMessage
 from fastapi import FastAPI
 from sqlalchemy import delete
 
+from queuekeeper.broker.deadletters import DeadLetter
 from queuekeeper.deadletters.service import Verdict, VhostRedrive
 from queuekeeper.models import Role
 from tests.consumers.scopes import role, scopes, tree
@@ -48,7 +48,7 @@ async def test_a_role_deleted_after_the_judgment_stops_the_redrive(
     judge = VhostRedrive.judge
     revoked: list[Verdict] = []
 
-    async def judged_then_revoked(self: VhostRedrive, incoming: AbstractIncomingMessage) -> Verdict:
+    async def judged_then_revoked(self: VhostRedrive, incoming: DeadLetter) -> Verdict:
         verdict = await judge(self, incoming)
         if verdict.kind == "redrive" and not revoked:
             revoked.append(verdict)

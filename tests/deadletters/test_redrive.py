@@ -13,7 +13,9 @@ import aio_pika
 import pytest
 from aio_pika.exceptions import DeliveryError
 
+from queuekeeper.broker.deadletters import DeadLetter
 from queuekeeper.config import Settings
+from queuekeeper.deadletters.service import Verdict, VhostRedrive
 from tests.brokers import BROKER
 from tests.helpers import Agent, Backend, Operator
 from tests.stomp_client import StompConsumer
@@ -219,3 +221,83 @@ async def test_redrive_of_a_vhost_not_ours_is_404(backend: Backend, operator: Op
     run = await operator.redrive(agent.vhost)  # one of ours: fine
     assert run["status"] == "succeeded"
     assert run["found"] == {}  # its dead-letter queue is empty
+
+
+async def test_a_queue_deleted_before_the_copy_goes_back_is_reported_gone_not_full(
+    backend: Backend, operator: Operator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy is published mandatory: with its queue deleted after the run looked at it,
+    the broker returns it unrouted. The dead letter stays, and the run says the queue
+    vanished (a return is a kind of refusal in aio-pika: it was once reported as full)."""
+    agent, _, queues = await agent_with_queue(backend)
+    queue = queues["order"]
+    assert await publish(agent.vhost, queue, event("m-1"))
+    assert await publish(agent.vhost, queue, event("m-2"))
+    assert not await publish(agent.vhost, queue, event("m-3"))
+    await wait_for_depth(agent.vhost, DLQ, 1)
+    connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
+    async with connection:
+        await (await (await connection.channel()).get_queue(queue, ensure=False)).purge()
+
+    judge = VhostRedrive.judge
+
+    async def judged_then_deleted(self: VhostRedrive, message: DeadLetter) -> Verdict:
+        verdict = await judge(self, message)
+        assert verdict.kind == "redrive", verdict
+        deleting = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
+        async with deleting:
+            await (await deleting.channel()).queue_delete(queue)  # gone before the publish
+        return verdict
+
+    monkeypatch.setattr(VhostRedrive, "judge", judged_then_deleted)
+    run = await operator.redrive()
+
+    assert run["changed"] == {}, run
+    assert [failure["reason"] for failure in run["failures"]] == [
+        "unroutable: the queue vanished; it stays in the dead-letter queue"
+    ]
+    assert await depth(agent.vhost, DLQ) == 1
+
+
+async def test_two_dead_letters_of_one_id_are_told_apart_when_one_comes_back_unrouted(
+    backend: Backend, operator: Operator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copies of one event in two queues die with one message_id. Redriven in one batch, the
+    copy for a queue deleted meanwhile is returned unrouted; aiormq books a return by the
+    id, so the two are never in flight together: the other goes back and is acknowledged,
+    the returned one stays."""
+    agent, _, queues = await agent_with_queue(backend, ("order", "resource"))
+    for queue in queues.values():
+        assert await publish(agent.vhost, queue, event("m-1"))
+        assert await publish(agent.vhost, queue, event("m-2"))
+        assert not await publish(agent.vhost, queue, event("same"))
+    await wait_for_depth(agent.vhost, DLQ, 2)
+    connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
+    async with connection:
+        channel = await connection.channel()
+        for queue in queues.values():
+            await (await channel.get_queue(queue, ensure=False)).purge()
+
+    judge = VhostRedrive.judge
+    judged: list[str] = []
+
+    async def judged_then_deleted(self: VhostRedrive, message: DeadLetter) -> Verdict:
+        verdict = await judge(self, message)
+        assert verdict.kind == "redrive", verdict
+        judged.append(message.message_id)
+        if len(judged) == 2:  # both in the batch: the order queue goes before the publish
+            deleting = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
+            async with deleting:
+                await (await deleting.channel()).queue_delete(queues["order"])
+        return verdict
+
+    monkeypatch.setattr(VhostRedrive, "judge", judged_then_deleted)
+    run = await operator.redrive()
+
+    assert judged == ["same", "same"]
+    assert run["changed"] == {"redriven": 1}, run
+    [failure] = run["failures"]
+    assert failure["item"] == f"{agent.vhost}/{queues['order']}"
+    assert failure["reason"].startswith("unroutable")
+    assert await depth(agent.vhost, queues["resource"]) == 1
+    assert await depth(agent.vhost, DLQ) == 1

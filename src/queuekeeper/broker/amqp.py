@@ -53,6 +53,11 @@ def vhost_refused(exc: BaseException) -> bool:
     return isinstance(exc, aiormq.exceptions.InvalidFrameError) and "Connection.OpenOk" in str(exc)
 
 
+def connection_lost(exc: BaseException) -> bool:
+    """No AMQP connection to a node, or it went: nothing to do in the vhost until one is back."""
+    return isinstance(exc, aiormq.exceptions.AMQPConnectionError)
+
+
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 

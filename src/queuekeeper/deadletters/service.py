@@ -1,7 +1,7 @@
 """Dead-letter redrive: move dead letters back to their queue, or give them up with a record.
 
-Per vhost of ours, over AMQP: take messages off the dead-letter queue one at a
-time (`basic.get`, unacknowledged), and for each decide:
+Per vhost of ours: take messages off the dead-letter queue one at a time, held
+unacknowledged (the AMQP side is `broker/deadletters.py`), and for each decide:
 
 - its original queue (the `x-death` header) is registered, present and has
   room: publish a copy there (persistent, mandatory, confirmed) and only then
@@ -35,14 +35,12 @@ from functools import partial
 from typing import Any, Literal
 
 import structlog
-from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractIncomingMessage
-from aio_pika.exceptions import ChannelNotFoundEntity, DeliveryError, PublishError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from queuekeeper.broker import census, topology
-from queuekeeper.broker.amqp import amqp_nodes, amqp_ssl_context, connect_vhost
+from queuekeeper.broker.deadletters import DeadLetter, DeadLetterQueue, QueueFull, Unroutable
 from queuekeeper.broker.provisioner import Provisioner
-from queuekeeper.broker.sieve import EVENT_HEADER, OFFERING_HEADER, copy_of
+from queuekeeper.broker.sieve import EVENT_HEADER, OFFERING_HEADER
 from queuekeeper.config import Settings
 from queuekeeper.deadletters import repository
 from queuekeeper.deadletters.schemas import DeadLetterQueueOut, DeadLettersOut, GivenUpOut
@@ -131,17 +129,9 @@ async def redrive(
             run.fail(only, "no such vhost of this installation")
             return
         vhosts = [only]
-    nodes = amqp_nodes(context.settings)
     for done, vhost in enumerate(vhosts, 1):
-        async with run.item(vhost):
-            connection, _node = await connect_vhost(
-                nodes,
-                vhost,
-                connect_timeout=context.settings.management_timeout,
-                ssl_context=amqp_ssl_context(context.settings),
-            )
-            async with connection:
-                await VhostRedrive(context, run, vhost, connection, queue).execute()
+        async with run.item(vhost), DeadLetterQueue.open(context.settings, vhost) as dlq:
+            await VhostRedrive(context, run, vhost, dlq, queue).execute()
         run.report("vhosts", done, len(vhosts))
 
 
@@ -151,40 +141,31 @@ class VhostRedrive:
         context: JobContext,
         run: Run,
         vhost: str,
-        connection: AbstractConnection,
+        dlq: DeadLetterQueue,
         queue: str | None = None,
     ) -> None:
         self.context, self.settings, self.run = context, context.settings, run
-        self.vhost, self.connection = vhost, connection
+        self.vhost, self.dlq = vhost, dlq
         self.queue = queue
         self.targets: dict[str, Target] = {}
-        self.held: list[AbstractIncomingMessage] = []
+        self.held: list[DeadLetter] = []
         self.now = utcnow()
-        self.probe: AbstractChannel | None = None
 
     async def execute(self) -> None:
         settings = self.settings
-        # Passive declares of missing queues close their channel: they get one of their own.
-        self.probe = await self.connection.channel(publisher_confirms=False)
-        try:
-            declared = await self.probe.declare_queue(settings.dlq_name, passive=True)
-        except ChannelNotFoundEntity:
+        depth = await self.dlq.depth()
+        if depth is None:
             self.run.find("dead_letter_queues_missing")
             return
-        depth = declared.declaration_result.message_count or 0
         self.run.find("dead_letters", depth)
         if not depth:
             return
-        channel = await self.connection.channel(publisher_confirms=True, on_return_raises=True)
-        dlq = await channel.get_queue(settings.dlq_name, ensure=False)
-        redrives: list[tuple[AbstractIncomingMessage, str]] = []
-        give_ups: list[tuple[AbstractIncomingMessage, GivenUpDeadLetter]] = []
+        redrives: list[tuple[DeadLetter, str]] = []
+        give_ups: list[tuple[DeadLetter, GivenUpDeadLetter]] = []
         try:
             wanted = min(depth, settings.redrive_max_messages)
             for taken in range(wanted):
-                message = await dlq.get(
-                    no_ack=False, fail=False, timeout=settings.management_timeout
-                )
+                message = await self.dlq.take()
                 if message is None:
                     # Fewer than declared: another reader (a dead-letter census, another redrive)
                     # holds the rest unacknowledged for now; a release must try again.
@@ -193,13 +174,6 @@ class VhostRedrive:
                 self.run.find("examined")
                 verdict = await self.judge(message)
                 if verdict.kind == "redrive" and verdict.origin:
-                    # aiormq matches a basic.return to its publish by message_id: two copies
-                    # with one id in flight on a channel could book a return against the
-                    # wrong copy and ack one that went nowhere. Settle the batch first.
-                    if message.message_id and any(
-                        pending.message_id == message.message_id for pending, _ in redrives
-                    ):
-                        await self.flush_redrives(channel, redrives)
                     redrives.append((message, verdict.origin))
                 elif verdict.kind == "give_up":
                     give_ups.append((message, self._record(message, verdict)))
@@ -207,24 +181,24 @@ class VhostRedrive:
                     self.run.find(f"left_{verdict.code}")
                     self.held.append(message)
                 if len(redrives) >= BATCH:
-                    await self.flush_redrives(channel, redrives)
+                    await self.flush_redrives(redrives)
                 if len(give_ups) >= BATCH:
                     await self.flush_give_ups(give_ups)
-            await self.flush_redrives(channel, redrives)
+            await self.flush_redrives(redrives)
             await self.flush_give_ups(give_ups)
         finally:
             # Back to the dead-letter queue, in order (a closed channel would do it too).
             for message in self.held:
                 with suppress(Exception):
-                    await message.nack(requeue=True)
+                    await message.give_back()
 
-    async def judge(self, message: AbstractIncomingMessage) -> Verdict:
+    async def judge(self, message: DeadLetter) -> Verdict:
         settings = self.settings
-        headers = dict(message.headers or {})
+        headers = message.headers
         deaths = census.deaths(headers)
         origin = census.origin(headers, deaths)
         redriven = _int(headers.get(REDRIVE_HEADER))
-        born = _aware(message.timestamp) or _first_death(deaths)
+        born = message.timestamp or _first_death(deaths)
         if not origin:
             if self.queue is not None:
                 return Verdict("leave", None, "other_queue")
@@ -312,14 +286,8 @@ class VhostRedrive:
         target = Target(registered=registered, present=False, away=away)
         if registered:
             await self.judge_owner(name, target, self.now)
-        if registered:
-            assert self.probe is not None
-            try:
-                declared = await self.probe.declare_queue(name, passive=True)
-                target.present = True
-                target.depth = declared.declaration_result.message_count or 0
-            except ChannelNotFoundEntity:
-                self.probe = await self.connection.channel(publisher_confirms=False)
+            depth = await self.dlq.depth(name)
+            target.present, target.depth = depth is not None, depth or 0
         self.targets[name] = target
         return target
 
@@ -332,9 +300,7 @@ class VhostRedrive:
         target.offerings, target.every_offering = frozenset(offerings), every
         target.epoch, target.judged_at = epoch, now
 
-    async def judged_now(
-        self, batch: list[tuple[AbstractIncomingMessage, str]]
-    ) -> list[tuple[AbstractIncomingMessage, str]]:
+    async def judged_now(self, batch: list[tuple[DeadLetter, str]]) -> list[tuple[DeadLetter, str]]:
         """The batch's dead letters whose owner may receive them as the directory stands
         now: one statement proves each queue's judgment still holds (the access epoch
         unchanged, no role or token expired since); the queues it cannot prove are judged
@@ -342,8 +308,8 @@ class VhostRedrive:
         now = utcnow()
         async with self.context.sessions() as session:
             epoch, expired = await repository.access(session, now)
-        kept: list[tuple[AbstractIncomingMessage, str]] = []
-        refused: list[tuple[AbstractIncomingMessage, GivenUpDeadLetter]] = []
+        kept: list[tuple[DeadLetter, str]] = []
+        refused: list[tuple[DeadLetter, GivenUpDeadLetter]] = []
         judged: set[str] = set()
         for message, origin in batch:
             target = self.targets[origin]
@@ -353,7 +319,7 @@ class VhostRedrive:
             if not proven and origin not in judged:
                 await self.judge_owner(origin, target, now)
                 judged.add(origin)
-            headers = dict(message.headers or {})
+            headers = message.headers
             if origin not in judged or await self.authorized(origin, target, headers):
                 kept.append((message, origin))
             else:
@@ -362,29 +328,26 @@ class VhostRedrive:
         await self.flush_give_ups(refused)
         return kept
 
-    async def flush_redrives(
-        self, channel: AbstractChannel, batch: list[tuple[AbstractIncomingMessage, str]]
-    ) -> None:
+    async def flush_redrives(self, batch: list[tuple[DeadLetter, str]]) -> None:
         if not batch:
             return
         batch[:] = await self.judged_now(batch)
-        results = await asyncio.gather(
-            *(self._publish(channel, message, origin) for message, origin in batch),
-            return_exceptions=True,
+        results = await self.dlq.publish(
+            [(message, origin, _redriven_headers(message)) for message, origin in batch]
         )
         for (message, origin), result in zip(batch, results, strict=True):
             item = f"{self.vhost}/{origin}"
-            if isinstance(result, BaseException):
+            if result is not None:
                 self.held.append(message)
                 target = self.targets[origin]
                 target.sent -= 1
-                if isinstance(result, DeliveryError):
+                if isinstance(result, QueueFull):
                     target.full = True
                     reason = (
                         "the queue refused it (full); it stays in the dead-letter queue, "
                         "and the broker may have dead-lettered a second copy"
                     )
-                elif isinstance(result, PublishError):
+                elif isinstance(result, Unroutable):
                     target.present = False
                     reason = "unroutable: the queue vanished; it stays in the dead-letter queue"
                 else:
@@ -395,19 +358,8 @@ class VhostRedrive:
             self.run.done("redriven", "redrive", item, f"message {message.message_id or '-'}")
         batch.clear()
 
-    async def _publish(
-        self, channel: AbstractChannel, message: AbstractIncomingMessage, origin: str
-    ) -> None:
-        headers: dict[str, Any] = dict(message.headers or {})
-        # A string: RabbitMQ's STOMP adapter passes string headers on to agents, not numbers.
-        headers[REDRIVE_HEADER] = str(_int(headers.get(REDRIVE_HEADER)) + 1)
-        copy = copy_of(message, headers)
-        await channel.default_exchange.publish(
-            copy, routing_key=origin, mandatory=True, timeout=self.settings.management_timeout
-        )
-
-    def _record(self, message: AbstractIncomingMessage, verdict: Verdict) -> GivenUpDeadLetter:
-        deaths = census.deaths(dict(message.headers or {}))
+    def _record(self, message: DeadLetter, verdict: Verdict) -> GivenUpDeadLetter:
+        deaths = census.deaths(message.headers)
         return GivenUpDeadLetter(
             vhost=self.vhost,
             original_queue=verdict.origin,
@@ -415,13 +367,11 @@ class VhostRedrive:
             death_count=sum(_int(death.get("count")) for death in deaths),
             first_death_at=_first_death(deaths),
             message_id=(message.message_id or None),
-            body_size=len(message.body),
+            body_size=message.size,
             recorded=utcnow(),
         )
 
-    async def flush_give_ups(
-        self, batch: list[tuple[AbstractIncomingMessage, GivenUpDeadLetter]]
-    ) -> None:
+    async def flush_give_ups(self, batch: list[tuple[DeadLetter, GivenUpDeadLetter]]) -> None:
         if not batch:
             return
         # The record is committed before the message is acknowledged: a crash between
@@ -438,6 +388,13 @@ class VhostRedrive:
                 record.reason,
             )
         batch.clear()
+
+
+def _redriven_headers(message: DeadLetter) -> dict[str, Any]:
+    headers = dict(message.headers)
+    # A string: RabbitMQ's STOMP adapter passes string headers on to agents, not numbers.
+    headers[REDRIVE_HEADER] = str(_int(headers.get(REDRIVE_HEADER)) + 1)
+    return headers
 
 
 def _not_authorized(origin: str, headers: dict[str, Any]) -> Verdict:

@@ -22,10 +22,10 @@ from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import structlog
-from aiormq.exceptions import AMQPConnectionError
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from queuekeeper.broker.amqp import connection_lost
 from queuekeeper.broker.management import BrokerUnavailable, ManagementClient, ManagementError
 from queuekeeper.broker.provisioner import ForeignVhost, Provisioner, QueueConflict
 from queuekeeper.common.locks import job_lock
@@ -101,8 +101,10 @@ def describe(exc: BaseException) -> str:
 def _unreachable(exc: BaseException) -> bool:
     if isinstance(exc, BrokerUnavailable):
         return exc.status is None or exc.status in (401, 403)
-    return isinstance(exc, AMQPConnectionError | OperationalError | ConnectionError) or (
-        isinstance(exc, DBAPIError) and exc.connection_invalidated
+    return (
+        connection_lost(exc)
+        or isinstance(exc, OperationalError | ConnectionError)
+        or (isinstance(exc, DBAPIError) and exc.connection_invalidated)
     )
 
 
