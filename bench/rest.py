@@ -10,7 +10,8 @@ what it spends between events: its polls, its scheduled jobs, its timers. This m
 - the same with one kind of periodic work slowed to every 600 s, each in a run of its own
   (BENCH_REST_PARTS=1, the default; 0 leaves them out), so each kind's share shows: the
   relay's and the webhook dispatcher's polls (`relay_poll_interval`), the parking check
-  (`park_check_interval`), the access sweep and token expiry jobs;
+  (`park_check_interval`), the access sweep job, the token expiry job; after each, the
+  transactions committed and rows written in its database a minute;
 - raw: uvicorn serving an empty ASGI app on uvloop, as `serve` runs (its own 0.1 s tick is
   the floor of any uvicorn service), in a process of its own.
 
@@ -19,6 +20,7 @@ what it spends between events: its polls, its scheduled jobs, its timers. This m
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import subprocess
@@ -31,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from bench._support import (
+    PG_ADMIN_DSN,
     bench_database,
     free_port,
     live_process,
@@ -47,10 +50,8 @@ SLOW = "600"
 KINDS: dict[str, dict[str, str]] = {
     "relay and dispatcher polls": {"QUEUEKEEPER_RELAY_POLL_INTERVAL": SLOW},
     "parking check": {"QUEUEKEEPER_PARK_CHECK_INTERVAL": SLOW},
-    "access sweep and token expiry jobs": {
-        "QUEUEKEEPER_ACCESS_SWEEP_INTERVAL_SECONDS": SLOW,
-        "QUEUEKEEPER_TOKEN_EXPIRY_INTERVAL_SECONDS": SLOW,
-    },
+    "access sweep job": {"QUEUEKEEPER_ACCESS_SWEEP_INTERVAL_SECONDS": SLOW},
+    "token expiry job": {"QUEUEKEEPER_TOKEN_EXPIRY_INTERVAL_SECONDS": SLOW},
 }
 EMPTY_APP = """
 async def app(scope, receive, send):
@@ -67,17 +68,49 @@ async def app(scope, receive, send):
 """
 
 
-def _rest_cpu(pids: list[int]) -> float:
-    """ms of CPU per second over SECONDS, after SETTLE."""
+def _rest_cpu(pids: list[int], database: str | None = None) -> float:
+    """ms of CPU per second over SECONDS, after SETTLE; with `database`, also prints the
+    transactions it committed and the rows written in it over that time."""
     time.sleep(SETTLE)
+    writes = _database_writes(database) if database else None
     before, started = process_cpu_seconds(*pids), time.monotonic()
     time.sleep(SECONDS)
-    return (process_cpu_seconds(*pids) - before) * 1e3 / (time.monotonic() - started)
+    cpu = (process_cpu_seconds(*pids) - before) * 1e3 / (time.monotonic() - started)
+    if database and writes is not None:
+        time.sleep(1.5)  # PostgreSQL flushes a backend's counts at most once a second
+        commits, rows = (a - b for a, b in zip(_database_writes(database), writes, strict=True))
+        minutes = SECONDS / 60
+        print(
+            f"    its database: {commits / minutes:.0f} commits and {rows / minutes:.0f} rows "
+            "written a minute (pg_stat_database; readings included)",
+            flush=True,
+        )
+    return cpu
+
+
+def _database_writes(database: str) -> tuple[int, int]:
+    """Transactions committed in `database`, and rows inserted, updated and deleted."""
+
+    async def read() -> tuple[int, int]:
+        import asyncpg
+
+        connection = await asyncpg.connect(PG_ADMIN_DSN)
+        try:
+            row = await connection.fetchrow(
+                "SELECT xact_commit, tup_inserted + tup_updated + tup_deleted AS rows "
+                "FROM pg_stat_database WHERE datname = $1",
+                database,
+            )
+        finally:
+            await connection.close()
+        return int(row["xact_commit"]), int(row["rows"])
+
+    return asyncio.run(read())
 
 
 def queuekeeper(settings: Settings, **env: str) -> float:
     with live_process(settings, **env) as (_base, process):
-        return _rest_cpu(process_tree(process.pid))
+        return _rest_cpu(process_tree(process.pid), settings.database_url.rsplit("/", 1)[1])
 
 
 def raw(directory: Path) -> float:

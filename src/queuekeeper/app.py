@@ -185,6 +185,7 @@ JOBS: JobTable = {
         interval=lambda settings: settings.access_sweep_interval_seconds,
         quiet=True,
         wake=sweep.on_access_change,
+        nothing_to_do=sweep.nothing_to_sweep,
     ),
 }
 

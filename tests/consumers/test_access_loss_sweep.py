@@ -16,7 +16,9 @@ import httpx
 import pytest
 
 from queuekeeper.config import Settings
-from queuekeeper.models import utcnow
+from queuekeeper.consumers import repository
+from queuekeeper.db import create_engine, create_sessionmaker
+from queuekeeper.models import AccessSweep, Role, User, utcnow
 from tests.consumers.scopes import SERVICE, Tree, put, role, scopes, staff, tree, unrole
 from tests.consumers.sweeps import (
     BY_TIME,
@@ -243,3 +245,47 @@ async def test_a_deactivated_users_legacy_queue_is_emptied_too(
     await swept(settings)
     await push_user(client, owner, is_active=True)
     assert await read_when_let_in(owner, queue, 0) == []
+
+
+async def test_the_sweeps_look_finds_work_exactly_when_a_run_would(
+    settings: Settings, clean_state: None
+) -> None:
+    """The scheduled sweep first looks (consumers/repository.nothing_to_sweep): nothing to do
+    with no access change waiting and no expiry since the watermark; work with either."""
+    engine = create_engine(settings)
+    sessions = create_sessionmaker(engine)
+    now = utcnow()
+    since = now - timedelta(hours=1)
+    try:
+        async with sessions() as session:
+            assert await repository.nothing_to_sweep(session, now, since)
+            user = User(uuid=uuid.uuid4(), username="sweep-look", token_expires_at=now)
+            session.add(user)
+            await session.commit()
+            # Its token expired within (since, now]: a run would sweep its queues.
+            assert not await repository.nothing_to_sweep(session, now, since)
+            # A run moved the watermark past it: nothing again.
+            await repository.sweeps_done(session, [], now, [])
+            await session.commit()
+            assert await repository.nothing_to_sweep(session, now, since)
+            # A role expiring later, once its time has come.
+            later = now + timedelta(minutes=1)
+            session.add(
+                Role(
+                    uuid=uuid.uuid4(),
+                    user_uuid=user.uuid,
+                    role_name="customer.owner",
+                    scope_type="customer",
+                    scope_uuid=uuid.uuid4(),
+                    expires_at=later,
+                )
+            )
+            await session.commit()
+            assert await repository.nothing_to_sweep(session, now, since)
+            assert not await repository.nothing_to_sweep(session, later, since)
+            # An access change waiting (a trigger's row), whatever the clock says.
+            session.add(AccessSweep(owner_uuid=user.uuid, reason="role_deleted"))
+            await session.commit()
+            assert not await repository.nothing_to_sweep(session, now, since)
+    finally:
+        await engine.dispose()

@@ -195,3 +195,44 @@ async def test_three_replicas_run_each_scheduled_job_once_per_interval(
     # more runs than intervals since the first replica started.
     assert len(ran) <= int(elapsed // interval) + 1, rows
     assert min(gaps) >= 0.9 * interval, gaps
+
+
+@pytest.mark.settings(scheduler_jitter_seconds=0)
+async def test_a_scheduled_run_is_left_out_while_its_look_finds_nothing_to_do(
+    settings: Settings, clean_state: None
+) -> None:
+    """A job with a look first (`nothing_to_do`) runs on schedule only when the look finds
+    work: no lock, no record, no body otherwise. A run asked for runs whatever it says."""
+    app = create_app(settings.model_copy(update={"scheduler_enabled": False}))
+    ran: list[Trigger] = []
+    idle = True
+
+    async def body(context: JobContext, run: Run) -> None:
+        ran.append(run.trigger)
+        run.find("work")  # leaves a record: a quiet run that found something
+
+    async def nothing_to_do(context: JobContext) -> bool:
+        return idle
+
+    spec = JobSpec(
+        Job.SWEEP_ACCESS, body, interval=lambda _: 1, quiet=True, nothing_to_do=nothing_to_do
+    )
+    async with LifespanManager(app):
+        state: Runtime = app.state.queuekeeper
+        scheduler = JobScheduler(state.jobs.context, {Job.SWEEP_ACCESS: spec})
+        scheduler.start()
+        try:
+            await asyncio.sleep(2.5)  # two intervals: looked, left out
+            assert ran == []
+            await run_job(state.jobs.context, spec, Trigger.API)
+            assert ran == [Trigger.API]
+            idle = False
+            deadline = time.monotonic() + 10
+            while Trigger.SCHEDULE not in ran:
+                assert time.monotonic() < deadline, "never ran once its look found work"
+                await asyncio.sleep(0.1)
+        finally:
+            await scheduler.stop()
+        async with state.sessions() as session:
+            triggers = [run.trigger for run in await session.scalars(select(JobRun))]
+    assert sorted(set(triggers)) == ["api", "schedule"]

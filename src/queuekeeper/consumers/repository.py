@@ -565,6 +565,27 @@ async def expired_between(
     return set(await session.scalars(roles.union(tokens)))
 
 
+async def nothing_to_sweep(session: AsyncSession, now: datetime, since: datetime) -> bool:
+    """No access change waits and no role or token expired between the watermark (`since`
+    when there is none) and `now`: what a sweep would find, read in one statement."""
+    after = func.coalesce(
+        select(func.max(AccessSweep.at))
+        .where(AccessSweep.reason == EXPIRY_WATERMARK)
+        .scalar_subquery(),
+        since,
+    )
+    found = await session.scalar(
+        select(
+            ~select(AccessSweep.id).where(AccessSweep.reason != EXPIRY_WATERMARK).exists()
+            & ~select(Role.uuid).where(Role.expires_at > after, Role.expires_at <= now).exists()
+            & ~select(User.uuid)
+            .where(User.token_expires_at > after, User.token_expires_at <= now)
+            .exists()
+        )
+    )
+    return bool(found)
+
+
 async def sweeps_done(
     session: AsyncSession,
     ids: Collection[int],

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from queuekeeper.consumers import repository, service
 from queuekeeper.events.outbox_postgres import listen
@@ -26,21 +26,31 @@ from queuekeeper.models import utcnow
 ACCESS_CHANNEL = "queuekeeper_access"
 
 
+def _oldest_expiry(context: JobContext, now: datetime) -> datetime:
+    """Before any watermark (a new installation): expiries within a queue's message time to
+    live, the oldest whose copies can still be in a queue."""
+    return now - timedelta(milliseconds=context.settings.queue_message_ttl_ms)
+
+
+async def nothing_to_sweep(context: JobContext) -> bool:
+    """The scheduled run's look first: True when a run would find no change and no expiry.
+    One read, where a run takes the job's lock, writes its record and deletes it again and
+    moves the watermark (docs/decisions/030-queued-copies-on-every-access-loss.md)."""
+    async with context.sessions() as session:
+        now = utcnow()
+        return await repository.nothing_to_sweep(session, now, _oldest_expiry(context, now))
+
+
 async def sweep_access(context: JobContext, run: Run) -> None:
     """Take the pending access changes and the expiries passed since the last run, sieve
     the queues of their owners (every owner's for a change of an offering, customer or
     project), then forget the changes handled. A queue that could not be read through
     leaves a row for its owner, so the next run tries it again; nothing is forgotten
     before its sieve ran."""
-    settings = context.settings
     async with context.sessions() as session:
         now = utcnow()
         pending = await repository.pending_sweeps(session)
-        # Before any watermark (a new installation): expiries within a queue's message time
-        # to live, the oldest whose copies can still be in a queue.
-        after = await repository.expiry_watermark(session) or now - timedelta(
-            milliseconds=settings.queue_message_ttl_ms
-        )
+        after = await repository.expiry_watermark(session) or _oldest_expiry(context, now)
         expired = await repository.expired_between(session, after, now)
         await session.commit()
         owners = None if pending.every else pending.owners | expired

@@ -247,6 +247,9 @@ class JobSpec:
     quiet: bool = False
     # Besides every interval, the scheduler runs the job as soon as this says (a NOTIFY).
     wake: WakeSource | None = None
+    # A quiet job's cheaper look before each scheduled run: True leaves the run out (no
+    # lock, no record). Runs asked for (API, CLI) or woken always run.
+    nothing_to_do: Callable[[JobContext], Awaitable[bool]] | None = None
 
 
 JobTable = Mapping[Job, JobSpec]

@@ -153,6 +153,9 @@ class JobScheduler:
         if task is not None:
             self._running.add(task)
         try:
+            if spec.nothing_to_do is not None and await spec.nothing_to_do(self.context):
+                log.debug("job_nothing_to_do", job=spec.name.value)
+                return
             await run_job(self.context, spec, Trigger.SCHEDULE)
         except asyncio.CancelledError:
             raise
