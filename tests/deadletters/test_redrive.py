@@ -56,6 +56,21 @@ async def wait_for_depth(vhost: str, queue: str, expected: int, timeout: float =
         await asyncio.sleep(0.05)
 
 
+async def dead_lettered(vhost: str, queues: list[str], message_id: str) -> None:
+    """Each of `queues` filled (x-max-length 2) and a message `message_id` refused by each,
+    dead-lettered; then each emptied, so a redrive finds room."""
+    for queue in queues:
+        assert await publish(vhost, queue, event("m-1"))
+        assert await publish(vhost, queue, event("m-2"))
+        assert not await publish(vhost, queue, event(message_id))
+    await wait_for_depth(vhost, DLQ, len(queues))
+    connection = await aio_pika.connect(BROKER.amqp_url(vhost))
+    async with connection:
+        channel = await connection.channel()
+        for queue in queues:
+            await (await channel.get_queue(queue, ensure=False)).purge()
+
+
 def event(message_id: str, **properties: Any) -> aio_pika.Message:
     body = json.dumps({"order_uuid": message_id}).encode()
     return aio_pika.Message(
@@ -231,13 +246,7 @@ async def test_a_queue_deleted_before_the_copy_goes_back_is_reported_gone_not_fu
     vanished (a return is a kind of refusal in aio-pika: it was once reported as full)."""
     agent, _, queues = await agent_with_queue(backend)
     queue = queues["order"]
-    assert await publish(agent.vhost, queue, event("m-1"))
-    assert await publish(agent.vhost, queue, event("m-2"))
-    assert not await publish(agent.vhost, queue, event("m-3"))
-    await wait_for_depth(agent.vhost, DLQ, 1)
-    connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
-    async with connection:
-        await (await (await connection.channel()).get_queue(queue, ensure=False)).purge()
+    await dead_lettered(agent.vhost, [queue], "m-3")
 
     judge = VhostRedrive.judge
 
@@ -267,16 +276,7 @@ async def test_two_dead_letters_of_one_id_are_told_apart_when_one_comes_back_unr
     id, so the two are never in flight together: the other goes back and is acknowledged,
     the returned one stays."""
     agent, _, queues = await agent_with_queue(backend, ("order", "resource"))
-    for queue in queues.values():
-        assert await publish(agent.vhost, queue, event("m-1"))
-        assert await publish(agent.vhost, queue, event("m-2"))
-        assert not await publish(agent.vhost, queue, event("same"))
-    await wait_for_depth(agent.vhost, DLQ, 2)
-    connection = await aio_pika.connect(BROKER.amqp_url(agent.vhost))
-    async with connection:
-        channel = await connection.channel()
-        for queue in queues.values():
-            await (await channel.get_queue(queue, ensure=False)).purge()
+    await dead_lettered(agent.vhost, list(queues.values()), "same")
 
     judge = VhostRedrive.judge
     judged: list[str] = []
