@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
+    DateTime,
     RowMapping,
     Select,
     String,
@@ -565,25 +566,32 @@ async def expired_between(
     return set(await session.scalars(roles.union(tokens)))
 
 
-async def nothing_to_sweep(session: AsyncSession, now: datetime, since: datetime) -> bool:
-    """No access change waits and no role or token expired between the watermark (`since`
-    when there is none) and `now`: what a sweep would find, read in one statement."""
+def _nothing_to_sweep() -> Select[tuple[bool]]:
+    now = bindparam("now", type_=DateTime(timezone=True))
     after = func.coalesce(
         select(func.max(AccessSweep.at))
         .where(AccessSweep.reason == EXPIRY_WATERMARK)
         .scalar_subquery(),
-        since,
+        bindparam("since", type_=DateTime(timezone=True)),
     )
-    found = await session.scalar(
-        select(
-            ~select(AccessSweep.id).where(AccessSweep.reason != EXPIRY_WATERMARK).exists()
-            & ~select(Role.uuid).where(Role.expires_at > after, Role.expires_at <= now).exists()
-            & ~select(User.uuid)
-            .where(User.token_expires_at > after, User.token_expires_at <= now)
-            .exists()
-        )
+    return select(
+        ~select(AccessSweep.id).where(AccessSweep.reason != EXPIRY_WATERMARK).exists()
+        & ~select(Role.uuid).where(Role.expires_at > after, Role.expires_at <= now).exists()
+        & ~select(User.uuid)
+        .where(User.token_expires_at > after, User.token_expires_at <= now)
+        .exists()
     )
-    return bool(found)
+
+
+# Built once: it runs every few seconds on an idle service, and building it cost as much as
+# running it.
+_NOTHING_TO_SWEEP = _nothing_to_sweep()
+
+
+async def nothing_to_sweep(session: AsyncSession, now: datetime, since: datetime) -> bool:
+    """No access change waits and no role or token expired between the watermark (`since`
+    when there is none) and `now`: what a sweep would find, read in one statement."""
+    return bool(await session.scalar(_NOTHING_TO_SWEEP, {"now": now, "since": since}))
 
 
 async def sweeps_done(
