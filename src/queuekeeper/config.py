@@ -510,14 +510,15 @@ class Settings(BaseSettings):
         "the relay inside each accept process instead. Default, from the cores this process "
         "may use (its CPU affinity): 0 on 2 cores or fewer (one process with the relay "
         "inside costs the least CPU per event there), else a quarter of them, at least 1; "
-        "0 when `relay_enabled` is off. Measured on a 2-vCPU VM shared past saturation (two "
+        "0 when `relay_enabled` is off. Measured on the benchmarks' 2-vCPU VM, quiet (two "
         "runs; docs/reference/settings.md, What a process model costs), CPU per single event "
         "over every process at 200/s and 800/s, then p99 accept-to-consume at 200/s and "
-        "800/s: 1 accept + 0 relay 1.08-1.23 and 0.42-0.45 ms, 142-349 ms and 2.1-3.3 s; "
-        "1 + 1: 1.07-1.19 and 0.44-0.54 ms, 70-163 ms and 0.17-3.3 s; 2 + 1: 1.13-1.17 and "
-        "0.48-0.56 ms, 88-137 ms and 1.2-5.3 s; 1 + 2: 1.11-1.20 and 0.45-0.58 ms, 64-252 ms "
-        "and 2.5-7.2 s; 2 + 2: 1.28-1.32 and 0.58-0.60 ms, 99-259 ms and 5.4-5.8 s (the raw "
-        "pipeline: 0.58-0.60 and 0.33-0.37 ms, 16-52 ms and 0.16-4.5 s).",
+        "800/s: 1 accept + 0 relay 1.29 and 0.83-0.84 ms, 6.1-7.2 and 17.8-20.0 ms (the only "
+        "model holding 800/s at p99 <= 20 ms); 1 + 1: 1.67-1.69 and 0.78 ms, 14.1-26.7 and "
+        "21.3-24.3 ms; 2 + 1: 1.67-1.73 and 0.78-0.82 ms, 11.4-12.1 and 46.4-55.5 ms; 1 + 2: "
+        "2.12-2.15 and 0.77-0.79 ms, 20.3-24.4 and 37.7-41.0 ms; 2 + 2: 2.09-2.22 and "
+        "0.79-0.80 ms, 21.3-21.8 and 41.0-50.6 ms (the raw pipeline: 0.74-0.82 and 0.52-0.54 "
+        "ms, 4.4-4.5 and 6.0-28.7 ms).",
     )
     relay_batch_size: int = Field(default=1000, ge=1, description="Deliveries claimed at once.")
     relay_concurrency: int = Field(
