@@ -127,7 +127,8 @@ def live_process(settings: Settings, **env: str) -> Iterator[tuple[str, subproce
         "QUEUEKEEPER_LOG_LEVEL": "WARNING",
         "QUEUEKEEPER_LOG_FORMAT": "json",
         # The benchmarks time registration calls back to back, far above the per-token
-        # limit an agent meets (issue 14); throttling is not what they measure.
+        # limit an agent meets (docs/decisions/012-sliding-window-rate-limit.md):
+        # throttling is not what they measure.
         "QUEUEKEEPER_REGISTRATION_RATE_LIMIT": "100000/second",
         **env,
     }

@@ -307,3 +307,23 @@ def test_every_section_cited_by_title_is_a_heading_of_its_file() -> None:
     "Issue 32"`)."""
     missing = list(cited_sections())
     assert not missing, "\n".join(f"  {where}: {what}" for where, what in missing)
+
+
+# A change number in code: "issue 14", "Issue 32".
+_CHANGE_NUMBER = re.compile(r"\b[Ii]ssue \d+\b")
+
+
+def test_code_cites_decision_records_not_change_numbers() -> None:
+    """A comment or docstring says why, citing a decision record: an issue's number means
+    nothing to whoever reads the code after the tracker has moved on."""
+    this = Path(__file__).resolve()
+    cited = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for top in ("src", "tests", "bench")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        if path.resolve() != this
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if _CHANGE_NUMBER.search(line)
+    ]
+    assert _CHANGE_NUMBER.search("limit an agent meets (issue 14)")  # the check sees one
+    assert not cited, "change numbers cited in code:\n" + "\n".join(cited)

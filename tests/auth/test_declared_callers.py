@@ -1,4 +1,5 @@
-"""Who may call a route is what its router declares, not where its path lies (issue 28)."""
+"""Who may call a route is what its router declares, not where its path lies
+(docs/decisions/004-declared-callers.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The body-exhaustion probe of issue 14: concurrent huge POSTs against a real server while
+"""The body-exhaustion probe: concurrent huge POSTs against a real server while
 `/healthz` is timed and the server's RSS is read from /proc.
 
 Used by tests/security/test_serve_exhaustion.py; also runnable against any server:

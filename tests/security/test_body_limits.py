@@ -1,4 +1,4 @@
-"""Bodies are authenticated and bounded before they are read (issue 14, point 1).
+"""Bodies are authenticated and bounded before they are read.
 
 The ASGI transport reads a request body from the test's generator only when the app asks
 for it, so counting the chunks the generator gave shows how much the service read.

@@ -1,4 +1,4 @@
-"""Per-user quotas (issue 14, point 3): one more than the limit is a 409 naming the limit and
+"""Per-user quotas: one more than the limit is a 409 naming the limit and
 its setting, and nothing is made on the broker for it.
 
 Before: one agent made 200 subscriptions (200 broker users) without any offering access,

@@ -1,4 +1,4 @@
-"""Races between a user's writers (issue 31), each run with real concurrency: many requests
+"""Races between a user's writers, each run with real concurrency: many requests
 at once against the service, then real broker logins (AMQP and STOMP) to see what holds.
 
 Every writer of a user's broker users, vhost and consumer rows holds the owner lock

@@ -1,4 +1,4 @@
-"""Revocation reaches the broker at once (issue 14, point 2), seen by a real STOMP consumer.
+"""Revocation reaches the broker at once, seen by a real STOMP consumer.
 
 Before: a consumer logged in with a token the backend had since changed kept receiving
 events (observed 20 s later); a deactivated or expired user could still log in.
