@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from asgi_lifespan import LifespanManager
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from queuekeeper.app import Runtime, create_app
 from queuekeeper.config import Settings
@@ -236,3 +236,46 @@ async def test_a_scheduled_run_is_left_out_while_its_look_finds_nothing_to_do(
         async with state.sessions() as session:
             triggers = [run.trigger for run in await session.scalars(select(JobRun))]
     assert sorted(set(triggers)) == ["api", "schedule"]
+
+
+async def test_a_quiet_scheduled_run_writes_its_record_only_when_it_found_something(
+    settings: Settings, clean_state: None
+) -> None:
+    """An idle service's frequent checks write nothing to `job_runs`; a check that finds
+    work is recorded once, when it ends; a run asked for is written when it begins, so its
+    caller can follow it by id, and removed if it found nothing."""
+    app = create_app(settings.model_copy(update={"scheduler_enabled": False}))
+    found = False
+
+    async def body(context: JobContext, run: Run) -> None:
+        if found:
+            run.find("work")
+
+    spec = JobSpec(Job.PRESENCE, body, quiet=True)
+    writes: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        verb = statement.split(maxsplit=1)[0].upper()
+        if verb in ("INSERT", "DELETE") and "job_runs" in statement:
+            writes.append(verb)
+
+    async with LifespanManager(app):
+        state: Runtime = app.state.queuekeeper
+        engine = state.jobs.context.engine.sync_engine
+        event.listen(engine, "before_cursor_execute", seen)
+        try:
+            idle = await run_job(state.jobs.context, spec, Trigger.SCHEDULE)
+            assert writes == []
+            found = True
+            busy = await run_job(state.jobs.context, spec, Trigger.SCHEDULE)
+            assert writes == ["INSERT"]
+            found = False
+            await run_job(state.jobs.context, spec, Trigger.API)
+            assert writes == ["INSERT", "INSERT", "DELETE"]
+        finally:
+            event.remove(engine, "before_cursor_execute", seen)
+        async with state.sessions() as session:
+            [record] = list(await session.scalars(select(JobRun)))
+    assert idle.status == busy.status == "succeeded"
+    assert (record.uuid, record.trigger, record.found) == (busy.uuid, "schedule", {"work": 1})
+    assert record.finished is not None

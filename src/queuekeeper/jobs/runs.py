@@ -241,7 +241,8 @@ class JobSpec:
     interval: Callable[[Settings], int] = _never
     on_change: Callable[[str], None] | None = None  # called per real change (metrics)
     # A frequent check (every few seconds): a run that finds and changes nothing, or is
-    # skipped, leaves no run record and logs at debug, so records and logs show only work.
+    # skipped, leaves no run record and logs at debug, so records and logs show only work;
+    # a scheduled or woken run is written only when it ends having found something.
     # With no record of its last run it is never "not due": each replica runs it every
     # interval, one at a time under the lock (it must be cheap when there is nothing to do).
     quiet: bool = False
@@ -351,7 +352,11 @@ async def run_job(
                 actions=[],
                 failures=[],
             )
-            repository.insert_run(session, record)
+            # A quiet job's scheduled or woken run is written only once it found something:
+            # nobody asks for it by id meanwhile, and an idle service then writes nothing.
+            written = not (job.quiet and trigger in (Trigger.SCHEDULE, Trigger.WAKE))
+            if written:
+                repository.insert_run(session, record)
             await session.commit()
         (log.debug if job.quiet else log.info)(
             "job_started", job=name.value, trigger=trigger.value, dry_run=dry_run
@@ -368,13 +373,15 @@ async def run_job(
         except asyncio.CancelledError:
             run.fail(name.value, "interrupted: the service stopped during the run")
             await asyncio.shield(
-                _finish(context, record, run, RunStatus.FAILED, clock, quiet=job.quiet)
+                _finish(
+                    context, record, run, RunStatus.FAILED, clock, quiet=job.quiet, written=written
+                )
             )
             raise
         except Exception as exc:
             log.exception("job_failed", job=name.value)
             run.fail(name.value, describe(exc))
-        return await _finish(context, record, run, status, clock, quiet=job.quiet)
+        return await _finish(context, record, run, status, clock, quiet=job.quiet, written=written)
 
 
 async def _finish(
@@ -385,7 +392,10 @@ async def _finish(
     clock: float,
     *,
     quiet: bool = False,
+    written: bool = True,
 ) -> JobRun:
+    """Record how the run ended: its record updated (`written`: it was stored when the run
+    began) or stored now; a quiet run that found nothing is not kept."""
     found, changed, actions, failures = run.outcome()
     idle = quiet and status is RunStatus.SUCCEEDED and not (found or changed or actions)
     record.finished = utcnow()
@@ -398,10 +408,12 @@ async def _finish(
     )
     try:
         async with context.sessions() as session:
-            if idle:
+            if idle and written:
                 await repository.delete_run(session, record.uuid)
-            else:
+            elif not idle and written:
                 await repository.save_run(session, record)
+            elif not idle:
+                repository.insert_run(session, record)
             await session.commit()
     except Exception:
         log.exception("job_record_not_saved", job=run.job.value, run=record.uuid.hex)
