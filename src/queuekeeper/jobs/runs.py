@@ -407,14 +407,15 @@ async def _finish(
         failures,
     )
     try:
-        async with context.sessions() as session:
-            if idle and written:
-                await repository.delete_run(session, record.uuid)
-            elif not idle and written:
-                await repository.save_run(session, record)
-            elif not idle:
-                repository.insert_run(session, record)
-            await session.commit()
+        if written or not idle:  # an idle run never written leaves nothing to do
+            async with context.sessions() as session:
+                if idle:
+                    await repository.delete_run(session, record.uuid)
+                elif written:
+                    await repository.save_run(session, record)
+                else:
+                    repository.insert_run(session, record)
+                await session.commit()
     except Exception:
         log.exception("job_record_not_saved", job=run.job.value, run=record.uuid.hex)
     seconds = time.perf_counter() - clock
